@@ -1,0 +1,194 @@
+"""Build the two native pieces LeanStream needs, caching them outside the checkout.
+
+1. llama-cpp-python (pinned sdist) with `patches/` applied to its vendored llama.cpp,
+   built as a wheel without ggml's AMX path (it segfaults on the EPYC CPUs we target) and
+   without the multimodal library. The wheel is cached under
+   ``$LEANSTREAM_CACHE/llama-cpp-python/<version>-<key>/`` where ``key`` hashes the sdist
+   version, the patch files and the CMake flags, so a second setup (or CI run) only installs it.
+2. ``native/`` -> ``libleanstream.so``, compiled against the same ggml headers and libraries,
+   copied into ``leanstream_ggml/_lib/``.
+
+Runs with the standard library only (it has to work before the package is installed):
+``python -m leanstream_ggml.build``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+REPO = Path(__file__).resolve().parent.parent
+PATCH_DIR = REPO / "patches"
+NATIVE_DIR = REPO / "native"
+LIB_DIR = Path(__file__).resolve().parent / "_lib"
+
+# x86-64 baseline + AVX2. GGML_NATIVE=OFF keeps -march=native (and with it AMX) out.
+CMAKE_FLAGS = [
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("LEANSTREAM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "leanstream-ggml")
+    return Path(base)
+
+
+def _require_tools() -> None:
+    missing = [t for t in ("cmake", "cc", "c++", "patch") if shutil.which(t) is None]
+    if missing:
+        raise BuildError(
+            "missing build tools: " + ", ".join(missing)
+            + " (install a C/C++ compiler, cmake and patch, e.g. `apt-get install build-essential cmake patch`"
+            + " or `pip install cmake`)")
+
+
+def patch_files() -> list[Path]:
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def build_key() -> str:
+    h = hashlib.sha256()
+    h.update(LLAMA_CPP_PYTHON_VERSION.encode())
+    for p in patch_files():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join(CMAKE_FLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def _run(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    r = subprocess.run(cmd, **kw)
+    if r.returncode != 0:
+        raise BuildError(f"command failed ({r.returncode}): {' '.join(cmd)}")
+
+
+def _sdist(cache: Path) -> Path:
+    """The pinned llama-cpp-python sdist, downloaded once from the package registry."""
+    d = cache / "sdist"
+    name = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if not (d / name).exists():
+        d.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(d)])
+    return d / name
+
+
+def llama_build_dir() -> Path:
+    return cache_dir() / "llama-cpp-python" / f"{LLAMA_CPP_PYTHON_VERSION}-{build_key()}"
+
+
+def build_llama_wheel(force: bool = False) -> Path:
+    """Patched wheel in the cache (built if absent). Also leaves the patched headers there."""
+    out = llama_build_dir()
+    wheels = sorted(out.glob("*.whl"))
+    if wheels and (out / "include" / "llama.h").exists() and not force:
+        return wheels[0]
+    _require_tools()
+    sdist = _sdist(cache_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="leanstream-llama-") as tmp:
+        with tarfile.open(sdist) as tf:
+            tf.extractall(tmp, filter="data")
+        src = Path(tmp) / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+        vendor = src / "vendor" / "llama.cpp"
+        for p in patch_files():
+            _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=vendor)
+        env = dict(os.environ)
+        env["CMAKE_ARGS"] = " ".join(CMAKE_FLAGS)
+        env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        for w in out.glob("*.whl"):
+            w.unlink()
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+              "-w", str(out), str(src)], env=env)
+        inc = out / "include"
+        if inc.exists():
+            shutil.rmtree(inc)
+        inc.mkdir()
+        for h in (vendor / "ggml" / "include").glob("*.h"):
+            shutil.copy2(h, inc / h.name)
+        shutil.copy2(vendor / "include" / "llama.h", inc / "llama.h")
+    wheels = sorted(out.glob("*.whl"))
+    if not wheels:
+        raise BuildError(f"pip wheel produced no wheel in {out}")
+    return wheels[0]
+
+
+def installed_llama_lib_dir() -> Path | None:
+    site = Path(sysconfig.get_paths()["purelib"])
+    d = site / "llama_cpp" / "lib"
+    return d if (d / "libllama.so").exists() else None
+
+
+def install_llama(force: bool = False) -> Path:
+    """Install the patched wheel into this interpreter unless this exact build is there."""
+    wheel = build_llama_wheel(force=force)
+    key = build_key()
+    lib = installed_llama_lib_dir()
+    stamp = lib / "LEANSTREAM_BUILD_KEY" if lib else None
+    if force or not (stamp and stamp.exists() and stamp.read_text().strip() == key):
+        _run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)])
+        lib = installed_llama_lib_dir()
+        if lib is None:
+            raise BuildError("llama_cpp/lib/libllama.so not found after installing the wheel")
+        (lib / "LEANSTREAM_BUILD_KEY").write_text(key + "\n")
+    return lib
+
+
+def build_native(llama_lib: Path) -> Path:
+    """Compile native/ against the patched ggml; the result goes to leanstream_ggml/_lib/."""
+    _require_tools()
+    inc = llama_build_dir() / "include"
+    bdir = cache_dir() / "native-build" / build_key()
+    bdir.mkdir(parents=True, exist_ok=True)
+    _run(["cmake", "-S", str(NATIVE_DIR), "-B", str(bdir), "-DCMAKE_BUILD_TYPE=Release",
+          f"-DLEANSTREAM_GGML_INCLUDE={inc}", f"-DLEANSTREAM_GGML_LIBDIR={llama_lib}"],
+         stdout=subprocess.DEVNULL)
+    _run(["cmake", "--build", str(bdir), "-j", str(os.cpu_count() or 2)])
+    LIB_DIR.mkdir(exist_ok=True)
+    dst = LIB_DIR / "libleanstream.so"
+    tmp = dst.with_suffix(".so.tmp")
+    shutil.copy2(bdir / "libleanstream.so", tmp)
+    os.replace(tmp, dst)  # atomic: a running process keeps its mapped copy
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m leanstream_ggml.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--force", action="store_true", help="rebuild the patched llama.cpp wheel")
+    ap.add_argument("--print-key", action="store_true", help="print the build cache key and exit")
+    args = ap.parse_args(argv)
+    if args.print_key:
+        print(build_key())
+        return 0
+    try:
+        lib = install_llama(force=args.force)
+        out = build_native(lib)
+    except BuildError as e:
+        print(f"leanstream build: error: {e}", file=sys.stderr)
+        return 1
+    print(f"leanstream build: llama.cpp at {lib}, native library {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

