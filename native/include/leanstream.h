@@ -18,6 +18,34 @@
 // error raised on a worker thread is kept and returned by the next ls_engine_take_error().
 // Shapes are written [ne0, ne1] as in ggml (ne0 contiguous).
 //
+// Block file format (version 1), one file per layer, `ffn/blk.<il>.bin`, little-endian:
+//
+//   offset  size  field
+//   0       8     magic "LSBLOCKS"
+//   8       4     u32 version (= LS_BLOCK_FILE_VERSION)
+//   12      4     u32 layer index il
+//   16      8     u64 n_embd
+//   24      8     u64 n_ff
+//   32      4     u32 neurons_per_block k
+//   36      4     u32 n_blocks              (= ceil(n_ff / k))
+//   40      4     i32 gate_type             (enum ggml_type of each gate row, as in the GGUF)
+//   44      4     i32 up_type               (likewise for up rows)
+//   48      4     i32 down_type             (type of the transposed down columns: Q8_0, F16 or F32)
+//   52      4     u32 align                 (O_DIRECT alignment: data_offset, block_stride multiples)
+//   56      8     u64 gate_row_bytes        (bytes of one gate row of n_embd values)
+//   64      8     u64 up_row_bytes
+//   72      8     u64 down_col_bytes        (bytes of one down column of n_embd values)
+//   80      8     u64 block_stride          (= roundup(k*(gate+up+down bytes), align))
+//   88      8     u64 perm_offset           (= 4096)
+//   96      8     u64 data_offset           (multiple of 4096)
+//   104     8     u64 file_size             (= data_offset + n_blocks*block_stride)
+//   112..4095     zero
+//   perm_offset:  i32 perm[n_blocks*k]      neuron id of slot j of block b at perm[b*k+j];
+//                                           -1 marks a padding slot (only in the last block)
+//   data_offset + b*block_stride: block b =
+//       [k gate rows][k up rows][k down columns][zero padding to block_stride]
+//   padding slots hold zero bytes.
+//
 // This header is read as-is by the Python binding (cffi cdef): everything between
 // LS_CDEF_BEGIN and LS_CDEF_END must stay plain C declarations (no macros but LS_API and
 // integer #defines).
