@@ -1,0 +1,557 @@
+"""GGUF -> LeanStream model directory.
+
+    from converters import convert
+    manifest = convert("model.gguf", "model.lsm", k=1)
+
+Reads the source with gguf-py (memory-mapped, read-only; the source is never modified) and writes
+
+    OUT_DIR/base.gguf          every non-FFN tensor and every metadata key of the source, plus
+                               leanstream.ffn_external = true (the patched llama.cpp then treats
+                               ffn_gate/ffn_up/ffn_down as optional), leanstream.format_version,
+                               leanstream.source_sha256
+    OUT_DIR/ffn/blk.<il>.bin   per layer: neuron blocks (format: native/include/leanstream.h,
+                               converters/blockfile.py)
+    OUT_DIR/manifest.json      written last; its presence marks a complete conversion
+                               (contract: leanstream_ggml/manifest.py)
+
+Every file is written under a temporary name and renamed. An interrupted conversion leaves
+``.convert-state.json`` (source sha256 + parameters); re-running the same conversion skips the
+layers already complete. The predictor training stage runs after this function, on the Manifest
+it returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from leanstream_ggml import manifest as mf
+
+from . import blockfile
+
+STATE_NAME = ".convert-state.json"
+BASE_NAME = "base.gguf"
+FFN_DIR = "ffn"
+PARTIAL = ".partial"        # suffix of files being written
+SUPPORTED_ARCHS = ("llama", "qwen2")   # gated SiLU FFN: down(silu(gate x) * up x)
+
+
+class ConvertError(Exception):
+    """A conversion cannot proceed; the message says why in terms a user can act on."""
+
+
+def _gguf():
+    # gguf is imported lazily so that importing converters (e.g. for the CLI registry) stays cheap
+    try:
+        import gguf
+    except ImportError as e:  # pragma: no cover
+        raise ConvertError("the converter needs gguf-py: pip install gguf") from e
+    return gguf
+
+
+def _supported_types():
+    T = _gguf().GGMLQuantizationType
+    return (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.F32)
+
+
+def ggml_type_name(t) -> str:
+    """ggml's name of a gguf-py GGMLQuantizationType ("Q4_K" -> "q4_K", "F16" -> "f16")."""
+    name = t.name.lower()
+    if name.endswith("_k"):
+        name = name[:-2] + "_K"
+    return name
+
+
+# ---- alignment -------------------------------------------------------------------------------
+
+def device_align(path: str | os.PathLike) -> int:
+    """Logical block size of the block device holding ``path`` (O_DIRECT's alignment unit).
+
+    Reads /sys/dev/block/MAJ:MIN/queue/logical_block_size of the file system's device; a partition
+    has no queue/ of its own, so its parent disk's is used. Falls back to 512 (virtual file
+    systems, containers without /sys); never returns less than 512.
+    """
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.stat(p)
+    except OSError:
+        return 512
+    dev = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+    candidates = [dev / "queue" / "logical_block_size"]
+    try:
+        candidates.append(dev.resolve().parent / "queue" / "logical_block_size")
+    except OSError:
+        pass
+    for c in candidates:
+        try:
+            v = int(c.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if v > 0 and v & (v - 1) == 0:
+            return max(512, v)
+    return 512
+
+
+# ---- reading the source ------------------------------------------------------------------------
+
+@dataclass
+class _Layer:
+    il: int
+    gate: Any   # gguf ReaderTensor, ne = [n_embd, n_ff]
+    up: Any     # ne = [n_embd, n_ff]
+    down: Any   # ne = [n_ff, n_embd]
+
+
+@dataclass
+class _Model:
+    reader: Any
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    layers: list[_Layer]
+    ffn_names: set[str]
+
+
+def _open_gguf(src: Path):
+    try:
+        size = src.stat().st_size
+    except FileNotFoundError:
+        raise ConvertError(f"{src}: no such file") from None
+    if not src.is_file():
+        raise ConvertError(f"{src}: not a regular file")
+    with open(src, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ConvertError(f"{src}: not a GGUF file (it starts with {magic!r}, a GGUF starts with b'GGUF')")
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(src, "r")   # read-only memory map
+    except Exception as e:  # gguf-py raises ValueError, IndexError, KeyError, ... on bad input
+        raise ConvertError(f"{src}: truncated or corrupt GGUF ({type(e).__name__}: {e})") from None
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ConvertError(f"{src}: truncated GGUF: tensor {t.name} ends at byte "
+                               f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
+    if reader.byte_order != "I":
+        raise ConvertError(f"{src}: a GGUF of the other byte order is not supported")
+    return reader
+
+
+def _kv(reader, key: str, default=None):
+    f = reader.get_field(key)
+    if f is None or not f.types:
+        return default
+    try:
+        return f.contents()
+    except Exception:
+        return default
+
+
+def _inspect(reader, src: Path) -> _Model:
+    arch = _kv(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ConvertError(f"{src}: no general.architecture key; is this a llama.cpp model GGUF?")
+    tensors = {t.name: t for t in reader.tensors}
+    if (_kv(reader, f"{arch}.expert_count", 0) or 0) > 0 or any(
+            "_exps." in n or ".ffn_gate_inp." in n for n in tensors):
+        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}); leanstream convert supports dense "
+                           f"gated-FFN models only ({', '.join(SUPPORTED_ARCHS)})")
+    if arch not in SUPPORTED_ARCHS:
+        raise ConvertError(f"{src}: unsupported architecture {arch!r}; leanstream convert supports "
+                           f"{', '.join(SUPPORTED_ARCHS)} (gated SiLU FFN)")
+    n_layer = _kv(reader, f"{arch}.block_count")
+    n_embd = _kv(reader, f"{arch}.embedding_length")
+    if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
+        raise ConvertError(f"{src}: missing or invalid {arch}.block_count / {arch}.embedding_length")
+
+    supported = _supported_types()
+    layers, ffn_names, n_ff = [], set(), None
+    for il in range(n_layer):
+        names = {r: f"blk.{il}.ffn_{r}.weight" for r in ("gate", "up", "down")}
+        got = {r: tensors.get(n) for r, n in names.items()}
+        if got["gate"] is None and got["up"] is not None:
+            raise ConvertError(f"{src}: layer {il} has no ffn_gate: a non-gated FFN is not supported "
+                               f"(leanstream needs down(silu(gate x) * up x))")
+        missing = [names[r] for r in names if got[r] is None]
+        if missing:
+            raise ConvertError(f"{src}: missing FFN tensors {', '.join(missing)} (already converted, "
+                               f"or not a complete model?)")
+        extra = [n for n in tensors if n.startswith(f"blk.{il}.ffn_") and n not in names.values()
+                 and not n.startswith(f"blk.{il}.ffn_norm.")]
+        if extra:
+            raise ConvertError(f"{src}: layer {il} has FFN tensors leanstream does not handle: {', '.join(extra)}")
+        g, u, d = got["gate"], got["up"], got["down"]
+        lf = int(g.shape[1]) if len(g.shape) == 2 else -1
+        if n_ff is None:
+            n_ff = lf
+        for role, t, want in (("gate", g, [n_embd, n_ff]), ("up", u, [n_embd, n_ff]), ("down", d, [n_ff, n_embd])):
+            if [int(x) for x in t.shape] != want:
+                raise ConvertError(f"{src}: {t.name} has shape {list(map(int, t.shape))}, expected {want} "
+                                   f"(n_embd={n_embd}; every layer must have the same n_ff={n_ff})")
+            if t.tensor_type not in supported:
+                raise ConvertError(f"{src}: {t.name} is {t.tensor_type.name}; supported types: "
+                                   f"{', '.join(x.name for x in supported)}")
+        layers.append(_Layer(il, g, u, d))
+        ffn_names.update(names.values())
+    return _Model(reader, arch, n_layer, n_embd, n_ff, layers, ffn_names)
+
+
+# ---- one layer -----------------------------------------------------------------------------------
+
+def _rows_as_bytes(t, n_rows: int) -> np.ndarray:
+    """uint8 [n_rows, row_bytes]: the tensor's rows exactly as stored (memory-mapped, no copy)."""
+    return t.data.view(np.uint8).reshape(n_rows, -1)
+
+
+def down_columns(t, n_embd: int, n_ff: int):
+    """Transposed ffn_down: (uint8 [n_ff, col_bytes], ggml type of the columns).
+
+    ffn_down has ne = [n_ff, n_embd] (n_embd rows of n_ff values); neuron i needs column i
+    (n_embd values), which a row-quantized layout cannot give, so the matrix is dequantized with
+    gguf-py and each column re-encoded:
+
+    - quantized source, n_embd % 32 == 0 -> Q8_0. Re-quantizing a column of an already 4-bit
+      matrix to 4 bits along the other axis would add a second quantization error of the same
+      size as the first; Q8_0 (8.5 bits/weight, one f16 scale per 32 values) keeps the added error
+      far below the source's own quantization noise while staying ~2x smaller than F16.
+    - F16 source -> F16 (exact); F32 source -> F32 (exact); quantized with n_embd % 32 != 0 -> F16.
+    """
+    gguf = _gguf()
+    T = gguf.GGMLQuantizationType
+    src_type = t.tensor_type
+    if src_type == T.F32:
+        cols = np.ascontiguousarray(np.asarray(t.data, dtype=np.float32).reshape(n_embd, n_ff).T)
+        return cols.view(np.uint8), T.F32
+    if src_type == T.F16:
+        cols = np.ascontiguousarray(np.asarray(t.data, dtype=np.float16).reshape(n_embd, n_ff).T)
+        return cols.view(np.uint8), T.F16
+    # Second quantization: see the docstring (Q8_0 error <= max|block| / 254 per 32 values)
+    w = gguf.quants.dequantize(t.data, src_type).reshape(n_embd, n_ff)   # f32 [n_embd, n_ff]
+    cols = np.ascontiguousarray(w.T)                                      # f32 [n_ff, n_embd]
+    del w
+    if n_embd % 32 == 0:
+        return gguf.quants.quantize(cols, T.Q8_0).reshape(n_ff, -1), T.Q8_0
+    return cols.astype(np.float16).view(np.uint8), T.F16
+
+
+def _layer_slots(order: np.ndarray, n_blocks: int, k: int) -> np.ndarray:
+    """i32 [n_blocks*k]: neuron id per slot, -1 in the last block's empty slots."""
+    slots = np.full(n_blocks * k, -1, dtype="<i4")
+    slots[: len(order)] = order
+    return slots
+
+
+def pack_blocks(gate_rows: np.ndarray, up_rows: np.ndarray, down_cols: np.ndarray, slots: np.ndarray,
+                h: blockfile.BlockHeader) -> np.ndarray:
+    """uint8 [n_blocks, block_stride]: block b = [k gate rows][k up rows][k down cols][zeros]."""
+    k, nb = h.k, h.n_blocks
+    pad = slots < 0
+    idx = np.where(pad, 0, slots)
+    out = np.zeros((nb, h.block_stride), dtype=np.uint8)
+    pos = 0
+    for rows in (gate_rows, up_rows, down_cols):
+        part = rows[idx]                      # [n_blocks*k, row_bytes] (copy)
+        part[pad] = 0                         # padding slots hold zero bytes
+        w = k * rows.shape[1]
+        out[:, pos:pos + w] = part.reshape(nb, w)
+        pos += w
+    assert pos == h.block_payload
+    return out
+
+
+def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks: np.ndarray) -> None:
+    tmp = path.with_name(path.name + PARTIAL)
+    with open(tmp, "wb") as f:
+        f.write(h.pack())                                     # [0, 4096)
+        f.write(slots.astype("<i4").tobytes())                # [4096, 4096 + 4*n_blocks*k)
+        f.write(b"\0" * (h.data_offset - f.tell()))
+        f.write(memoryview(blocks).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+        if f.tell() != h.file_size:  # pragma: no cover - an internal error, not bad input
+            raise ConvertError(f"{tmp}: wrote {f.tell()} bytes, expected {h.file_size}")
+    os.replace(tmp, path)
+
+
+def _layer_done(path: Path, h: blockfile.BlockHeader, slots: np.ndarray) -> bool:
+    """A block file from an earlier run that is complete and matches what would be written."""
+    try:
+        if path.stat().st_size != h.file_size:
+            return False
+        if blockfile.read_header(path) != h:
+            return False
+        return np.array_equal(blockfile.read_perm(path, h), slots)
+    except (OSError, ValueError):
+        return False
+
+
+# ---- base.gguf -----------------------------------------------------------------------------------
+
+def _field_value(field):
+    """(value, GGUFValueType, sub_type) of a reader field, in the form GGUFWriter packs back
+    byte-identically (strings as raw bytes: token pieces need not be valid UTF-8)."""
+    gguf = _gguf()
+    V = gguf.GGUFValueType
+    vtype = field.types[0]
+    if vtype == V.STRING:
+        return bytes(field.parts[-1]), vtype, None
+    if vtype == V.ARRAY:
+        sub = V(int(field.parts[3][0]))   # [key len, key, value type, item type, count, items...]
+        if sub == V.ARRAY:
+            raise ConvertError(f"metadata key {field.name}: nested arrays are not supported")
+        if sub == V.STRING:
+            return [bytes(field.parts[i]) for i in field.data], vtype, sub
+        if not field.data:
+            return [], vtype, sub
+        return np.concatenate([field.parts[i] for i in field.data]).tolist(), vtype, sub
+    return field.parts[-1][0].item(), vtype, None
+
+
+def _base_writer_class():
+    gguf = _gguf()
+
+    class BaseWriter(gguf.GGUFWriter):
+        # GGUFWriter refuses empty arrays; a source may legitimately hold one
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
+                out = self._pack("I", vtype) if add_vtype else b""
+                return out + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return BaseWriter
+
+
+def write_base(model: _Model, path: Path, source_sha256: str) -> None:
+    """base.gguf: the source minus the FFN tensors, every KV pair copied, leanstream.* keys added."""
+    gguf = _gguf()
+    reader = model.reader
+    tmp = path.with_name(path.name + PARTIAL)
+    w = _base_writer_class()(tmp, model.arch)     # adds general.architecture first
+    w.data_alignment = int(reader.alignment)      # general.alignment (if any) is copied below
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name.startswith("leanstream."):
+            continue
+        val, vtype, sub = _field_value(field)
+        w.add_key_value(name, val, vtype, sub)
+    w.add_bool("leanstream.ffn_external", True)
+    w.add_uint32("leanstream.format_version", mf.FORMAT_VERSION)
+    w.add_string("leanstream.source_sha256", source_sha256)
+    for t in reader.tensors:
+        if t.name not in model.ffn_names:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.flush()
+        for f in w.fout or []:
+            os.fsync(f.fileno())
+    finally:
+        w.close()
+    os.replace(tmp, path)
+
+
+# ---- hashing, state --------------------------------------------------------------------------
+
+def sha256_file(path: Path, progress: bool = True, chunk: int = 8 << 20) -> str:
+    from tqdm import tqdm
+
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="hashing source",
+                                     disable=not progress, leave=False) as bar:
+        while b := f.read(chunk):
+            h.update(b)
+            bar.update(len(b))
+    return h.hexdigest()
+
+
+def _layer_orders(permutation, n_layer: int, n_ff: int) -> list[np.ndarray]:
+    """One order of neuron ids per layer: identity, or the given permutation (one for all
+    layers, a [n_layer, n_ff] array / list, or a mapping il -> order)."""
+    if permutation is None:
+        return [np.arange(n_ff, dtype=np.int32)] * n_layer
+    if isinstance(permutation, Mapping):
+        missing = [il for il in range(n_layer) if il not in permutation]
+        if missing:
+            raise ConvertError(f"permutation: no order for layers {missing}")
+        orders = [np.asarray(permutation[il]) for il in range(n_layer)]
+    else:
+        arr = np.asarray(permutation)
+        if arr.ndim == 1:
+            orders = [arr] * n_layer
+        elif arr.ndim == 2 and arr.shape[0] == n_layer:
+            orders = list(arr)
+        else:
+            raise ConvertError(f"permutation: expected [n_ff] or [n_layer, n_ff], got shape {arr.shape}")
+    out = []
+    for il, o in enumerate(orders):
+        if o.shape != (n_ff,) or not np.issubdtype(o.dtype, np.integer) or \
+                not np.array_equal(np.sort(o), np.arange(n_ff)):
+            raise ConvertError(f"permutation for layer {il} is not a permutation of 0..{n_ff - 1}")
+        out.append(o.astype(np.int32))
+    return out
+
+
+def _clean_outputs(out: Path) -> None:
+    """Remove what a conversion writes (and nothing else): manifest first, so the directory never
+    looks complete while it is being rewritten."""
+    for name in (mf.MANIFEST_NAME, STATE_NAME, BASE_NAME, mf.MANIFEST_NAME + PARTIAL, BASE_NAME + PARTIAL):
+        (out / name).unlink(missing_ok=True)
+    ffn = out / FFN_DIR
+    if ffn.is_dir():
+        for p in ffn.glob("blk.*.bin*"):
+            p.unlink()
+
+
+def _prepare_out_dir(out: Path, state: dict, force: bool) -> bool:
+    """Create/check OUT_DIR. Returns True when resuming an interrupted run of this conversion."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    resume = False
+    if any(out.iterdir()):
+        if force:
+            _clean_outputs(out)
+        elif (out / mf.MANIFEST_NAME).exists():
+            raise ConvertError(f"{out}: already holds a converted model (manifest.json); "
+                               f"use --force to overwrite it")
+        else:
+            try:
+                old = json.loads((out / STATE_NAME).read_text())
+            except (OSError, ValueError):
+                old = None
+            if old is None:
+                raise ConvertError(f"{out}: directory is not empty and holds no interrupted conversion; "
+                                   f"choose an empty or new directory, or use --force")
+            if {k: old.get(k) for k in state} != state:
+                raise ConvertError(f"{out}: holds an interrupted conversion of another source or with other "
+                                   f"parameters (k/align/permutation); use --force to start over")
+            resume = True
+    (out / FFN_DIR).mkdir(exist_ok=True)
+    for p in list(out.glob("*" + PARTIAL)) + list((out / FFN_DIR).glob("*" + PARTIAL)):
+        p.unlink()   # left by an interrupted write
+    return resume
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + PARTIAL)
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# ---- the conversion ------------------------------------------------------------------------------
+
+def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
+            force: bool = False, progress: bool = True,
+            permutation: Sequence[int] | Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
+            ) -> mf.Manifest:
+    """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
+
+    k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of
+    the device holding out_dir, at least 512). force: overwrite a directory holding another or a
+    complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
+    identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
+    when the source ffn_down is quantized (see ``down_columns`` for why). Raises ConvertError.
+    """
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    src = Path(src)
+    out = Path(out_dir)
+    if not isinstance(k, int) or k < 1 or k > 1 << 16:
+        raise ConvertError(f"k (neurons per block) must be a positive integer, got {k!r}")
+    if align is None:
+        align = device_align(out)
+    if not isinstance(align, int) or align < 512 or align & (align - 1):
+        raise ConvertError(f"align must be a power of two >= 512, got {align!r}")
+
+    reader = _open_gguf(src)
+    model = _inspect(reader, src)
+    n_embd, n_ff = model.n_embd, model.n_ff
+    orders = _layer_orders(permutation, model.n_layer, n_ff)
+    n_blocks = -(-n_ff // k)
+
+    sha = sha256_file(src, progress)
+    perm_sha = hashlib.sha256(b"".join(o.tobytes() for o in orders)).hexdigest()
+    state = {"source_sha256": sha, "source_size": src.stat().st_size, "k": k, "align": align,
+             "permutation_sha256": perm_sha, "block_file_version": blockfile.VERSION}
+    resume = _prepare_out_dir(out, state, force)
+    _write_json(out / STATE_NAME, state)
+
+    base = out / BASE_NAME
+    if not (resume and base.exists()):
+        write_base(model, base, sha)
+
+    entries, skipped = [], 0
+    ffn_src = pad = region = on_disk = 0
+    for layer in tqdm(model.layers, desc="converting FFN layers", unit="layer", disable=not progress):
+        il = layer.il
+        gate_rows = _rows_as_bytes(layer.gate, n_ff)      # uint8 [n_ff, gate_row_bytes]
+        up_rows = _rows_as_bytes(layer.up, n_ff)          # uint8 [n_ff, up_row_bytes]
+        down_type_src = layer.down.tensor_type
+        col_bytes = _down_col_bytes(down_type_src, n_embd)
+        h = blockfile.make_header(
+            il=il, n_embd=n_embd, n_ff=n_ff, k=k, gate_type=int(layer.gate.tensor_type),
+            up_type=int(layer.up.tensor_type), down_type=int(_down_type(down_type_src, n_embd)),
+            align=align, gate_row_bytes=gate_rows.shape[1], up_row_bytes=up_rows.shape[1],
+            down_col_bytes=col_bytes)
+        slots = _layer_slots(orders[il], n_blocks, k)
+        rel = f"{FFN_DIR}/blk.{il}.bin"
+        path = out / rel
+        if resume and _layer_done(path, h, slots):
+            skipped += 1
+        else:
+            down_cols, down_type = down_columns(layer.down, n_embd, n_ff)   # uint8 [n_ff, col_bytes]
+            assert int(down_type) == h.down_type and down_cols.shape[1] == col_bytes
+            _write_layer(path, h, slots, pack_blocks(gate_rows, up_rows, down_cols, slots, h))
+            del down_cols
+        T = type(layer.gate.tensor_type)
+        entries.append(mf.LayerEntry(
+            il=il, file=rel, gate_type=ggml_type_name(layer.gate.tensor_type),
+            up_type=ggml_type_name(layer.up.tensor_type), down_type=ggml_type_name(T(h.down_type)),
+            n_blocks=h.n_blocks, block_stride=h.block_stride, block_payload=h.block_payload,
+            data_offset=h.data_offset, file_size=h.file_size))
+        ffn_src += layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes
+        region += h.n_blocks * h.block_stride
+        pad += h.n_blocks * h.block_stride - n_ff * (h.gate_row_bytes + h.up_row_bytes + h.down_col_bytes)
+        on_disk += h.file_size
+
+    m = mf.Manifest(
+        source=mf.SourceInfo(filename=src.name, sha256=sha, size=src.stat().st_size),
+        architecture=model.arch, n_layer=model.n_layer, n_embd=n_embd, n_ff=n_ff, activation="silu",
+        block=mf.BlockGeometry(k=k, align=align), layers=entries,
+        totals=mf.Totals(ffn_bytes_source=ffn_src, ffn_bytes_on_disk=on_disk, padding_bytes=pad,
+                         padding_waste=pad / region),
+        base=mf.BaseInfo(file=BASE_NAME, size=base.stat().st_size),
+        predictor=None)
+    mf.save(m, out)                          # last: marks the directory complete
+    (out / STATE_NAME).unlink(missing_ok=True)
+    if progress:
+        note = f" ({skipped} layers reused from an interrupted run)" if skipped else ""
+        print(f"converted {src.name} -> {out} in {time.perf_counter() - t0:.1f} s{note}")
+    return m
+
+
+def _down_type(src_type, n_embd: int):
+    T = _gguf().GGMLQuantizationType
+    if src_type in (T.F32, T.F16):
+        return src_type
+    return T.Q8_0 if n_embd % 32 == 0 else T.F16
+
+
+def _down_col_bytes(src_type, n_embd: int) -> int:
+    gguf = _gguf()
+    bs, ts = gguf.GGML_QUANT_SIZES[_down_type(src_type, n_embd)]
+    return n_embd // bs * ts
