@@ -1,0 +1,143 @@
+// internal.h — structures shared by the engine's source files (not part of the ABI).
+//
+// Data flow for one FFN op on layer il (see op.c):
+//   plan (thread 0): blocks to compute, in priority order -> pin resident ones, allocate cache
+//                    slots for missing ones and queue their reads (io.c) in the same order
+//   compute (all ggml threads): quantize x once; thread ith takes plan entries ith, ith+nth, ...
+//                    waits for each block's ready flag, accumulates its neurons' partial output
+//   reduce:          dst = sum of the per-thread partial outputs, in thread order (deterministic)
+//   finish (thread 0): unpin the blocks (they become evictable in LRU order)
+
+#ifndef LS_INTERNAL_H
+#define LS_INTERNAL_H
+
+#include "leanstream.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <sys/uio.h>
+
+// Block states (the per-block ready flags of Algorithm 1).
+enum { LS_BLK_ABSENT = 0, LS_BLK_LOADING = 1, LS_BLK_READY = 2, LS_BLK_FAILED = 3 };
+
+typedef struct ls_layer_stats {
+    _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
+                     bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns;
+} ls_layer_stats;
+
+typedef struct ls_layer {
+    struct ls_engine * e;
+    int32_t            il;
+    int                fd;
+    char *             path;
+    ls_layer_info      info;
+    int32_t *          perm;            // [n_blocks*k] neuron id per slot, -1 = padding
+    uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
+    int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
+    _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
+    ls_layer_stats     stats;
+} ls_layer;
+
+// A read of adjacent blocks [first, first+n) of one layer into (possibly scattered) slots.
+#define LS_MAX_IOV 64
+typedef struct ls_read {
+    ls_layer *   L;
+    int32_t      first, n;
+    uint64_t     offset;
+    struct iovec iov[LS_MAX_IOV];
+} ls_read;
+
+typedef struct ls_io {
+    pthread_t *     threads;
+    int             n_threads;
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;
+    ls_read *       queue;      // ring buffer
+    int             cap, head, count;
+    bool            stop;
+    uint32_t        delay_us;   // test hook
+} ls_io;
+
+// Budgeted weight cache: fixed-size slots, LRU list of unpinned resident slots.
+typedef struct ls_cache {
+    uint8_t *  pool;            // [n_slots * stride] bytes, page aligned (anonymous mmap)
+    size_t     pool_bytes;
+    uint64_t   stride;          // slot size = max block_stride over layers
+    int32_t    n_slots;
+    int32_t *  slot_layer;      // [n_slots] -1 = free
+    int32_t *  slot_block;      // [n_slots]
+    int32_t *  slot_pins;       // [n_slots]
+    uint8_t *  slot_computed;   // [n_slots] computed at least once since it was loaded
+    int32_t *  lru_prev, * lru_next; // intrusive list of unpinned resident slots (head = LRU)
+    int32_t    lru_head, lru_tail;
+    int32_t *  free_list;       // stack of free slots
+    int32_t    n_free;
+    int32_t    n_resident;
+} ls_cache;
+
+typedef struct ls_barrier {
+    _Atomic int      count;
+    _Atomic unsigned gen;
+} ls_barrier;
+
+// Plan of the op being executed (written by thread 0 before the first barrier).
+typedef struct ls_plan {
+    ls_layer * L;
+    int32_t *  blocks;          // [n] block ids in compute order
+    int32_t    n;
+    size_t     blocks_cap;
+    int64_t    n_tokens;
+    int        nth;
+    // scratch, grown by thread 0
+    uint8_t *  xq;              // quantized input: gate type's vec_dot rows, then up's if different
+    size_t     xq_bytes, xq_cap;
+    float *    acc;             // [nth][n_tokens * n_embd] per-thread partial outputs
+    size_t     acc_cap;         // floats
+    float *    work;            // [nth][work_per_thread] h values and dequantized down columns
+    size_t     work_cap, work_per_thread;
+} ls_plan;
+
+struct ls_engine {
+    ls_engine_params params;
+    int32_t          n_layers;
+    ls_layer *       layers;
+    ls_cache         cache;
+    ls_io            io;
+    ls_barrier       barrier;
+    ls_plan          plan;
+    pthread_mutex_t  mu;             // cache metadata + plan (one op at a time)
+    pthread_mutex_t  err_mu;
+    ls_status        err_status;
+    char             err_msg[LS_MAX_ERRMSG];
+    bool             direct_io;      // O_DIRECT active on the block files
+};
+
+// engine.c
+void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
+void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
+                __attribute__((format(printf, 3, 4)));
+uint64_t    ls_now_ns(void);
+void        ls_barrier_wait(ls_barrier * b, int n);
+void        ls_cpu_relax(unsigned * spins);
+
+// cache.c
+ls_status   ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t total_blocks);
+void        ls_cache_free(ls_cache * c);
+uint8_t *   ls_cache_slot_ptr(const ls_cache * c, int32_t slot);
+// Pin block b of layer L for computing: returns its slot and whether it must be read.
+ls_status   ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss);
+void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed);
+void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b); // after a failed read
+
+// io.c
+ls_status   ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us);
+void        ls_io_stop(ls_engine * e);
+// Queue reads for the given blocks (state LOADING, slots acquired), merging runs of
+// adjacent blocks up to max_read_bytes; queue order = priority order.
+void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
+
+// op.c
+void        ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
+#endif // LS_INTERNAL_H

@@ -1,0 +1,299 @@
+// op.c — the streamed FFN op: one ggml_custom_4d node per layer, run by ggml's CPU threads.
+//
+//   y[t] = sum over computed neurons n of act(gate_n . x[t]) * (up_n . x[t]) * down_n
+//
+// SwiGLU is a sum over neurons (paper §3.2.2), so blocks can be computed in any order the moment
+// they arrive; each compute thread owns a fixed share of the plan (entries ith, ith+nth, ...)
+// and walks it in plan order, so the floating-point sums — and the output — do not depend on
+// I/O timing. gate/up dot products use ggml's own kernels: x is quantized once to the weight
+// type's vec_dot_type (from_float) and each row is dotted with vec_dot, exactly the path
+// ggml_mul_mat takes, so rounding matches stock llama.cpp.
+
+#include "internal.h"
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+// neurons whose h values and dequantized down columns are staged together (cache tile)
+#define LS_TILE 32
+
+static inline float act_silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float act_gelu(float x) {
+    // tanh approximation, as ggml_gelu
+    const float c = 0.797884560802865f; // sqrt(2/pi)
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+
+static bool grow(void ** p, size_t * cap, size_t need, size_t elem) {
+    if (need <= *cap) return true;
+    void * q = NULL;
+    size_t bytes = need * elem;
+    bytes = (bytes + 63) & ~(size_t) 63;
+    if (posix_memalign(&q, 64, bytes) != 0) return false;
+    free(*p);
+    *p = q;
+    *cap = need;
+    return true;
+}
+
+// Thread 0, before the first barrier: choose blocks, pin them, queue the missing ones.
+static ls_status plan_layer(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth) {
+    ls_plan * P = &e->plan;
+    const ls_layer_info * in = &L->info;
+    P->L = L;
+    P->n_tokens = n_tokens;
+    P->nth = nth;
+    P->n = 0;
+
+    // scratch
+    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
+    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
+    size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
+    if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
+    P->xq_bytes = xq;
+    P->work_per_thread = (size_t) LS_TILE * ((size_t) n_tokens + (size_t) in->n_embd) + 64;
+    if (!grow((void **) &P->xq, &P->xq_cap, xq, 1) ||
+        !grow((void **) &P->acc, &P->acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
+        !grow((void **) &P->work, &P->work_cap, (size_t) nth * P->work_per_thread, sizeof(float)) ||
+        !grow((void **) &P->blocks, &P->blocks_cap, (size_t) in->n_blocks, sizeof(int32_t))) {
+        return LS_ERR_NOMEM;
+    }
+
+    // dense: every block, in file order (sequential reads merge into large ones)
+    int32_t * missing = malloc(sizeof(int32_t) * (size_t) in->n_blocks);
+    if (!missing) return LS_ERR_NOMEM;
+    int32_t n_missing = 0;
+    ls_status st = LS_OK;
+    for (int32_t b = 0; b < in->n_blocks; b++) {
+        int32_t slot;
+        bool miss;
+        st = ls_cache_acquire(e, L, b, &slot, &miss);
+        if (st != LS_OK) break;
+        P->blocks[P->n++] = b;
+        if (miss) missing[n_missing++] = b;
+    }
+    if (st == LS_OK) ls_io_submit(e, L, missing, n_missing);
+    free(missing);
+    if (st != LS_OK) {
+        for (int32_t i = 0; i < P->n; i++) ls_cache_release(e, L, P->blocks[i], false);
+        P->n = 0;
+    }
+    return st;
+}
+
+// Quantize this thread's share of the input rows to the vec_dot types of gate and up.
+static void quantize_input(const ls_plan * P, const float * x, size_t x_row_stride, int ith, int nth) {
+    const ls_layer_info * in = &P->L->info;
+    const enum ggml_type vg = ggml_get_type_traits_cpu(in->gate_type)->vec_dot_type;
+    const enum ggml_type vu = ggml_get_type_traits_cpu(in->up_type)->vec_dot_type;
+    const size_t rg = ggml_row_size(vg, in->n_embd), ru = ggml_row_size(vu, in->n_embd);
+    for (int64_t t = ith; t < P->n_tokens; t += nth) {
+        const float * xt = (const float *) ((const uint8_t *) x + (size_t) t * x_row_stride);
+        ggml_get_type_traits_cpu(vg)->from_float(xt, P->xq + (size_t) t * rg, in->n_embd);
+        if (vu != vg) {
+            ggml_get_type_traits_cpu(vu)->from_float(xt, P->xq + (size_t) P->n_tokens * rg + (size_t) t * ru, in->n_embd);
+        }
+    }
+}
+
+static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
+    int32_t s = atomic_load_explicit(&L->state[b], memory_order_acquire);
+    if (s == LS_BLK_READY) return true;
+    const uint64_t t0 = ls_now_ns();
+    unsigned spins = 0;
+    while ((s = atomic_load_explicit(&L->state[b], memory_order_acquire)) == LS_BLK_LOADING) ls_cpu_relax(&spins);
+    *stall_ns += ls_now_ns() - t0;
+    return s == LS_BLK_READY;
+}
+
+// One thread's share: plan entries ith, ith+nth, ... accumulated into acc [n_tokens, n_embd].
+static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * work) {
+    const ls_plan * P = &e->plan;
+    ls_layer * L = P->L;
+    const ls_layer_info * in = &L->info;
+    const int64_t n_embd = in->n_embd, T = P->n_tokens, k = in->neurons_per_block;
+    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
+    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
+    const ggml_to_float_t down_to_float = ggml_get_type_traits(in->down_type)->to_float;
+    const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
+    const uint8_t * xg = P->xq;
+    const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
+    const bool gelu = e->params.activation == LS_ACT_GELU;
+
+    float * h    = work;                          // [LS_TILE][T]   act(g)*u per staged neuron
+    float * cols = work + (size_t) LS_TILE * T;   // [LS_TILE][n_embd] dequantized down columns
+    int n_staged = 0;
+    uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
+
+    memset(acc, 0, sizeof(float) * (size_t) T * (size_t) n_embd);
+
+    for (int32_t i = ith; i <= P->n; i += nth) {
+        // flush the tile: acc[t] += sum_j h[j][t] * col_j, t outermost keeps acc[t] in L1
+        const bool last = i >= P->n;
+        if (n_staged > 0 && (last || n_staged + k > LS_TILE)) {
+            for (int64_t t = 0; t < T; t++) {
+                float * restrict at = acc + (size_t) t * n_embd;
+                for (int j = 0; j < n_staged; j++) {
+                    const float hv = h[(size_t) j * T + t];
+                    if (hv == 0.0f) continue;
+                    const float * restrict cj = cols + (size_t) j * n_embd;
+                    for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
+                }
+            }
+            n_staged = 0;
+        }
+        if (last) break;
+
+        const int32_t b = P->blocks[i];
+        if (!wait_ready(L, b, &stall_ns)) continue; // failed read: reported by take_error
+        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
+        const uint8_t * gate = blk;
+        const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
+        const uint8_t * down = up + (size_t) k * L->up_row_bytes;
+        for (int64_t j = 0; j < k; j++) {
+            if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
+            float * hj = h + (size_t) n_staged * T;
+            for (int64_t t = 0; t < T; t++) {
+                float g, u;
+                tg->vec_dot(n_embd, &g, 0, gate + j * L->gate_row_bytes, 0, xg + (size_t) t * rg, 0, 1);
+                tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu + (size_t) t * ru, 0, 1);
+                hj[t] = (gelu ? act_gelu(g) : act_silu(g)) * u;
+            }
+            down_to_float(down + j * L->down_col_bytes, cols + (size_t) n_staged * n_embd, n_embd);
+            n_staged++;
+        }
+        n_computed++;
+        bytes_computed += in->block_payload;
+    }
+    atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
+    atomic_fetch_add(&L->stats.blocks_computed, n_computed);
+    atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);
+}
+
+// The whole op for one thread; the same code serves the ggml graph and ls_ffn_eval.
+static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, float * y,
+                   int64_t n_tokens, int ith, int nth) {
+    ls_plan * P = &e->plan;
+    uint64_t t0 = 0;
+    if (ith == 0) {
+        t0 = ls_now_ns();
+        pthread_mutex_lock(&e->mu);
+        ls_status st = plan_layer(e, L, n_tokens, nth);
+        if (st != LS_OK) {
+            P->n = -1; // tell the others to skip
+            ls_engine_record_error(e, st, "layer %d: %s", L->il,
+                                   st == LS_ERR_BUDGET ? "memory budget too small for this layer's blocks"
+                                                       : "out of memory planning the FFN op");
+        }
+    }
+    ls_barrier_wait(&e->barrier, nth);
+    if (P->n < 0) {
+        for (int64_t t = ith; t < n_tokens; t += nth) memset(y + (size_t) t * L->info.n_embd, 0, sizeof(float) * (size_t) L->info.n_embd);
+        ls_barrier_wait(&e->barrier, nth);
+        if (ith == 0) { P->n = 0; pthread_mutex_unlock(&e->mu); }
+        return;
+    }
+    quantize_input(P, x, x_row_stride, ith, nth);
+    ls_barrier_wait(&e->barrier, nth);
+
+    const size_t row = (size_t) L->info.n_embd, per = (size_t) n_tokens * row;
+    compute_share(e, ith, nth, P->acc + (size_t) ith * per, P->work + (size_t) ith * P->work_per_thread);
+    ls_barrier_wait(&e->barrier, nth);
+
+    // reduce in thread order over this thread's slice of the output
+    const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
+    for (size_t i = lo; i < hi; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < nth; j++) s += P->acc[(size_t) j * per + i];
+        y[i] = s;
+    }
+    ls_barrier_wait(&e->barrier, nth);
+    if (ith == 0) {
+        for (int32_t i = 0; i < P->n; i++) {
+            const int32_t b = P->blocks[i];
+            const int32_t s = atomic_load_explicit(&L->state[b], memory_order_acquire);
+            if (s == LS_BLK_READY) ls_cache_release(e, L, b, true);
+            else ls_cache_drop(e, L, b); // failed read: free the slot, the next call re-reads
+        }
+        atomic_fetch_add(&L->stats.op_calls, 1);
+        atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
+        atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
+        P->n = 0;
+        pthread_mutex_unlock(&e->mu);
+    }
+}
+
+void ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    ls_layer * L = userdata;
+    const struct ggml_tensor * src = dst->src[0];
+    const int64_t n_tokens = ggml_nrows(src);
+    run_op(L->e, L, (const float *) src->data, src->nb[1], (float *) dst->data, n_tokens, ith, nth);
+}
+
+struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor * cur, int32_t il, void * engine) {
+    ls_engine * e = engine;
+    if (!e || il < 0 || il >= e->n_layers) {
+        if (e) ls_engine_record_error(e, LS_ERR_ARG, "llama.cpp asked for FFN layer %d, the model directory has %d", il, e ? e->n_layers : 0);
+        return NULL;
+    }
+    ls_layer * L = &e->layers[il];
+    if (cur->type != GGML_TYPE_F32 || cur->ne[0] != L->info.n_embd || !ggml_is_contiguous_rows(cur) ||
+        cur->ne[2] * cur->ne[3] != 1) {
+        ls_engine_record_error(e, LS_ERR_UNSUPPORTED, "layer %d: FFN input [%lld, %lld, %lld] %s does not fit the block files (n_embd %lld)",
+                               il, (long long) cur->ne[0], (long long) cur->ne[1], (long long) cur->ne[2],
+                               ggml_type_name(cur->type), (long long) L->info.n_embd);
+        return NULL;
+    }
+    struct ggml_tensor * args[1] = { cur };
+    // sized from cur->ne[1]: the last layer sees only the output rows (inp_out_ids)
+    return ggml_custom_4d(ctx0, GGML_TYPE_F32, cur->ne[0], cur->ne[1], 1, 1, args, 1, ls_op_compute, GGML_N_TASKS_MAX, L);
+}
+
+// ---- ls_ffn_eval: the op outside a graph -------------------------------------------------------
+
+typedef struct eval_arg {
+    ls_engine * e;
+    ls_layer * L;
+    const float * x;
+    float * y;
+    int64_t n_tokens;
+    int ith, nth;
+    _Atomic int * go;   // 0: wait, 1: run, -1: abandon (not every thread could be started)
+} eval_arg;
+
+static void * eval_thread(void * p) {
+    eval_arg * a = p;
+    unsigned spins = 0;
+    int go;
+    while ((go = atomic_load_explicit(a->go, memory_order_acquire)) == 0) ls_cpu_relax(&spins);
+    if (go > 0) run_op(a->e, a->L, a->x, sizeof(float) * (size_t) a->L->info.n_embd, a->y, a->n_tokens, a->ith, a->nth);
+    return NULL;
+}
+
+ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, float * y, int64_t n_tokens, int32_t n_threads) {
+    if (!e || !x || !y || n_tokens <= 0 || il < 0 || il >= e->n_layers) { ls_set_error("ls_ffn_eval: bad arguments"); return LS_ERR_ARG; }
+    if (n_threads <= 0) n_threads = 1;
+    if (n_threads > 64) n_threads = 64;
+    eval_arg args[64];
+    pthread_t th[64];
+    _Atomic int go = 0;
+    for (int i = 0; i < n_threads; i++) {
+        args[i] = (eval_arg) { e, &e->layers[il], x, y, n_tokens, i, n_threads, &go };
+    }
+    int started = 1;
+    for (int i = 1; i < n_threads; i++, started++) {
+        if (pthread_create(&th[i], NULL, eval_thread, &args[i]) != 0) break;
+    }
+    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_release);
+    if (started == n_threads) eval_thread(&args[0]);
+    for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
+    if (started < n_threads) { ls_set_error("ls_ffn_eval: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
+    char msg[LS_MAX_ERRMSG];
+    ls_status st = ls_engine_take_error(e, msg, sizeof(msg));
+    if (st != LS_OK) ls_set_error("%s", msg);
+    return st;
+}
