@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -467,7 +467,6 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
     """
     from tqdm import tqdm
 
-    t0 = time.perf_counter()
     src = Path(src)
     out = Path(out_dir)
     if not isinstance(k, int) or k < 1 or k > 1 << 16:
@@ -538,9 +537,9 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
         predictor=None)
     mf.save(m, out)                          # last: marks the directory complete
     (out / STATE_NAME).unlink(missing_ok=True)
-    if progress:
-        note = f" ({skipped} layers reused from an interrupted run)" if skipped else ""
-        print(f"converted {src.name} -> {out} in {time.perf_counter() - t0:.1f} s{note}")
+    if progress and skipped:
+        print(f"resumed an interrupted conversion: {skipped} of {model.n_layer} layers were already complete",
+              file=sys.stderr)
     return m
 
 

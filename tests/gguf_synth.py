@@ -19,7 +19,7 @@ K-quants need rows that are multiples of 256 values (n_embd, and n_ff for ffn_do
 
 Variants for malformed-input tests: ``moe_experts=E`` writes a mixture-of-experts FFN
 (ffn_gate_inp, ffn_{gate,up,down}_exps) instead of the dense one; ``gated=False`` leaves out
-ffn_gate.
+ffn_gate. ``alignment`` sets general.alignment (tensor data alignment, default 32).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def _weights(rng: np.random.Generator, qtype: T, rows: int, cols: int, scale: fl
 def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int = 2, n_embd: int = 64,
                      n_ff: int = 96, types: dict[str, Any] | None = None, seed: int = 0, *,
                      n_head: int = 4, n_head_kv: int = 2, n_ctx: int = 256, moe_experts: int = 0,
-                     gated: bool = True, extra_kv: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+                     gated: bool = True, extra_kv: dict[str, Any] | None = None,
+                     alignment: int | None = None) -> dict[str, np.ndarray]:
     """Write a tiny random model GGUF at ``path``; returns {tensor name: float32 values as stored},
     each shaped [ne1, ne0] (numpy order: rows, row length) or [ne0] for vectors."""
     if arch not in ("llama", "qwen2"):
@@ -116,6 +117,8 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
     head_dim = n_embd // n_head
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)   # general.alignment; tensor data aligned to it
     w.add_type("model")
     w.add_name(f"tiny-{arch}")
     w.add_context_length(n_ctx)

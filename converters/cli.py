@@ -1,0 +1,107 @@
+"""`leanstream convert` and `leanstream info`.
+
+    leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
+    leanstream info [DIR]
+
+Without IN, convert uses the default model (SmolLM2-135M-Instruct, fetched into the model cache);
+without OUT_DIR it writes next to the model: ``<model cache>/<name>.lsm`` for a cached model,
+``<IN without .gguf>.lsm`` for a path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _default_out(model: str | None, src: Path) -> Path:
+    from leanstream_ggml import models
+
+    if model is None or model in models.RECIPES:
+        name = model or models.DEFAULT_MODEL
+        return models.models_dir() / f"{name}.lsm"
+    return src.with_suffix(".lsm") if src.suffix == ".gguf" else src.with_name(src.name + ".lsm")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from leanstream_ggml import models
+
+    from .convert_gguf import ConvertError, convert
+
+    try:
+        src = models.resolve(args.model)
+    except (KeyError, RuntimeError) as e:
+        print(f"leanstream convert: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out_dir) if args.out_dir else _default_out(args.model, src)
+    t0 = time.perf_counter()
+    try:
+        m = convert(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet)
+    except ConvertError as e:
+        print(f"leanstream convert: {e}", file=sys.stderr)
+        return 1
+    t = m.totals
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
+          f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from leanstream_ggml.manifest import ManifestError, load
+
+    d = Path(args.dir) if args.dir else _default_out(None, Path())
+    try:
+        m = load(d)
+    except ManifestError as e:
+        print(f"leanstream info: {e}", file=sys.stderr)
+        return 1
+    types = sorted({(e.gate_type, e.up_type, e.down_type) for e in m.layers})
+    t = m.totals
+    lines = [
+        f"model directory  {d}",
+        f"source           {m.source.filename} ({_fmt_bytes(m.source.size)}), sha256 {m.source.sha256}",
+        f"architecture     {m.architecture}, activation {m.activation}",
+        f"dims             n_layer {m.n_layer}, n_embd {m.n_embd}, n_ff {m.n_ff}",
+        "FFN types        " + "; ".join(f"gate {g}, up {u}, down {dn} (columns)" for g, u, dn in types),
+        f"blocks           k {m.block.k} neurons/block, align {m.block.align} B, "
+        f"{m.layers[0].n_blocks} blocks/layer of {m.layers[0].block_stride} B "
+        f"(payload {m.layers[0].block_payload} B)",
+        f"FFN size         source {_fmt_bytes(t.ffn_bytes_source)}, on disk {_fmt_bytes(t.ffn_bytes_on_disk)}",
+        f"padding          {_fmt_bytes(t.padding_bytes)} ({t.padding_waste:.1%} of block bytes)",
+        f"base             {m.base.file} ({_fmt_bytes(m.base.size)})",
+        f"predictor        {'none' if m.predictor is None else ', '.join(sorted(m.predictor)) or 'present'}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert a GGUF model into a LeanStream model directory",
+        description="Rewrite a GGUF's FFN into neuron block files streamed with O_DIRECT; the rest of "
+                    "the model goes to base.gguf. Restartable: re-run the same command after an interruption.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF file or known model name (default: the cached SmolLM2-135M-Instruct)")
+    p.add_argument("out_dir", nargs="?", default=None,
+                   help="output directory (default: next to the model, with suffix .lsm)")
+    p.add_argument("--k", type=int, default=1, help="neurons per block (default 1)")
+    p.add_argument("--align", type=int, default=None,
+                   help="block alignment in bytes (default: logical block size of the output device, >= 512)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing conversion in OUT_DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_convert)
+
+    q = subparsers.add_parser("info", help="describe a converted model directory",
+                              description="Print what a model directory's manifest.json says.")
+    q.add_argument("dir", nargs="?", default=None, help="model directory (default: the default model's)")
+    q.set_defaults(func=cmd_info)
