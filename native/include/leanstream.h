@@ -167,7 +167,44 @@ LS_API ls_status   ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * o
 LS_API void        ls_engine_reset_stats(ls_engine * e);
 
 // ---- predictor (stacked learnable hashing, paper §3.3) ------------------------------------
-// LS_PREDICTOR_DECLS (declarations of native/src/predictor.c go here)
+// One predictor per FFN layer, loaded from `predictor/blk.<il>.lspred` (format: see
+// leanstream_ggml/predictor/export.py). It maps a residual-stream vector x [n_embd] f32 --
+// the layer-ahead input x_{il-1}, or a refined x_{il-1} + sum of partial stage outputs
+// (paper Eq. 2) -- to a priority per neuron block [n_blocks] f32 (higher = load/compute
+// first). Evaluation is integer/bitwise (int8 dot products, XNOR + popcount, table lookups)
+// and equals the torch inference path bit for bit. A handle holds scratch space: use one
+// handle from one thread at a time.
+
+#define LS_PREDICTOR_FILE_VERSION 1
+
+typedef struct ls_predictor ls_predictor;
+
+typedef struct ls_predictor_info {
+    int32_t  n_embd;         // input dimension
+    int32_t  n_blocks;       // outputs (neuron blocks of the layer)
+    int32_t  n_pca;          // PCA dimensions kept
+    int32_t  n_hash_layers;  // L
+    int32_t  tau;            // bits per hash code
+    int32_t  n_bits;         // d, width of the binary codes
+    int32_t  n_tables;       // M hash functions per hashing layer
+    int32_t  layer;          // FFN layer the file was trained for
+    uint64_t size_bytes;     // file size
+} ls_predictor_info;
+
+// Load from a file / from memory (copied). Malformed, truncated or other-version input
+// returns LS_ERR_FORMAT (LS_ERR_IO if the file cannot be read) with a message in ls_errmsg().
+LS_API ls_status   ls_predictor_load(const char * path, ls_predictor ** out);
+LS_API ls_status   ls_predictor_load_mem(const void * data, size_t size, ls_predictor ** out);
+LS_API void        ls_predictor_free(ls_predictor * p);
+LS_API ls_status   ls_predictor_get_info(const ls_predictor * p, ls_predictor_info * out);
+
+// prio[n_blocks] = priorities of the layer's blocks for input x[n_embd]; n_blocks must equal
+// the predictor's. One call per layer per refinement step.
+LS_API ls_status   ls_predictor_eval(ls_predictor * p, const float * x, float * prio, int32_t n_blocks);
+
+// Same for n rows: x [n_embd, n] (rows contiguous), prio [n_blocks, n].
+LS_API ls_status   ls_predictor_eval_batch(ls_predictor * p, const float * x, float * prio,
+                                           int32_t n_blocks, int64_t n);
 
 // LS_CDEF_END
 
