@@ -1,0 +1,122 @@
+"""`leanstream bench` and `leanstream perplexity` (llama-bench / llama-perplexity for both systems).
+
+    leanstream bench model.lsm -p 128 -n 32 -r 3 --memory-budget 512MiB --json
+    leanstream bench model.gguf                       # the same, stock llama-cpp-python
+    leanstream perplexity model.lsm --reference model.gguf --json
+    leanstream perplexity model.gguf                  # stock perplexity, computed identically
+
+MODEL is a model directory (leanstream), a GGUF file (stock) or a model recipe name
+(`smollm2-135m-instruct`, `qwen2.5-coder-1.5b-instruct`: the cached GGUF, stock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _resolve(model: str) -> Path:
+    from leanstream_ggml import models
+
+    return models.resolve(model)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (leanstream), GGUF file (stock) or recipe name")
+    p.add_argument("--system", choices=("stock", "leanstream"), default=None,
+                   help="default: leanstream for a directory, stock for a GGUF")
+    p.add_argument("--mode", default="dense", help="leanstream engine mode (default: dense)")
+    p.add_argument("--memory-budget", default=None, help="leanstream weight budget, e.g. 512MiB (default: none)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: cores available)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch (= n_ubatch)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on one line")
+
+
+def register(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="prefill/decode tokens/s, peak RSS, disk bytes (llama-bench style)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(b)
+    b.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (prefill test)")
+    b.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens (decode test)")
+    b.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions; medians are reported")
+    b.add_argument("-c", "--ctx-size", type=int, default=None, help="n_ctx (default: max(512, p + n))")
+    b.add_argument("--text", default=None, help="prompt text file (default: the bundled held-out text)")
+    b.set_defaults(func=cmd_bench)
+
+    q = subparsers.add_parser("perplexity", help="perplexity on a text; agreement and KL vs a reference",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common(q)
+    q.add_argument("--text", default=None, help="text file (default: the bundled held-out technical text)")
+    q.add_argument("-c", "--ctx-size", type=int, default=512, help="window size n_ctx (second half is scored)")
+    q.add_argument("--chunks", type=int, default=None, help="at most this many windows")
+    q.add_argument("--reference", default=None,
+                   help="GGUF (or recipe name) run with stock llama-cpp-python over the same windows: "
+                        "adds top-1 agreement and mean KL")
+    q.set_defaults(func=cmd_perplexity)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    model = _resolve(args.model)
+    r = bench.bench(model, args.system, n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions,
+                    n_threads=args.threads, n_ctx=args.ctx_size, n_batch=args.batch_size, mode=args.mode,
+                    memory_budget=args.memory_budget, text_path=args.text)
+    if args.json:
+        print(json.dumps(r), flush=True)
+    else:
+        print(bench.format_table([r]))
+        eng = r.get("engine_decode")
+        if eng:
+            print("engine (decode, last repetition): " + ", ".join(f"{k}={v}" for k, v in eng.items()))
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    from . import perplexity, systems
+    from .bench import DEFAULT_TEXT
+
+    model = _resolve(args.model)
+    text = Path(args.text or DEFAULT_TEXT).read_text(encoding="utf-8")
+    n_threads = args.threads or len(os.sched_getaffinity(0))
+    common = dict(n_ctx=args.ctx_size, n_threads=n_threads, n_batch=max(args.batch_size, args.ctx_size),
+                  logits_all=True)
+    system = args.system or systems.detect_system(model)
+    llm = systems.open_model(model, system, mode=args.mode, memory_budget=args.memory_budget, **common)
+    out = {"model": str(model), "system": system, "mode": args.mode if system == "leanstream" else None,
+           "stock": systems.stock_description(), "text": str(args.text or DEFAULT_TEXT), "n_threads": n_threads}
+    if args.reference:
+        ref_path = _resolve(args.reference)
+        ref = systems.open_model(ref_path, "stock", **common)
+        out["reference"] = str(ref_path)
+        out.update(perplexity.compare(llm, ref, text, args.ctx_size, args.chunks))
+    else:
+        out.update(perplexity.perplexity(llm, text, args.ctx_size, args.chunks).to_dict())
+    if args.json:
+        print(json.dumps(out), flush=True)
+    else:
+        print(f"{Path(out['model']).name} ({system}{', ' + args.mode if out['mode'] else ''}): "
+              f"PPL = {out['ppl']:.4f} over {out['n_scored']} tokens in {out['n_chunks']} windows of {args.ctx_size}")
+        if args.reference:
+            print(f"reference {Path(out['reference']).name} (stock): PPL = {out['ppl_reference']:.4f}; "
+                  f"ratio {out['ppl_ratio']:.4f}; top-1 agreement {out['top1_agreement']:.4f}; "
+                  f"mean KL {out['kl_mean']:.5f} (max {out['kl_max']:.4f})")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m leanstream_ggml.harness.cli")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    register(sub)
+    args = ap.parse_args(argv)
+    if not getattr(args, "func", None):
+        ap.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

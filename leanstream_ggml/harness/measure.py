@@ -1,0 +1,207 @@
+"""Process counters, sizes and the machine: the measurements every harness number rests on.
+
+Definitions (DESIGN §5), used by `leanstream bench`, `leanstream perplexity` and bench/:
+
+- peak RSS      = VmHWM of /proc/<pid>/status: the whole process's resident high-water mark,
+                  file-backed (mmap'd model) pages included.
+- disk bytes    = read_bytes of /proc/<pid>/io: bytes this process (all its threads) caused to be
+                  fetched from the block device. Page faults on an mmap'd GGUF and O_DIRECT reads
+                  are both counted; reads served by the page cache are not (that is `rchar`).
+- tokens/s      = tokens / wall seconds of the phase (time.perf_counter), no load time included.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime as _dt
+import os
+import platform
+import re
+from pathlib import Path
+
+# ---------------------------------------------------------------------------------------------
+# sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int | float | None) -> int | None:
+    """Bytes from "900MB" (10^6), "512MiB" (2^20), "1.5G", "123" (bytes) or a number.
+    "none", "" and None mean no limit and return None."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        if text < 0:
+            raise ValueError(f"negative size {text!r}")
+        return int(text)
+    if text.strip().lower() in ("", "none", "unlimited", "inf"):
+        return None
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 900MB, 512MiB, 1.5GB, 123456)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int | None) -> str:
+    """Short human form in decimal units (the unit `parse_size` reads back as the same bytes
+    for whole MB)."""
+    if n is None:
+        return "none"
+    for unit, f in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= f:
+            v = n / f
+            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.3g}{unit}"
+    return f"{n}B"
+
+
+# ---------------------------------------------------------------------------------------------
+# /proc counters
+
+def parse_proc_status(text: str) -> dict[str, int]:
+    """The Vm*/Rss* fields of /proc/<pid>/status in bytes (the kernel writes them in kB)."""
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * 1024
+    return out
+
+
+def parse_proc_io(text: str) -> dict[str, int]:
+    """/proc/<pid>/io as a dict of ints (rchar, wchar, syscr, syscw, read_bytes, write_bytes, ...)."""
+    out = {}
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        val = val.strip()
+        if key and val.isdigit():
+            out[key.strip()] = int(val)
+    return out
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    return parse_proc_status(Path(f"/proc/{pid}/status").read_text())
+
+
+def proc_io(pid: int | str = "self") -> dict[str, int]:
+    """Empty dict where the kernel does not provide /proc/<pid>/io (no task I/O accounting)."""
+    try:
+        return parse_proc_io(Path(f"/proc/{pid}/io").read_text())
+    except OSError:
+        return {}
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    return proc_status(pid).get("VmHWM")
+
+
+def disk_read_bytes(pid: int | str = "self") -> int | None:
+    return proc_io(pid).get("read_bytes")
+
+
+# ---------------------------------------------------------------------------------------------
+# model files and the page cache
+
+def model_files(path: str | os.PathLike) -> list[Path]:
+    """The files a system reads its weights from: the GGUF itself, or every regular file of a
+    model directory (manifest, base.gguf, ffn/blk.N.bin, predictor/...)."""
+    p = Path(path)
+    if p.is_dir():
+        return sorted(f for f in p.rglob("*") if f.is_file())
+    return [p]
+
+
+def files_size(paths) -> int:
+    return sum(Path(f).stat().st_size for f in paths)
+
+
+def drop_page_cache(paths) -> None:
+    """Ask the kernel to drop the clean, unmapped page-cache pages of each file, so the next run
+    reads them from disk. Pages another process has mapped stay: check with `resident_bytes`."""
+    for f in paths:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+_libc = None
+
+
+def _get_libc():
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        _libc = libc
+    return _libc
+
+
+def resident_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes of the file now in the page cache (mincore over a fresh read-only mapping, which
+    itself faults nothing in). None where it cannot be told."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        libc = _get_libc()
+    except OSError:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, 0x1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            n_pages = (size + page - 1) // page
+            vec = ctypes.create_string_buffer(n_pages)
+            if libc.mincore(addr, size, vec) != 0:
+                return None
+            resident = sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return min(resident * page, size)
+
+
+# ---------------------------------------------------------------------------------------------
+# the machine
+
+def machine_info() -> dict:
+    """What a reader needs to place the numbers: CPU model, cores, RAM, kernel, date."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = parse_proc_status(Path("/proc/meminfo").read_text()).get("MemTotal")
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "mem_total_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+    }

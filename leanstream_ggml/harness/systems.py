@@ -1,0 +1,68 @@
+"""Open a model as one of the systems the harness compares, with identical llama.cpp settings.
+
+- "stock":      llama_cpp.Llama on a plain GGUF (mmap, as llama-cpp-python users run it).
+- "leanstream": leanstream_ggml.Llama on a converted model directory, in one of the engine's
+                modes (DESIGN §4: dense, oneshot, dejavu+, powerinfer2, leanstream).
+
+A GGUF file means stock, a directory means leanstream, unless the caller says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYSTEMS = ("stock", "leanstream")
+
+
+def detect_system(model_path: str | os.PathLike) -> str:
+    return "leanstream" if Path(model_path).is_dir() else "stock"
+
+
+def stock_description() -> str:
+    """Which llama-cpp-python "stock" is: the patched build behaves exactly like the upstream one
+    while its FFN hook is unset, which it is for every plain GGUF."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as lib
+
+    patched = hasattr(lib._lib, "llama_set_ffn_builder")
+    return (f"llama-cpp-python {llama_cpp.__version__}, "
+            + ("patched build, hook unset" if patched else "upstream build"))
+
+
+def open_model(model_path: str | os.PathLike, system: str | None = None, *, n_ctx: int = 512,
+               n_threads: int | None = None, n_batch: int = 512, logits_all: bool = False,
+               mode: str = "dense", memory_budget=None, seed: int = 0, extra: dict | None = None):
+    """A Llama for ``system`` ("stock" | "leanstream"; None: detect from the path). Both get the
+    same context parameters; only the leanstream one takes mode and memory_budget."""
+    system = system or detect_system(model_path)
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r} (known: {', '.join(SYSTEMS)})")
+    n_threads = n_threads or len(os.sched_getaffinity(0))
+    kw = dict(model_path=str(model_path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+              n_batch=n_batch, n_ubatch=n_batch, logits_all=logits_all, seed=seed, verbose=False)
+    kw.update(extra or {})
+    if system == "stock":
+        if Path(model_path).is_dir():
+            raise ValueError(f"{model_path} is a model directory; stock llama-cpp-python needs a GGUF file")
+        from llama_cpp import Llama
+        return Llama(**kw)
+    from leanstream_ggml import Llama  # the plugin (leanstream_ggml/llama.py)
+    return Llama(memory_budget=memory_budget, mode=mode, **kw)
+
+
+def engine_stats(llm) -> dict:
+    """The engine's counters (miss ratio, bytes read, I/O stalls, ...) or {} for stock."""
+    fn = getattr(llm, "stats", None)
+    if fn is None:
+        return {}
+    try:
+        return dict(fn())
+    except Exception as e:  # a counter read must not lose a benchmark
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def reset_engine_stats(llm) -> None:
+    fn = getattr(llm, "reset_stats", None)
+    if fn is not None:
+        fn()
