@@ -445,6 +445,19 @@ def _prepare_out_dir(out: Path, state: dict, force: bool) -> bool:
     return resume
 
 
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + PARTIAL)
     tmp.write_text(json.dumps(obj, indent=1) + "\n")
@@ -516,10 +529,9 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
             assert int(down_type) == h.down_type and down_cols.shape[1] == col_bytes
             _write_layer(path, h, slots, pack_blocks(gate_rows, up_rows, down_cols, slots, h))
             del down_cols
-        T = type(layer.gate.tensor_type)
         entries.append(mf.LayerEntry(
             il=il, file=rel, gate_type=ggml_type_name(layer.gate.tensor_type),
-            up_type=ggml_type_name(layer.up.tensor_type), down_type=ggml_type_name(T(h.down_type)),
+            up_type=ggml_type_name(layer.up.tensor_type), down_type=ggml_type_name(type(layer.gate.tensor_type)(h.down_type)),
             n_blocks=h.n_blocks, block_stride=h.block_stride, block_payload=h.block_payload,
             data_offset=h.data_offset, file_size=h.file_size))
         ffn_src += layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes
@@ -535,6 +547,8 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
                          padding_waste=pad / region),
         base=mf.BaseInfo(file=BASE_NAME, size=base.stat().st_size),
         predictor=None)
+    _fsync_dir(out / FFN_DIR)                # the renames above are durable before the manifest
+    _fsync_dir(out)
     mf.save(m, out)                          # last: marks the directory complete
     (out / STATE_NAME).unlink(missing_ok=True)
     if progress and skipped:

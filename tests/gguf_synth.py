@@ -5,8 +5,9 @@
                          types={"ffn": "Q4_0"}, seed=0)
     w["blk.0.ffn_gate.weight"]      # float32 [n_ff, n_embd]: the values the file holds (dequantized)
 
-The files load in llama.cpp (checked with llama-cpp-python 0.3.36: llama and qwen2 load, tokenize
-and decode): each carries a byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
+The files load in llama.cpp (checked with llama-cpp-python 0.3.36, the project's patched build:
+llama and qwen2 load, tokenize and decode; the files are plain GGUFs, nothing patch-specific;
+tests/test_converter.py::test_llama_cpp_loads_source_and_base keeps it so): each carries a byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
 the control tokens <|endoftext|>, <|im_start|>, <|im_end|>) and the hyperparameters llama.cpp
 requires. Weights are random (a model that says nothing sensible, deterministically per seed).
 

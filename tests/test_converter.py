@@ -400,6 +400,27 @@ def test_cli(models, tmp_path, capsys):
     assert (models["llama-f32"].parent / "llama-f32.lsm" / "manifest.json").exists()
 
 
+# ---- llama.cpp loads what we write ---------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llama_cpp_loads_source_and_base(tmp_path, arch):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
+    if not hasattr(llama_cpp.llama_cpp._lib, "llama_set_ffn_builder"):
+        pytest.skip("llama-cpp-python is not the patched build (python -m leanstream_ggml.build)")
+    src = tmp_path / "m.gguf"
+    write_tiny_model(src, arch=arch, n_embd=256, n_ff=256, types={"gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"})
+    convert(src, tmp_path / "out", progress=False)
+    for path in (src, tmp_path / "out" / "base.gguf"):
+        llm = llama_cpp.Llama(str(path), n_ctx=32, n_threads=1, verbose=False)
+        try:
+            toks = llm.tokenize(b"the cat", add_bos=False)
+            assert 0 < len(toks) <= 7 and llm.n_vocab() == 267
+            llm.eval(toks)
+            assert np.isfinite(llm.scores[len(toks) - 1]).all()
+        finally:
+            llm.close()
+
+
 # ---- the real model ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
