@@ -51,7 +51,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
     t = m.totals
-    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
+    print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
+          f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
           f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}")
     return 0
 

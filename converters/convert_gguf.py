@@ -245,6 +245,19 @@ def down_columns(t, n_embd: int, n_ff: int):
     return cols.astype(np.float16).view(np.uint8), T.F16
 
 
+def _down_type(src_type, n_embd: int):
+    T = _gguf().GGMLQuantizationType
+    if src_type in (T.F32, T.F16):
+        return src_type
+    return T.Q8_0 if n_embd % 32 == 0 else T.F16
+
+
+def _down_col_bytes(src_type, n_embd: int) -> int:
+    gguf = _gguf()
+    bs, ts = gguf.GGML_QUANT_SIZES[_down_type(src_type, n_embd)]
+    return n_embd // bs * ts
+
+
 def _layer_slots(order: np.ndarray, n_blocks: int, k: int) -> np.ndarray:
     """i32 [n_blocks*k]: neuron id per slot, -1 in the last block's empty slots."""
     slots = np.full(n_blocks * k, -1, dtype="<i4")
@@ -531,7 +544,8 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
             del down_cols
         entries.append(mf.LayerEntry(
             il=il, file=rel, gate_type=ggml_type_name(layer.gate.tensor_type),
-            up_type=ggml_type_name(layer.up.tensor_type), down_type=ggml_type_name(type(layer.gate.tensor_type)(h.down_type)),
+            up_type=ggml_type_name(layer.up.tensor_type),
+            down_type=ggml_type_name(_down_type(down_type_src, n_embd)),
             n_blocks=h.n_blocks, block_stride=h.block_stride, block_payload=h.block_payload,
             data_offset=h.data_offset, file_size=h.file_size))
         ffn_src += layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes
@@ -555,16 +569,3 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
         print(f"resumed an interrupted conversion: {skipped} of {model.n_layer} layers were already complete",
               file=sys.stderr)
     return m
-
-
-def _down_type(src_type, n_embd: int):
-    T = _gguf().GGMLQuantizationType
-    if src_type in (T.F32, T.F16):
-        return src_type
-    return T.Q8_0 if n_embd % 32 == 0 else T.F16
-
-
-def _down_col_bytes(src_type, n_embd: int) -> int:
-    gguf = _gguf()
-    bs, ts = gguf.GGML_QUANT_SIZES[_down_type(src_type, n_embd)]
-    return n_embd // bs * ts

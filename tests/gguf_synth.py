@@ -7,13 +7,14 @@
 
 The files load in llama.cpp (checked with llama-cpp-python 0.3.36, the project's patched build:
 llama and qwen2 load, tokenize and decode; the files are plain GGUFs, nothing patch-specific;
-tests/test_converter.py::test_llama_cpp_loads_source_and_base keeps it so): each carries a byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
+tests/test_converter.py::test_llama_cpp_loads_source_and_base keeps it so). Each carries a
+byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
 the control tokens <|endoftext|>, <|im_start|>, <|im_end|>) and the hyperparameters llama.cpp
 requires. Weights are random (a model that says nothing sensible, deterministically per seed).
 
 Types: ``types`` maps a role to a ggml type name (or gguf.GGMLQuantizationType):
 "ffn" (gate, up, down together) or "gate" / "up" / "down" one at a time, each either a type or a
-list with one type per layer; "attn" (q, k, v, output), "embd" (token_embd), "output", "norm".
+list with one type per layer; "attn" (q, k, v, output), "embd" (token_embd), "output" (norms and biases are F32).
 Types gguf-py can quantize (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quantized from random
 normal weights; K-quants (Q2_K .. Q6_K) are random bytes with sane f16 super-block scales.
 K-quants need rows that are multiples of 256 values (n_embd, and n_ff for ffn_down).
@@ -32,7 +33,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as T
 
-DEFAULT_TYPES = {"ffn": "Q4_0", "attn": "F16", "embd": "F16", "output": "F16", "norm": "F32"}
+DEFAULT_TYPES = {"ffn": "Q4_0", "attn": "F16", "embd": "F16", "output": "F16"}
 
 # byte offsets of the f16 scale fields inside one K-quant block (ggml-common.h block_qN_K)
 _K_F16_FIELDS = {
