@@ -36,7 +36,7 @@ def _header_text() -> str:
 
 
 def _cdef_source(text: str) -> str:
-    body = text.split("// LS_CDEF_BEGIN", 1)[1].split("// LS_CDEF_END", 1)[0]
+    body = text.split("\n// LS_CDEF_BEGIN\n", 1)[1].split("\n// LS_CDEF_END\n", 1)[0]
     body = re.sub(r"\bLS_API\s+", "", body)
     return body
 

@@ -20,6 +20,7 @@
 
 // neurons whose h values and dequantized down columns are staged together (cache tile)
 #define LS_TILE 32
+static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
 static inline float act_silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float act_gelu(float x) {
@@ -55,7 +56,7 @@ static ls_status plan_layer(ls_engine * e, ls_layer * L, int64_t n_tokens, int n
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
     P->xq_bytes = xq;
-    P->work_per_thread = (size_t) LS_TILE * ((size_t) n_tokens + (size_t) in->n_embd) + 64;
+    P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 64;
     if (!grow((void **) &P->xq, &P->xq_cap, xq, 1) ||
         !grow((void **) &P->acc, &P->acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
         !grow((void **) &P->work, &P->work_cap, (size_t) nth * P->work_per_thread, sizeof(float)) ||
@@ -110,6 +111,20 @@ static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
     return s == LS_BLK_READY;
 }
 
+// acc[t] += sum_j h[j][t] * col_j over the staged neurons; t outermost keeps acc[t] in L1.
+static void flush_tile(float * restrict acc, const float * restrict h, const float * restrict cols,
+                       int n_staged, int64_t T, int64_t n_embd) {
+    for (int64_t t = 0; t < T; t++) {
+        float * restrict at = acc + (size_t) t * n_embd;
+        for (int j = 0; j < n_staged; j++) {
+            const float hv = h[(size_t) j * T + t];
+            if (hv == 0.0f) continue;
+            const float * restrict cj = cols + (size_t) j * n_embd;
+            for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
+        }
+    }
+}
+
 // One thread's share: plan entries ith, ith+nth, ... accumulated into acc [n_tokens, n_embd].
 static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * work) {
     const ls_plan * P = &e->plan;
@@ -124,30 +139,19 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
     const bool gelu = e->params.activation == LS_ACT_GELU;
 
-    float * h    = work;                          // [LS_TILE][T]   act(g)*u per staged neuron
-    float * cols = work + (size_t) LS_TILE * T;   // [LS_TILE][n_embd] dequantized down columns
+    const int64_t tile = tile_of(k);
+    float * h    = work;                          // [tile][T]      act(g)*u per staged neuron
+    float * cols = work + (size_t) tile * T;      // [tile][n_embd] dequantized down columns
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
 
     memset(acc, 0, sizeof(float) * (size_t) T * (size_t) n_embd);
 
-    for (int32_t i = ith; i <= P->n; i += nth) {
-        // flush the tile: acc[t] += sum_j h[j][t] * col_j, t outermost keeps acc[t] in L1
-        const bool last = i >= P->n;
-        if (n_staged > 0 && (last || n_staged + k > LS_TILE)) {
-            for (int64_t t = 0; t < T; t++) {
-                float * restrict at = acc + (size_t) t * n_embd;
-                for (int j = 0; j < n_staged; j++) {
-                    const float hv = h[(size_t) j * T + t];
-                    if (hv == 0.0f) continue;
-                    const float * restrict cj = cols + (size_t) j * n_embd;
-                    for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
-                }
-            }
+    for (int32_t i = ith; i < P->n; i += nth) {
+        if (n_staged + k > tile) {
+            flush_tile(acc, h, cols, n_staged, T, n_embd);
             n_staged = 0;
         }
-        if (last) break;
-
         const int32_t b = P->blocks[i];
         if (!wait_ready(L, b, &stall_ns)) continue; // failed read: reported by take_error
         const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
@@ -169,6 +173,7 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
         n_computed++;
         bytes_computed += in->block_payload;
     }
+    flush_tile(acc, h, cols, n_staged, T, n_embd);
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
     atomic_fetch_add(&L->stats.blocks_computed, n_computed);
     atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);

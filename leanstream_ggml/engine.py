@@ -1,0 +1,157 @@
+"""FFNEngine: the Python owner of one native ``ls_engine`` (a model directory's block files,
+its weight cache and I/O workers)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ._native import LeanstreamError, check, ffi, lib
+
+MODES = {
+    "dense": lib.LS_MODE_DENSE,
+    "oneshot": lib.LS_MODE_ONESHOT,
+    "dejavu+": lib.LS_MODE_DEJAVU_PLUS,
+    "powerinfer2": lib.LS_MODE_POWERINFER2,
+    "leanstream": lib.LS_MODE_LEANSTREAM,
+}
+ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
+          "tib": 1 << 40}
+
+
+def parse_bytes(value: int | float | str | None) -> int:
+    """Bytes from 123, "512MiB", "1.5GB", "800 M". None, 0 and "unlimited" mean 0 (no limit)."""
+    if value is None:
+        return 0
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"memory budget must be >= 0, got {value}")
+        return int(value)
+    s = str(value).strip().lower()
+    if s in ("", "0", "none", "unlimited", "inf"):
+        return 0
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
+    if not m or m.group(2) not in _UNITS:
+        raise ValueError(f"cannot parse memory size {value!r} (examples: 512MiB, 1.5GB, 800000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
+               "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
+               "cache_capacity"]
+
+
+def derived_stats(raw: dict) -> dict:
+    """The DESIGN §5 metrics, defined once: every report uses this."""
+    d = dict(raw)
+    d["miss_ratio"] = raw["blocks_read"] / raw["blocks_computed"] if raw["blocks_computed"] else 0.0
+    d["loading_redundancy"] = raw["bytes_unused"] / raw["bytes_computed"] if raw["bytes_computed"] else 0.0
+    d["bytes_read_per_token"] = raw["bytes_read"] / raw["tokens"] * 1.0 if raw["tokens"] else 0.0
+    d["io_stall_s"] = raw["io_stall_ns"] / 1e9
+    d["op_s"] = raw["op_ns"] / 1e9
+    d["predictor_s"] = raw["predictor_ns"] / 1e9
+    return d
+
+
+class FFNEngine:
+    """Streams and computes the FFN layers of one converted model directory."""
+
+    def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
+                 memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 4,
+                 max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}")
+        self._handle = None
+        self.n_layers = len(block_paths)
+        self._paths = [ffi.new("char[]", str(p).encode()) for p in block_paths]
+        self._path_array = ffi.new("const char *[]", self._paths)
+        p = ffi.new("ls_engine_params *")
+        lib.ls_engine_params_init(p)
+        p.n_layers = self.n_layers
+        p.block_paths = self._path_array
+        p.activation = ACTIVATIONS[activation]
+        p.mode = MODES[mode]
+        p.memory_budget = parse_bytes(memory_budget)
+        p.n_io_threads = n_io_threads
+        p.max_read_bytes = max_read_bytes
+        p.use_direct_io = 1 if direct_io else 0
+        p.test_io_delay_us = test_io_delay_us
+        out = ffi.new("ls_engine **")
+        check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
+        self._handle = out[0]
+        self.mode = mode
+        self.memory_budget = p.memory_budget
+
+    # -- ownership -------------------------------------------------------------------------
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError("FFNEngine is closed")
+        return self._handle
+
+    @property
+    def address(self) -> int:
+        """The ls_engine* as an integer (user_data of the llama.cpp FFN builder)."""
+        return int(ffi.cast("uintptr_t", self.handle))
+
+    @staticmethod
+    def builder_address() -> int:
+        """Address of ls_ffn_build, the llama_ffn_builder_t for llama_set_ffn_builder."""
+        return int(ffi.cast("uintptr_t", lib.ls_ffn_build))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            lib.ls_engine_free(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    # -- errors ----------------------------------------------------------------------------
+    def raise_pending(self) -> None:
+        """Raise the error an I/O worker or the op recorded since the last check, if any."""
+        buf = ffi.new("char[]", lib.LS_MAX_ERRMSG)
+        st = lib.ls_engine_take_error(self.handle, buf, lib.LS_MAX_ERRMSG)
+        if st != lib.LS_OK:
+            raise LeanstreamError(st, ffi.string(buf).decode(errors="replace"))
+
+    # -- compute ---------------------------------------------------------------------------
+    def layer_info(self, il: int) -> dict:
+        info = ffi.new("ls_layer_info *")
+        check(lib.ls_engine_layer_info(self.handle, il, info))
+        return {f: getattr(info, f) for f in ("n_embd", "n_ff", "neurons_per_block", "n_blocks", "gate_type",
+                                              "up_type", "down_type", "block_stride", "block_payload",
+                                              "data_offset")}
+
+    def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 1:
+            x = x[None, :]
+        y = np.empty_like(x)
+        check(lib.ls_ffn_eval(self.handle, il, ffi.cast("const float *", x.ctypes.data),
+                              ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads), f"layer {il}")
+        return y
+
+    # -- counters --------------------------------------------------------------------------
+    def stats(self, layer: int | None = None) -> dict:
+        s = ffi.new("ls_stats *")
+        check(lib.ls_engine_stats(self.handle, -1 if layer is None else layer, s))
+        return derived_stats({f: int(getattr(s, f)) for f in STAT_FIELDS})
+
+    def reset_stats(self) -> None:
+        lib.ls_engine_reset_stats(self.handle)

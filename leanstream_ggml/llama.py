@@ -1,0 +1,86 @@
+"""The drop-in ``Llama``: llama_cpp.Llama over a converted model directory.
+
+Everything llama-cpp-python does (completion, chat with the GGUF's template, streaming,
+tokenize, the server) works unchanged: the base model (every non-FFN tensor and all metadata)
+is loaded by the patched libllama, and each layer's FFN is handed to libleanstream through the
+per-context hook ``llama_set_ffn_builder``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+
+from . import manifest as manifest_mod
+from .engine import FFNEngine
+
+_lib = llama_cpp.llama_cpp._lib
+_lib.llama_set_ffn_builder.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+_lib.llama_set_ffn_builder.restype = None
+
+
+def _is_gguf_file(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+class Llama(llama_cpp.Llama):
+    """llama_cpp.Llama whose FFN layers stream from a LeanStream model directory.
+
+    Args:
+        model_path: a directory written by ``leanstream convert``.
+        memory_budget: bytes of FFN weights kept in RAM (int, or "512MiB"/"1.5GB"); None = all.
+        mode: "dense" (every neuron; exact). Sparse modes come with the streaming engine.
+        n_io_threads: I/O worker threads (reads in flight).
+        Every other argument is llama_cpp.Llama's, with the same meaning.
+    """
+
+    def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
+                 n_io_threads: int = 4, **kwargs):
+        path = Path(model_path)
+        if path.is_file() and _is_gguf_file(path):
+            raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
+                             f"    leanstream convert {model_path} {path.with_suffix('.lsm')}\n"
+                             f"then load the directory {path.with_suffix('.lsm')}")
+        if not path.is_dir():
+            raise ValueError(f"model directory does not exist: {model_path}")
+        self._engine = None
+        self.manifest = manifest_mod.load(path)
+        self.model_dir = path
+        self._engine = FFNEngine([self.manifest.layer_path(path, il) for il in range(self.manifest.n_layer)],
+                                 activation=self.manifest.activation, memory_budget=memory_budget, mode=mode,
+                                 n_io_threads=n_io_threads)
+        super().__init__(str(self.manifest.base_path(path)), **kwargs)
+        _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
+        # the op's I/O errors surface as a Python exception right after the decode that hit them
+        ctx_decode = self._ctx.decode
+
+        def decode(batch):
+            ctx_decode(batch)
+            self._engine.raise_pending()
+
+        self._ctx.decode = decode
+
+    @property
+    def engine(self) -> FFNEngine:
+        return self._engine
+
+    def stats(self, layer: int | None = None) -> dict:
+        """Engine counters (DESIGN §5): blocks computed/read, bytes, miss ratio, stalls, ..."""
+        return self._engine.stats(layer)
+
+    def reset_stats(self) -> None:
+        self._engine.reset_stats()
+
+    def close(self) -> None:
+        # the context (whose graphs point at the engine) goes first, then the engine
+        if hasattr(self, "_stack"):
+            super().close()
+        if getattr(self, "_engine", None) is not None:
+            self._engine.close()
+            self._engine = None
