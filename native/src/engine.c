@@ -103,6 +103,7 @@ static bool type_ok_for_rows(int32_t t) {
 
 static bool type_ok_for_cols(int32_t t) {
     if (t < 0 || t >= GGML_TYPE_COUNT) return false;
+    if (t == GGML_TYPE_F32) return true;
     const struct ggml_type_traits * tt = ggml_get_type_traits((enum ggml_type) t);
     return tt && tt->to_float && tt->blck_size > 0;
 }

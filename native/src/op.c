@@ -133,7 +133,7 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
     const int64_t n_embd = in->n_embd, T = P->n_tokens, k = in->neurons_per_block;
     const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
-    const ggml_to_float_t down_to_float = ggml_get_type_traits(in->down_type)->to_float;
+    const ggml_to_float_t down_to_float = in->down_type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(in->down_type)->to_float;
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
@@ -167,7 +167,11 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
                 tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu + (size_t) t * ru, 0, 1);
                 hj[t] = (gelu ? act_gelu(g) : act_silu(g)) * u;
             }
-            down_to_float(down + j * L->down_col_bytes, cols + (size_t) n_staged * n_embd, n_embd);
+            if (down_to_float) {
+                down_to_float(down + j * L->down_col_bytes, cols + (size_t) n_staged * n_embd, n_embd);
+            } else { // F32 columns
+                memcpy(cols + (size_t) n_staged * n_embd, down + j * L->down_col_bytes, sizeof(float) * (size_t) n_embd);
+            }
             n_staged++;
         }
         n_computed++;

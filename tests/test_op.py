@@ -1,0 +1,174 @@
+"""The native streamed FFN op (dense mode) against the numpy reference over the same block files.
+
+Error bound: the reference rounds x exactly as ggml does before its quantized dot products
+(leanstream_ggml.reference.round_like_ggml) and computes in float64, so what is left is f32
+summation order inside ggml's vec_dot kernels and in the down accumulation:
+|y - ref| <= 1e-3 * max|ref|. One exception: for Q4_1/Q5_1 weights ggml's Q8_1 activation blocks
+also carry their sum s = d*sum(q) rounded to f16, which multiplies the weights' per-block minimum;
+the reference does not model that rounding (2^-11 relative on s), so those types get 5e-3.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from converters import blockfile, convert
+from gguf_synth import write_tiny_model
+from leanstream_ggml._native import LeanstreamError
+from leanstream_ggml.engine import FFNEngine, parse_bytes
+from leanstream_ggml.reference import ffn_reference, load_layer
+
+N_EMBD, N_FF, N_LAYER = 256, 512, 2
+
+
+def _model(tmp_path_factory, types: dict, k: int = 1, shuffle: bool = False):
+    d = tmp_path_factory.mktemp("m")
+    src = d / "tiny.gguf"
+    write_tiny_model(src, arch="llama", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF, types=types, seed=1)
+    perm = None
+    if shuffle:
+        rng = np.random.default_rng(7)
+        perm = {il: rng.permutation(N_FF) for il in range(N_LAYER)}
+    m = convert(src, d / "lsm", k=k, progress=False, permutation=perm)
+    return [m.layer_path(d / "lsm", il) for il in range(N_LAYER)]
+
+
+TYPE_CASES = {
+    "f32": {"ffn": "F32"},
+    "f16": {"ffn": "F16"},
+    "q4_0": {"ffn": "Q4_0"},
+    "q4_1": {"ffn": "Q4_1"},
+    "q8_0": {"ffn": "Q8_0"},
+    "q4_K-q6_K": {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+    "q5_0-q8_0-mixed": {"gate": "Q5_0", "up": "Q8_0", "down": "Q4_1"},
+}
+
+
+@pytest.fixture(scope="module", params=list(TYPE_CASES))
+def paths(request, tmp_path_factory):
+    return _model(tmp_path_factory, TYPE_CASES[request.param])
+
+
+@pytest.fixture(scope="module")
+def shuffled_k3(tmp_path_factory):
+    return _model(tmp_path_factory, {"ffn": "Q4_0"}, k=3, shuffle=True)
+
+
+def _x(n_tokens, seed=0):
+    return np.random.default_rng(seed).standard_normal((n_tokens, N_EMBD)).astype(np.float32)
+
+
+Q8_1_DOT = {3, 7}  # Q4_1, Q5_1
+
+
+def _check(y, ref, w=None):
+    rtol = 5e-3 if w is not None and {w.gate_type, w.up_type} & Q8_1_DOT else 1e-3
+    err = np.abs(y - ref).max()
+    assert err <= rtol * np.abs(ref).max() + 1e-5, f"max err {err}, max |ref| {np.abs(ref).max()}"
+
+
+@pytest.mark.parametrize("n_tokens", [1, 7])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_dense_matches_reference(paths, n_tokens, n_threads):
+    with FFNEngine(paths) as e:
+        for il in range(N_LAYER):
+            x = _x(n_tokens, il)
+            w = load_layer(paths[il])
+            _check(e.eval_layer(il, x, n_threads=n_threads), ffn_reference(w, x), w)
+
+
+def test_grouped_shuffled_blocks(shuffled_k3):
+    # k=3 with a per-layer permutation and a padding slot in the last block (512 = 3*170 + 2)
+    with FFNEngine(shuffled_k3) as e:
+        assert e.layer_info(0)["neurons_per_block"] == 3
+        for il in range(N_LAYER):
+            x = _x(5, il)
+            _check(e.eval_layer(il, x, n_threads=2), ffn_reference(load_layer(shuffled_k3[il]), x))
+
+
+def test_streamed_equals_cached_under_random_io_delays(shuffled_k3):
+    """Budget of one layer (every call re-reads) + random I/O delays: bit-identical output."""
+    x = _x(3)
+    layer_bytes = load_layer(shuffled_k3[0]).perm.size // 3 * blockfile.read_header(shuffled_k3[0]).block_stride
+    with FFNEngine(shuffled_k3) as cached, \
+            FFNEngine(shuffled_k3, memory_budget=layer_bytes, test_io_delay_us=300, n_io_threads=3,
+                      max_read_bytes=8192) as streamed:
+        for _ in range(2):
+            for il in range(N_LAYER):
+                a = cached.eval_layer(il, x, n_threads=2)
+                b = streamed.eval_layer(il, x, n_threads=2)
+                assert np.array_equal(a, b)
+        s = streamed.stats()
+        assert s["miss_ratio"] == 1.0                     # nothing fits twice: every block re-read
+        assert s["cache_bytes"] <= s["cache_capacity"] <= layer_bytes
+        assert s["reads_issued"] > s["op_calls"]          # reads were split (8 KiB max), in flight together
+        c = cached.stats()
+        assert c["blocks_read"] == c["blocks_computed"] / 2  # read once, kept: second pass all hits
+        assert c["loading_redundancy"] == 0.0
+
+
+def test_budget_too_small_is_a_clear_error(shuffled_k3):
+    with pytest.raises(LeanstreamError, match="too small"):
+        FFNEngine(shuffled_k3, memory_budget="64KiB")
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "truncate_header", "truncate_data", "perm"])
+def test_malformed_block_file_rejected(tmp_path, shuffled_k3, damage):
+    bad = tmp_path / "blk.1.bin"
+    shutil.copy(shuffled_k3[1], bad)
+    h = blockfile.read_header(bad)
+    with open(bad, "r+b") as f:
+        if damage == "magic":
+            f.write(b"NOTBLOCK")
+        elif damage == "version":
+            f.seek(8), f.write((99).to_bytes(4, "little"))
+        elif damage == "truncate_header":
+            f.truncate(100)
+        elif damage == "truncate_data":
+            f.truncate(h.file_size - 1000)
+        elif damage == "perm":
+            f.seek(h.perm_offset), f.write((0).to_bytes(4, "little") * 2)  # neuron 0 twice
+    with pytest.raises(LeanstreamError, match="blk.1.bin"):
+        FFNEngine([shuffled_k3[0], bad])
+
+
+def test_short_read_becomes_an_error_and_the_next_call_works(tmp_path, shuffled_k3):
+    p0 = tmp_path / "blk.0.bin"
+    p1 = tmp_path / "blk.1.bin"
+    shutil.copy(shuffled_k3[0], p0)
+    shutil.copy(shuffled_k3[1], p1)
+    h = blockfile.read_header(p1)
+    layer_bytes = h.n_blocks * h.block_stride
+    x = _x(2)
+    with FFNEngine([p0, p1], memory_budget=layer_bytes) as e:
+        good = e.eval_layer(1, x)
+        e.eval_layer(0, x)  # evicts layer 1: the next call on it must read again
+        data = p1.read_bytes()
+        os.truncate(p1, h.data_offset + 10 * h.block_stride)  # the file shrinks under the engine
+        with pytest.raises(LeanstreamError, match=r"blk\.1\.bin.*offset"):
+            e.eval_layer(1, x)
+        p1.write_bytes(data)
+        assert np.array_equal(e.eval_layer(1, x), good)
+
+
+def test_owner_lifetime(shuffled_k3):
+    e = FFNEngine(shuffled_k3)
+    e.close()
+    e.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        e.eval_layer(0, _x(1))
+
+
+@pytest.mark.parametrize("text,value", [("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), (4096, 4096),
+                                        ("800 k", 800_000), (None, 0), ("unlimited", 0)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_garbage():
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_bytes("lots")
