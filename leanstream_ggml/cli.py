@@ -11,6 +11,7 @@ import sys
 COMMAND_MODULES = [
     "converters.cli",            # convert, info
     "leanstream_ggml.chat",      # chat
+    "leanstream_ggml.harness.cli",  # bench, perplexity
 ]
 
 

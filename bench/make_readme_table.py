@@ -1,0 +1,93 @@
+"""Markdown tables for the README from side-by-side JSON files (bench/side_by_side.py --out).
+
+    python bench/make_readme_table.py bench/results/side_by_side-*.json
+
+One table per JSON file: a header line (model, machine class, date, settings), then one row per
+memory limit with, for each system, decode tok/s, peak RSS and disk bytes read per decode token;
+failed runs show their status (oom, timeout, error, skipped). Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _mb(n) -> str:
+    if n is None:
+        return "–"
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.0f} MB"
+
+
+def _limit(n) -> str:
+    return "none" if n is None else f"{n / 1e6:.0f} MB"
+
+
+def _system_name(s: str) -> str:
+    return "stock" if s == "stock" else f"leanstream {s}"
+
+
+def table(doc: dict) -> str:
+    m, st = doc["machine"], doc["settings"]
+    cg = doc["cgroup"]
+    head = (f"**{doc['model']}** ({_mb(doc['model_bytes'])}) — {m['cores']}-core {m['cpu']}, "
+            f"{_mb(m.get('mem_total_bytes'))} RAM, {m['date']}; {st['n_threads']} threads, "
+            f"prompt {st['n_prompt']} / generate {st['n_gen']} tokens, median of {st['repetitions']}, "
+            f"n_ctx {st['n_ctx']}; page cache dropped before each run: {'yes' if st['page_cache_dropped'] else 'no'}; "
+            + ("limits: a child memory cgroup per run (v1 memory.limit_in_bytes, page cache included)."
+               if cg["writable"] else f"**no limits applied** (cgroups not writable: {cg.get('reason')})."))
+    if doc.get("stock"):
+        head += f" Stock = {doc['stock']}."
+    systems = doc["systems"]
+    cols = ["memory limit"]
+    for s in systems:
+        n = _system_name(s)
+        cols += [f"{n} decode tok/s", f"{n} peak RSS", f"{n} disk/token"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
+    for lim in doc["limits_bytes"]:
+        row = [_limit(lim)]
+        for s in systems:
+            e = next((e for e in doc["runs"] if e["system"] == s and e["limit_bytes"] == lim), None)
+            if e is None:
+                row += ["–"] * 3
+            elif e["status"] != "ok" or not e.get("result"):
+                row += [e["status"], "–", "–"]
+            else:
+                r = e["result"]
+                dec = r.get("decode_tok_s")
+                per_tok = r.get("disk_read_bytes_per_decode_token")
+                row += [f"{dec:.2f}" if dec is not None else "–", _mb(r.get("peak_rss_bytes")), _mb(per_tok)]
+        lines.append("| " + " | ".join(row) + " |")
+    budgets = {e["system"]: e.get("plugin_reserve_bytes") for e in doc["runs"] if e.get("plugin_reserve_bytes")}
+    how = {s: v.get("how") for s, v in (st.get("plugin_reserve") or {}).items()}
+    if budgets:
+        lines += ["", "LeanStream runs under a limit L get memory_budget = L − reserve for their FFN weight cache "
+                  "(reserve: " + "; ".join(f"{s} {_mb(b)}" + (f", {how[s]}" if how.get(s) else "")
+                                          for s, b in budgets.items()) + ")."]
+    match = [(e["system"], _limit(e["limit_bytes"]), e.get("greedy_match_vs_stock")) for e in doc["runs"]
+             if e["system"] != "stock" and e.get("greedy_match_vs_stock") is not None]
+    if match:
+        worst = min(match, key=lambda t: t[2])
+        lines += [f"Correctness check: greedy continuations identical to stock's for "
+                  f"{sum(1 for t in match if t[2] == 1.0)}/{len(match)} LeanStream runs "
+                  f"(lowest match {worst[2]:.2f}: {worst[0]} at {worst[1]})."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    paths = (argv if argv is not None else sys.argv[1:])
+    if not paths:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = []
+    for p in paths:
+        out.append(table(json.loads(Path(p).read_text())))
+    print("\n\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Side by side under whole-process memory limits: stock llama-cpp-python vs LeanStream modes.
+
+    python bench/side_by_side.py --model qwen2.5-coder-1.5b-instruct \
+        --limits none,1500MB,1200MB,1000MB,900MB --systems stock,dense \
+        --out bench/results/side_by_side-qwen2.5-1.5b.json --plot bench/results/side_by_side-qwen2.5-1.5b.png
+
+For every memory limit (largest first) and every system (interleaved, so all systems of one
+limit run back to back under the same machine conditions):
+
+1. the page cache of that system's model files is dropped (posix_fadvise DONTNEED; what stays
+   resident, e.g. pages another process has mapped, is measured with mincore and recorded);
+2. `leanstream bench MODEL --json` runs in a fresh process inside its own child memory cgroup
+   (leanstream_ggml/harness/cgroup.py: the forked child enters the cgroup before exec, so the
+   whole process, page cache of the mmap'd GGUF included, is charged and limited);
+3. its JSON, the cgroup's peak and OOM counters, and "oom" / "timeout" / "error" are recorded.
+
+Systems: "stock" = llama_cpp.Llama on the GGUF with mmap (llama-cpp-python's defaults);
+any other name is a LeanStream engine mode on the converted model directory ("dense", "oneshot",
+"dejavu+", "powerinfer2", "leanstream"). All get the same n_ctx, n_batch, threads, prompt and
+lengths. A LeanStream run under limit L gets ``memory_budget = L - reserve`` for its FFN weight
+cache, and no budget without a limit. The reserve (non-FFN weights, KV cache, compute buffers,
+Python) is measured: the same mode's peak RSS without a limit minus the bytes its cache held,
+plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
+
+Prints one JSON document; writes it to --out and the plot (decode tok/s vs memory limit, one
+line per system: the paper's Fig. 8) to --plot. Where cgroups are not writable it says so in the
+JSON and on stderr, and runs each system once without a limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from leanstream_ggml.harness import cgroup, measure  # noqa: E402
+
+STOCK = "stock"
+
+
+def log(msg: str) -> None:
+    print(f"[side_by_side {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_limits(text: str) -> list[int | None]:
+    """"none,1500MB,1.2GB" -> [None, 1500000000, 1200000000], largest first, None (no limit) first."""
+    vals = [measure.parse_size(x) for x in text.split(",") if x.strip()]
+    uniq = list(dict.fromkeys(vals))
+    return sorted(uniq, key=lambda v: (v is not None, -(v or 0)))
+
+
+def parse_systems(text: str) -> list[str]:
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    if not out:
+        raise ValueError("no systems given")
+    return list(dict.fromkeys(out))
+
+
+def extract_json(stdout: str) -> dict | None:
+    """The last line of stdout that parses as a JSON object (`leanstream bench --json` prints one)."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def plugin_budget(limit: int | None, reserve: int) -> int | None:
+    if limit is None:
+        return None
+    return max(limit - reserve, 0)
+
+
+RESERVE_MARGIN = 32 * 2**20
+
+
+def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | None) -> tuple[int, str]:
+    """Bytes a LeanStream run needs besides its FFN weight cache. Measured where possible: the
+    peak RSS of the same mode without a limit minus the bytes its cache held, plus a margin."""
+    if fixed is not None:
+        return fixed, "--reserve"
+    if unlimited_run is not None:
+        cache = (unlimited_run.get("engine_total") or {}).get("cache_bytes")
+        peak = unlimited_run.get("peak_rss_bytes")
+        if cache is not None and peak:
+            return max(peak - int(cache), 0) + RESERVE_MARGIN, "measured: unlimited peak RSS - cache_bytes + 32 MiB"
+    from leanstream_ggml import manifest
+
+    return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
+
+
+def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None) -> Path:
+    """The converted directory: --model-dir, else the converter's default location, converted on
+    first use."""
+    from leanstream_ggml import manifest, models
+
+    if model_dir:
+        out = Path(model_dir)
+    elif model_arg in models.RECIPES:
+        out = models.models_dir() / f"{model_arg}.lsm"
+    else:
+        out = gguf.with_suffix(".lsm")
+    try:
+        manifest.load(out)
+        return out
+    except Exception:
+        pass
+    log(f"converting {gguf} -> {out}")
+    import converters
+
+    converters.convert(gguf, out)
+    return out
+
+
+def bench_command(model: Path, system: str, args, budget: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "bench", str(model), "--json",
+           "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
+           "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
+    if system == STOCK:
+        cmd += ["--system", "stock"]
+    else:
+        cmd += ["--system", "leanstream", "--mode", system]
+        if budget is not None:
+            cmd += ["--memory-budget", str(budget)]
+    return cmd
+
+
+def summarize(bench_json: dict) -> dict:
+    """The fields of `leanstream bench --json` the side-by-side report keeps."""
+    keep = ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "rss_after_load_bytes", "load_s",
+            "disk_read_bytes_load", "disk_read_bytes_total", "disk_read_bytes_per_decode_token",
+            "memory_budget_bytes", "engine_decode", "generated", "repetitions", "stock", "model_bytes")
+    return {k: bench_json.get(k) for k in keep}
+
+
+def greedy_match(a: list[int] | None, b: list[int] | None) -> float | None:
+    """Fraction of the greedy continuation identical to the reference before the first difference."""
+    if not a or not b:
+        return None
+    n = min(len(a), len(b))
+    k = next((i for i in range(n) if a[i] != b[i]), n)
+    return k / n
+
+
+def run(args) -> dict:
+    from leanstream_ggml import models
+
+    gguf = models.resolve(args.model)
+    systems = parse_systems(args.systems)
+    limits = parse_limits(args.limits)
+    lean_modes = [s for s in systems if s != STOCK]
+    model_dir = resolve_model_dir(gguf, args.model, args.model_dir) if lean_modes else None
+    fixed_reserve = measure.parse_size(args.reserve) if args.reserve else None
+    reserve_of: dict[str, tuple[int, str]] = {}  # mode -> (reserve bytes, how it was chosen)
+
+    ok, where = cgroup.availability()
+    if not ok:
+        log(f"cgroups not writable: {where}; running every system once WITHOUT a memory limit")
+        limits = [None]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+
+    runs = []
+    for limit in limits:
+        for system in systems:
+            path = gguf if system == STOCK else model_dir
+            files = measure.model_files(path)
+            if not args.no_drop_cache:
+                measure.drop_page_cache(files)
+            resident = [measure.resident_bytes(f) for f in files]
+            resident = None if any(r is None for r in resident) else sum(resident)
+            reserve = None
+            if system != STOCK and limit is not None:
+                reserve, how = reserve_of.get(system) or choose_reserve(fixed_reserve, model_dir, None)
+            budget = None if system == STOCK else plugin_budget(limit, reserve)
+            entry = {"system": system, "limit_bytes": limit,
+                     "memory_budget_bytes": budget, "plugin_reserve_bytes": reserve,
+                     "page_cache_resident_at_start_bytes": resident,
+                     "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
+            if system != STOCK and limit is not None and budget == 0:
+                entry.update(status="skipped", reason=f"limit below the reserve ({measure.format_size(reserve)})")
+                runs.append(entry)
+                log(f"{system:>10} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
+                continue
+            cmd = bench_command(path, system, args, budget)
+            res = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=args.timeout, env=env, cwd=str(REPO))
+            entry.update(res.to_dict())
+            bj = extract_json(res.stdout) if res.status == "ok" else None
+            if res.status == "ok" and bj is None:
+                entry.update(status="error", stderr_tail="no JSON on stdout\n" + res.stderr[-2000:])
+            if bj is not None:
+                entry["result"] = summarize(bj)
+                if system != STOCK and limit is None and system not in reserve_of:
+                    reserve_of[system] = choose_reserve(fixed_reserve, model_dir, bj)
+            runs.append(entry)
+            r = entry.get("result") or {}
+            log(f"{system:>10} @ {measure.format_size(limit):>7}: {entry['status']:>7} "
+                f"decode {r.get('decode_tok_s') or 0:7.2f} tok/s  prefill {r.get('prefill_tok_s') or 0:7.1f} tok/s  "
+                f"peak RSS {measure.format_size(r.get('peak_rss_bytes'))}  "
+                f"cgroup peak {measure.format_size(entry['cgroup'].get('max_usage_bytes'))}  "
+                f"disk/decode-token {measure.format_size(int(r['disk_read_bytes_per_decode_token'])) if r.get('disk_read_bytes_per_decode_token') is not None else 'n/a'}  "
+                f"({entry['wall_s']:.0f} s)")
+
+    # correctness before speed: each run's greedy continuation against stock's without a limit
+    ref = next((e["result"]["generated"] for e in runs
+                if e["system"] == STOCK and e.get("result") and e["limit_bytes"] is None), None)
+    ref = ref or next((e["result"]["generated"] for e in runs if e["system"] == STOCK and e.get("result")), None)
+    for e in runs:
+        if e.get("result"):
+            e["greedy_match_vs_stock"] = greedy_match(e["result"]["generated"], ref)
+
+    stock_desc = next((e["result"]["stock"] for e in runs if e.get("result")), None)
+    return {
+        "benchmark": "side_by_side",
+        "model": gguf.name,
+        "model_path": str(gguf),
+        "model_bytes": gguf.stat().st_size,
+        "model_dir": str(model_dir) if model_dir else None,
+        "model_dir_bytes": measure.files_size(measure.model_files(model_dir)) if model_dir else None,
+        "stock": stock_desc,
+        "systems": systems,
+        "limits_bytes": limits,
+        "cgroup": {"writable": ok, ("path" if ok else "reason"): where,
+                   "note": "each run in its own child memory cgroup (v1) under ours; memory.limit_in_bytes "
+                           "= the limit (memsw too where present), page cache included"
+                   if ok else "no limits applied"},
+        "settings": {"n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+                     "n_ctx": args.ctx_size, "n_batch": args.batch_size, "n_threads": args.threads,
+                     "timeout_s": args.timeout,
+                     "plugin_reserve": {m: {"bytes": r, "how": how} for m, (r, how) in reserve_of.items()},
+                     "page_cache_dropped": not args.no_drop_cache,
+                     "prompt": "bundled held-out technical text (leanstream_ggml/harness/data)"},
+        "machine": measure.machine_info(),
+        "runs": runs,
+    }
+
+
+def plot(doc: dict, path: str) -> None:
+    """Decode tok/s vs memory limit, one line per system; failed runs marked at 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    limited = sorted({e["limit_bytes"] for e in doc["runs"] if e["limit_bytes"] is not None})
+    top = (max(limited) if limited else 10**9) / 1e6
+    x_none = top * 1.2 if limited else 1.0  # "no limit" sits to the right of the largest limit
+
+    def xpos(lim):
+        return x_none if lim is None else lim / 1e6
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for system in doc["systems"]:
+        pts = sorted(((xpos(e["limit_bytes"]), (e.get("result") or {}).get("decode_tok_s"), e["status"])
+                      for e in doc["runs"] if e["system"] == system), key=lambda t: t[0])
+        good = [(x, y) for x, y, s in pts if s == "ok" and y is not None]
+        label = "stock llama-cpp-python (mmap)" if system == STOCK else f"leanstream {system}"
+        line, = ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", label=label)
+        bad = [(x, s) for x, y, s in pts if s not in ("ok",)]
+        for x, s in bad:
+            ax.plot([x], [0], marker="x", color=line.get_color(), markersize=9)
+            ax.annotate(s, (x, 0), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
+                        color=line.get_color())
+    ticks = [lim / 1e6 for lim in limited] + [x_none]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:.0f}" for t in ticks[:-1]] + ["none"], rotation=45 if len(ticks) > 6 else 0)
+    ax.set_xlabel("whole-process memory limit (MB, cgroup)" if doc["cgroup"]["writable"]
+                  else "memory limit (NOT applied: cgroups not writable)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_ylim(bottom=0)
+    m = doc["machine"]
+    ax.set_title(f"{doc['model']}\n{m['cores']} cores {m['cpu']}, {doc['settings']['n_threads']} threads, "
+                 f"{m['date']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="GGUF path or model recipe name")
+    ap.add_argument("--model-dir", default=None, help="converted model directory (default: converted on first use)")
+    ap.add_argument("--systems", default="stock,dense", help="comma list: stock and/or LeanStream modes")
+    ap.add_argument("--limits", default="none,300MB,200MB,150MB",
+                    help="comma list of whole-process memory limits (none = no limit)")
+    ap.add_argument("-p", "--n-prompt", type=int, default=64)
+    ap.add_argument("-n", "--n-gen", type=int, default=16)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("-c", "--ctx-size", type=int, default=512)
+    ap.add_argument("-b", "--batch-size", type=int, default=512)
+    ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--reserve", default=None,
+                    help="memory a LeanStream run keeps outside its weight budget (default: measured, see above)")
+    ap.add_argument("--timeout", type=float, default=900, help="wall-clock cap per run (s); past it: 'timeout'")
+    ap.add_argument("--no-drop-cache", action="store_true", help="keep the model files' page cache (warm runs)")
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--plot", default=None, help="write the PNG plot here")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    doc = run(args)
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot(doc, args.plot)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
