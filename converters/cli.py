@@ -44,6 +44,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
     out = Path(args.out_dir) if args.out_dir else _default_out(args.model, src)
+    if args.model is None and args.out_dir is None and not args.force:
+        from leanstream_ggml.manifest import ManifestError, load
+
+        try:
+            load(out)
+            print(f"{out}: the default model is already converted (use --force to convert it again)")
+            return 0
+        except ManifestError:
+            pass
     t0 = time.perf_counter()
     try:
         m = convert(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet)

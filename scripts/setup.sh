@@ -14,5 +14,7 @@ done
 "$VENV/bin/python" -m pip install -q "scikit-build-core[pyproject]>=0.9.2" "typing-extensions>=4.5.0" \
   "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3"
 "$VENV/bin/python" -m leanstream_ggml.build
-"$VENV/bin/python" -m pip install -q -e ".[train,test]"
+# torch pinned to the CPU build (a bare "torch" can resolve to a multi-GB CUDA build)
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[train,test,bench]"
 echo "setup: done. Activate with: source $VENV/bin/activate"

@@ -45,7 +45,7 @@ ls_status ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t 
     }
     c->n_free = n_slots;
     c->lru_head = c->lru_tail = -1;
-    (void) total_blocks;
+    c->never_evicts = n_slots >= total_blocks;
     return LS_OK;
 }
 

@@ -160,6 +160,7 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     const char * bad = NULL;
     if (file_il != (uint32_t) il) bad = "layer index does not match its position";
     else if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) bad = "zero dimension";
+    else if (k > 256) bad = "more than 256 neurons per block";
     else if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) bad = "n_blocks != ceil(n_ff / k)";
     else if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) bad = "unsupported gate/up type";
     else if (!type_ok_for_cols(in->down_type)) bad = "unsupported down column type";

@@ -36,6 +36,7 @@ typedef struct ls_layer {
     uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
     int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
     _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
+    bool               pinned_forever;  // every block resident in a cache that never evicts
     ls_layer_stats     stats;
 } ls_layer;
 
@@ -74,6 +75,7 @@ typedef struct ls_cache {
     int32_t *  free_list;       // stack of free slots
     int32_t    n_free;
     int32_t    n_resident;
+    bool       never_evicts;    // one slot per block of the model (budget covers the whole FFN)
 } ls_cache;
 
 typedef struct ls_barrier {

@@ -14,12 +14,14 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
+#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 // neurons whose h values and dequantized down columns are staged together (cache tile)
 #define LS_TILE 32
+#define LS_TILE_MAX 256 // k above this is refused at load
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
 static inline float act_silu(float x) { return x / (1.0f + expf(-x)); }
@@ -65,6 +67,11 @@ static ls_status plan_layer(ls_engine * e, ls_layer * L, int64_t n_tokens, int n
     }
 
     // dense: every block, in file order (sequential reads merge into large ones)
+    if (L->pinned_forever) { // resident for good: no pinning, no LRU bookkeeping per token
+        for (int32_t b = 0; b < in->n_blocks; b++) P->blocks[b] = b;
+        P->n = in->n_blocks;
+        return LS_OK;
+    }
     int32_t * missing = malloc(sizeof(int32_t) * (size_t) in->n_blocks);
     if (!missing) return LS_ERR_NOMEM;
     int32_t n_missing = 0;
@@ -111,6 +118,43 @@ static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
     return s == LS_BLK_READY;
 }
 
+// ---- down-projection kernels: acc += h * column --------------------------------------------
+// Q8_0 columns (the converter's default) get fused AVX2 kernels: block = {f16 d; int8 q[32]}.
+
+typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;
+
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+
+// acc[0..n) += sum_{j<m} h[j] * dequant(col_j): one load/store of acc per 8 columns
+static void axpy_q8_0_multi(float * restrict acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
+    for (int j0 = 0; j0 < m; j0 += 8) {
+        const int mj = m - j0 < 8 ? m - j0 : 8;
+        for (int64_t b = 0; b < n / 32; b++) {
+            __m256 s[8];
+            for (int j = 0; j < mj; j++) s[j] = _mm256_set1_ps(h[j0 + j] * f16_to_f32(cols[j0 + j][b].d));
+            float * a = acc + b * 32;
+            for (int i = 0; i < 32; i += 8) {
+                __m256 v = _mm256_loadu_ps(a + i);
+                for (int j = 0; j < mj; j++) {
+                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (cols[j0 + j][b].qs + i))));
+                    v = _mm256_fmadd_ps(s[j], q, v);
+                }
+                _mm256_storeu_ps(a + i, v);
+            }
+        }
+    }
+}
+
+static void dequant_q8_0(float * restrict out, const ls_block_q8_0 * restrict col, int64_t n) {
+    for (int64_t b = 0; b < n / 32; b++) {
+        const __m256 s = _mm256_set1_ps(f16_to_f32(col[b].d));
+        for (int i = 0; i < 32; i += 8) {
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (col[b].qs + i))));
+            _mm256_storeu_ps(out + b * 32 + i, _mm256_mul_ps(s, q));
+        }
+    }
+}
+
 // acc[t] += sum_j h[j][t] * col_j over the staged neurons; t outermost keeps acc[t] in L1.
 static void flush_tile(float * restrict acc, const float * restrict h, const float * restrict cols,
                        int n_staged, int64_t T, int64_t n_embd) {
@@ -122,6 +166,20 @@ static void flush_tile(float * restrict acc, const float * restrict h, const flo
             const float * restrict cj = cols + (size_t) j * n_embd;
             for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
         }
+    }
+}
+
+static void flush(float * acc, const float * h, const float * cols, const ls_block_q8_0 * const * qcols,
+                  int n_staged, int64_t T, int64_t n_embd, bool direct) {
+    if (n_staged == 0) return;
+    if (!direct) {
+        flush_tile(acc, h, cols, n_staged, T, n_embd);
+        return;
+    }
+    float hs[LS_TILE_MAX];
+    for (int64_t t = 0; t < T; t++) {
+        for (int j = 0; j < n_staged; j++) hs[j] = h[(size_t) j * T + t];
+        axpy_q8_0_multi(acc + (size_t) t * n_embd, hs, qcols, n_staged, n_embd);
     }
 }
 
@@ -138,10 +196,13 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
     const bool gelu = e->params.activation == LS_ACT_GELU;
+    // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
+    const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
 
     const int64_t tile = tile_of(k);
     float * h    = work;                          // [tile][T]      act(g)*u per staged neuron
     float * cols = work + (size_t) tile * T;      // [tile][n_embd] dequantized down columns
+    const ls_block_q8_0 * qcols[LS_TILE_MAX]; // direct mode: staged int8 columns
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
 
@@ -149,7 +210,7 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
 
     for (int32_t i = ith; i < P->n; i += nth) {
         if (n_staged + k > tile) {
-            flush_tile(acc, h, cols, n_staged, T, n_embd);
+            flush(acc, h, cols, qcols, n_staged, T, n_embd, direct);
             n_staged = 0;
         }
         const int32_t b = P->blocks[i];
@@ -167,17 +228,25 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
                 tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu + (size_t) t * ru, 0, 1);
                 hj[t] = (gelu ? act_gelu(g) : act_silu(g)) * u;
             }
-            if (down_to_float) {
-                down_to_float(down + j * L->down_col_bytes, cols + (size_t) n_staged * n_embd, n_embd);
+            const uint8_t * col = down + j * L->down_col_bytes;
+            if (direct) { // decode: stage the int8 column itself, flushed by axpy_q8_0_multi
+                qcols[n_staged++] = (const ls_block_q8_0 *) col;
+                continue;
+            }
+            float * cj = cols + (size_t) n_staged * n_embd;
+            if (in->down_type == GGML_TYPE_Q8_0) {
+                dequant_q8_0(cj, (const ls_block_q8_0 *) col, n_embd);
+            } else if (down_to_float) {
+                down_to_float(col, cj, n_embd);
             } else { // F32 columns
-                memcpy(cols + (size_t) n_staged * n_embd, down + j * L->down_col_bytes, sizeof(float) * (size_t) n_embd);
+                memcpy(cj, col, sizeof(float) * (size_t) n_embd);
             }
             n_staged++;
         }
         n_computed++;
         bytes_computed += in->block_payload;
     }
-    flush_tile(acc, h, cols, n_staged, T, n_embd);
+    flush(acc, h, cols, qcols, n_staged, T, n_embd, direct);
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
     atomic_fetch_add(&L->stats.blocks_computed, n_computed);
     atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);
@@ -222,12 +291,18 @@ static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_st
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
-        for (int32_t i = 0; i < P->n; i++) {
+        bool all_ready = true;
+        for (int32_t i = 0; i < P->n && !L->pinned_forever; i++) {
             const int32_t b = P->blocks[i];
             const int32_t s = atomic_load_explicit(&L->state[b], memory_order_acquire);
-            if (s == LS_BLK_READY) ls_cache_release(e, L, b, true);
-            else ls_cache_drop(e, L, b); // failed read: free the slot, the next call re-reads
+            if (s == LS_BLK_READY) {
+                ls_cache_release(e, L, b, true);
+            } else {
+                ls_cache_drop(e, L, b); // failed read: free the slot, the next call re-reads
+                all_ready = false;
+            }
         }
+        if (e->cache.never_evicts && all_ready && P->n == L->info.n_blocks) L->pinned_forever = true;
         atomic_fetch_add(&L->stats.op_calls, 1);
         atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
         atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
