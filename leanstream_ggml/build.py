@@ -157,7 +157,7 @@ def build_native(llama_lib: Path) -> Path:
     """Compile native/ against the patched ggml; the result goes to leanstream_ggml/_lib/."""
     _require_tools()
     inc = llama_build_dir() / "include"
-    bdir = cache_dir() / "native-build" / build_key()
+    bdir = REPO / "build" / f"native-{build_key()}"  # per checkout (CMake caches its source dir)
     bdir.mkdir(parents=True, exist_ok=True)
     _run(["cmake", "-S", str(NATIVE_DIR), "-B", str(bdir), "-DCMAKE_BUILD_TYPE=Release",
           f"-DLEANSTREAM_GGML_INCLUDE={inc}", f"-DLEANSTREAM_GGML_LIBDIR={llama_lib}"],
