@@ -44,7 +44,7 @@ def parse_bytes(value: int | float | str | None) -> int:
 
 STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
                "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
-               "cache_capacity"]
+               "cache_capacity", "blocks_prefetched", "refinements", "direct_io"]
 
 
 def derived_stats(raw: dict) -> dict:
@@ -64,7 +64,9 @@ class FFNEngine:
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
                  memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 4,
-                 max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0):
+                 max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0,
+                 sparsity: float = 0.0, n_stages: int = 8,
+                 predictor_paths: Sequence[str | Path | None] | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if activation not in ACTIVATIONS:
@@ -84,10 +86,19 @@ class FFNEngine:
         p.max_read_bytes = max_read_bytes
         p.use_direct_io = 1 if direct_io else 0
         p.test_io_delay_us = test_io_delay_us
+        p.sparsity = sparsity
+        p.n_stages = n_stages
+        if predictor_paths is not None:
+            if len(predictor_paths) != self.n_layers:
+                raise ValueError(f"{len(predictor_paths)} predictor paths for {self.n_layers} layers")
+            self._pred = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in predictor_paths]
+            self._pred_array = ffi.new("const char *[]", self._pred)
+            p.predictor_paths = self._pred_array
         out = ffi.new("ls_engine **")
         check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
         self._handle = out[0]
         self.mode = mode
+        self.sparsity = sparsity
         self.memory_budget = p.memory_budget
 
     # -- ownership -------------------------------------------------------------------------
@@ -137,15 +148,37 @@ class FFNEngine:
                                               "up_type", "down_type", "block_stride", "block_payload",
                                               "data_offset")}
 
-    def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
-        """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op."""
+    def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1, x_res: np.ndarray | None = None) -> np.ndarray:
+        """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op. x_res
+        [n_embd]: the residual entering the FFN (what sparse modes feed their predictors)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim == 1:
             x = x[None, :]
         y = np.empty_like(x)
-        check(lib.ls_ffn_eval(self.handle, il, ffi.cast("const float *", x.ctypes.data),
-                              ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads), f"layer {il}")
+        res = ffi.NULL
+        if x_res is not None:
+            x_res = np.ascontiguousarray(x_res, dtype=np.float32).reshape(-1)
+            res = ffi.cast("const float *", x_res.ctypes.data)
+        check(lib.ls_ffn_eval(self.handle, il, ffi.cast("const float *", x.ctypes.data), res,
+                              ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads))
         return y
+
+    def set_priorities(self, il: int, prio: np.ndarray) -> None:
+        """Priorities of layer il's blocks for its next decode op (oracle / external scheduler)."""
+        prio = np.ascontiguousarray(prio, dtype=np.float32)
+        check(lib.ls_engine_set_priorities(self.handle, il, ffi.cast("const float *", prio.ctypes.data), prio.size))
+
+    def last_plan(self, il: int) -> np.ndarray:
+        """Blocks layer il's last op computed, in compute order."""
+        n = lib.ls_engine_last_plan(self.handle, il, ffi.NULL, 0)
+        out = np.empty(n, dtype=np.int32)
+        lib.ls_engine_last_plan(self.handle, il, ffi.cast("int32_t *", out.ctypes.data), n)
+        return out
+
+    def set_hot_blocks(self, il: int, blocks: np.ndarray) -> None:
+        """powerinfer2: blocks of layer il kept resident once loaded."""
+        blocks = np.ascontiguousarray(blocks, dtype=np.int32)
+        check(lib.ls_engine_set_hot_blocks(self.handle, il, ffi.cast("const int32_t *", blocks.ctypes.data), blocks.size))
 
     # -- counters --------------------------------------------------------------------------
     def stats(self, layer: int | None = None) -> dict:

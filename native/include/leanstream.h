@@ -107,6 +107,10 @@ typedef struct ls_engine_params {
     uint32_t       max_read_bytes;  // largest single read (adjacent blocks are merged), default 256 KiB
     int32_t        use_direct_io;   // 1: O_DIRECT (default); 0: buffered reads (testing only)
     uint32_t       test_io_delay_us; // test hook: each read sleeps rand()%delay µs first (0: off)
+    // sparse decode (modes other than LS_MODE_DENSE; prefill always runs dense)
+    float          sparsity;        // fraction of each layer's blocks NOT computed per token, [0, 1)
+    int32_t        n_stages;        // K: compute stages per layer = refinement points, default 8
+    const char * const * predictor_paths; // [n_layers] predictor file per layer, or NULL
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);
@@ -125,8 +129,22 @@ LS_API struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml
 
 // Same computation outside a ggml graph (tests, benchmarks): y = FFN_il(x), x and y are
 // [n_embd, n_tokens] f32, computed by n_threads threads exactly as the graph op would.
-LS_API ls_status   ls_ffn_eval(ls_engine * e, int32_t il, const float * x, float * y,
+// x_res [n_embd] (may be NULL in dense mode): the residual entering the FFN, which sparse modes
+// feed to the predictors (the graph op finds it in llama.cpp's graph).
+LS_API ls_status   ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
                                int64_t n_tokens, int32_t n_threads);
+
+// Priorities of layer il's blocks for its next decode op ([n_blocks], higher first), replacing
+// the predictor's for that op: an oracle for tests and ablations, or an external scheduler.
+LS_API ls_status   ls_engine_set_priorities(ls_engine * e, int32_t il, const float * prio, int32_t n_blocks);
+
+// powerinfer2 mode: blocks of layer il kept resident for good once loaded (the hot set chosen
+// from calibration frequencies); they count against the memory budget.
+LS_API ls_status   ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * blocks, int32_t n);
+
+// The blocks layer il's last op computed, in compute order (stage by stage); returns how many
+// (at most cap are written). For tests and traces.
+LS_API int32_t     ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap);
 
 // Geometry of one layer, as read from its block file header.
 typedef struct ls_layer_info {
@@ -160,6 +178,9 @@ typedef struct ls_stats {
     uint64_t predictor_ns;
     uint64_t cache_bytes;      // bytes of FFN weights resident now
     uint64_t cache_capacity;   // budget in bytes (after rounding to blocks)
+    uint64_t blocks_prefetched; // blocks queued for layer il+1 while layer il computed
+    uint64_t refinements;      // predictor re-runs on partial results (Eq. 2)
+    uint64_t direct_io;        // 1 if block reads bypass the page cache (O_DIRECT)
 } ls_stats;
 
 // il = -1: totals over all layers.

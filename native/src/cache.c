@@ -65,6 +65,7 @@ static void lru_remove(ls_cache * c, int32_t s) {
     if (p >= 0) c->lru_next[p] = n; else c->lru_head = n;
     if (n >= 0) c->lru_prev[n] = p; else c->lru_tail = p;
     c->lru_prev[s] = c->lru_next[s] = -1;
+    c->n_lru--;
 }
 
 static void lru_push_mru(ls_cache * c, int32_t s) {
@@ -72,7 +73,10 @@ static void lru_push_mru(ls_cache * c, int32_t s) {
     c->lru_next[s] = -1;
     if (c->lru_tail >= 0) c->lru_next[c->lru_tail] = s; else c->lru_head = s;
     c->lru_tail = s;
+    c->n_lru++;
 }
+
+int32_t ls_cache_available(const ls_cache * c) { return c->n_free + c->n_lru; }
 
 static void evict(ls_engine * e, int32_t s) {
     ls_cache * c = &e->cache;
@@ -90,18 +94,24 @@ ls_status ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slo
     int32_t s = L->slot_of_block[b];
     if (s >= 0) {
         if (c->slot_pins[s]++ == 0) lru_remove(c, s);
+        if (L->hot && L->hot[b] && !L->hot_pinned[b]) { c->slot_pins[s]++; L->hot_pinned[b] = 1; }
         *slot = s;
         *miss = false;
         return LS_OK;
     }
     if (c->n_free > 0) {
         s = c->free_list[--c->n_free];
-    } else if (c->lru_head >= 0) {
+    } else {
+        // least recently used, skipping blocks whose read is still in flight (a prefetch that
+        // was let go): their slot is being written
         s = c->lru_head;
+        while (s >= 0 && atomic_load_explicit(&e->layers[c->slot_layer[s]].state[c->slot_block[s]],
+                                              memory_order_acquire) == LS_BLK_LOADING) {
+            s = c->lru_next[s];
+        }
+        if (s < 0) return LS_ERR_BUDGET; // every slot is pinned (or loading)
         lru_remove(c, s);
         evict(e, s);
-    } else {
-        return LS_ERR_BUDGET; // every slot is pinned by this op
     }
     c->slot_layer[s] = L->il;
     c->slot_block[s] = b;
@@ -109,6 +119,7 @@ ls_status ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slo
     c->slot_computed[s] = 0;
     c->n_resident++;
     L->slot_of_block[b] = s;
+    if (L->hot && L->hot[b]) { c->slot_pins[s]++; L->hot_pinned[b] = 1; } // powerinfer2: resident for good
     atomic_store_explicit(&L->state[b], LS_BLK_LOADING, memory_order_relaxed);
     *slot = s;
     *miss = true;
@@ -123,12 +134,13 @@ void ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed) {
     if (--c->slot_pins[s] == 0) lru_push_mru(c, s);
 }
 
-void ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b) {
+void ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded) {
     ls_cache * c = &e->cache;
     int32_t s = L->slot_of_block[b];
     if (s < 0) return;
     if (c->slot_pins[s] > 0) c->slot_pins[s] = 0; else lru_remove(c, s);
-    c->slot_computed[s] = 1; // nothing was loaded: not "unused" bytes
+    if (!loaded) c->slot_computed[s] = 1; // nothing arrived: not "unused" bytes
+    if (L->hot_pinned) L->hot_pinned[b] = 0;
     evict(e, s);
     c->free_list[c->n_free++] = s;
 }

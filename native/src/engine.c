@@ -87,6 +87,8 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->n_io_threads   = 4;
     p->max_read_bytes = 256u << 10;
     p->use_direct_io  = 1;
+    p->sparsity       = 0.0f;
+    p->n_stages       = 8;
 }
 
 // ---- block file header (format in leanstream.h) --------------------------------------------
@@ -212,6 +214,12 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     if (bad) { ls_set_error("%s: %s", path, bad); close(fd); return LS_ERR_FORMAT; }
     for (int32_t b = 0; b < in->n_blocks; b++) L->slot_of_block[b] = -1;
     close(fd);
+    L->prio        = calloc((size_t) in->n_blocks, sizeof(float));
+    L->prefetch    = malloc((size_t) in->n_blocks * sizeof(int32_t));
+    L->order       = malloc((size_t) in->n_blocks * sizeof(int32_t));
+    L->in_prefetch = calloc((size_t) in->n_blocks, 1);
+    L->last_plan   = malloc((size_t) in->n_blocks * sizeof(int32_t));
+    if (!L->prio || !L->prefetch || !L->order || !L->in_prefetch || !L->last_plan) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
 
     // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
     if (e->params.use_direct_io) {
@@ -234,7 +242,9 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
 ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (!p || !out || p->n_layers <= 0 || !p->block_paths) { ls_set_error("ls_engine_create: bad arguments"); return LS_ERR_ARG; }
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("unknown activation %d", p->activation); return LS_ERR_ARG; }
-    if (p->mode != LS_MODE_DENSE) { ls_set_error("mode %d is not implemented yet (only dense)", p->mode); return LS_ERR_UNSUPPORTED; }
+    if (p->mode < LS_MODE_DENSE || p->mode > LS_MODE_LEANSTREAM) { ls_set_error("unknown mode %d", p->mode); return LS_ERR_ARG; }
+    if (!(p->sparsity >= 0.0f && p->sparsity < 1.0f)) { ls_set_error("sparsity must be in [0, 1), got %g", (double) p->sparsity); return LS_ERR_ARG; }
+    if (p->n_stages < 1 || p->n_stages > LS_MAX_STAGES) { ls_set_error("n_stages must be in [1, %d], got %d", LS_MAX_STAGES, p->n_stages); return LS_ERR_ARG; }
     *out = NULL;
     ggml_cpu_init(); // fp16 tables for the CPU type traits (idempotent)
 
@@ -254,7 +264,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
 
     ls_status st = LS_OK;
     uint64_t stride = 0, total_bytes = 0;
-    int32_t total_blocks = 0, max_layer_blocks = 0;
+    int32_t total_blocks = 0, max_layer_blocks = 0, max_working_set = 0;
     for (int32_t il = 0; il < p->n_layers && st == LS_OK; il++) {
         if (!p->block_paths[il]) { ls_set_error("block path of layer %d is NULL", il); st = LS_ERR_ARG; break; }
         st = open_layer(e, &e->layers[il], il, p->block_paths[il]);
@@ -265,9 +275,23 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             st = LS_ERR_FORMAT;
             break;
         }
+        if (p->predictor_paths && p->predictor_paths[il]) {
+            ls_layer * L = &e->layers[il];
+            ls_predictor_info pi;
+            st = ls_predictor_load(p->predictor_paths[il], &L->pred);
+            if (st == LS_OK) st = ls_predictor_get_info(L->pred, &pi);
+            if (st == LS_OK && (pi.n_blocks != in->n_blocks || pi.n_embd != in->n_embd)) {
+                ls_set_error("%s: predictor for %d blocks of n_embd %d, layer %d has %d blocks of n_embd %lld",
+                             p->predictor_paths[il], pi.n_blocks, pi.n_embd, il, in->n_blocks, (long long) in->n_embd);
+                st = LS_ERR_FORMAT;
+            }
+            if (st != LS_OK) break;
+        }
         if (in->block_stride > stride) stride = in->block_stride;
         total_blocks += in->n_blocks;
         total_bytes += (uint64_t) in->n_blocks * in->block_stride;
+        const int32_t ws = p->mode == LS_MODE_DENSE ? in->n_blocks : ls_sched_n_selected(e, &e->layers[il]);
+        if (ws > max_working_set) max_working_set = ws;
         if (in->n_blocks > max_layer_blocks) max_layer_blocks = in->n_blocks;
     }
     if (st == LS_OK) {
@@ -277,15 +301,24 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
         if (p->memory_budget > 0 && p->memory_budget < (uint64_t) total_blocks * stride) {
             n_slots = (int64_t) (p->memory_budget / stride);
         }
-        if (n_slots < max_layer_blocks) {
-            ls_set_error("memory budget %llu bytes is too small: dense mode needs one whole layer "
-                         "resident (%d blocks x %llu bytes = %llu bytes); the whole FFN is %llu bytes",
-                         (unsigned long long) p->memory_budget, max_layer_blocks,
-                         (unsigned long long) stride, (unsigned long long) max_layer_blocks * stride,
+        if (n_slots < max_working_set) {
+            ls_set_error("memory budget %llu bytes is too small: one layer's working set is %d blocks "
+                         "x %llu bytes = %llu bytes (%s); the whole FFN is %llu bytes",
+                         (unsigned long long) p->memory_budget, max_working_set,
+                         (unsigned long long) stride, (unsigned long long) max_working_set * stride,
+                         p->mode == LS_MODE_DENSE ? "dense: every block of a layer" : "the blocks computed per token",
                          (unsigned long long) total_bytes);
             st = LS_ERR_BUDGET;
         } else {
             st = ls_cache_init(&e->cache, stride, (int32_t) n_slots, total_blocks);
+        }
+        ls_plan * P = &e->plan;
+        if (st == LS_OK) {
+            P->blocks   = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
+            P->scratch  = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
+            P->scratch2 = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
+            P->x_ref    = malloc(sizeof(float) * (size_t) e->layers[0].info.n_embd);
+            if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
         }
     }
     if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us);
@@ -310,10 +343,16 @@ void ls_engine_free(ls_engine * e) {
         free(L->perm);
         free(L->slot_of_block);
         free((void *) L->state);
+        free(L->prio); free(L->prefetch); free(L->order); free(L->in_prefetch); free(L->last_plan);
+        free(L->hot); free(L->hot_pinned);
+        if (L->pred) ls_predictor_free(L->pred);
     }
     free(e->layers);
     ls_cache_free(&e->cache);
     free(e->plan.blocks);
+    free(e->plan.scratch);
+    free(e->plan.scratch2);
+    free(e->plan.x_ref);
     free(e->plan.xq);
     free(e->plan.acc);
     free(e->plan.work);
@@ -340,6 +379,8 @@ static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
     s->io_stall_ns     += atomic_load(&l->io_stall_ns);
     s->op_ns           += atomic_load(&l->op_ns);
     s->predictor_ns    += atomic_load(&l->predictor_ns);
+    s->blocks_prefetched += atomic_load(&l->blocks_prefetched);
+    s->refinements     += atomic_load(&l->refinements);
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
@@ -360,6 +401,7 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     }
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     out->cache_capacity = (uint64_t) e->cache.n_slots * e->cache.stride;
+    out->direct_io = e->direct_io ? 1 : 0;
     return LS_OK;
 }
 
@@ -373,5 +415,52 @@ void ls_engine_reset_stats(ls_engine * e) {
         atomic_store(&l->bytes_unused, 0); atomic_store(&l->reads_issued, 0);
         atomic_store(&l->io_stall_ns, 0); atomic_store(&l->op_ns, 0);
         atomic_store(&l->predictor_ns, 0);
+        atomic_store(&l->blocks_prefetched, 0); atomic_store(&l->refinements, 0);
     }
+}
+
+ls_status ls_engine_set_priorities(ls_engine * e, int32_t il, const float * prio, int32_t n_blocks) {
+    if (!e || !prio || il < 0 || il >= e->n_layers || n_blocks != e->layers[il].info.n_blocks) {
+        ls_set_error("ls_engine_set_priorities: bad arguments (layer %d, %d blocks)", il, n_blocks);
+        return LS_ERR_ARG;
+    }
+    pthread_mutex_lock(&e->mu);
+    memcpy(e->layers[il].prio, prio, sizeof(float) * (size_t) n_blocks);
+    e->layers[il].prio_ready = true;
+    pthread_mutex_unlock(&e->mu);
+    return LS_OK;
+}
+
+ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * blocks, int32_t n) {
+    if (!e || il < 0 || il >= e->n_layers || n < 0 || (n > 0 && !blocks)) {
+        ls_set_error("ls_engine_set_hot_blocks: bad arguments");
+        return LS_ERR_ARG;
+    }
+    ls_layer * L = &e->layers[il];
+    pthread_mutex_lock(&e->mu);
+    if (!L->hot) {
+        L->hot = calloc((size_t) L->info.n_blocks, 1);
+        L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
+    }
+    ls_status st = LS_OK;
+    if (!L->hot || !L->hot_pinned) {
+        ls_set_error("out of memory");
+        st = LS_ERR_NOMEM;
+    }
+    for (int32_t i = 0; i < n && st == LS_OK; i++) {
+        if (blocks[i] < 0 || blocks[i] >= L->info.n_blocks) { ls_set_error("hot block %d out of range", blocks[i]); st = LS_ERR_ARG; }
+        else L->hot[blocks[i]] = 1;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+int32_t ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap) {
+    if (!e || il < 0 || il >= e->n_layers) return 0;
+    const ls_layer * L = &e->layers[il];
+    pthread_mutex_lock((pthread_mutex_t *) &e->mu);
+    int32_t n = L->n_last_plan;
+    if (blocks) memcpy(blocks, L->last_plan, sizeof(int32_t) * (size_t) (n < cap ? n : cap));
+    pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
+    return n;
 }

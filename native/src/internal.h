@@ -23,8 +23,11 @@ enum { LS_BLK_ABSENT = 0, LS_BLK_LOADING = 1, LS_BLK_READY = 2, LS_BLK_FAILED = 
 
 typedef struct ls_layer_stats {
     _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
-                     bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns;
+                     bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
+                     refinements;
 } ls_layer_stats;
+
+struct ls_predictor;
 
 typedef struct ls_layer {
     struct ls_engine * e;
@@ -37,6 +40,18 @@ typedef struct ls_layer {
     int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
     _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
     bool               pinned_forever;  // every block resident in a cache that never evicts
+    // sparse decode
+    struct ls_predictor * pred;         // priorities of this layer's blocks (NULL: none)
+    float *            prio;            // [n_blocks] priorities for the next op, valid if prio_ready
+    bool               prio_ready;
+    int32_t *          prefetch;        // [n_blocks] blocks pinned ahead of this layer's op
+    int32_t            n_prefetch;
+    uint8_t *          hot;             // [n_blocks] powerinfer2: keep resident once loaded
+    uint8_t *          hot_pinned;      // [n_blocks] the permanent pin has been taken
+    int32_t *          order;           // [n_blocks] scratch: blocks sorted by priority
+    uint8_t *          in_prefetch;     // [n_blocks] 1: in prefetch[] (holds a prefetch pin)
+    int32_t *          last_plan;       // [n_blocks] blocks computed by the last op, in order
+    int32_t            n_last_plan;
     ls_layer_stats     stats;
 } ls_layer;
 
@@ -71,7 +86,7 @@ typedef struct ls_cache {
     int32_t *  slot_pins;       // [n_slots]
     uint8_t *  slot_computed;   // [n_slots] computed at least once since it was loaded
     int32_t *  lru_prev, * lru_next; // intrusive list of unpinned resident slots (head = LRU)
-    int32_t    lru_head, lru_tail;
+    int32_t    lru_head, lru_tail, n_lru;
     int32_t *  free_list;       // stack of free slots
     int32_t    n_free;
     int32_t    n_resident;
@@ -84,11 +99,21 @@ typedef struct ls_barrier {
 } ls_barrier;
 
 // Plan of the op being executed (written by thread 0 before the first barrier).
+#define LS_MAX_STAGES 64
 typedef struct ls_plan {
     ls_layer * L;
     int32_t *  blocks;          // [n] block ids in compute order
     int32_t    n;
     size_t     blocks_cap;
+    int32_t    n_stages;        // the plan is cut into stages [stage_end[s-1], stage_end[s])
+    int32_t    stage_end[LS_MAX_STAGES];
+    int32_t    n_acquired;      // plan entries [0, n_acquired) hold a pin (chunked dense prefill)
+    bool       sparse;          // decode with a predicted subset
+    bool       refine;          // re-predict layer il+1 after each stage (leanstream mode)
+    const float * x_res;        // residual entering this FFN, [n_embd] (sparse decode), or NULL
+    float *    x_ref;           // [n_embd] refinement input scratch
+    int32_t *  scratch, * scratch2; // [max n_blocks] each
+    size_t     x_ref_cap, scratch_cap;
     int64_t    n_tokens;
     int        nth;
     // scratch, grown by thread 0
@@ -130,7 +155,10 @@ uint8_t *   ls_cache_slot_ptr(const ls_cache * c, int32_t slot);
 // Pin block b of layer L for computing: returns its slot and whether it must be read.
 ls_status   ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss);
 void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed);
-void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b); // after a failed read
+// Free block b's slot now (pinned or not). loaded: its bytes arrived (counted as unused if
+// never computed); false for a failed or withdrawn read.
+void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);
+int32_t     ls_cache_available(const ls_cache * c); // slots free or evictable
 
 // io.c
 ls_status   ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us);
@@ -138,6 +166,15 @@ void        ls_io_stop(ls_engine * e);
 // Queue reads for the given blocks (state LOADING, slots acquired), merging runs of
 // adjacent blocks up to max_read_bytes; queue order = priority order.
 void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
+// Take layer L's reads that no worker has started out of the queue; their blocks go to out[].
+int32_t     ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int32_t cap);
+
+// schedule.c (thread 0, under e->mu)
+int32_t     ls_sched_n_selected(const ls_engine * e, const ls_layer * L);
+ls_status   ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const float * x_res);
+ls_status   ls_sched_stage_begin(ls_engine * e, int32_t s);
+void        ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial);
+void        ls_sched_finish(ls_engine * e, bool * all_ready);
 
 // op.c
 void        ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata);

@@ -86,7 +86,7 @@ ls_status ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us) {
     for (int32_t il = 0; il < e->n_layers; il++) {
         if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;
     }
-    io->cap = max_blocks + 1; // at most one layer's reads are queued at a time
+    io->cap = 2 * max_blocks + 2; // at most two layers' reads (this op's, the next layer's prefetch)
     io->queue = malloc(sizeof(ls_read) * (size_t) io->cap);
     io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
     if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
@@ -144,4 +144,23 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
     }
     if (r.n > 0) { push(io, &r); pthread_cond_signal(&io->cv); }
     pthread_mutex_unlock(&io->mu);
+}
+
+int32_t ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int32_t cap) {
+    ls_io * io = &e->io;
+    int32_t n_out = 0;
+    pthread_mutex_lock(&io->mu);
+    int kept = 0;
+    for (int i = 0; i < io->count; i++) {
+        ls_read * r = &io->queue[(io->head + i) % io->cap];
+        if (r->L == L && n_out + r->n <= cap) {
+            for (int32_t j = 0; j < r->n; j++) out[n_out++] = r->first + j;
+        } else {
+            io->queue[(io->head + kept) % io->cap] = *r;
+            kept++;
+        }
+    }
+    io->count = kept;
+    pthread_mutex_unlock(&io->mu);
+    return n_out;
 }

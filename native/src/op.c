@@ -43,16 +43,13 @@ static bool grow(void ** p, size_t * cap, size_t need, size_t elem) {
     return true;
 }
 
-// Thread 0, before the first barrier: choose blocks, pin them, queue the missing ones.
-static ls_status plan_layer(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth) {
+// Thread 0, before the first barrier: scratch for this op's shape.
+static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth) {
     ls_plan * P = &e->plan;
     const ls_layer_info * in = &L->info;
     P->L = L;
     P->n_tokens = n_tokens;
     P->nth = nth;
-    P->n = 0;
-
-    // scratch
     const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
@@ -61,36 +58,10 @@ static ls_status plan_layer(ls_engine * e, ls_layer * L, int64_t n_tokens, int n
     P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 64;
     if (!grow((void **) &P->xq, &P->xq_cap, xq, 1) ||
         !grow((void **) &P->acc, &P->acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
-        !grow((void **) &P->work, &P->work_cap, (size_t) nth * P->work_per_thread, sizeof(float)) ||
-        !grow((void **) &P->blocks, &P->blocks_cap, (size_t) in->n_blocks, sizeof(int32_t))) {
+        !grow((void **) &P->work, &P->work_cap, (size_t) nth * P->work_per_thread, sizeof(float))) {
         return LS_ERR_NOMEM;
     }
-
-    // dense: every block, in file order (sequential reads merge into large ones)
-    if (L->pinned_forever) { // resident for good: no pinning, no LRU bookkeeping per token
-        for (int32_t b = 0; b < in->n_blocks; b++) P->blocks[b] = b;
-        P->n = in->n_blocks;
-        return LS_OK;
-    }
-    int32_t * missing = malloc(sizeof(int32_t) * (size_t) in->n_blocks);
-    if (!missing) return LS_ERR_NOMEM;
-    int32_t n_missing = 0;
-    ls_status st = LS_OK;
-    for (int32_t b = 0; b < in->n_blocks; b++) {
-        int32_t slot;
-        bool miss;
-        st = ls_cache_acquire(e, L, b, &slot, &miss);
-        if (st != LS_OK) break;
-        P->blocks[P->n++] = b;
-        if (miss) missing[n_missing++] = b;
-    }
-    if (st == LS_OK) ls_io_submit(e, L, missing, n_missing);
-    free(missing);
-    if (st != LS_OK) {
-        for (int32_t i = 0; i < P->n; i++) ls_cache_release(e, L, P->blocks[i], false);
-        P->n = 0;
-    }
-    return st;
+    return LS_OK;
 }
 
 // Quantize this thread's share of the input rows to the vec_dot types of gate and up.
@@ -184,7 +155,7 @@ static void flush(float * acc, const float * h, const float * cols, const ls_blo
 }
 
 // One thread's share: plan entries ith, ith+nth, ... accumulated into acc [n_tokens, n_embd].
-static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * work) {
+static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t hi, float * acc, float * work) {
     const ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
@@ -206,9 +177,7 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
 
-    memset(acc, 0, sizeof(float) * (size_t) T * (size_t) n_embd);
-
-    for (int32_t i = ith; i < P->n; i += nth) {
+    for (int32_t i = lo + ith; i < hi; i += nth) {
         if (n_staged + k > tile) {
             flush(acc, h, cols, qcols, n_staged, T, n_embd, direct);
             n_staged = 0;
@@ -253,56 +222,79 @@ static void compute_share(ls_engine * e, int ith, int nth, float * acc, float * 
 }
 
 // The whole op for one thread; the same code serves the ggml graph and ls_ffn_eval.
-static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, float * y,
-                   int64_t n_tokens, int ith, int nth) {
+// x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
+// FFN (sparse decode and prefetch use it; may be NULL); y: output [n_tokens, n_embd].
+static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
+                   float * y, int64_t n_tokens, int ith, int nth) {
     ls_plan * P = &e->plan;
+    const size_t row = (size_t) L->info.n_embd, per = (size_t) n_tokens * row;
     uint64_t t0 = 0;
     if (ith == 0) {
         t0 = ls_now_ns();
         pthread_mutex_lock(&e->mu);
-        ls_status st = plan_layer(e, L, n_tokens, nth);
+        ls_status st = grow_scratch(e, L, n_tokens, nth);
+        if (st == LS_OK) st = ls_sched_plan(e, L, n_tokens, x_res);
         if (st != LS_OK) {
+            bool ignored;
+            ls_sched_finish(e, &ignored);
             P->n = -1; // tell the others to skip
             ls_engine_record_error(e, st, "layer %d: %s", L->il,
-                                   st == LS_ERR_BUDGET ? "memory budget too small for this layer's blocks"
-                                                       : "out of memory planning the FFN op");
+                                   st == LS_ERR_BUDGET ? "memory budget too small for this layer's working set" :
+                                   st == LS_ERR_UNSUPPORTED ? "sparse mode needs a predictor (or oracle priorities) for this layer" :
+                                   "cannot plan the FFN op");
         }
     }
     ls_barrier_wait(&e->barrier, nth);
     if (P->n < 0) {
-        for (int64_t t = ith; t < n_tokens; t += nth) memset(y + (size_t) t * L->info.n_embd, 0, sizeof(float) * (size_t) L->info.n_embd);
+        for (int64_t t = ith; t < n_tokens; t += nth) memset(y + (size_t) t * row, 0, sizeof(float) * row);
         ls_barrier_wait(&e->barrier, nth);
         if (ith == 0) { P->n = 0; pthread_mutex_unlock(&e->mu); }
         return;
     }
+    float * acc = P->acc + (size_t) ith * per;
+    memset(acc, 0, sizeof(float) * per);
     quantize_input(P, x, x_row_stride, ith, nth);
     ls_barrier_wait(&e->barrier, nth);
 
-    const size_t row = (size_t) L->info.n_embd, per = (size_t) n_tokens * row;
-    compute_share(e, ith, nth, P->acc + (size_t) ith * per, P->work + (size_t) ith * P->work_per_thread);
+    // stages: priority groups (sparse) or budget-sized chunks (dense); between two stages thread
+    // 0 refines the next layer's prefetch from the partial output, or pins the next chunk
+    const bool sync_stages = P->refine || (!P->sparse && P->n_stages > 1);
+    for (int32_t s = 0; s < P->n_stages; s++) {
+        const int32_t lo = s == 0 ? 0 : P->stage_end[s - 1];
+        compute_share(e, ith, nth, lo, P->stage_end[s], acc, P->work + (size_t) ith * P->work_per_thread);
+        if (!sync_stages || s == P->n_stages - 1) continue;
+        ls_barrier_wait(&e->barrier, nth);
+        if (ith == 0) {
+            if (P->refine) { // partial output so far (decode: one row), summed in thread order
+                float * part = P->x_ref;
+                for (size_t c = 0; c < row; c++) {
+                    float v = 0.0f;
+                    for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + c];
+                    part[c] = v;
+                }
+            }
+            ls_sched_stage_done(e, s, P->x_ref);
+            if (ls_sched_stage_begin(e, s + 1) != LS_OK) {
+                ls_engine_record_error(e, LS_ERR_BUDGET, "layer %d: memory budget too small for the next chunk", L->il);
+                P->n_stages = s + 1; // stop after this stage (output is partial; the error is raised)
+            }
+        }
+        ls_barrier_wait(&e->barrier, nth);
+    }
     ls_barrier_wait(&e->barrier, nth);
 
     // reduce in thread order over this thread's slice of the output
     const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
     for (size_t i = lo; i < hi; i++) {
-        float s = 0.0f;
-        for (int j = 0; j < nth; j++) s += P->acc[(size_t) j * per + i];
-        y[i] = s;
+        float v = 0.0f;
+        for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + i];
+        y[i] = v;
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
-        bool all_ready = true;
-        for (int32_t i = 0; i < P->n && !L->pinned_forever; i++) {
-            const int32_t b = P->blocks[i];
-            const int32_t s = atomic_load_explicit(&L->state[b], memory_order_acquire);
-            if (s == LS_BLK_READY) {
-                ls_cache_release(e, L, b, true);
-            } else {
-                ls_cache_drop(e, L, b); // failed read: free the slot, the next call re-reads
-                all_ready = false;
-            }
-        }
-        if (e->cache.never_evicts && all_ready && P->n == L->info.n_blocks) L->pinned_forever = true;
+        bool all_ready;
+        ls_sched_finish(e, &all_ready);
+        if (e->cache.never_evicts && all_ready && !P->sparse && P->n == L->info.n_blocks) L->pinned_forever = true;
         atomic_fetch_add(&L->stats.op_calls, 1);
         atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
         atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
@@ -314,14 +306,32 @@ static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_st
 void ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     ls_layer * L = userdata;
     const struct ggml_tensor * src = dst->src[0];
+    const struct ggml_tensor * res = dst->src[1];
     const int64_t n_tokens = ggml_nrows(src);
-    run_op(L->e, L, (const float *) src->data, src->nb[1], (float *) dst->data, n_tokens, ith, nth);
+    // the residual of the last token row (decode: the only one)
+    const float * x_res = res ? (const float *) ((const char *) res->data + (size_t) (ggml_nrows(res) - 1) * res->nb[1]) : NULL;
+    run_op(L->e, L, (const float *) src->data, src->nb[1], x_res, (float *) dst->data, n_tokens, ith, nth);
+}
+
+// The residual entering the FFN: llama.cpp builds cur = ffn_norm_w * rms_norm(ffn_inp), so it is
+// cur->src[0 or 1]->src[0] when that shape is there (llama, qwen2); NULL otherwise.
+static struct ggml_tensor * find_ffn_inp(struct ggml_tensor * cur) {
+    if (cur->op != GGML_OP_MUL) return NULL;
+    for (int i = 0; i < 2; i++) {
+        struct ggml_tensor * n = cur->src[i];
+        if (n && n->op == GGML_OP_RMS_NORM && n->src[0] && n->src[0]->type == GGML_TYPE_F32 &&
+            n->src[0]->ne[0] == cur->ne[0] && ggml_nrows(n->src[0]) == ggml_nrows(cur) &&
+            ggml_is_contiguous_rows(n->src[0])) {
+            return n->src[0];
+        }
+    }
+    return NULL;
 }
 
 struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor * cur, int32_t il, void * engine) {
     ls_engine * e = engine;
     if (!e || il < 0 || il >= e->n_layers) {
-        if (e) ls_engine_record_error(e, LS_ERR_ARG, "llama.cpp asked for FFN layer %d, the model directory has %d", il, e ? e->n_layers : 0);
+        if (e) ls_engine_record_error(e, LS_ERR_ARG, "llama.cpp asked for FFN layer %d, the model directory has %d", il, e->n_layers);
         return NULL;
     }
     ls_layer * L = &e->layers[il];
@@ -332,9 +342,15 @@ struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor
                                ggml_type_name(cur->type), (long long) L->info.n_embd);
         return NULL;
     }
-    struct ggml_tensor * args[1] = { cur };
+    struct ggml_tensor * args[2] = { cur, find_ffn_inp(cur) };
+    if (e->params.mode != LS_MODE_DENSE && !args[1]) {
+        ls_engine_record_error(e, LS_ERR_UNSUPPORTED, "layer %d: cannot find the residual entering the FFN "
+                               "(needed by sparse modes) in this architecture's graph", il);
+        return NULL;
+    }
     // sized from cur->ne[1]: the last layer sees only the output rows (inp_out_ids)
-    return ggml_custom_4d(ctx0, GGML_TYPE_F32, cur->ne[0], cur->ne[1], 1, 1, args, 1, ls_op_compute, GGML_N_TASKS_MAX, L);
+    return ggml_custom_4d(ctx0, GGML_TYPE_F32, cur->ne[0], cur->ne[1], 1, 1, args, args[1] ? 2 : 1,
+                          ls_op_compute, GGML_N_TASKS_MAX, L);
 }
 
 // ---- ls_ffn_eval: the op outside a graph -------------------------------------------------------
@@ -343,6 +359,7 @@ typedef struct eval_arg {
     ls_engine * e;
     ls_layer * L;
     const float * x;
+    const float * x_res;
     float * y;
     int64_t n_tokens;
     int ith, nth;
@@ -354,11 +371,12 @@ static void * eval_thread(void * p) {
     unsigned spins = 0;
     int go;
     while ((go = atomic_load_explicit(a->go, memory_order_acquire)) == 0) ls_cpu_relax(&spins);
-    if (go > 0) run_op(a->e, a->L, a->x, sizeof(float) * (size_t) a->L->info.n_embd, a->y, a->n_tokens, a->ith, a->nth);
+    if (go > 0) run_op(a->e, a->L, a->x, sizeof(float) * (size_t) a->L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
     return NULL;
 }
 
-ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, float * y, int64_t n_tokens, int32_t n_threads) {
+ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
+                      int64_t n_tokens, int32_t n_threads) {
     if (!e || !x || !y || n_tokens <= 0 || il < 0 || il >= e->n_layers) { ls_set_error("ls_ffn_eval: bad arguments"); return LS_ERR_ARG; }
     if (n_threads <= 0) n_threads = 1;
     if (n_threads > 64) n_threads = 64;
@@ -366,7 +384,7 @@ ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, float * y, int
     pthread_t th[64];
     _Atomic int go = 0;
     for (int i = 0; i < n_threads; i++) {
-        args[i] = (eval_arg) { e, &e->layers[il], x, y, n_tokens, i, n_threads, &go };
+        args[i] = (eval_arg) { e, &e->layers[il], x, x_res, y, n_tokens, i, n_threads, &go };
     }
     int started = 1;
     for (int i = 1; i < n_threads; i++, started++) {

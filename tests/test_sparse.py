@@ -1,0 +1,217 @@
+"""Sparse decode in every mode: oracle priorities, predictors with refinement, prefetch, the
+budget, chunked prefill, and I/O faults — each checked against the numpy reference over the
+neuron set the engine computed (same bound as tests/test_op.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from converters import blockfile, convert
+from gguf_synth import write_tiny_model
+from leanstream_ggml._native import LeanstreamError
+from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.reference import ffn_reference, load_layer
+
+N_EMBD, N_FF, N_LAYER, K = 128, 384, 3, 2
+SPARSE_MODES = ["oneshot", "dejavu+", "powerinfer2", "leanstream"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sparse")
+    write_tiny_model(d / "tiny.gguf", arch="llama", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF,
+                     types={"ffn": "Q8_0"}, seed=5)
+    rng = np.random.default_rng(3)
+    m = convert(d / "tiny.gguf", d / "lsm", k=K, progress=False,
+                permutation={il: rng.permutation(N_FF) for il in range(N_LAYER)})
+    paths = [m.layer_path(d / "lsm", il) for il in range(N_LAYER)]
+    weights = [load_layer(p) for p in paths]
+    return paths, weights, blockfile.read_header(paths[0])
+
+
+@pytest.fixture(scope="module")
+def predictors(model, tmp_path_factory):
+    """Untrained (random) hashing predictors: the engine must follow whatever they say."""
+    torch = pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
+    from leanstream_ggml.predictor.export import write_predictor
+    from leanstream_ggml.predictor.hashing import HashConfig, HashingPredictor
+
+    _, _, h = model
+    d = tmp_path_factory.mktemp("pred")
+    cfg = HashConfig(n_hash_layers=2, tau=4, n_bits=64, n_tables=2)
+    torch.manual_seed(0)
+    n_pca = 32
+    pca = np.linalg.qr(np.random.default_rng(1).standard_normal((N_EMBD, n_pca)))[0].T
+    out, models = [], []
+    for il in range(N_LAYER):
+        m = HashingPredictor(N_EMBD, h.n_blocks, cfg, np.zeros(N_EMBD), np.ones(N_EMBD), pca)
+        p = d / f"blk.{il}.lspred"
+        write_predictor(p, m.export_params(), tau=cfg.tau, n_tables=cfg.n_tables, layer=il)
+        out.append(p)
+        models.append(m)
+    return out, models
+
+
+def n_selected(n_blocks, s):
+    return max(1, min(n_blocks, int((1.0 - s) * n_blocks + 0.5)))
+
+
+def neurons_of(blocks, w, k=K):
+    ids = w.perm.reshape(-1, k)[np.asarray(blocks)].reshape(-1)
+    return ids[ids >= 0]
+
+
+def _x(seed, n=1):
+    return np.random.default_rng(seed).standard_normal((n, N_EMBD)).astype(np.float32)
+
+
+def _check(y, ref):
+    err = np.abs(y - ref).max()
+    assert err <= 1e-3 * np.abs(ref).max() + 1e-5, f"max err {err}"
+
+
+@pytest.mark.parametrize("mode", SPARSE_MODES)
+@pytest.mark.parametrize("sparsity", [0.5, 0.8])
+def test_oracle_priorities_select_the_top_blocks(model, mode, sparsity):
+    paths, weights, h = model
+    rng = np.random.default_rng(11)
+    with FFNEngine(paths, mode=mode, sparsity=sparsity, n_stages=4) as e:
+        for il in range(N_LAYER):
+            prio = rng.permutation(h.n_blocks).astype(np.float32)  # distinct: one right answer
+            e.set_priorities(il, prio)
+            x = _x(il)
+            y = e.eval_layer(il, x, n_threads=2, x_res=x[0])
+            top = np.argsort(-prio)[:n_selected(h.n_blocks, sparsity)]
+            plan = e.last_plan(il)
+            assert sorted(plan) == sorted(top)
+            if mode == "leanstream":  # stages in descending priority
+                ends = [len(plan) * (i + 1) // 4 for i in range(4)]  # the engine's stage ends
+                groups = np.split(plan, ends[:-1])
+                stage_min = [prio[g].min() for g in groups]
+                stage_max = [prio[g].max() for g in groups]
+                assert all(stage_min[i] > stage_max[i + 1] for i in range(3))
+            _check(y, ffn_reference(weights[il], x, neurons=neurons_of(plan, weights[il])))
+
+
+def test_predictors_drive_selection_prefetch_and_refinement(model, predictors):
+    torch = pytest.importorskip("torch")
+    paths, weights, h = model
+    pred_paths, pred_models = predictors
+    s = 0.5
+    n_sel = n_selected(h.n_blocks, s)
+    with FFNEngine(paths, mode="leanstream", sparsity=s, n_stages=4, predictor_paths=pred_paths) as e:
+        xs = [_x(10 + il) for il in range(N_LAYER)]
+        for il in range(N_LAYER):
+            y = e.eval_layer(il, xs[il], n_threads=2, x_res=xs[il][0])
+            plan = e.last_plan(il)
+            assert len(plan) == n_sel
+            _check(y, ffn_reference(weights[il], xs[il], neurons=neurons_of(plan, weights[il])))
+            if il == 0:  # layer 0 ranks from its own input: exactly the predictor's top set
+                with torch.no_grad():
+                    prio = pred_models[0].infer(torch.as_tensor(xs[0])).numpy()[0]
+                # a top set (the predictor's scores tie often: any tie-break at the cut is right)
+                cut = np.sort(prio)[::-1][n_sel - 1]
+                rest = np.setdiff1d(np.arange(h.n_blocks), plan)
+                assert prio[plan].min() >= cut >= prio[rest].max()
+        st = e.stats()
+        assert st["refinements"] == (N_LAYER - 1) * 3   # after stages 1..K-1 of layers 0..n-2
+        assert st["blocks_prefetched"] > 0
+        assert st["predictor_ns"] > 0
+
+
+def test_streamed_sparse_equals_cached_under_io_delays(model, predictors):
+    paths, _, h = model
+    pred_paths, _ = predictors
+    s = 0.5
+    ws = n_selected(h.n_blocks, s) * h.block_stride
+    runs = []
+    for budget, delay in [(None, 0), (int(ws * 1.5), 400)]:
+        with FFNEngine(paths, mode="leanstream", sparsity=s, n_stages=4, predictor_paths=pred_paths,
+                       memory_budget=budget, test_io_delay_us=delay, n_io_threads=3) as e:
+            ys = []
+            for token in range(3):
+                for il in range(N_LAYER):
+                    x = _x(100 * token + il)
+                    ys.append(e.eval_layer(il, x, n_threads=2, x_res=x[0]))
+                    st = e.stats()
+                    assert st["cache_bytes"] <= st["cache_capacity"]
+                    if budget:
+                        assert st["cache_capacity"] <= budget
+            runs.append(ys)
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+
+
+def test_cache_modes(model):
+    """Same token twice: dejavu+ keeps the blocks (second pass all hits), oneshot re-reads."""
+    paths, _, h = model
+    prio = np.arange(h.n_blocks, dtype=np.float32)
+    reads = {}
+    for mode in ["oneshot", "dejavu+"]:
+        with FFNEngine(paths, mode=mode, sparsity=0.5) as e:
+            for _ in range(2):
+                e.set_priorities(0, prio)
+                e.eval_layer(0, _x(0), x_res=_x(0)[0])
+            reads[mode] = e.stats()["blocks_read"]
+    n_sel = n_selected(h.n_blocks, 0.5)
+    assert reads["dejavu+"] == n_sel
+    assert reads["oneshot"] == 2 * n_sel
+
+
+def test_powerinfer2_hot_blocks_stay_resident(model):
+    paths, _, h = model
+    n_sel = n_selected(h.n_blocks, 0.5)
+    hot = np.arange(n_sel // 2, dtype=np.int32)
+    budget = (n_sel + len(hot) + 4) * h.block_stride  # hot set + one working set + a little
+    with FFNEngine(paths, mode="powerinfer2", sparsity=0.5, memory_budget=budget) as e:
+        e.set_hot_blocks(0, hot)
+        rng = np.random.default_rng(0)
+        for il in [0, 1, 2, 0, 1, 2, 0]:
+            prio = rng.standard_normal(h.n_blocks).astype(np.float32)
+            if il == 0:
+                prio[hot] += 100.0  # hot blocks selected every time for layer 0
+            e.set_priorities(il, prio)
+            e.eval_layer(il, _x(il), x_res=_x(il)[0])
+        # the hot blocks were read once although layers 1 and 2 cycled through the cache
+        assert e.stats(0)["blocks_read"] <= len(hot) + 3 * (n_sel - len(hot))
+
+
+def test_budget_below_the_working_set_is_a_clear_error(model):
+    paths, _, h = model
+    with pytest.raises(LeanstreamError, match="too small.*working set"):
+        FFNEngine(paths, mode="leanstream", sparsity=0.5, memory_budget=10 * h.block_stride)
+
+
+def test_prefill_is_dense_and_chunked_under_a_small_budget(model):
+    paths, weights, h = model
+    n_sel = n_selected(h.n_blocks, 0.5)
+    with FFNEngine(paths, mode="leanstream", sparsity=0.5, memory_budget=n_sel * h.block_stride) as e:
+        x = _x(7, n=5)
+        for il in range(N_LAYER):
+            _check(e.eval_layer(il, x, n_threads=2), ffn_reference(weights[il], x))
+        st = e.stats()
+        assert st["cache_bytes"] <= st["cache_capacity"] <= n_sel * h.block_stride
+
+
+def test_sparse_read_error_then_recovery(model, tmp_path):
+    paths, weights, h = model
+    local = []
+    for p in paths:
+        shutil.copy(p, tmp_path / p.name)
+        local.append(tmp_path / p.name)
+    with FFNEngine(local, mode="oneshot", sparsity=0.5) as e:  # oneshot: every call reads
+        prio = np.arange(h.n_blocks, dtype=np.float32)
+        e.set_priorities(1, prio)
+        good = e.eval_layer(1, _x(1), x_res=_x(1)[0])
+        data = local[1].read_bytes()
+        os.truncate(local[1], h.data_offset + h.block_stride)
+        e.set_priorities(1, prio)
+        with pytest.raises(LeanstreamError, match=r"blk\.1\.bin"):
+            e.eval_layer(1, _x(1), x_res=_x(1)[0])
+        local[1].write_bytes(data)
+        e.set_priorities(1, prio)
+        assert np.array_equal(e.eval_layer(1, _x(1), x_res=_x(1)[0]), good)
