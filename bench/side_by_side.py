@@ -137,7 +137,7 @@ def bench_command(model: Path, system: str, args, budget: int | None) -> list[st
 
 def summarize(bench_json: dict) -> dict:
     """The fields of `leanstream bench --json` the side-by-side report keeps."""
-    keep = ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes", "rss_after_load_bytes", "load_s",
+    keep = ("prefill_tok_s", "decode_tok_s", "prefill_tok_s_best", "decode_tok_s_best", "peak_rss_bytes", "rss_after_load_bytes", "load_s",
             "disk_read_bytes_load", "disk_read_bytes_total", "disk_read_bytes_per_decode_token",
             "memory_budget_bytes", "engine_decode", "generated", "repetitions", "stock", "model_bytes")
     return {k: bench_json.get(k) for k in keep}

@@ -59,9 +59,10 @@ def register(subparsers) -> None:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from . import bench, measure
 
     model = _resolve(args.model)
+    args.memory_budget = measure.parse_size(args.memory_budget)  # bytes, one parser for all reports
     r = bench.bench(model, args.system, n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions,
                     n_threads=args.threads, n_ctx=args.ctx_size, n_batch=args.batch_size, mode=args.mode,
                     memory_budget=args.memory_budget, text_path=args.text)
@@ -76,10 +77,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from . import perplexity, systems
+    from . import measure, perplexity, systems
     from .bench import DEFAULT_TEXT
 
     model = _resolve(args.model)
+    args.memory_budget = measure.parse_size(args.memory_budget)
     text = Path(args.text or DEFAULT_TEXT).read_text(encoding="utf-8")
     n_threads = args.threads or len(os.sched_getaffinity(0))
     common = dict(n_ctx=args.ctx_size, n_threads=n_threads, n_batch=max(args.batch_size, args.ctx_size),

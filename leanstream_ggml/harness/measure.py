@@ -58,7 +58,9 @@ def format_size(n: int | None) -> str:
     for unit, f in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if n >= f:
             v = n / f
-            return f"{v:.0f}{unit}" if v == int(v) else f"{v:.3g}{unit}"
+            if v == int(v):
+                return f"{v:.0f}{unit}"
+            return f"{v:.2f}{unit}" if v < 10 else f"{v:.1f}{unit}" if v < 100 else f"{v:.0f}{unit}"
     return f"{n}B"
 
 
