@@ -7,11 +7,14 @@
 For every memory limit (largest first) and every system (interleaved, so all systems of one
 limit run back to back under the same machine conditions):
 
+0. the model files are copied to a private temporary directory in the model cache (removed at
+   the end), so no other process on a shared machine brings their pages back into the cache;
 1. the page cache of that system's model files is dropped (posix_fadvise DONTNEED; what stays
-   resident, e.g. pages another process has mapped, is measured with mincore and recorded);
+   resident is measured with mincore and recorded);
 2. `leanstream bench MODEL --json` runs in a fresh process inside its own child memory cgroup
    (leanstream_ggml/harness/cgroup.py: the forked child enters the cgroup before exec, so the
-   whole process, page cache of the mmap'd GGUF included, is charged and limited);
+   whole process, page cache of the mmap'd GGUF included, is charged and limited; runs without
+   a limit get a cgroup too, for its accounting only);
 3. its JSON, the cgroup's peak and OOM counters, and "oom" / "timeout" / "error" are recorded.
 
 Systems: "stock" = llama_cpp.Llama on the GGUF with mmap (llama-cpp-python's defaults);
@@ -19,8 +22,8 @@ any other name is a LeanStream engine mode on the converted model directory ("de
 "dejavu+", "powerinfer2", "leanstream"). All get the same n_ctx, n_batch, threads, prompt and
 lengths. A LeanStream run under limit L gets ``memory_budget = L - reserve`` for its FFN weight
 cache, and no budget without a limit. The reserve (non-FFN weights, KV cache, compute buffers,
-Python) is measured: the same mode's peak RSS without a limit minus the bytes its cache held,
-plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
+Python) is measured: the same mode's charged peak (cgroup) without a limit minus the bytes its
+cache held, plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
 
 Prints one JSON document; writes it to --out and the plot (decode tok/s vs memory limit, one
 line per system: the paper's Fig. 8) to --plot. Where cgroups are not writable it says so in the
@@ -32,7 +35,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,16 +89,18 @@ def plugin_budget(limit: int | None, reserve: int) -> int | None:
 RESERVE_MARGIN = 32 * 2**20
 
 
-def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | None) -> tuple[int, str]:
+def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | None,
+                   charged_peak: int | None = None) -> tuple[int, str]:
     """Bytes a LeanStream run needs besides its FFN weight cache. Measured where possible: the
-    peak RSS of the same mode without a limit minus the bytes its cache held, plus a margin."""
+    peak memory of the same mode without a limit (charged to its accounting cgroup, which is
+    what a limit binds; else VmHWM) minus the bytes its cache held, plus a margin."""
     if fixed is not None:
         return fixed, "--reserve"
     if unlimited_run is not None:
         cache = (unlimited_run.get("engine_total") or {}).get("cache_bytes")
-        peak = unlimited_run.get("peak_rss_bytes")
+        peak, what = (charged_peak, "cgroup peak") if charged_peak else (unlimited_run.get("peak_rss_bytes"), "peak RSS")
         if cache is not None and peak:
-            return max(peak - int(cache), 0) + RESERVE_MARGIN, "measured: unlimited peak RSS - cache_bytes + 32 MiB"
+            return max(peak - int(cache), 0) + RESERVE_MARGIN, f"measured: unlimited {what} - cache_bytes + 32 MiB"
     from leanstream_ggml import manifest
 
     return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
@@ -152,14 +159,48 @@ def greedy_match(a: list[int] | None, b: list[int] | None) -> float | None:
     return k / n
 
 
+def private_copies(gguf: Path, model_dir: Path | None, where: Path) -> tuple[Path, Path | None]:
+    """Copies of the model files that no other process reads, so that dropping their page cache
+    sticks (another process reading the shared GGUF would bring its pages back, charged to
+    someone else, and our run would read them for free). Same filesystem as the model cache, so
+    the block files keep their O_DIRECT alignment."""
+    where.mkdir(parents=True, exist_ok=True)
+    g = where / gguf.name
+    shutil.copyfile(gguf, g)
+    d = None
+    if model_dir is not None:
+        d = where / model_dir.name
+        shutil.copytree(model_dir, d)
+    return g, d
+
+
 def run(args) -> dict:
     from leanstream_ggml import models
+    from leanstream_ggml.build import cache_dir
 
-    gguf = models.resolve(args.model)
+    gguf_orig = models.resolve(args.model)
     systems = parse_systems(args.systems)
     limits = parse_limits(args.limits)
     lean_modes = [s for s in systems if s != STOCK]
-    model_dir = resolve_model_dir(gguf, args.model, args.model_dir) if lean_modes else None
+    dir_orig = resolve_model_dir(gguf_orig, args.model, args.model_dir) if lean_modes else None
+    tmp = None
+    if args.private_copy:
+        tmp = Path(tempfile.mkdtemp(prefix="side-by-side-", dir=cache_dir()))
+        log(f"copying the model files to {tmp} (private copies; --no-private-copy to skip)")
+        gguf, model_dir = private_copies(gguf_orig, dir_orig, tmp)
+    else:
+        gguf, model_dir = gguf_orig, dir_orig
+    try:
+        doc = _run(args, systems, limits, gguf, model_dir)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    doc.update(model_path=str(gguf_orig), model_dir=str(dir_orig) if dir_orig else None)
+    doc["settings"]["private_copy"] = bool(args.private_copy)
+    return doc
+
+
+def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
     fixed_reserve = measure.parse_size(args.reserve) if args.reserve else None
     reserve_of: dict[str, tuple[int, str]] = {}  # mode -> (reserve bytes, how it was chosen)
 
@@ -188,12 +229,14 @@ def run(args) -> dict:
                      "page_cache_resident_at_start_bytes": resident,
                      "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
             if system != STOCK and limit is not None and budget == 0:
-                entry.update(status="skipped", reason=f"limit below the reserve ({measure.format_size(reserve)})")
+                entry.update(status="skipped", reason=f"limit below the reserve ({measure.format_size(reserve)})",
+                             cgroup={})
                 runs.append(entry)
                 log(f"{system:>10} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
                 continue
             cmd = bench_command(path, system, args, budget)
-            res = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=args.timeout, env=env, cwd=str(REPO))
+            res = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=args.timeout, env=env, cwd=str(REPO),
+                                     account=ok)
             entry.update(res.to_dict())
             bj = extract_json(res.stdout) if res.status == "ok" else None
             if res.status == "ok" and bj is None:
@@ -201,7 +244,8 @@ def run(args) -> dict:
             if bj is not None:
                 entry["result"] = summarize(bj)
                 if system != STOCK and limit is None and system not in reserve_of:
-                    reserve_of[system] = choose_reserve(fixed_reserve, model_dir, bj)
+                    reserve_of[system] = choose_reserve(fixed_reserve, model_dir, bj,
+                                                        res.cgroup.get("max_usage_bytes"))
             runs.append(entry)
             r = entry.get("result") or {}
             log(f"{system:>10} @ {measure.format_size(limit):>7}: {entry['status']:>7} "
@@ -306,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory a LeanStream run keeps outside its weight budget (default: measured, see above)")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock cap per run (s); past it: 'timeout'")
     ap.add_argument("--no-drop-cache", action="store_true", help="keep the model files' page cache (warm runs)")
+    ap.add_argument("--no-private-copy", dest="private_copy", action="store_false",
+                    help="benchmark the model files in place instead of private copies")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--plot", default=None, help="write the PNG plot here")
     return ap

@@ -200,6 +200,13 @@ def test_child_cgroup_is_created_with_its_limit_and_removed():
 
 
 @needs_cgroup
+def test_accounting_only_cgroup_has_no_limit():
+    r = cgroup.run_command([sys.executable, "-c", "b = bytearray(50 * 10**6)"], account=True, timeout_s=60)
+    assert r.status == "ok" and r.limit_bytes is None
+    assert r.cgroup["max_usage_bytes"] >= 50 * 10**6
+
+
+@needs_cgroup
 def test_run_command_runs_inside_the_child_cgroup():
     r = cgroup.run_command(["cat", "/proc/self/cgroup"], limit_bytes=256 * 2**20, timeout_s=30)
     assert r.status == "ok"
@@ -346,6 +353,20 @@ def test_choose_reserve_from_an_unlimited_run(tmp_path):
     r, how = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}})
     assert r == 300 + side_by_side.RESERVE_MARGIN and how.startswith("measured")
     assert side_by_side.choose_reserve(123, tmp_path, None) == (123, "--reserve")
+    r, how = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}},
+                                         charged_peak=450)
+    assert r == 250 + side_by_side.RESERVE_MARGIN and "cgroup peak" in how
+
+
+def test_private_copies(tmp_path):
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF" + b"\0" * 100)
+    d = tmp_path / "m.lsm"
+    (d / "ffn").mkdir(parents=True)
+    (d / "ffn" / "blk.0.bin").write_bytes(b"x" * 4096)
+    g2, d2 = side_by_side.private_copies(g, d, tmp_path / "copies")
+    assert g2.read_bytes() == g.read_bytes() and (d2 / "ffn" / "blk.0.bin").read_bytes() == b"x" * 4096
+    assert g2.parent == d2.parent == tmp_path / "copies"
 
 
 def test_bench_command_passes_identical_settings():
@@ -387,6 +408,9 @@ def test_readme_table_from_json(tmp_path, capsys):
     assert "**Tiny.gguf**" in out and "2-core AMD EPYC" in out and "2026-01-01" in out
     assert "| none | 13.40 | 1.80 GB | 0 MB | 10.10 | 1.20 GB | 0 MB |" in out
     assert "| 900 MB | 1.39 | 900 MB | 750 MB | oom | – | – |" in out
+    doc = _fake_doc()
+    doc["runs"][0]["result"]["decode_tok_s_best"] = 14.0
+    assert "| none | 13.40 (14.00) |" in make_readme_table.table(doc)
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -96,12 +96,13 @@ class MemoryCgroup:
     """A child memory cgroup with a limit. Create with `MemoryCgroup.create`, remove with
     `remove()` (or use it as a context manager) once its processes have exited."""
 
-    def __init__(self, path: Path, limit_bytes: int):
+    def __init__(self, path: Path, limit_bytes: int | None):
         self.path = Path(path)
         self.limit_bytes = limit_bytes
 
     @classmethod
-    def create(cls, limit_bytes: int, name: str | None = None, parent: Path | None = None) -> MemoryCgroup:
+    def create(cls, limit_bytes: int | None, name: str | None = None, parent: Path | None = None) -> MemoryCgroup:
+        """limit_bytes None: no limit, the child only accounts (peak, OOM counters)."""
         parent = Path(parent) if parent is not None else own_memory_cgroup()
         name = name or f"leanstream-{os.getpid()}-{next(_counter)}"
         if "/" in name or name in (".", ".."):
@@ -111,7 +112,9 @@ class MemoryCgroup:
             path.mkdir()
         except OSError as e:
             raise CgroupUnavailable(f"cannot create {path}: {e}") from None
-        cg = cls(path, int(limit_bytes))
+        cg = cls(path, None if limit_bytes is None else int(limit_bytes))
+        if cg.limit_bytes is None:
+            return cg
         try:
             cg._write("memory.limit_in_bytes", cg.limit_bytes)
             if (path / "memory.memsw.limit_in_bytes").exists():
@@ -202,12 +205,14 @@ class CommandResult:
 
 
 def run_command(cmd: list[str], limit_bytes: int | None = None, timeout_s: float | None = None,
-                env: dict | None = None, cwd: str | None = None, parent: Path | None = None) -> CommandResult:
+                env: dict | None = None, cwd: str | None = None, parent: Path | None = None,
+                account: bool = False) -> CommandResult:
     """Run ``cmd`` to completion in its own child memory cgroup limited to ``limit_bytes``
-    (None: no cgroup, no limit). Never hangs: past ``timeout_s`` the command's whole process
-    group is killed and the result says "timeout"; a command the kernel OOM-killed says "oom".
-    Raises CgroupUnavailable if a limit is asked for and cannot be set."""
-    cg = MemoryCgroup.create(limit_bytes, parent=parent) if limit_bytes is not None else None
+    (None: no limit; then a cgroup only if ``account``, to measure the charged peak). Never
+    hangs: past ``timeout_s`` the command's whole process group is killed and the result says
+    "timeout"; a command the kernel OOM-killed says "oom". Raises CgroupUnavailable if a limit
+    (or accounting) is asked for and cannot be set."""
+    cg = MemoryCgroup.create(limit_bytes, parent=parent) if (limit_bytes is not None or account) else None
     t0 = time.perf_counter()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

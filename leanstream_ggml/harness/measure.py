@@ -126,11 +126,13 @@ def files_size(paths) -> int:
 
 
 def drop_page_cache(paths) -> None:
-    """Ask the kernel to drop the clean, unmapped page-cache pages of each file, so the next run
-    reads them from disk. Pages another process has mapped stay: check with `resident_bytes`."""
+    """Ask the kernel to drop the page-cache pages of each file (after writing back dirty ones),
+    so the next run reads them from disk. Pages another process has mapped stay, and a file
+    another process reads comes back: check with `resident_bytes`, or benchmark a private copy."""
     for f in paths:
         fd = os.open(f, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages (a fresh copy) are written back, not dropped
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
