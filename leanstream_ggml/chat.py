@@ -58,7 +58,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     try:
         model_dir = Path(args.model) if args.model else default_model_dir()
-        llm = Llama(str(model_dir), memory_budget=args.memory_budget, mode=args.mode, n_ctx=args.n_ctx,
+        llm = Llama(str(model_dir), memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity,
+                    n_stages=args.n_stages, n_ctx=args.n_ctx,
                     n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.verbose)
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
@@ -98,7 +99,10 @@ def register(sub) -> None:
     p.add_argument("-p", "--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message")
     p.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    p.add_argument("--mode", default="dense", help="engine mode (default: dense)")
+    p.add_argument("--mode", default="dense", choices=["dense", "leanstream", "oneshot", "dejavu+", "powerinfer2"],
+                   help="dense: every neuron (exact); the others compute only the predicted top blocks (default: dense)")
+    p.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes (default 0.5)")
+    p.add_argument("--n-stages", type=int, default=8, help="compute stages (refinement points) per layer, leanstream mode")
     p.add_argument("-c", "--n-ctx", type=int, default=2048, help="context size (default: 2048)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama-cpp-python's)")
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")

@@ -35,13 +35,20 @@ class Llama(llama_cpp.Llama):
     Args:
         model_path: a directory written by ``leanstream convert``.
         memory_budget: bytes of FFN weights kept in RAM (int, or "512MiB"/"1.5GB"); None = all.
-        mode: "dense" (every neuron; exact). Sparse modes come with the streaming engine.
+        mode: "dense" (every neuron: reproduces stock llama.cpp), or a sparse decode mode that
+            computes only the top (1 - sparsity) of each layer's neuron blocks, chosen by the
+            model's predictors: "leanstream" (priority-ordered stages, prefetch of the next layer
+            refined from partial results), "oneshot" (DejaVu: one layer-ahead prediction, no
+            weight cache), "dejavu+" (oneshot + LRU cache), "powerinfer2" (hot blocks pinned +
+            LRU). Prefill is always dense.
+        sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
+        n_stages: compute stages per layer = refinement points in "leanstream" mode (default 8).
         n_io_threads: I/O worker threads (reads in flight).
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
-                 n_io_threads: int = 4, **kwargs):
+                 sparsity: float | None = None, n_stages: int = 8, n_io_threads: int = 4, **kwargs):
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
             raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
@@ -52,9 +59,21 @@ class Llama(llama_cpp.Llama):
         self._engine = None
         self.manifest = manifest_mod.load(path)
         self.model_dir = path
+        predictor_paths = None
+        if mode != "dense":
+            files = (self.manifest.predictor or {}).get("files")
+            if not files or len(files) != self.manifest.n_layer:
+                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none: "
+                                 f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
+                                 f"or use mode='dense'")
+            predictor_paths = [path / f for f in files]
+        if sparsity is None:
+            sparsity = 0.0 if mode == "dense" else 0.5
         self._engine = FFNEngine([self.manifest.layer_path(path, il) for il in range(self.manifest.n_layer)],
                                  activation=self.manifest.activation, memory_budget=memory_budget, mode=mode,
-                                 n_io_threads=n_io_threads)
+                                 n_io_threads=n_io_threads, sparsity=sparsity, n_stages=n_stages,
+                                 predictor_paths=predictor_paths)
+        self.mode, self.sparsity = mode, sparsity
         super().__init__(str(self.manifest.base_path(path)), **kwargs)
         _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
