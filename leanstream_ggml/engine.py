@@ -65,7 +65,7 @@ class FFNEngine:
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
                  memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 4,
                  max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0,
-                 sparsity: float = 0.0, n_stages: int = 8,
+                 sparsity: float = 0.0, n_stages: int = 8, cache_policy: str | None = None,
                  predictor_paths: Sequence[str | Path | None] | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -88,6 +88,12 @@ class FFNEngine:
         p.test_io_delay_us = test_io_delay_us
         p.sparsity = sparsity
         p.n_stages = n_stages
+        # leanstream evicts by predicted priority; the baselines use LRU (DESIGN §4)
+        policy = cache_policy or ("priority" if mode == "leanstream" else "lru")
+        if policy not in ("lru", "priority"):
+            raise ValueError(f"unknown cache policy {policy!r} (lru or priority)")
+        p.cache_policy = lib.LS_CACHE_PRIORITY if policy == "priority" else lib.LS_CACHE_LRU
+        self.cache_policy = policy
         if predictor_paths is not None:
             if len(predictor_paths) != self.n_layers:
                 raise ValueError(f"{len(predictor_paths)} predictor paths for {self.n_layers} layers")
@@ -174,6 +180,13 @@ class FFNEngine:
         out = np.empty(n, dtype=np.int32)
         lib.ls_engine_last_plan(self.handle, il, ffi.cast("int32_t *", out.ctypes.data), n)
         return out
+
+    def resident(self, il: int) -> np.ndarray:
+        """bool [n_blocks]: which blocks of layer il are in the weight cache."""
+        n = self.layer_info(il)["n_blocks"]
+        out = np.zeros(n, dtype=np.uint8)
+        check(lib.ls_engine_resident(self.handle, il, ffi.cast("uint8_t *", out.ctypes.data), n))
+        return out.astype(bool)
 
     def set_hot_blocks(self, il: int, blocks: np.ndarray) -> None:
         """powerinfer2: blocks of layer il kept resident once loaded."""

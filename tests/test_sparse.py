@@ -215,3 +215,26 @@ def test_sparse_read_error_then_recovery(model, tmp_path):
         local[1].write_bytes(data)
         e.set_priorities(1, prio)
         assert np.array_equal(e.eval_layer(1, _x(1), x_res=_x(1)[0]), good)
+
+
+@pytest.mark.parametrize("policy", ["lru", "priority"])
+def test_eviction_policy(model, policy):
+    """Layer 1 needs 8 slots held by layer 0: LRU evicts layer 0's least recently released blocks
+    (its top-priority ones, released first); PRIORITY evicts its lowest-priority ones."""
+    paths, _, h = model
+    n_sel = n_selected(h.n_blocks, 0.5)
+    budget = (2 * n_sel - 8) * h.block_stride
+    with FFNEngine(paths, mode="dejavu+", sparsity=0.5, memory_budget=budget, cache_policy=policy) as e:
+        p0 = np.arange(h.n_blocks, dtype=np.float32)[::-1].copy()  # block 0 most important
+        e.set_priorities(0, p0)
+        e.eval_layer(0, _x(0), x_res=_x(0)[0])
+        plan0 = e.last_plan(0)
+        e.set_priorities(1, np.arange(h.n_blocks, dtype=np.float32))
+        e.eval_layer(1, _x(1), x_res=_x(1)[0])
+        kept = e.resident(0)
+        evicted = [b for b in plan0 if not kept[b]]
+        assert len(evicted) == 8
+        if policy == "lru":
+            assert sorted(evicted) == sorted(plan0[:8])
+        else:
+            assert max(p0[evicted]) < min(p0[plan0[:8]])  # the top blocks stayed

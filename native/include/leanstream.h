@@ -82,6 +82,10 @@ enum {
 // Activation of the gated FFN: out = down · (act(gate · x) ⊙ (up · x)).
 enum { LS_ACT_SILU = 0, LS_ACT_GELU = 1 };
 
+// Weight cache eviction: least recently used, or the lowest predicted priority among the
+// LRU_WINDOW least recently used (blocks prefetched but not computed go first).
+enum { LS_CACHE_LRU = 0, LS_CACHE_PRIORITY = 1 };
+
 // Execution modes (DESIGN §4). Only LS_MODE_DENSE computes every neuron.
 enum {
     LS_MODE_DENSE       = 0,
@@ -111,6 +115,7 @@ typedef struct ls_engine_params {
     float          sparsity;        // fraction of each layer's blocks NOT computed per token, [0, 1)
     int32_t        n_stages;        // K: compute stages per layer = refinement points, default 8
     const char * const * predictor_paths; // [n_layers] predictor file per layer, or NULL
+    int32_t        cache_policy;    // LS_CACHE_*, default LS_CACHE_LRU
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);
@@ -145,6 +150,9 @@ LS_API ls_status   ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int
 // The blocks layer il's last op computed, in compute order (stage by stage); returns how many
 // (at most cap are written). For tests and traces.
 LS_API int32_t     ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap);
+
+// resident[b] = 1 if block b of layer il is in the weight cache now (loaded or loading).
+LS_API ls_status   ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident, int32_t n_blocks);
 
 // Geometry of one layer, as read from its block file header.
 typedef struct ls_layer_info {

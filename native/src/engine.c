@@ -244,6 +244,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("unknown activation %d", p->activation); return LS_ERR_ARG; }
     if (p->mode < LS_MODE_DENSE || p->mode > LS_MODE_LEANSTREAM) { ls_set_error("unknown mode %d", p->mode); return LS_ERR_ARG; }
     if (!(p->sparsity >= 0.0f && p->sparsity < 1.0f)) { ls_set_error("sparsity must be in [0, 1), got %g", (double) p->sparsity); return LS_ERR_ARG; }
+    if (p->cache_policy != LS_CACHE_LRU && p->cache_policy != LS_CACHE_PRIORITY) { ls_set_error("unknown cache policy %d", p->cache_policy); return LS_ERR_ARG; }
     if (p->n_stages < 1 || p->n_stages > LS_MAX_STAGES) { ls_set_error("n_stages must be in [1, %d], got %d", LS_MAX_STAGES, p->n_stages); return LS_ERR_ARG; }
     *out = NULL;
     ggml_cpu_init(); // fp16 tables for the CPU type traits (idempotent)
@@ -311,6 +312,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             st = LS_ERR_BUDGET;
         } else {
             st = ls_cache_init(&e->cache, stride, (int32_t) n_slots, total_blocks);
+            e->cache.policy = p->cache_policy;
         }
         ls_plan * P = &e->plan;
         if (st == LS_OK) {
@@ -463,4 +465,15 @@ int32_t ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, i
     if (blocks) memcpy(blocks, L->last_plan, sizeof(int32_t) * (size_t) (n < cap ? n : cap));
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     return n;
+}
+
+ls_status ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident, int32_t n_blocks) {
+    if (!e || !resident || il < 0 || il >= e->n_layers || n_blocks != e->layers[il].info.n_blocks) {
+        ls_set_error("ls_engine_resident: bad arguments");
+        return LS_ERR_ARG;
+    }
+    pthread_mutex_lock((pthread_mutex_t *) &e->mu);
+    for (int32_t b = 0; b < n_blocks; b++) resident[b] = e->layers[il].slot_of_block[b] >= 0;
+    pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
+    return LS_OK;
 }

@@ -85,6 +85,8 @@ typedef struct ls_cache {
     int32_t *  slot_block;      // [n_slots]
     int32_t *  slot_pins;       // [n_slots]
     uint8_t *  slot_computed;   // [n_slots] computed at least once since it was loaded
+    float *    slot_score;      // [n_slots] predicted priority when last released (policy PRIORITY)
+    int32_t    policy;          // LS_CACHE_*
     int32_t *  lru_prev, * lru_next; // intrusive list of unpinned resident slots (head = LRU)
     int32_t    lru_head, lru_tail, n_lru;
     int32_t *  free_list;       // stack of free slots
@@ -154,7 +156,8 @@ void        ls_cache_free(ls_cache * c);
 uint8_t *   ls_cache_slot_ptr(const ls_cache * c, int32_t slot);
 // Pin block b of layer L for computing: returns its slot and whether it must be read.
 ls_status   ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss);
-void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed);
+// Unpin; score: how much the block is expected to be needed again (higher = keep longer).
+void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed, float score);
 // Free block b's slot now (pinned or not). loaded: its bytes arrived (counted as unused if
 // never computed); false for a failed or withdrawn read.
 void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);

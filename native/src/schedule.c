@@ -94,21 +94,24 @@ static int32_t acquire_and_read(ls_engine * e, ls_layer * L, const int32_t * blo
     return i;
 }
 
+// Unpin blocks[0, n). Cache score (PRIORITY eviction): computed blocks by their position in the
+// priority order (earlier = more likely needed again: 1 down to 0.5), others 0.
 static void release_blocks(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n, bool computed,
                            bool keep) {
     for (int32_t i = 0; i < n; i++) {
         const int32_t b = blocks[i];
         const int32_t st = atomic_load_explicit(&L->state[b], memory_order_acquire);
+        const float score = computed ? 1.0f - 0.5f * (float) i / (float) n : 0.0f;
         if (st == LS_BLK_READY && keep) {
-            ls_cache_release(e, L, b, computed);
+            ls_cache_release(e, L, b, computed, score);
         } else if (st == LS_BLK_READY || st == LS_BLK_FAILED) {
             // no cache (oneshot), or a failed read: free the slot, the next call re-reads
-            if (computed && st == LS_BLK_READY) ls_cache_release(e, L, b, true);
+            if (computed && st == LS_BLK_READY) ls_cache_release(e, L, b, true, score);
             ls_cache_drop(e, L, b, st == LS_BLK_READY);
         } else {
             // still loading (a prefetch no one waited for): keep the pin count honest; the
             // block becomes evictable once its read lands
-            ls_cache_release(e, L, b, false);
+            ls_cache_release(e, L, b, false, 0.0f);
         }
     }
 }
@@ -220,7 +223,7 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
     for (int32_t i = 0; i < L->n_prefetch; i++) {
         if (L->in_prefetch[L->prefetch[i]] & 2) P->scratch[n_sel_pref++] = L->prefetch[i];
     }
-    for (int32_t i = 0; i < n_sel_pref; i++) ls_cache_release(e, L, P->scratch[i], false);
+    for (int32_t i = 0; i < n_sel_pref; i++) ls_cache_release(e, L, P->scratch[i], false, 1.0f);
     for (int32_t i = 0; i < L->n_prefetch; i++) L->in_prefetch[L->prefetch[i]] = 0;
     for (int32_t i = 0; i < n_sel; i++) L->in_prefetch[P->blocks[i]] = 0;
     L->n_prefetch = 0;
