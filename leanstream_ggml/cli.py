@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "converters.cli",            # convert, info
     "leanstream_ggml.chat",      # chat
     "leanstream_ggml.harness.cli",  # bench, perplexity
+    "leanstream_ggml.predictor.cli",  # profile, train-predictor
 ]
 
 

@@ -60,7 +60,7 @@ class HashConfig:
     # training
     steps: int = 600
     batch: int = 256
-    lr: float = 1e-2
+    lr: float = 0.05
     temp: float = 1.0        # gumbel-softmax temperature
     seed: int = 0
 
@@ -143,6 +143,11 @@ class HashingPredictor(nn.Module):
         self.head_w = nn.Parameter(torch.randn(n_blocks, cfg.n_bits) * 0.3)
         self.head_a = nn.Parameter(torch.full((n_blocks,), 1.0 / math.sqrt(cfg.n_bits)))
         self.head_c = nn.Parameter(torch.zeros(n_blocks))
+
+    def init_prior(self, logit: np.ndarray):
+        with torch.no_grad():
+            self.head_c.copy_(torch.from_numpy(logit))
+            self.head_a.fill_(0.02)
 
     def features(self, x):
         return ((x - self.mean) * self.scale) @ self.pca.t()
@@ -259,20 +264,22 @@ def infer_params(params: dict, tau: int, n_tables: int, x) -> torch.Tensor:
 
 # ---- training -------------------------------------------------------------------------------
 
-def block_targets(imp: torch.Tensor, sparsities=(0.5, 0.7, 0.8, 0.9)):
-    """imp [N, B] block importance -> soft target [N, B] and weight [N, B].
+def block_targets(imp: np.ndarray, sparsities=(0.5, 0.7, 0.8, 0.9)):
+    """imp [N, B] block importance -> soft target [N, B] and weight [N, B] (float32 numpy).
 
     target = fraction of the target sparsities at which the block is in the true top set
     (ordinal: a block in the top 10 % scores 1, one outside the top 50 % scores 0); weight
     grows with the block's importance relative to the token's mean, so mistakes on blocks
     that carry the output cost more.
     """
-    t = torch.zeros_like(imp)
+    imp = np.asarray(imp, dtype=np.float32)
+    b = imp.shape[1]
+    srt = np.sort(imp, axis=1)                          # one sort for all thresholds
+    t = np.zeros_like(imp)
     for s in sparsities:
-        thr = torch.quantile(imp, s, dim=1, keepdim=True)
-        t += (imp > thr).float()
+        t += imp > srt[:, min(b - 1, int(s * b))][:, None]
     t /= len(sparsities)
-    w = 1.0 + imp / imp.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    w = 1.0 + imp / np.maximum(imp.mean(axis=1, keepdims=True), 1e-12)
     return t, w
 
 
@@ -291,15 +298,22 @@ def train_model(model: nn.Module, x_train: np.ndarray, imp_train: np.ndarray, *,
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1))))
     n = imp_train.shape[0]
+    tgt, wgt = block_targets(imp_train)
+    if hasattr(model, "init_prior"):
+        # start from the per-block prior (a static hot set); training adds the per-token part
+        prior = np.clip((tgt * wgt).sum(0) / wgt.sum(0), 1e-3, 1 - 1e-3)
+        model.init_prior(np.log(prior / (1 - prior)).astype(np.float32))
     losses = []
     t0 = time.time()
     for step in range(steps):
         idx = torch.randint(0, n, (min(batch, n),), generator=g).numpy()
         xb = x_sampler(idx, rng) if x_sampler is not None else x_train[idx]
         xb = torch.as_tensor(np.asarray(xb, dtype=np.float32))
-        tb, wb = block_targets(torch.as_tensor(np.asarray(imp_train[idx], dtype=np.float32)))
+        tb, wb = torch.from_numpy(tgt[idx]), torch.from_numpy(wgt[idx])
         if hashing:
             temp = 1.0
             logits = model(xb, temp=temp, noise=True)
@@ -312,7 +326,7 @@ def train_model(model: nn.Module, x_train: np.ndarray, imp_train: np.ndarray, *,
         sched.step()
         if hashing:
             model.clip_latent()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if log is not None and (step % 100 == 0 or step == steps - 1):
             log(f"step {step} loss {np.mean(losses[-50:]):.4f} ({time.time() - t0:.1f}s)")
     return losses

@@ -1,0 +1,59 @@
+"""`leanstream profile` and `leanstream train-predictor`. Torch is imported only when a command
+runs (registering the parsers imports nothing heavy)."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("profile", help="record FFN activations of a GGUF on calibration text (for predictor training)")
+    p.add_argument("model", help="the original GGUF file")
+    p.add_argument("out", help="profile directory (restartable)")
+    p.add_argument("--calibration", help="plain text or .jsonl chats (default: the model's own answers to bundled prompts)")
+    p.add_argument("--prompts", type=int, default=None, help="use only the first N bundled prompts")
+    p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="cap on profiled positions (--calibration)")
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=_profile)
+
+    t = sub.add_parser("train-predictor", help="train and export the hashing predictors from a profile")
+    t.add_argument("model", help="the original GGUF file (for ffn_down, used by refinement inputs)")
+    t.add_argument("profile", help="directory written by `leanstream profile`")
+    t.add_argument("out", help="model directory; predictors go to <out>/predictor/")
+    t.add_argument("--layers", type=int, default=None, help="train only the first N layers")
+    t.add_argument("--hash-layers", type=int, default=3, help="L (paper: 5)")
+    t.add_argument("--tau", type=int, default=6, help="bits per hash code (paper: 8)")
+    t.add_argument("--bits", type=int, default=256, help="d, code width (paper: 256)")
+    t.add_argument("--tables", type=int, default=4, help="M hash functions per layer (paper's literal layer: 1)")
+    t.add_argument("--pca", type=float, default=0.3, help="fraction of dimensions PCA keeps (paper: 0.3)")
+    t.add_argument("--steps", type=int, default=150)
+    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--lr", type=float, default=0.05)
+    t.add_argument("--no-mlp", action="store_true", help="skip the DejaVu MLP baseline")
+    t.add_argument("--mlp-rank", type=int, default=None)
+    t.add_argument("--eval-layers", type=int, default=6, help="layers on which the refinement curve is measured")
+    t.add_argument("--threads", type=int, default=2)
+    t.set_defaults(func=_train)
+
+
+def _profile(args) -> int:
+    from .profile import profile_model
+
+    profile_model(args.model, args.out, calibration=args.calibration, n_prompts=args.prompts,
+                  max_tokens=args.max_tokens, max_total_tokens=args.max_total_tokens, n_threads=args.threads)
+    return 0
+
+
+def _train(args) -> int:
+    from . import hashing as H
+    from .pipeline import train_from_profile
+
+    cfg = H.HashConfig(n_hash_layers=args.hash_layers, tau=args.tau, n_bits=args.bits, n_tables=args.tables,
+                       pca_frac=args.pca, steps=args.steps, batch=args.batch, lr=args.lr)
+    layers = range(args.layers) if args.layers else None
+    s = train_from_profile(args.profile, args.model, args.out, cfg=cfg, train_mlp=not args.no_mlp,
+                           mlp_rank=args.mlp_rank, eval_layers=args.eval_layers, n_threads=args.threads,
+                           layers=layers)
+    print(json.dumps({k: s[k] for k in ("bytes", "train_seconds", "oneshot_mean")}, indent=1))
+    return 0

@@ -1,0 +1,300 @@
+"""Profile -> PCA -> train (hashing + optional MLP baseline) -> export -> evaluate.
+
+What one layer's predictor sees (both uses share one predictor, paper §3.2 / Eq. 2):
+
+    P_il(input) -> priorities of layer il's blocks, where input is
+      layer-ahead one-shot:  x_{il-1}                              (DejaVu style)
+      refinement j of K:     x_{il-1} + sum_{k<=j} Δm_{il-1}^{(k)} (Eq. 2)
+      layer 0:               its own ffn_inp x_0 (nothing earlier exists)
+
+x_n is the residual entering FFN n (llama.cpp "ffn_inp-n"); Δm^{(k)} is the output of the k-th
+of K priority-ordered stages of layer il-1's sparse FFN. Refined inputs are made in distribution
+by training on all j = 0..K: each training row draws a target sparsity s and a stage count j, and
+orders layer il-1's blocks by a noisy oracle (true importance times log-normal noise, a stand-in
+for the previous predictor's ranking), so the partial sums it sees look like the runtime's.
+
+Evaluation (the paper's Fig. 12): on held-out positions, layer il-1's stages are ordered by the
+method's own one-shot prediction for layer il-1, truncated at sparsity s and split into K=8
+stages; after j stages the method predicts layer il, which is scored by top-10 % recall and
+importance ratio at the same s. The hashing predictor is scored through the exported file and
+the C evaluator (the runtime path); the oracle ranks by the true importance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import metrics as M
+from .export import FILE_VERSION
+
+K_STAGES = 8
+PRED_SUBDIR = "predictor"
+
+
+def predictor_path(model_dir, il: int) -> Path:
+    return Path(model_dir) / PRED_SUBDIR / f"blk.{il}.lspred"
+
+
+class DownWeights:
+    """Dequantised ffn_down of the source GGUF, one layer at a time: W [n_embd, n_ff] f32."""
+
+    def __init__(self, gguf_path):
+        import gguf
+
+        self.reader = gguf.GGUFReader(str(gguf_path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def __call__(self, il: int) -> np.ndarray:
+        import gguf
+
+        t = self.tensors[f"blk.{il}.ffn_down.weight"]
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        return np.ascontiguousarray(w.reshape(int(t.shape[1]), int(t.shape[0])), dtype=np.float32)
+
+
+def _perm(blocks_of_layer, il):
+    if blocks_of_layer is None:
+        return None, 1
+    p = blocks_of_layer[il]
+    if isinstance(p, tuple):
+        return np.asarray(p[0]), int(p[1])
+    return None if p is None else np.asarray(p), 1
+
+
+def refined_inputs(x_prev, a_prev, w_down, prio_prev, s, j, perm=None, k=1, n_stages=K_STAGES):
+    """Eq. 2 for a batch: x_prev [N, n_embd], a_prev [N, n_ff] signed swiglu of layer il-1,
+    w_down [n_embd, n_ff], prio_prev [N, B] the order in which layer il-1's blocks are computed,
+    s [N] sparsity, j [N] stages done -> x~ [N, n_embd]."""
+    n, b = prio_prev.shape
+    if not np.any(j > 0):
+        return x_prev.copy()
+    rank = np.empty((n, b), dtype=np.int64)
+    np.put_along_axis(rank, np.argsort(-prio_prev, axis=1, kind="stable"), np.arange(b)[None, :], axis=1)
+    n_sel = np.array([M.n_selected(b, si) for si in np.atleast_1d(s)]) * np.ones(n, dtype=np.int64)
+    cut = np.floor(n_sel * (np.asarray(j) / n_stages) + 1e-9).astype(np.int64)
+    block_mask = rank < cut[:, None]
+    nmask = M.neuron_mask_of_blocks(block_mask, perm, a_prev.shape[1], k)
+    return x_prev + (a_prev * nmask) @ w_down.T
+
+
+def _fmt(d):
+    return json.dumps(d, indent=None)
+
+
+def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=None, cfg=None,
+                       train_mlp: bool = True, mlp_rank: int | None = None, mlp_steps: int | None = None,
+                       holdout: float = 0.2, eval_tokens: int = 512, eval_layers: int = 6,
+                       noise_sigma: float = 1.0, n_threads: int = 2, layers=None, log=print) -> dict:
+    """Train and export one predictor per layer from a profile directory. Returns the summary
+    (also written to <model_dir>/predictor/predictor.json)."""
+    import torch
+
+    from . import hashing as H
+    from .mlp import MLPPredictor
+    from .native import NativePredictor
+    from .profile import ProfileData
+
+    torch.set_num_threads(n_threads)
+    cfg = cfg or H.HashConfig()
+    data = ProfileData(profile_dir)
+    down = DownWeights(gguf_path)
+    n_layer, n_embd, n_ff = data.n_layer, data.n_embd, data.n_ff
+    out_dir = Path(model_dir) / PRED_SUBDIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    T = data.n_tokens
+    n_train = int(T * (1 - holdout))
+    ev = np.arange(n_train, T)
+    if len(ev) > eval_tokens:
+        ev = ev[np.linspace(0, len(ev) - 1, eval_tokens).astype(int)]
+    layers = list(range(n_layer)) if layers is None else list(layers)
+    curve_layers = sorted(set(int(round(v)) for v in np.linspace(1, n_layer - 1, min(eval_layers, n_layer - 1))))
+    curve_layers = [il for il in curve_layers if il in layers and il - 1 in layers] if n_layer > 1 else []
+    rng = np.random.default_rng(cfg.seed)
+
+    summary = {"format": "lspred", "version": FILE_VERSION, "files": [], "config": cfg.to_dict(),
+               "n_tokens_profile": int(T), "n_tokens_train": int(n_train), "n_tokens_eval": int(len(ev)),
+               "layers": {}, "curve_layers": curve_layers}
+    t_train = 0.0
+    t_mlp = 0.0
+    prev = None   # state of layer il-1: arrays and one-shot predictions on the eval rows
+    sizes, mlp_sizes = [], []
+    curves = {"hashing": {}, "mlp": {}, "oracle": {}}
+    for il in layers:
+        perm, k = _perm(blocks_of_layer, il)
+        x_own = data.layer("x", il)
+        a_own = data.layer("a", il)
+        imp = M.block_importance(np.abs(a_own), perm, k)
+        n_blocks = imp.shape[1]
+        if il == 0 or prev is None or prev["il"] != il - 1:
+            x_in = x_own if il == 0 else data.layer("x", il - 1)
+            a_in = w_in = None
+        else:
+            x_in, a_in, w_in = prev["x"], prev["a"], prev["w_down"]
+        prev_perm, prev_k = _perm(blocks_of_layer, il - 1) if il > 0 else (None, 1)
+        prev_imp = M.block_importance(np.abs(a_in), prev_perm, prev_k) if a_in is not None else None
+
+        def sampler(idx, r, x_in=x_in, a_in=a_in, w_in=w_in, prev_imp=prev_imp, pp=prev_perm, pk=prev_k):
+            if a_in is None:
+                return x_in[idx]
+            n = len(idx)
+            s = r.choice(M.SPARSITIES, size=n)
+            j = r.integers(0, K_STAGES + 1, size=n)
+            noisy = prev_imp[idx] * np.exp(noise_sigma * r.standard_normal(prev_imp[idx].shape))
+            return refined_inputs(x_in[idx], a_in[idx], w_in, noisy, s, j, pp, pk)
+
+        # input statistics and PCA over the training distribution (one-shot and refined rows)
+        stat_idx = rng.choice(n_train, size=min(n_train, 4096), replace=False)
+        x_stat = sampler(stat_idx, rng)
+        mean, scale = H.input_stats(x_stat)
+        pca = H.fit_pca((x_stat - mean) * scale, cfg.pca_frac)
+
+        t0 = time.time()
+        torch.manual_seed(cfg.seed + il)
+        model = H.HashingPredictor(n_embd, n_blocks, cfg, mean, scale, pca)
+        losses = H.train_model(model, None, imp[:n_train], steps=cfg.steps, batch=cfg.batch, lr=cfg.lr,
+                               seed=cfg.seed + il, hashing=True, x_sampler=sampler)
+        params = model.export_params()
+        path = out_dir / f"blk.{il}.lspred"
+        from .export import write_predictor
+
+        size = write_predictor(path, params, tau=cfg.tau, n_tables=cfg.n_tables, layer=il)
+        t_layer = time.time() - t0
+        t_train += t_layer
+        sizes.append(size)
+        summary["files"].append(f"{PRED_SUBDIR}/{path.name}")
+
+        mlp = None
+        if train_mlp:
+            t0 = time.time()
+            torch.manual_seed(cfg.seed + il)
+            rank = mlp_rank or max(64, n_embd // 4)
+            mlp = MLPPredictor(n_embd, n_blocks, rank, mean, scale)
+            H.train_model(mlp, None, imp[:n_train], steps=mlp_steps or cfg.steps, batch=cfg.batch, lr=3e-3,
+                          seed=cfg.seed + il, hashing=False, x_sampler=sampler)
+            t_mlp += time.time() - t0
+            mlp_sizes.append(mlp.size_bytes())
+
+        # ---- evaluation on held-out rows: one-shot (j = 0) for every layer
+        with NativePredictor(path) as cpred:
+            pred_h = cpred(x_in[ev])
+            one = {"hashing": M.summarize(pred_h, imp[ev])}
+            pred_m = mlp.predict(x_in[ev]) if mlp is not None else None
+            if pred_m is not None:
+                one["mlp"] = M.summarize(pred_m, imp[ev])
+            one["oracle"] = M.summarize(imp[ev], imp[ev])
+            entry = {"bytes": size, "train_seconds": round(t_layer, 1),
+                     "loss_first": float(np.mean(losses[:20])), "loss_last": float(np.mean(losses[-20:])),
+                     "oneshot": one}
+            # refinement curve j = 0..K on representative layers
+            if il in curve_layers and a_in is not None:
+                for name, fn, prev_pred in (("hashing", cpred, prev["pred_h"]),
+                                            ("mlp", pred_m is not None and mlp.predict, prev.get("pred_m")),
+                                            ("oracle", None, prev_imp[ev])):
+                    if name == "mlp" and pred_m is None:
+                        continue
+                    c = curves[name].setdefault(il, {})
+                    for s in M.SPARSITIES:
+                        for j in range(K_STAGES + 1):
+                            if name == "oracle":
+                                p = imp[ev]
+                            else:
+                                xr = refined_inputs(x_in[ev], a_in[ev], w_in, prev_pred, np.full(len(ev), s),
+                                                    np.full(len(ev), j), prev_perm, prev_k)
+                                p = fn(xr)
+                            c[f"{s:.1f}/{j}"] = (M.top_recall(p, imp[ev], s), M.importance_ratio(p, imp[ev], s))
+        summary["layers"][str(il)] = entry
+        h = one["hashing"]["0.8"]
+        msg = f"layer {il}: {size} B, {t_layer:.1f}s, loss {entry['loss_first']:.3f}->{entry['loss_last']:.3f}, " \
+              f"s=0.8 recall hash {h['recall_top10']:.3f}"
+        if "mlp" in one:
+            msg += f" mlp {one['mlp']['0.8']['recall_top10']:.3f}"
+        log(msg)
+        # keep layer il's arrays for layer il+1: its input rows and its one-shot predictions
+        prev = {"il": il, "x": x_own, "a": a_own, "w_down": down(il) if il + 1 < n_layer else None,
+                "pred_h": pred_h, "pred_m": pred_m}
+
+    summary["bytes"] = int(sum(sizes))
+    summary["bytes_per_layer"] = int(np.mean(sizes)) if sizes else 0
+    summary["train_seconds"] = round(t_train, 1)
+    if train_mlp:
+        summary["mlp_bytes"] = int(sum(mlp_sizes))
+        summary["mlp_train_seconds"] = round(t_mlp, 1)
+    summary["oneshot_mean"] = _mean_oneshot(summary["layers"])
+    summary["refinement"] = _mean_curves(curves)
+    (out_dir / "predictor.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _mean_oneshot(layers: dict) -> dict:
+    out = {}
+    for e in layers.values():
+        for name, d in e["oneshot"].items():
+            for s, v in d.items():
+                for key, val in v.items():
+                    out.setdefault(name, {}).setdefault(s, {}).setdefault(key, []).append(val)
+    return {n: {s: {k: float(np.mean(v)) for k, v in d.items()} for s, d in sd.items()} for n, sd in out.items()}
+
+
+def _mean_curves(curves: dict) -> dict:
+    """{method: {s: {"recall_top10": [j=0..K], "importance_ratio": [...]}}} averaged over layers."""
+    out = {}
+    for name, per_layer in curves.items():
+        if not per_layer:
+            continue
+        out[name] = {}
+        for s in M.SPARSITIES:
+            rec = [float(np.mean([c[f"{s:.1f}/{j}"][0] for c in per_layer.values()])) for j in range(K_STAGES + 1)]
+            ir = [float(np.mean([c[f"{s:.1f}/{j}"][1] for c in per_layer.values()])) for j in range(K_STAGES + 1)]
+            out[name][f"{s:.1f}"] = {"recall_top10": rec, "importance_ratio": ir}
+    return out
+
+
+QUICK = dict(n_prompts=6, max_tokens=64)
+
+
+def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool = False, calibration=None,
+                     profile_dir=None, keep_profile: bool = False, cfg=None, train_mlp: bool | None = None,
+                     n_threads: int = 2, progress: bool = True, log=print) -> dict:
+    """Called by the converter after conversion: profile the ORIGINAL GGUF, train one predictor per
+    layer, write `<model_dir>/predictor/blk.<il>.lspred` and return the manifest's `predictor`
+    entry (JSON-able). blocks_of_layer[il]: None (identity, k = 1), a perm array (k = 1) or
+    (perm, k) with block b = neurons perm[b*k:(b+1)*k], -1 = padding. quick: a setting CI can
+    afford (SmolLM2: a couple of minutes for profile + train on 2 cores)."""
+    from . import hashing as H
+    from .profile import profile_model
+
+    t0 = time.time()
+    model_dir = Path(model_dir)
+    work = Path(profile_dir) if profile_dir else model_dir / PRED_SUBDIR / ".profile"
+    kw = dict(QUICK) if quick else dict(n_prompts=None, max_tokens=192)
+    if calibration is not None:
+        kw = dict(max_total_tokens=2048 if quick else 16384)
+    meta = profile_model(src_gguf, work, calibration=calibration, n_threads=n_threads, progress=progress, log=log, **kw)
+    t_prof = time.time() - t0
+    if cfg is None:
+        # the paper's L=5, tau=8 is HashConfig(); on 2 shared cores we train a smaller stack
+        cfg = (H.HashConfig(n_hash_layers=2, tau=6, n_bits=128, n_tables=4, steps=40, batch=128) if quick
+               else H.HashConfig(n_hash_layers=3, tau=6, n_bits=256, n_tables=4, steps=150, batch=128))
+    summary = train_from_profile(work, src_gguf, model_dir, blocks_of_layer=blocks_of_layer, cfg=cfg,
+                                 train_mlp=(not quick) if train_mlp is None else train_mlp,
+                                 eval_layers=2 if quick else 6, eval_tokens=128 if quick else 512,
+                                 n_threads=n_threads, log=log)
+    summary["profile_seconds"] = round(t_prof, 1)
+    summary["total_seconds"] = round(time.time() - t0, 1)
+    summary["input"] = ("layer il: residual x_{il-1} entering FFN il-1 (ffn_inp), optionally plus the partial "
+                        "outputs of the first j of K stages of FFN il-1 (Eq. 2); layer 0: its own ffn_inp")
+    summary["k_stages"] = K_STAGES
+    (model_dir / PRED_SUBDIR / "predictor.json").write_text(json.dumps(summary, indent=1))
+    if not keep_profile and profile_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    entry = {k: summary[k] for k in ("format", "version", "files", "config", "bytes", "input", "k_stages",
+                                     "profile_seconds", "train_seconds", "total_seconds", "n_tokens_profile")}
+    entry["summary"] = f"{PRED_SUBDIR}/predictor.json"
+    return entry

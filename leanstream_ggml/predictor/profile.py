@@ -1,0 +1,410 @@
+"""Activation profiling with llama.cpp itself (`leanstream profile MODEL`).
+
+For every calibration sequence, one llama_decode with outputs on every position runs the
+ORIGINAL GGUF with a ggml eval callback (cb_eval) that copies, per layer il,
+
+    ffn_inp-il      x_n   [n_tokens, n_embd]  residual entering the FFN
+    ffn_norm-il     h_n   [n_tokens, n_embd]  FFN input after the norm
+    ffn_swiglu-il   a_n   [n_tokens, n_ff]    silu(gate)*up, signed (|a| = neuron importance)
+
+(names of the vendored llama.cpp's llama/qwen2 graphs, src/models/*.cpp and build_ffn).
+Only decode-like positions are kept: the model's generated tokens (default calibration), or
+every position but the first few of a chunk of text (--calibration). Position 0 is never kept:
+it carries atypical huge activations (DESIGN §9) and never occurs in decoding.
+
+Output directory (restartable: finished chunks are skipped on a rerun):
+    meta.json                  model geometry, chunk list, settings
+    sequences.json             token ids and first kept position of each sequence
+    chunk_NNNNN.{x,xn,a}.npy   f16 [n_layer, T, n_embd|n_ff] (one chunk = a few sequences)
+Nothing large is held in RAM: each chunk is written as soon as it is complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+
+KINDS = {"ffn_inp": "x", "ffn_norm": "xn", "ffn_swiglu": "a"}
+_NAME = re.compile(rb"^(ffn_inp|ffn_norm|ffn_swiglu)-(\d+)$")
+GGML_TYPE_F32 = 0
+
+
+class _GgmlTensor(ctypes.Structure):
+    """ctypes mirror of struct ggml_tensor (ggml.h of the vendored llama.cpp)."""
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
+                ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+                ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+                ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
+                ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p),
+                ("padding", ctypes.c_char * 8)]
+
+
+def bundled_prompts() -> list[str]:
+    from .prompts import PROMPTS
+
+    return list(PROMPTS)
+
+
+class _Capture:
+    """Receives tensors from cb_eval during one llama_decode."""
+
+    def __init__(self):
+        self.data: dict[tuple[str, int], np.ndarray] = {}
+        self.cb = None
+
+    def callback(self, t_ptr, ask, _user):
+        t = _GgmlTensor.from_address(t_ptr)
+        m = _NAME.match(t.name)
+        if ask:
+            return bool(m)
+        if m and t.type == GGML_TYPE_F32 and t.data:
+            ne0, ne1 = t.ne[0], t.ne[1]
+            if t.nb[0] != 4 or t.nb[1] != 4 * ne0:
+                return True
+            arr = np.ctypeslib.as_array((ctypes.c_float * (ne0 * ne1)).from_address(t.data))
+            self.data[(m.group(1).decode(), int(m.group(2)))] = arr.reshape(ne1, ne0).copy()
+        return True
+
+
+class Profiler:
+    """Owns a llama.cpp model + context with the capture callback (CPU backend)."""
+
+    def __init__(self, gguf_path, *, n_ctx: int = 1024, n_threads: int | None = None):
+        import llama_cpp as lc
+
+        self.lc = lc
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = lc.llama_model_load_from_file(str(gguf_path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        self.n_layer = lc.llama_model_n_layer(self.model)
+        self.n_embd = lc.llama_model_n_embd(self.model)
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.cap = _Capture()
+        self._cb = lc.ggml_backend_sched_eval_callback(self.cap.callback)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_ctx
+        cp.n_ubatch = n_ctx
+        nt = n_threads or min(os.cpu_count() or 1, 4)
+        cp.n_threads = cp.n_threads_batch = nt
+        cp.cb_eval = self._cb
+        cp.cb_eval_user_data = None
+        self.n_ctx = n_ctx
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.batch = lc.llama_batch_init(n_ctx, 0, 1)
+
+    def tokenize(self, text: str, special: bool = True, add_bos: bool = True) -> list[int]:
+        lc = self.lc
+        b = text.encode()
+        buf = (lc.llama_token * (len(b) + 16))()
+        n = lc.llama_tokenize(self.vocab, b, len(b), buf, len(buf), add_bos, special)
+        if n < 0:
+            buf = (lc.llama_token * (-n))()
+            n = lc.llama_tokenize(self.vocab, b, len(b), buf, len(buf), add_bos, special)
+        return list(buf[:n])
+
+    def run(self, tokens: list[int]) -> dict[tuple[str, int], np.ndarray]:
+        """One sequence (<= n_ctx tokens) through the model; returns the captured tensors."""
+        lc = self.lc
+        n = len(tokens)
+        if n > self.n_ctx:
+            raise ValueError(f"sequence of {n} tokens exceeds n_ctx {self.n_ctx}")
+        lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
+        b = self.batch
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = 1          # outputs everywhere: the last layer then sees every position
+        b.n_tokens = n
+        self.cap.data = {}
+        rc = lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc})")
+        got = self.cap.data
+        missing = [(k, il) for k in KINDS for il in range(self.n_layer) if (k, il) not in got]
+        if missing:
+            raise RuntimeError(f"cb_eval did not deliver {missing[:3]}... (architecture not supported?)")
+        return got
+
+    def close(self):
+        lc = self.lc
+        if getattr(self, "batch", None) is not None:
+            lc.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lc.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- calibration sequences ----------------------------------------------------------------
+
+def generate_sequences(gguf_path, prompts: list[str], *, max_tokens: int, n_ctx: int, seed: int = 0,
+                       n_threads: int | None = None, progress: bool = True, n_parallel: int = 16,
+                       temperature: float = 0.7, top_p: float = 0.95) -> list[dict]:
+    """The model's own chat answers to the prompts: [{"tokens": [...], "start": first generated pos}].
+
+    Decodes n_parallel answers at once (one llama_decode per step for all of them): on a small
+    CPU model a step costs about the same for 1 or 16 sequences, so this is ~n_parallel x faster
+    than answering the prompts one by one."""
+    import llama_cpp
+    from tqdm import tqdm
+
+    nt = n_threads or min(os.cpu_count() or 1, 4)
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=512, n_threads=nt, verbose=False, seed=seed)
+    lc = llama_cpp
+    rng = np.random.default_rng(seed)
+    out = []
+    try:
+        prefixes = [llm.tokenize(_chat_prefix(llm, p).encode(), add_bos=False, special=True)[: n_ctx // 2]
+                    for p in prompts]
+        vocab = lc.llama_model_get_vocab(llm._model.model)
+        n_vocab = lc.llama_vocab_n_tokens(vocab)
+        per_seq = min(n_ctx, max(len(t) for t in prefixes) + max_tokens + 8)
+        bar = tqdm(total=len(prompts) * max_tokens, desc="generating calibration text", unit="tok",
+                   disable=not progress)
+        for g0 in range(0, len(prompts), n_parallel):
+            group = list(range(g0, min(len(prompts), g0 + n_parallel)))
+            cp = lc.llama_context_default_params()
+            cp.n_ctx = per_seq * len(group)
+            cp.n_seq_max = len(group)
+            cp.n_batch = cp.n_ubatch = max(512, sum(len(prefixes[i]) for i in group))
+            cp.n_threads = cp.n_threads_batch = nt
+            cp.kv_unified = True
+            ctx = lc.llama_init_from_model(llm._model.model, cp)
+            if not ctx:
+                raise RuntimeError("llama.cpp could not create a generation context")
+            batch = lc.llama_batch_init(cp.n_batch, 0, 1)
+            try:
+                toks = {i: list(prefixes[i]) for i in group}
+                gen = {i: 0 for i in group}
+                # prefill every prompt; output the last position of each
+                n, last = 0, {}
+                for si, i in enumerate(group):
+                    for pos, t in enumerate(prefixes[i]):
+                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = t, pos, 1
+                        batch.seq_id[n][0] = si
+                        batch.logits[n] = pos == len(prefixes[i]) - 1
+                        if batch.logits[n]:
+                            last[i] = n
+                        n += 1
+                batch.n_tokens = n
+                active = list(group)
+                while active:
+                    if lc.llama_decode(ctx, batch) != 0:
+                        raise RuntimeError("llama_decode failed during calibration generation")
+                    nxt = []
+                    for i in active:
+                        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, last[i]), shape=(n_vocab,))
+                        t = _sample(logits, rng, temperature, top_p)
+                        gen[i] += 1
+                        bar.update(1)
+                        if lc.llama_vocab_is_eog(vocab, t) or gen[i] >= max_tokens or len(toks[i]) + 1 >= per_seq:
+                            continue
+                        toks[i].append(t)
+                        nxt.append(i)
+                    n = 0
+                    for i in nxt:
+                        si = group.index(i)
+                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = toks[i][-1], len(toks[i]) - 1, 1
+                        batch.seq_id[n][0] = si
+                        batch.logits[n] = 1
+                        last[i] = n
+                        n += 1
+                    batch.n_tokens = n
+                    active = nxt
+                bar.update(sum(max_tokens - gen[i] for i in group))
+                for i in group:
+                    if len(toks[i]) > len(prefixes[i]) + 1:
+                        out.append({"tokens": [int(t) for t in toks[i]], "start": len(prefixes[i])})
+            finally:
+                lc.llama_batch_free(batch)
+                lc.llama_free(ctx)
+        bar.close()
+    finally:
+        llm.close()
+    return out
+
+
+def _sample(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
+    z = logits.astype(np.float64) / max(temperature, 1e-6)
+    z -= z.max()
+    p = np.exp(z)
+    p /= p.sum()
+    order = np.argsort(-p)
+    c = np.cumsum(p[order])
+    keep = order[: int(np.searchsorted(c, top_p)) + 1]
+    q = p[keep] / p[keep].sum()
+    return int(rng.choice(keep, p=q))
+
+
+def _chat_prefix(llm, prompt: str) -> str:
+    """The chat-formatted prompt up to the assistant's answer, with the GGUF's own template."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    tmpl = llm.metadata.get("tokenizer.chat_template")
+    if not tmpl:
+        return f"User: {prompt}\nAssistant: "
+    eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
+    bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
+    f = Jinja2ChatFormatter(template=tmpl, eos_token=eos, bos_token=bos)
+    return f(messages=[{"role": "user", "content": prompt}]).prompt
+
+
+def text_sequences(prof: Profiler, path, *, n_ctx: int, skip: int = 16) -> list[dict]:
+    """--calibration FILE: plain text (chunks of n_ctx tokens) or JSONL chats (one per line:
+    {"messages": [...]} or a list of messages; rendered as "role: content" lines)."""
+    path = Path(path)
+    seqs = []
+    text = path.read_text(errors="replace")
+    if path.suffix == ".jsonl":
+        docs = []
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            msgs = obj.get("messages", obj) if isinstance(obj, dict) else obj
+            docs.append("\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in msgs))
+    else:
+        docs = [text]
+    for d in docs:
+        toks = prof.tokenize(d)
+        for i in range(0, len(toks), n_ctx):
+            chunk = toks[i:i + n_ctx]
+            if len(chunk) > skip + 1:
+                seqs.append({"tokens": chunk, "start": skip})
+    return seqs
+
+
+# ---- the profile run ----------------------------------------------------------------------
+
+def profile_model(gguf_path, out_dir, *, calibration=None, n_prompts: int | None = None,
+                  max_tokens: int = 192, n_ctx: int = 1024, chunk_tokens: int = 2048,
+                  max_total_tokens: int | None = None, seed: int = 0, n_threads: int | None = None,
+                  progress: bool = True, log=print) -> dict:
+    """Profile `gguf_path` into `out_dir` (see module doc). Returns meta (also meta.json)."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    seq_file = out / "sequences.json"
+    if seq_file.exists():
+        seqs = json.loads(seq_file.read_text())
+    else:
+        if calibration is None:
+            prompts = bundled_prompts()
+            if n_prompts is not None:
+                prompts = prompts[:n_prompts]
+            seqs = generate_sequences(gguf_path, prompts, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed,
+                                      n_threads=n_threads, progress=progress)
+        else:
+            with Profiler(gguf_path, n_ctx=n_ctx, n_threads=n_threads) as prof:
+                seqs = text_sequences(prof, calibration, n_ctx=n_ctx)
+        if max_total_tokens is not None:
+            kept, total = [], 0
+            for s in seqs:
+                if total >= max_total_tokens:
+                    break
+                kept.append(s)
+                total += len(s["tokens"]) - s["start"]
+            seqs = kept
+        _write_json(seq_file, seqs)
+    t_gen = time.time() - t0
+
+    meta_file = out / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
+    # group sequences into chunks of about chunk_tokens kept positions
+    groups, cur, n = [], [], 0
+    for i, s in enumerate(seqs):
+        cur.append(i)
+        n += len(s["tokens"]) - max(1, s["start"])
+        if n >= chunk_tokens:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        groups.append(cur)
+
+    with Profiler(gguf_path, n_ctx=n_ctx, n_threads=n_threads) as prof:
+        if meta is None or meta.get("groups") != groups:
+            meta = {"version": 1, "gguf": str(Path(gguf_path).name), "n_layer": prof.n_layer,
+                    "n_embd": prof.n_embd, "n_ff": None, "groups": groups, "chunks": [],
+                    "tokens": [], "dtype": "float16"}
+        done = set(meta["chunks"])
+        todo = [c for c in range(len(groups)) if c not in done]
+        bar = tqdm(total=sum(len(seqs[i]["tokens"]) for c in todo for i in groups[c]),
+                   desc="profiling", unit="tok", disable=not progress)
+        for c in todo:
+            parts = {k: [] for k in KINDS.values()}
+            for i in groups[c]:
+                s = seqs[i]
+                got = prof.run(s["tokens"])
+                keep = slice(max(1, s["start"]), len(s["tokens"]))
+                for name, short in KINDS.items():
+                    parts[short].append(np.stack([got[(name, il)][keep] for il in range(prof.n_layer)]))
+                bar.update(len(s["tokens"]))
+            ntok = 0
+            for short, arrs in parts.items():
+                arr = np.concatenate(arrs, axis=1).astype(np.float16)   # [n_layer, T, dim]
+                _save_npy(out / f"chunk_{c:05d}.{short}.npy", arr)
+                ntok = arr.shape[1]
+                if short == "a":
+                    meta["n_ff"] = int(arr.shape[2])
+            meta["chunks"].append(c)
+            meta["tokens"].append(ntok)
+            _write_json(meta_file, meta)
+        bar.close()
+    meta["seconds_generate"] = round(t_gen, 1)
+    meta["seconds_total"] = round(time.time() - t0 + meta.get("seconds_total", 0.0) * 0, 1)
+    _write_json(meta_file, meta)
+    log(f"profile: {sum(meta['tokens'])} positions x {meta['n_layer']} layers in {time.time() - t0:.0f}s -> {out}")
+    return meta
+
+
+class ProfileData:
+    """Read access to a profile directory, one layer at a time (memory-mapped chunks)."""
+
+    def __init__(self, out_dir):
+        self.dir = Path(out_dir)
+        self.meta = json.loads((self.dir / "meta.json").read_text())
+        self.chunks = sorted(self.meta["chunks"])
+        self.n_layer, self.n_embd, self.n_ff = self.meta["n_layer"], self.meta["n_embd"], self.meta["n_ff"]
+        self.n_tokens = sum(self.meta["tokens"])
+
+    def layer(self, kind: str, il: int, dtype=np.float32) -> np.ndarray:
+        """kind in {"x", "xn", "a"} -> [T, dim] for layer il over all chunks."""
+        parts = [np.load(self.dir / f"chunk_{c:05d}.{kind}.npy", mmap_mode="r")[il] for c in self.chunks]
+        return np.concatenate(parts).astype(dtype)
+
+
+def _save_npy(path: Path, arr: np.ndarray):
+    tmp = path.with_name(path.name + ".tmp.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
