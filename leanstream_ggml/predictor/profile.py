@@ -79,6 +79,9 @@ class Profiler:
         import llama_cpp as lc
 
         self.lc = lc
+        from llama_cpp._logger import set_verbose
+
+        set_verbose(False)   # llama.cpp's load/graph chatter
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
