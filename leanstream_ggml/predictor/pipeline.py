@@ -23,7 +23,6 @@ the C evaluator (the runtime path); the oracle ranks by the true importance.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -82,10 +81,6 @@ def refined_inputs(x_prev, a_prev, w_down, prio_prev, s, j, perm=None, k=1, n_st
     block_mask = rank < cut[:, None]
     nmask = M.neuron_mask_of_blocks(block_mask, perm, a_prev.shape[1], k)
     return x_prev + (a_prev * nmask) @ w_down.T
-
-
-def _fmt(d):
-    return json.dumps(d, indent=None)
 
 
 def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=None, cfg=None,
@@ -216,10 +211,16 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         if "mlp" in one:
             msg += f" mlp {one['mlp']['0.8']['recall_top10']:.3f}"
         log(msg)
+        _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)   # partial, per layer
         # keep layer il's arrays for layer il+1: its input rows and its one-shot predictions
         prev = {"il": il, "x": x_own, "a": a_own, "w_down": down(il) if il + 1 < n_layer else None,
                 "pred_h": pred_h, "pred_m": pred_m}
 
+    _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)
+    return summary
+
+
+def _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves):
     summary["bytes"] = int(sum(sizes))
     summary["bytes_per_layer"] = int(np.mean(sizes)) if sizes else 0
     summary["train_seconds"] = round(t_train, 1)
@@ -228,8 +229,9 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         summary["mlp_train_seconds"] = round(t_mlp, 1)
     summary["oneshot_mean"] = _mean_oneshot(summary["layers"])
     summary["refinement"] = _mean_curves(curves)
-    (out_dir / "predictor.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    tmp = out_dir / "predictor.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, out_dir / "predictor.json")
 
 
 def _mean_oneshot(layers: dict) -> dict:

@@ -379,7 +379,7 @@ def profile_model(gguf_path, out_dir, *, calibration=None, n_prompts: int | None
             _write_json(meta_file, meta)
         bar.close()
     meta["seconds_generate"] = round(t_gen, 1)
-    meta["seconds_total"] = round(time.time() - t0 + meta.get("seconds_total", 0.0) * 0, 1)
+    meta["seconds_total"] = round(time.time() - t0, 1)   # of this (possibly resumed) run
     _write_json(meta_file, meta)
     log(f"profile: {sum(meta['tokens'])} positions x {meta['n_layer']} layers in {time.time() - t0:.0f}s -> {out}")
     return meta
