@@ -36,24 +36,11 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def predictors(model, tmp_path_factory):
     """Untrained (random) hashing predictors: the engine must follow whatever they say."""
-    torch = pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
-    from leanstream_ggml.predictor.export import write_predictor
-    from leanstream_ggml.predictor.hashing import HashConfig, HashingPredictor
+    pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
+    from pred_synth import write_random_predictors
 
-    _, _, h = model
-    d = tmp_path_factory.mktemp("pred")
-    cfg = HashConfig(n_hash_layers=2, tau=4, n_bits=64, n_tables=2)
-    torch.manual_seed(0)
-    n_pca = 32
-    pca = np.linalg.qr(np.random.default_rng(1).standard_normal((N_EMBD, n_pca)))[0].T
-    out, models = [], []
-    for il in range(N_LAYER):
-        m = HashingPredictor(N_EMBD, h.n_blocks, cfg, np.zeros(N_EMBD), np.ones(N_EMBD), pca)
-        p = d / f"blk.{il}.lspred"
-        write_predictor(p, m.export_params(), tau=cfg.tau, n_tables=cfg.n_tables, layer=il)
-        out.append(p)
-        models.append(m)
-    return out, models
+    paths, _, _ = model
+    return write_random_predictors(paths[0].parent.parent)
 
 
 def n_selected(n_blocks, s):
