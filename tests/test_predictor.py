@@ -248,3 +248,20 @@ def test_pipeline_tiny_c_equals_torch_on_real_inputs(tmp_path):
     ref = H.infer_params(params, hdr["tau"], hdr["n_tables"], x).numpy()
     with NativePredictor(predictor_path(tmp_path / "model", 1)) as c:
         assert np.array_equal(c(x).view(np.uint32), ref.view(np.uint32))
+
+
+def test_build_predictors_quick_default_calibration(tmp_path):
+    """The converter's entry point, with the default calibration (the model's own answers)."""
+    _native()
+    from leanstream_ggml.predictor.pipeline import build_predictors
+
+    path, _ = _tiny(tmp_path)
+    cfg = H.HashConfig(n_hash_layers=2, tau=4, n_bits=64, n_tables=2, steps=5, batch=32)
+    entry = build_predictors(path, tmp_path / "model", quick=True, progress=False, cfg=cfg,
+                             profile_kwargs=dict(n_prompts=2, max_tokens=24), log=lambda *a: None)
+    assert entry["format"] == "lspred" and entry["version"] == E.FILE_VERSION
+    assert entry["files"] == ["predictor/blk.0.lspred", "predictor/blk.1.lspred"]
+    assert all((tmp_path / "model" / f).exists() for f in entry["files"])
+    assert not (tmp_path / "model" / "predictor" / ".profile").exists()   # profile removed after training
+    import json
+    json.dumps(entry)

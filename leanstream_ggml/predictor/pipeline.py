@@ -263,7 +263,8 @@ QUICK = dict(n_prompts=6, max_tokens=64)
 
 def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool = False, calibration=None,
                      profile_dir=None, keep_profile: bool = False, cfg=None, train_mlp: bool | None = None,
-                     n_threads: int = 2, progress: bool = True, log=print) -> dict:
+                     n_threads: int = 2, progress: bool = True, profile_kwargs: dict | None = None,
+                     log=print) -> dict:
     """Called by the converter after conversion: profile the ORIGINAL GGUF, train one predictor per
     layer, write `<model_dir>/predictor/blk.<il>.lspred` and return the manifest's `predictor`
     entry (JSON-able). blocks_of_layer[il]: None (identity, k = 1), a perm array (k = 1) or
@@ -278,6 +279,7 @@ def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool =
     kw = dict(QUICK) if quick else dict(n_prompts=None, max_tokens=192)
     if calibration is not None:
         kw = dict(max_total_tokens=2048 if quick else 16384)
+    kw.update(profile_kwargs or {})
     meta = profile_model(src_gguf, work, calibration=calibration, n_threads=n_threads, progress=progress, log=log, **kw)
     t_prof = time.time() - t0
     if cfg is None:
