@@ -141,7 +141,7 @@ def parse(data: bytes, *, check_payload: bool = True) -> tuple[dict, dict]:
         raise PredictorFormatError(f"predictor file version {version}, this build reads version {FILE_VERSION}")
     if hsize != HEADER_SIZE:
         raise PredictorFormatError(f"bad header size {hsize}")
-    if not (0 < n_embd <= 1 << 20 and 0 < n_blocks <= 1 << 24 and 0 < n_pca <= n_embd
+    if not (0 < n_embd <= 1 << 16 and 0 < n_blocks <= 1 << 24 and 0 < n_pca <= n_embd
             and 1 <= L <= 64 and 1 <= tau <= 12 and n_bits % 64 == 0 and 0 < n_bits <= 8192
             and 1 <= M <= 256):
         raise PredictorFormatError("predictor header has out-of-range dimensions")

@@ -131,7 +131,7 @@ ls_status ls_predictor_load_mem(const void * data, size_t size, ls_predictor ** 
     memset(&h, 0, sizeof(h));
     uint32_t n_embd = rd_u32(b + 16), n_blocks = rd_u32(b + 20), n_pca = rd_u32(b + 24), L = rd_u32(b + 28);
     uint32_t tau = rd_u32(b + 32), n_bits = rd_u32(b + 36), M = rd_u32(b + 40);
-    if (!(n_embd > 0 && n_embd <= (1u << 20) && n_blocks > 0 && n_blocks <= (1u << 24) && n_pca > 0 &&
+    if (!(n_embd > 0 && n_embd <= (1u << 16) && n_blocks > 0 && n_blocks <= (1u << 24) && n_pca > 0 &&
           n_pca <= n_embd && L >= 1 && L <= 64 && tau >= 1 && tau <= 12 && n_bits % 64 == 0 && n_bits > 0 &&
           n_bits <= 8192 && M >= 1 && M <= 256)) {
         ls_set_error("predictor file: header has out-of-range dimensions");
@@ -222,6 +222,7 @@ static float quantize_vec(const float * v, int n, int8_t * q) {
     return s;
 }
 
+// |sum| <= 127^2 * n <= 127^2 * 2^16 < 2^31 (the loader caps n_embd at 2^16).
 static int32_t dot_i8(const int8_t * a, const int8_t * b, int n) {
     int32_t s = 0;
     for (int i = 0; i < n; i++) s += (int32_t) a[i] * (int32_t) b[i];
