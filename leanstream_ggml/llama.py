@@ -42,13 +42,14 @@ class Llama(llama_cpp.Llama):
             weight cache), "dejavu+" (oneshot + LRU cache), "powerinfer2" (hot blocks pinned +
             LRU). Prefill is always dense.
         sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
-        n_stages: compute stages per layer = refinement points in "leanstream" mode (default 8).
+        n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
+            with the quick predictors 8 stages measured worse, see README).
         n_io_threads: I/O worker threads (reads in flight).
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
-                 sparsity: float | None = None, n_stages: int = 8, n_io_threads: int = 4, **kwargs):
+                 sparsity: float | None = None, n_stages: int = 4, n_io_threads: int = 4, **kwargs):
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
             raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
