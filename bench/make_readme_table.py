@@ -42,12 +42,17 @@ def table(doc: dict) -> str:
                if cg["writable"] else f"**no limits applied** (cgroups not writable: {cg.get('reason')})."))
     if doc.get("stock"):
         head += f" Stock = {doc['stock']}."
+    loads = [e["loadavg_1min_at_start"] for e in doc["runs"] if e.get("loadavg_1min_at_start") is not None]
+    if loads:
+        head += (f" Machine load (1-min load average at the start of each run) {min(loads):.1f}–{max(loads):.1f}"
+                 f" on {m['cores']} cores: other work shared the CPUs, so compare systems within a row.")
     systems = doc["systems"]
     cols = ["memory limit"]
     for s in systems:
         n = _system_name(s)
         cols += [f"{n} decode tok/s (best)", f"{n} peak RSS", f"{n} disk/token"]
     lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
+    notes: list[str] = []
     for lim in doc["limits_bytes"]:
         row = [_limit(lim)]
         for s in systems:
@@ -55,7 +60,15 @@ def table(doc: dict) -> str:
             if e is None:
                 row += ["–"] * 3
             elif e["status"] != "ok" or not e.get("result"):
-                row += [e["status"], "–", "–"]
+                why = e.get("reason") or (e.get("stderr_tail") or "").strip().splitlines()[-1:] or [""]
+                why = why if isinstance(why, str) else why[0]
+                if why:
+                    why = why[:200]
+                    if why not in notes:
+                        notes.append(why)
+                    row += [f"{e['status']} [{notes.index(why) + 1}]", "–", "–"]
+                else:
+                    row += [e["status"], "–", "–"]
             else:
                 r = e["result"]
                 dec, best = r.get("decode_tok_s"), r.get("decode_tok_s_best")
@@ -63,6 +76,8 @@ def table(doc: dict) -> str:
                 cell = "–" if dec is None else f"{dec:.2f}" + (f" ({best:.2f})" if best is not None else "")
                 row += [cell, _mb(r.get("peak_rss_bytes")), _mb(per_tok)]
         lines.append("| " + " | ".join(row) + " |")
+    if notes:
+        lines += [""] + [f"[{i}] {n}" for i, n in enumerate(notes, 1)]
     budgets = {e["system"]: e.get("plugin_reserve_bytes") for e in doc["runs"] if e.get("plugin_reserve_bytes")}
     how = {s: v.get("how") for s, v in (st.get("plugin_reserve") or {}).items()}
     if budgets:

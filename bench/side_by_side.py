@@ -323,7 +323,9 @@ def plot(doc: dict, path: str) -> None:
     ax.set_ylabel("decode tokens/s")
     ax.set_ylim(bottom=0)
     m = doc["machine"]
-    ax.set_title(f"{doc['model']}\n{m['cores']} cores {m['cpu']}, {doc['settings']['n_threads']} threads, "
+    loads = [e["loadavg_1min_at_start"] for e in doc["runs"] if e.get("loadavg_1min_at_start") is not None]
+    load = f", load avg {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    ax.set_title(f"{doc['model']}\n{m['cores']} cores {m['cpu']}, {doc['settings']['n_threads']} threads{load}, "
                  f"{m['date']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
