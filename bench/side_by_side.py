@@ -313,8 +313,8 @@ def plot(doc: dict, path: str) -> None:
         bad = [(x, s) for x, y, s in pts if s not in ("ok",)]
         for x, s in bad:
             ax.plot([x], [0], marker="x", color=line.get_color(), markersize=9)
-            ax.annotate(s, (x, 0), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7,
-                        color=line.get_color())
+            ax.annotate(s, (x, 0), textcoords="offset points", xytext=(3, 8), ha="left", va="bottom", fontsize=7,
+                        rotation=90, color=line.get_color())
     ticks = [lim / 1e6 for lim in limited] + [x_none]
     ax.set_xticks(ticks)
     ax.set_xticklabels([f"{t:.0f}" for t in ticks[:-1]] + ["none"], rotation=45 if len(ticks) > 6 else 0)
@@ -356,11 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="benchmark the model files in place instead of private copies")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     ap.add_argument("--plot", default=None, help="write the PNG plot here")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only redraw the plot of an earlier run's JSON (to --plot, default: beside it)")
     return ap
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:  # redraw the figure of an earlier run, measure nothing
+        doc = json.loads(Path(args.replot).read_text())
+        plot(doc, args.plot or str(Path(args.replot).with_suffix(".png")))
+        return 0
     doc = run(args)
     text = json.dumps(doc, indent=1)
     if args.out:
