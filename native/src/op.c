@@ -21,6 +21,8 @@
 
 // neurons whose h values and dequantized down columns are staged together (cache tile)
 #define LS_TILE 32
+#define LS_RUN 16            // consecutive plan entries per thread turn
+#define LS_PREFETCH_AHEAD 2  // software prefetch distance, in blocks
 #define LS_TILE_MAX 256 // k above this is refused at load
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
@@ -177,7 +179,11 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
 
-    for (int32_t i = lo + ith; i < hi; i += nth) {
+    // this thread's entries: runs of LS_RUN consecutive plan entries, every nth run — sequential
+    // enough for the memory prefetchers, interleaved enough that both threads start on the
+    // first blocks to arrive
+    for (int32_t r = lo + ith * LS_RUN; r < hi; r += nth * LS_RUN)
+    for (int32_t i = r; i < r + LS_RUN && i < hi; i++) {
         if (n_staged + k > tile) {
             flush(acc, h, cols, qcols, n_staged, T, n_embd, direct);
             n_staged = 0;
@@ -185,6 +191,14 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         const int32_t b = P->blocks[i];
         if (!wait_ready(L, b, &stall_ns)) continue; // failed read: reported by take_error
         const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
+        if (i + LS_PREFETCH_AHEAD < hi) { // the block a few entries ahead, if it is there already
+            const int32_t nb = P->blocks[i + LS_PREFETCH_AHEAD];
+            const int32_t ns = L->slot_of_block[nb];
+            if (ns >= 0 && atomic_load_explicit(&L->state[nb], memory_order_relaxed) == LS_BLK_READY) {
+                const uint8_t * q = ls_cache_slot_ptr(&e->cache, ns);
+                for (uint64_t off = 0; off < in->block_payload; off += 64) __builtin_prefetch(q + off, 0, 0);
+            }
+        }
         const uint8_t * gate = blk;
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
         const uint8_t * down = up + (size_t) k * L->up_row_bytes;
