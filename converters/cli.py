@@ -1,6 +1,7 @@
 """`leanstream convert` and `leanstream info`.
 
     leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
+                       [--predictors full|quick|none]
     leanstream info [DIR]
 
 Without IN, convert uses the default model (SmolLM2-135M-Instruct, fetched into the model cache);
@@ -63,6 +64,35 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
           f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}")
+    if args.predictors != "none":
+        return _train_predictors(src, out, m, quick=args.predictors == "quick", progress=not args.quiet)
+    return 0
+
+
+def _train_predictors(src: Path, out: Path, m, *, quick: bool, progress: bool) -> int:
+    """Profile the source GGUF and train one predictor per layer (the sparse modes need them)."""
+    try:
+        from leanstream_ggml.predictor.pipeline import build_predictors
+    except ImportError as e:
+        print(f"leanstream convert: predictors need the training extra ({e}); the model works in dense "
+              f"mode. Install it with `pip install leanstream-ggml[train]` and re-run with --force", file=sys.stderr)
+        return 1
+    import numpy as np
+
+    from leanstream_ggml import manifest
+
+    from . import blockfile
+
+    layers = []
+    for il in range(m.n_layer):
+        h = blockfile.read_header(m.layer_path(out, il))
+        layers.append((blockfile.read_perm(m.layer_path(out, il), h), h.k))
+    identity = all(k == 1 and np.array_equal(p, np.arange(len(p))) for p, k in layers)
+    t0 = time.perf_counter()
+    entry = build_predictors(src, out, blocks_of_layer=None if identity else layers, quick=quick, progress=progress)
+    m.predictor = entry
+    manifest.save(m, out)
+    print(f"trained {m.n_layer} predictors ({_fmt_bytes(entry.get('bytes', 0))}) in {time.perf_counter() - t0:.0f} s")
     return 0
 
 
@@ -109,6 +139,9 @@ def register(subparsers) -> None:
                    help="block alignment in bytes (default: logical block size of the output device, >= 512)")
     p.add_argument("--force", action="store_true", help="overwrite an existing conversion in OUT_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--predictors", choices=["full", "quick", "none"], default="full",
+                   help="profile the model and train the sparse modes' predictors: full (default; minutes), "
+                        "quick (CI-sized), none (dense mode only)")
     p.set_defaults(func=cmd_convert)
 
     q = subparsers.add_parser("info", help="describe a converted model directory",

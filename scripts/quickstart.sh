@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/leanstream convert                       # default model -> ~/.cache/leanstream-ggml/models/*.lsm
+.venv/bin/leanstream convert --predictors none     # default model -> ~/.cache/leanstream-ggml/models/*.lsm
 .venv/bin/leanstream chat --prompt "${1:-Explain in two sentences why the sky is blue.}" \
     --memory-budget 64MiB --temp 0 -n 128

@@ -381,9 +381,9 @@ def run_cli(*argv):
 
 def test_cli(models, tmp_path, capsys):
     out = tmp_path / "out.lsm"
-    assert run_cli("convert", str(models["llama-f16"]), str(out), "--k", "2", "--quiet") == 0
+    assert run_cli("convert", str(models["llama-f16"]), str(out), "--k", "2", "--quiet", "--predictors", "none") == 0
     assert "padding waste" in capsys.readouterr().out
-    assert mf.load(out).block.k == 2
+    assert mf.load(out).block.k == 2 and mf.load(out).predictor is None
     assert run_cli("convert", str(models["llama-f16"]), str(out), "--quiet") == 1
     err = capsys.readouterr().err
     assert "--force" in err and "Traceback" not in err
@@ -396,7 +396,7 @@ def test_cli(models, tmp_path, capsys):
     assert "not a GGUF" in capsys.readouterr().err
     assert run_cli("info", str(tmp_path / "x")) == 1
     # default output directory: next to the source
-    assert run_cli("convert", str(models["llama-f32"]), "--quiet") == 0
+    assert run_cli("convert", str(models["llama-f32"]), "--quiet", "--predictors", "none") == 0
     assert (models["llama-f32"].parent / "llama-f32.lsm" / "manifest.json").exists()
 
 
@@ -443,3 +443,23 @@ def test_smollm2(tmp_path):
         np.testing.assert_array_equal(up, u_ref)
         cols = np.ascontiguousarray(d_ref.T)
         assert (np.abs(down_t - cols) <= q8_0_bound(cols)).all()
+
+
+def test_cli_convert_trains_predictors(models, tmp_path, capsys):
+    """convert profiles the source and trains one predictor per layer (quick setting), records
+    them in the manifest, and the runtime loads them for a sparse mode; grouped blocks (k=2)
+    reach the predictor as blocks."""
+    pytest.importorskip("torch", reason="predictor training needs the train extra")
+    out = tmp_path / "pred.lsm"
+    assert run_cli("convert", str(models["llama-f16"]), str(out), "--k", "2", "--quiet", "--predictors", "quick") == 0
+    m = mf.load(out)
+    assert m.predictor and len(m.predictor["files"]) == m.n_layer
+    assert all((out / f).exists() for f in m.predictor["files"])
+    from leanstream_ggml import Llama
+
+    llm = Llama(str(out), mode="leanstream", sparsity=0.5, n_ctx=64, verbose=False)
+    try:
+        llm("hello", max_tokens=4, temperature=0.0)
+        assert llm.stats()["predictor_ns"] > 0
+    finally:
+        llm.close()

@@ -56,4 +56,19 @@ def _train(args) -> int:
                            mlp_rank=args.mlp_rank, eval_layers=args.eval_layers, n_threads=args.threads,
                            layers=layers)
     print(json.dumps({k: s[k] for k in ("bytes", "train_seconds", "oneshot_mean")}, indent=1))
+    _record_in_manifest(args.out, s)
     return 0
+
+
+def _record_in_manifest(model_dir, summary: dict) -> None:
+    """Point the model directory's manifest at the new predictors (what the runtime loads)."""
+    from leanstream_ggml import manifest
+
+    try:
+        m = manifest.load(model_dir)
+    except manifest.ManifestError:
+        return  # not a converted model directory: the files stand alone
+    if len(summary.get("files", [])) == m.n_layer:
+        m.predictor = {k: summary[k] for k in ("format", "version", "files", "config", "bytes") if k in summary}
+        manifest.save(m, model_dir)
+
