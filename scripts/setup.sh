@@ -11,7 +11,7 @@ for tool in "$PY" cc c++ cmake patch; do
 done
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "scikit-build-core[pyproject]>=0.9.2" "typing-extensions>=4.5.0" \
+"$VENV/bin/python" -m pip install -q "scikit-build-core>=0.9.2" "typing-extensions>=4.5.0" \
   "numpy>=1.20.0" "diskcache>=5.6.1" "jinja2>=2.11.3"
 "$VENV/bin/python" -m leanstream_ggml.build
 # torch pinned to the CPU build (a bare "torch" can resolve to a multi-GB CUDA build)
