@@ -289,6 +289,17 @@ def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
     }
 
 
+def portable(text: str) -> str:
+    """Results are committed: no machine-specific paths (checkout, model cache, home, our cgroup)."""
+    from leanstream_ggml.build import cache_dir
+
+    ok, where = cgroup.availability()
+    for path, name in ((str(REPO), "<repo>"), (str(cache_dir()), "<cache>"), (os.path.expanduser("~"), "~")) + \
+            (((where, "<own memory cgroup>"),) if ok else ()):
+        text = text.replace(json.dumps(path)[1:-1], name)
+    return text
+
+
 def plot(doc: dict, path: str) -> None:
     """Decode tok/s vs memory limit, one line per system; failed runs marked at 0."""
     import matplotlib
@@ -368,7 +379,7 @@ def main(argv=None) -> int:
         plot(doc, args.plot or str(Path(args.replot).with_suffix(".png")))
         return 0
     doc = run(args)
-    text = json.dumps(doc, indent=1)
+    text = portable(json.dumps(doc, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
