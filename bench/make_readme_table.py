@@ -78,6 +78,10 @@ def table(doc: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     if notes:
         lines += [""] + [f"[{i}] {n}" for i, n in enumerate(notes, 1)]
+    lines += ["", "Peak RSS is VmHWM: it also counts mapped pages of shared libraries that other processes brought "
+              "into the page cache (charged to them, not to the run's cgroup), so it can exceed the limit; the "
+              "charged peak the limit binds is `cgroup.max_usage_bytes` in the JSON. Disk/token = bytes read from "
+              "disk per decoded token (/proc/self/io read_bytes, median over repetitions)."]
     budgets = {e["system"]: e.get("plugin_reserve_bytes") for e in doc["runs"] if e.get("plugin_reserve_bytes")}
     how = {s: v.get("how") for s, v in (st.get("plugin_reserve") or {}).items()}
     if budgets:
