@@ -45,11 +45,14 @@ class Llama(llama_cpp.Llama):
         n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
             with the quick predictors 8 stages measured worse, see README).
         n_io_threads: I/O worker threads (reads in flight).
+        hot_fraction: "powerinfer2": share of the budget pinned for the blocks most often active
+            in calibration (default 0.5).
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
-                 sparsity: float | None = None, n_stages: int = 4, n_io_threads: int = 4, **kwargs):
+                 sparsity: float | None = None, n_stages: int = 4, n_io_threads: int = 4,
+                 hot_fraction: float = 0.5, **kwargs):
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
             raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
@@ -75,6 +78,8 @@ class Llama(llama_cpp.Llama):
                                  n_io_threads=n_io_threads, sparsity=sparsity, n_stages=n_stages,
                                  predictor_paths=predictor_paths)
         self.mode, self.sparsity = mode, sparsity
+        if mode == "powerinfer2":
+            self._pin_hot_blocks(path, hot_fraction)
         super().__init__(str(self.manifest.base_path(path)), **kwargs)
         _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
@@ -85,6 +90,30 @@ class Llama(llama_cpp.Llama):
             self._engine.raise_pending()
 
         self._ctx.decode = decode
+
+    def _pin_hot_blocks(self, path: Path, hot_fraction: float) -> None:
+        """powerinfer2: the blocks most often in the top half during calibration, across all
+        layers, stay resident; they fill hot_fraction of the budget (never the working set)."""
+        import numpy as np
+
+        rel = (self.manifest.predictor or {}).get("block_freq")
+        if not rel or not (path / rel).exists():
+            raise ValueError(f"mode='powerinfer2' needs calibration frequencies ({path}/predictor/block_freq.npy): "
+                             f"re-convert with predictors")
+        freq = np.load(path / rel)                       # [n_layer, n_blocks]
+        stride = max(le.block_stride for le in self.manifest.layers)
+        budget = self._engine.memory_budget
+        total = sum(le.n_blocks for le in self.manifest.layers)
+        slots = total if not budget else min(total, budget // stride)
+        working = max(int((1.0 - self.sparsity) * le.n_blocks + 0.5) for le in self.manifest.layers)
+        n_hot = max(0, min(int(hot_fraction * slots), slots - 2 * working))
+        if n_hot == 0:
+            return
+        order = np.argsort(-freq, axis=None, kind="stable")[:n_hot]
+        layer, block = np.unravel_index(order, freq.shape)
+        for il in range(self.manifest.n_layer):
+            self._engine.set_hot_blocks(il, block[layer == il])
+        self.hot_blocks = n_hot
 
     @property
     def engine(self) -> FFNEngine:

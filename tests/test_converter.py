@@ -463,3 +463,14 @@ def test_cli_convert_trains_predictors(models, tmp_path, capsys):
         assert llm.stats()["predictor_ns"] > 0
     finally:
         llm.close()
+    # powerinfer2: calibration frequencies recorded; the most frequent blocks are pinned
+    assert (out / m.predictor["block_freq"]).exists()
+    budget = int(0.8 * m.totals.ffn_bytes_on_disk)
+    llm = Llama(str(out), mode="powerinfer2", sparsity=0.5, memory_budget=budget, n_ctx=64, verbose=False)
+    try:
+        assert llm.hot_blocks > 0
+        llm("hello", max_tokens=4, temperature=0.0)
+        s = llm.stats()
+        assert s["cache_bytes"] <= s["cache_capacity"] <= budget
+    finally:
+        llm.close()

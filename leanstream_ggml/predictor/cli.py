@@ -69,6 +69,7 @@ def _record_in_manifest(model_dir, summary: dict) -> None:
     except manifest.ManifestError:
         return  # not a converted model directory: the files stand alone
     if len(summary.get("files", [])) == m.n_layer:
-        m.predictor = {k: summary[k] for k in ("format", "version", "files", "config", "bytes") if k in summary}
+        m.predictor = {k: summary[k] for k in ("format", "version", "files", "config", "bytes", "block_freq")
+                       if k in summary}
         manifest.save(m, model_dir)
 

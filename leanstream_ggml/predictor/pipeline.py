@@ -121,12 +121,16 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
     prev = None   # state of layer il-1: arrays and one-shot predictions on the eval rows
     sizes, mlp_sizes = [], []
     curves = {"hashing": {}, "mlp": {}, "oracle": {}}
+    block_freq = {}
     for il in layers:
         perm, k = _perm(blocks_of_layer, il)
         x_own = data.layer("x", il)
         a_own = data.layer("a", il)
         imp = M.block_importance(np.abs(a_own), perm, k)
         n_blocks = imp.shape[1]
+        # calibration frequency of each block in the top half (powerinfer2's hot set)
+        top = M.topk_mask(imp[:n_train], M.n_selected(n_blocks, 0.5))
+        block_freq[il] = top.mean(axis=0).astype(np.float32)
         if il == 0 or prev is None or prev["il"] != il - 1:
             x_in = x_own if il == 0 else data.layer("x", il - 1)
             a_in = w_in = None
@@ -216,6 +220,9 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         prev = {"il": il, "x": x_own, "a": a_own, "w_down": down(il) if il + 1 < n_layer else None,
                 "pred_h": pred_h, "pred_m": pred_m}
 
+    if block_freq and len(block_freq) == n_layer and len({len(v) for v in block_freq.values()}) == 1:
+        np.save(out_dir / "block_freq.npy", np.stack([block_freq[il] for il in range(n_layer)]))
+        summary["block_freq"] = f"{PRED_SUBDIR}/block_freq.npy"
     _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)
     return summary
 
@@ -299,6 +306,7 @@ def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool =
     if not keep_profile and profile_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     entry = {k: summary[k] for k in ("format", "version", "files", "config", "bytes", "input", "k_stages",
-                                     "profile_seconds", "train_seconds", "total_seconds", "n_tokens_profile")}
+                                     "profile_seconds", "train_seconds", "total_seconds", "n_tokens_profile",
+                                     "block_freq") if k in summary}
     entry["summary"] = f"{PRED_SUBDIR}/predictor.json"
     return entry
