@@ -172,3 +172,25 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects_garbage():
     with pytest.raises(ValueError, match="cannot parse"):
         parse_bytes("lots")
+
+
+def test_dense_keeps_a_fixed_part_resident_under_a_small_budget(shuffled_k3):
+    """A dense decode scans every block in the same order: under LRU each block would be evicted
+    just before its next use. The engine keeps a prefix of the scan resident instead, so a budget
+    of 1.5 layers (of 2) re-reads only what does not fit."""
+    h = blockfile.read_header(shuffled_k3[0])
+    budget = int(1.5 * h.n_blocks) * h.block_stride
+    x = _x(1)
+    with FFNEngine(shuffled_k3, memory_budget=budget) as e, FFNEngine(shuffled_k3) as ref:
+        for _ in range(2):
+            for il in range(N_LAYER):
+                assert np.array_equal(e.eval_layer(il, x), ref.eval_layer(il, x))
+        first = e.stats()["blocks_read"]
+        e.reset_stats()
+        for il in range(N_LAYER):
+            e.eval_layer(il, x)
+        s = e.stats()
+        pinned = budget // h.block_stride - h.n_blocks
+        assert s["blocks_read"] == 2 * h.n_blocks - pinned   # per pass: everything but the pinned prefix
+        assert s["cache_bytes"] <= s["cache_capacity"] <= budget
+        assert first > s["blocks_read"]

@@ -323,6 +323,20 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
         }
     }
+    if (st == LS_OK && p->mode == LS_MODE_DENSE && !e->cache.never_evicts) {
+        // Dense decode scans every block of every layer in the same order each token: LRU
+        // evicts each block just before it is needed again and reads the whole FFN per token.
+        // Keep a fixed prefix of the scan resident instead (the optimal policy for a cyclic
+        // scan) and stream the rest through the slots one layer needs.
+        int32_t n_pin = e->cache.n_slots - max_layer_blocks;
+        for (int32_t il = 0; il < p->n_layers && n_pin > 0 && st == LS_OK; il++) {
+            ls_layer * L = &e->layers[il];
+            L->hot = calloc((size_t) L->info.n_blocks, 1);
+            L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
+            if (!L->hot || !L->hot_pinned) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; break; }
+            for (int32_t b = 0; b < L->info.n_blocks && n_pin > 0; b++, n_pin--) L->hot[b] = 1;
+        }
+    }
     if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us);
     if (st != LS_OK) {
         char saved[LS_MAX_ERRMSG];

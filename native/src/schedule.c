@@ -183,9 +183,10 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
             P->n_acquired = 0; // nothing to unpin
             return LS_OK;
         }
-        int32_t room = ls_cache_available(&e->cache);
-        if (room < 1) return LS_ERR_BUDGET;
-        int32_t chunk = room >= nb ? nb : room;
+        int32_t room = ls_cache_available(&e->cache), missing = 0;
+        for (int32_t b = 0; b < nb; b++) missing += L->slot_of_block[b] < 0;
+        if (room < 1 && missing > 0) return LS_ERR_BUDGET;
+        int32_t chunk = room >= missing ? nb : room; // resident blocks need no room
         P->n_stages = 0;
         for (int32_t lo = 0; lo < nb && P->n_stages < LS_MAX_STAGES; lo += chunk) {
             P->stage_end[P->n_stages++] = lo + chunk < nb ? lo + chunk : nb;

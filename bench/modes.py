@@ -1,0 +1,143 @@
+"""Decode speed of every engine mode at several FFN budgets and sparsities (issue: the streamed
+sparse FFN). One process; each configuration gets a fresh Llama over the same model directory.
+
+    python bench/modes.py MODEL_DIR [--budgets 0.1,0.25,0.5,1.0] [--sparsity 0.5,0.8]
+        [--modes dense,oneshot,dejavu+,powerinfer2,leanstream] [--tokens 24] [--repeats 3]
+        [--out results.json] [--plot results.png]
+
+Budgets are fractions of the model's FFN bytes on disk. Block reads use O_DIRECT, so the page
+cache does not hide them: "bytes read per token" is real disk traffic. Before timing, each
+configuration decodes a short greedy continuation and checks it is text (and, for dense, that
+it equals a stock llama-cpp-python continuation when the stock GGUF is given with --stock).
+Prints one JSON object. A configuration whose budget cannot hold one layer's working set is
+reported as "budget too small", not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PROMPT = "The main differences between a process and a thread are"
+
+
+def decode_tps(llm, n_tokens: int) -> float:
+    llm.reset()
+    toks = llm.tokenize(PROMPT.encode())
+    llm.eval(toks)
+    tok = toks[-1]
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        llm.eval([tok])
+    return n_tokens / (time.perf_counter() - t0)
+
+
+def run_one(model_dir, mode, budget, sparsity, args, stock_text):
+    from leanstream_ggml import Llama
+    from leanstream_ggml._native import LeanstreamError
+
+    try:
+        llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity,
+                    memory_budget=budget or None, n_ctx=256, n_threads=args.threads,
+                    n_threads_batch=args.threads, verbose=False)
+    except (LeanstreamError, ValueError) as e:
+        return {"error": str(e).splitlines()[0]}
+    try:
+        text = llm(PROMPT, max_tokens=12, temperature=0.0)["choices"][0]["text"]
+        check = {"text": text}
+        if mode == "dense" and stock_text is not None:
+            check["matches_stock"] = text == stock_text
+        tps = []
+        for _ in range(args.repeats):
+            llm.reset_stats()
+            tps.append(decode_tps(llm, args.tokens))
+        s = llm.stats()
+        nth = args.threads
+        return {"decode_tps": statistics.median(tps), "decode_tps_all": tps, "check": check,
+                "miss_ratio": s["miss_ratio"], "loading_redundancy": s["loading_redundancy"],
+                "bytes_read_per_token": s["bytes_read"] / max(1, args.tokens),
+                "io_stall_share": s["io_stall_ns"] / max(1, s["op_ns"] * nth),
+                "predictor_us_per_token": s["predictor_ns"] / 1e3 / max(1, args.tokens),
+                "cache_bytes": s["cache_bytes"], "cache_capacity": s["cache_capacity"]}
+    finally:
+        llm.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
+    ap.add_argument("--sparsity", default="0.5,0.8")
+    ap.add_argument("--modes", default="dense,oneshot,dejavu+,powerinfer2,leanstream")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stock", help="the source GGUF: check dense against stock llama-cpp-python")
+    ap.add_argument("--out")
+    ap.add_argument("--plot")
+    args = ap.parse_args(argv)
+
+    from leanstream_ggml import manifest
+
+    m = manifest.load(args.model_dir)
+    ffn = m.totals.ffn_bytes_on_disk
+    stock_text = None
+    if args.stock:
+        import llama_cpp
+
+        st = llama_cpp.Llama(args.stock, n_ctx=256, n_threads=args.threads, verbose=False)
+        stock_text = st(PROMPT, max_tokens=12, temperature=0.0)["choices"][0]["text"]
+        st.close()
+    results = []
+    for frac in [float(x) for x in args.budgets.split(",")]:
+        budget = 0 if frac >= 1.0 else int(frac * ffn)
+        for mode in args.modes.split(","):
+            for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
+                r = run_one(args.model_dir, mode, budget, s, args, stock_text)
+                r.update(mode=mode, sparsity=s, budget_fraction=frac, budget_bytes=budget)
+                print(json.dumps({k: r[k] for k in r if k not in ("check", "decode_tps_all")}), file=sys.stderr)
+                results.append(r)
+    doc = {"model_dir": str(args.model_dir), "architecture": m.architecture, "ffn_bytes": ffn,
+           "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
+           "date": time.strftime("%Y-%m-%d"), "results": results}
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+def plot(doc, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sps = sorted({r["sparsity"] for r in doc["results"] if r["mode"] != "dense"}) or [0.0]
+    fig, axes = plt.subplots(1, len(sps), figsize=(5 * len(sps), 4), squeeze=False)
+    for ax, s in zip(axes[0], sps):
+        for mode in dict.fromkeys(r["mode"] for r in doc["results"]):
+            pts = [(r["budget_fraction"], r["decode_tps"]) for r in doc["results"]
+                   if r["mode"] == mode and (mode == "dense" or r["sparsity"] == s) and "decode_tps" in r]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=mode)
+        ax.set_xlabel("FFN budget (fraction of FFN bytes)")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(f"sparsity {s}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
