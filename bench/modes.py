@@ -46,7 +46,7 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
 
     try:
         llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity,
-                    memory_budget=budget or None, n_ctx=256, n_threads=args.threads,
+                    memory_budget=budget or None, n_ctx=256, n_threads=args.threads, n_io_threads=args.io_threads,
                     n_threads_batch=args.threads, verbose=False)
     except (LeanstreamError, ValueError) as e:
         return {"error": str(e).splitlines()[0]}
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--io-threads", type=int, default=16, help="I/O workers = reads in flight (default 16)")
     ap.add_argument("--stock", help="the source GGUF: check dense against stock llama-cpp-python")
     ap.add_argument("--out")
     ap.add_argument("--plot")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
                 print(json.dumps({k: r[k] for k in r if k not in ("check", "decode_tps_all")}), file=sys.stderr)
                 results.append(r)
     doc = {"model_dir": str(args.model_dir), "architecture": m.architecture, "ffn_bytes": ffn,
-           "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats,
+           "threads": args.threads, "io_threads": args.io_threads, "tokens": args.tokens, "repeats": args.repeats,
            "date": time.strftime("%Y-%m-%d"), "results": results}
     text = json.dumps(doc, indent=1)
     print(text)

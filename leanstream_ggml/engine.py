@@ -63,7 +63,7 @@ class FFNEngine:
     """Streams and computes the FFN layers of one converted model directory."""
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
-                 memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 4,
+                 memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 16,
                  max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0,
                  sparsity: float = 0.0, n_stages: int = 8, cache_policy: str | None = None,
                  predictor_paths: Sequence[str | Path | None] | None = None):

@@ -51,7 +51,7 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
-                 sparsity: float | None = None, n_stages: int = 4, n_io_threads: int = 4,
+                 sparsity: float | None = None, n_stages: int = 4, n_io_threads: int = 16,
                  hot_fraction: float = 0.5, **kwargs):
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):

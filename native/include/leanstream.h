@@ -107,7 +107,7 @@ typedef struct ls_engine_params {
     int32_t        activation;      // LS_ACT_*
     int32_t        mode;            // LS_MODE_*
     uint64_t       memory_budget;   // bytes of FFN weights kept in RAM; 0 = unlimited (keep all)
-    int32_t        n_io_threads;    // I/O worker threads (queue depth), default 4
+    int32_t        n_io_threads;    // I/O worker threads (queue depth), default 16
     uint32_t       max_read_bytes;  // largest single read (adjacent blocks are merged), default 256 KiB
     int32_t        use_direct_io;   // 1: O_DIRECT (default); 0: buffered reads (testing only)
     uint32_t       test_io_delay_us; // test hook: each read sleeps rand()%delay µs first (0: off)

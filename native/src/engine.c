@@ -84,7 +84,7 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->activation     = LS_ACT_SILU;
     p->mode           = LS_MODE_DENSE;
     p->memory_budget  = 0;
-    p->n_io_threads   = 4;
+    p->n_io_threads   = 16; // random 4 KiB O_DIRECT reads need 8+ in flight for full IOPS
     p->max_read_bytes = 256u << 10;
     p->use_direct_io  = 1;
     p->sparsity       = 0.0f;
@@ -252,7 +252,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     ls_engine * e = calloc(1, sizeof(*e));
     if (!e) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     e->params = *p;
-    if (e->params.n_io_threads <= 0) e->params.n_io_threads = 4;
+    if (e->params.n_io_threads <= 0) e->params.n_io_threads = 16;
     if (e->params.max_read_bytes < 4096) e->params.max_read_bytes = 256u << 10;
     e->params.block_paths = NULL; // not owned
     e->direct_io = true;
