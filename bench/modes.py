@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                 r.update(mode=mode, sparsity=s, budget_fraction=frac, budget_bytes=budget)
                 print(json.dumps({k: r[k] for k in r if k not in ("check", "decode_tps_all")}), file=sys.stderr)
                 results.append(r)
-    doc = {"model_dir": str(args.model_dir), "architecture": m.architecture, "ffn_bytes": ffn,
+    doc = {"model_dir": Path(args.model_dir).name,  # no machine paths in results "architecture": m.architecture, "ffn_bytes": ffn,
            "threads": args.threads, "io_threads": args.io_threads, "tokens": args.tokens, "repeats": args.repeats,
            "date": time.strftime("%Y-%m-%d"), "results": results}
     text = json.dumps(doc, indent=1)
