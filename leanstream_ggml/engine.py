@@ -52,7 +52,7 @@ def derived_stats(raw: dict) -> dict:
     d = dict(raw)
     d["miss_ratio"] = raw["blocks_read"] / raw["blocks_computed"] if raw["blocks_computed"] else 0.0
     d["loading_redundancy"] = raw["bytes_unused"] / raw["bytes_computed"] if raw["bytes_computed"] else 0.0
-    d["bytes_read_per_token"] = raw["bytes_read"] / raw["tokens"] * 1.0 if raw["tokens"] else 0.0
+    d["bytes_read_per_token"] = raw["bytes_read"] / raw["tokens"] if raw["tokens"] else 0.0
     d["io_stall_s"] = raw["io_stall_ns"] / 1e9
     d["op_s"] = raw["op_ns"] / 1e9
     d["predictor_s"] = raw["predictor_ns"] / 1e9

@@ -106,7 +106,6 @@ typedef struct ls_plan {
     ls_layer * L;
     int32_t *  blocks;          // [n] block ids in compute order
     int32_t    n;
-    size_t     blocks_cap;
     int32_t    n_stages;        // the plan is cut into stages [stage_end[s-1], stage_end[s])
     int32_t    stage_end[LS_MAX_STAGES];
     int32_t    n_acquired;      // plan entries [0, n_acquired) hold a pin (chunked dense prefill)
@@ -120,7 +119,7 @@ typedef struct ls_plan {
     int        nth;
     // scratch, grown by thread 0
     uint8_t *  xq;              // quantized input: gate type's vec_dot rows, then up's if different
-    size_t     xq_bytes, xq_cap;
+    size_t     xq_cap;
     float *    acc;             // [nth][n_tokens * n_embd] per-thread partial outputs
     size_t     acc_cap;         // floats
     float *    work;            // [nth][work_per_thread] h values and dequantized down columns

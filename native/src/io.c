@@ -86,7 +86,7 @@ ls_status ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us) {
     for (int32_t il = 0; il < e->n_layers; il++) {
         if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;
     }
-    io->cap = 2 * max_blocks + 2; // at most two layers' reads (this op's, the next layer's prefetch)
+    io->cap = 3 * max_blocks + 3; // this op's reads, the next layer's prefetch, let-go prefetches
     io->queue = malloc(sizeof(ls_read) * (size_t) io->cap);
     io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
     if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
@@ -115,10 +115,20 @@ void ls_io_stop(ls_engine * e) {
     memset(io, 0, sizeof(*io));
 }
 
-static void push(ls_io * io, const ls_read * r) {
-    // capacity >= blocks of one layer and each read holds >= 1 block: never full
+// Called with io->mu held. The queue holds one layer's reads, the next layer's prefetch and
+// reads of prefetched blocks that were let go before they landed; should it still be full, the
+// submitting thread does the read itself rather than overwrite a queued one.
+static void push(ls_engine * e, ls_read * r) {
+    ls_io * io = &e->io;
+    if (io->count == io->cap) {
+        pthread_mutex_unlock(&io->mu);
+        do_read(e, r);
+        pthread_mutex_lock(&io->mu);
+        return;
+    }
     io->queue[(io->head + io->count) % io->cap] = *r;
     io->count++;
+    pthread_cond_signal(&io->cv);
 }
 
 void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n) {
@@ -132,7 +142,7 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
         const int32_t b = blocks[i];
         const bool extends = r.n > 0 && b == r.first + r.n && (uint64_t) r.n < max_blocks_per_read && r.n < LS_MAX_IOV;
         if (!extends) {
-            if (r.n > 0) { push(io, &r); pthread_cond_signal(&io->cv); }
+            if (r.n > 0) push(e, &r);
             r.L = L;
             r.first = b;
             r.n = 0;
@@ -142,7 +152,7 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
         r.iov[r.n].iov_len = stride;
         r.n++;
     }
-    if (r.n > 0) { push(io, &r); pthread_cond_signal(&io->cv); }
+    if (r.n > 0) push(e, &r);
     pthread_mutex_unlock(&io->mu);
 }
 

@@ -56,7 +56,6 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
-    P->xq_bytes = xq;
     P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 64;
     if (!grow((void **) &P->xq, &P->xq_cap, xq, 1) ||
         !grow((void **) &P->acc, &P->acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
