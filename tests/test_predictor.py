@@ -44,7 +44,28 @@ CONFIGS = [
     H.HashConfig(n_hash_layers=1, tau=1, n_bits=64, n_tables=1, pca_frac=0.3),
     H.HashConfig(n_hash_layers=3, tau=5, n_bits=128, n_tables=3, pca_frac=0.3),
     H.HashConfig(n_hash_layers=5, tau=8, n_bits=256, n_tables=1, pca_frac=0.3),   # the paper's default
+    H.HashConfig(n_hash_layers=3, tau=6, n_bits=128, n_tables=4, skip_weight=5, pca_frac=0.3),
 ]
+
+
+def test_version_1_files_read_with_one_skip_vote():
+    """Files written before the skip weight existed (version 1) keep working: one skip vote."""
+    NativePredictor = _native()
+    cfg = CONFIGS[1]
+    m, x = _random_model(40, 33, cfg, seed=5)
+    params = m.export_params()
+    assert params["skip_weight"] == cfg.n_tables - 1 == 2
+    data = E.serialize(params, tau=cfg.tau, n_tables=cfg.n_tables)
+    v1 = data[:8] + struct.pack("<I", 1) + data[12:60] + b"\0" * 4 + data[64:]
+    hdr, back = E.parse(v1)
+    assert hdr["version"] == 1 and back["skip_weight"] == 1
+    ref1 = H.infer_params(back, cfg.tau, cfg.n_tables, x).numpy()
+    ref2 = H.infer_params(params, cfg.tau, cfg.n_tables, x).numpy()
+    assert not np.array_equal(ref1, ref2)   # the weight matters
+    with NativePredictor(v1) as c:
+        assert np.array_equal(c(x).view(np.uint32), ref1.view(np.uint32))
+    with NativePredictor(data) as c:
+        assert np.array_equal(c(x).view(np.uint32), ref2.view(np.uint32))
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_hash_layers}t{c.tau}d{c.n_bits}M{c.n_tables}")
@@ -93,7 +114,8 @@ def _bad_files(data: bytes):
     yield "one byte short", data[:-1]
     yield "padded", data + b"\0" * 64
     yield "bad magic", b"XXXXXXXX" + data[8:]
-    yield "version 2", data[:8] + struct.pack("<I", 2) + data[12:]
+    yield "version 3", data[:8] + struct.pack("<I", 3) + data[12:]
+    yield "skip weight 0", data[:60] + struct.pack("<I", 0) + data[64:]
     corrupt = bytearray(data)
     corrupt[len(data) // 2] ^= 0x40
     yield "corrupted payload", bytes(corrupt)
@@ -116,9 +138,9 @@ def test_bad_files_rejected(tmp_path):
             NativePredictor(bad)
         assert ei.value.status == lib.LS_ERR_FORMAT, what
         assert "predictor" in str(ei.value), what
-    (tmp_path / "v2.lspred").write_bytes(data[:8] + struct.pack("<I", 2) + data[12:])
-    with pytest.raises(LeanstreamError, match="version 2"):
-        NativePredictor(tmp_path / "v2.lspred")
+    (tmp_path / "v3.lspred").write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(LeanstreamError, match="version 3"):
+        NativePredictor(tmp_path / "v3.lspred")
     with pytest.raises(LeanstreamError) as ei:
         NativePredictor(tmp_path / "missing.lspred")
     assert ei.value.status == lib.LS_ERR_IO

@@ -1,4 +1,4 @@
-"""Predictor file format (version 1): one file per FFN layer, `predictor/blk.<il>.lspred`.
+"""Predictor file format (version 2): one file per FFN layer, `predictor/blk.<il>.lspred`.
 
 No torch here: the runtime and the tests read these files with numpy (and native/ with C).
 Little-endian. A 256-byte header, then sections in this fixed order, each starting at a
@@ -18,7 +18,8 @@ multiple of 64 bytes (zero padding between):
   44      4     i32 layer           FFN layer index this predictor serves (informational)
   48      8     u64 file_size
   56      4     u32 payload_crc32   CRC-32 (zlib) of bytes [256, file_size)
-  60..255       zero
+  60      4     u32 skip_weight     votes of the previous code in hashing layers >= 2 (version 1: 1)
+  64..255       zero
 
   sections (shape, type):
   in_mean    [n_embd] f32            u = (x - in_mean) * in_scale
@@ -32,7 +33,7 @@ multiple of 64 bytes (zero padding between):
   for k = 2..L:
     hp_k     [M*tau, n_bits/64] u64  binary hyperplanes
     thr_k    [M*tau] i32             code bit = (y . hp_k[t] >= thr_k[t])
-    table_k  [M, 2^tau, n_bits/64] u64
+    table_k  [M, 2^tau, n_bits/64] u64   y_k = sign(sum_m table_k[m][code_m] + skip_weight * y_{k-1})
   head_w     [n_blocks, n_bits/64] u64
   head_a     [n_blocks] f32          prio_b = (y . head_w[b]) * head_a[b] + head_c[b]
   head_c     [n_blocks] f32
@@ -52,10 +53,11 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"LSPREDv\0"
-FILE_VERSION = 1
+FILE_VERSION = 2
+READS_VERSIONS = (1, 2)   # version 1 = version 2 with skip_weight 1
 HEADER_SIZE = 256
 ALIGN = 64
-_HDR = struct.Struct("<8sIIIIIIIIIiQI")
+_HDR = struct.Struct("<8sIIIIIIIIIiQII")
 
 
 class PredictorFormatError(ValueError):
@@ -112,7 +114,7 @@ def serialize(params: dict, *, tau: int, n_tables: int, layer: int = -1) -> byte
         body += b"\0" * (-len(body) % ALIGN)
     size = HEADER_SIZE + len(body)
     hdr = _HDR.pack(MAGIC, FILE_VERSION, HEADER_SIZE, n_embd, n_blocks, n_pca, L, tau, w * 64,
-                    n_tables, layer, size, crc32(body))
+                    n_tables, layer, size, crc32(body), int(params.get("skip_weight", 1)))
     return hdr + b"\0" * (HEADER_SIZE - len(hdr)) + bytes(body)
 
 
@@ -134,11 +136,16 @@ def parse(data: bytes, *, check_payload: bool = True) -> tuple[dict, dict]:
     if len(data) < HEADER_SIZE:
         raise PredictorFormatError(f"predictor file truncated: {len(data)} bytes, header needs {HEADER_SIZE}")
     (magic, version, hsize, n_embd, n_blocks, n_pca, L, tau, n_bits, M, layer, size,
-     crc) = _HDR.unpack_from(data)
+     crc, skip) = _HDR.unpack_from(data)
     if magic != MAGIC:
         raise PredictorFormatError(f"not a leanstream predictor file (magic {magic!r})")
-    if version != FILE_VERSION:
-        raise PredictorFormatError(f"predictor file version {version}, this build reads version {FILE_VERSION}")
+    if version not in READS_VERSIONS:
+        raise PredictorFormatError(f"predictor file version {version}, this build reads versions "
+                                   f"{', '.join(map(str, READS_VERSIONS))}: retrain (leanstream train-predictor)")
+    if version == 1:
+        skip = 1
+    if not 1 <= skip <= 1024:
+        raise PredictorFormatError(f"predictor header has out-of-range skip weight {skip}")
     if hsize != HEADER_SIZE:
         raise PredictorFormatError(f"bad header size {hsize}")
     if not (0 < n_embd <= 1 << 16 and 0 < n_blocks <= 1 << 24 and 0 < n_pca <= n_embd
@@ -163,7 +170,8 @@ def parse(data: bytes, *, check_payload: bool = True) -> tuple[dict, dict]:
     p = _nest(flat, L)
     w = n_bits // 64
     p["tables"] = [t.reshape(M * (1 << tau), w) for t in p["tables"]]
-    hdr = dict(version=version, n_embd=n_embd, n_blocks=n_blocks, n_pca=n_pca, n_hash_layers=L,
+    p["skip_weight"] = int(skip)
+    hdr = dict(version=version, skip_weight=int(skip), n_embd=n_embd, n_blocks=n_blocks, n_pca=n_pca, n_hash_layers=L,
                tau=tau, n_bits=n_bits, n_tables=M, layer=layer, file_size=size)
     return hdr, p
 

@@ -9,7 +9,7 @@ neuron block of that layer [n_blocks]. Data flow (shapes per token):
       -> hashing layer 1: M*tau hyperplanes on z  ->  M codes of tau bits
                            y1 = sign(sum_m T1[m][code_m])            [n_bits] in {-1,+1}
       -> hashing layer k>=2: M*tau binary hyperplanes on y (XNOR + popcount) -> M codes
-                           yk = sign(sum_m Tk[m][code_m] + y_{k-1})  (skip vote)
+                           yk = sign(sum_m Tk[m][code_m] + w_skip * y_{k-1})  (skip vote)
       -> head: prio_b = (y_L . w_b) * a_b + c_b     w_b in {-1,+1}^n_bits, one per block
 
 Choices where the paper is silent (see also pipeline.py):
@@ -19,7 +19,12 @@ Choices where the paper is silent (see also pipeline.py):
   outputs, far too coarse for ranking thousands of blocks per token. Each layer therefore
   holds M parallel hash functions whose looked-up binary rows are summed and re-binarised
   (a majority vote); M = 1 is the paper's literal layer. Layers >= 2 add the previous layer's
-  output as one more vote, a residual path that keeps deep stacks trainable.
+  output as w_skip more votes, a residual path that keeps deep stacks trainable. Why it must be
+  strong: a layer's code has only M*tau bits, so with one skip vote against M table votes the
+  stack forgets its input at the first binary layer -- measured on SmolLM2 (layer 15, s = 0.5,
+  L = 3, M = 4): importance ratio 0.658, exactly the static prior (the per-token part trained
+  to zero), vs 0.683 with w_skip = M - 1 (the default: the tables flip a bit only when all M
+  of them vote against it) and 0.687 for L = 1.
 * Head. A table of block scores per hash bucket costs 2^tau * n_blocks entries per head
   (2.3 MB per layer at tau = 8 for Qwen2.5-1.5B's 8960 neurons, times the number of heads
   and layers) and only sees tau bits. The head here is instead the last hashing layer's own
@@ -56,6 +61,7 @@ class HashConfig:
     tau: int = 8             # bits per hash code (paper default 8)
     n_bits: int = 256        # d, width of the binary tables (paper default 256), multiple of 64
     n_tables: int = 4        # M parallel hash functions per layer (paper's literal reading: 1)
+    skip_weight: int = 0     # votes of y_{k-1} in layers >= 2; 0 = M - 1 (at least 1)
     pca_frac: float = 0.3    # fraction of input dims kept by PCA (paper: reduce by 70 %)
     # training
     steps: int = 600
@@ -66,6 +72,10 @@ class HashConfig:
 
     def to_dict(self):
         return asdict(self)
+
+    @property
+    def skip(self) -> int:
+        return self.skip_weight if self.skip_weight > 0 else max(1, self.n_tables - 1)
 
 
 def ste_sign(a: torch.Tensor) -> torch.Tensor:
@@ -120,8 +130,8 @@ class HashLayer(nn.Module):
         t = ste_sign(self.table)                             # [M, 2^tau, n_bits]
         out = torch.bmm(sel.transpose(0, 1), t).sum(0)       # [N, n_bits], sum over tables
         if self.binary_input:
-            out = out + x                                    # skip vote
-        votes = cfg.n_tables + (1 if self.binary_input else 0)
+            out = out + cfg.skip * x                         # skip votes
+        votes = cfg.n_tables + (cfg.skip if self.binary_input else 0)
         return ste_sign(out / votes)
 
 
@@ -189,6 +199,7 @@ class HashingPredictor(nn.Module):
                 "head_w": pack_signs(self.head_w),
                 "head_a": self.head_a.numpy().astype(np.float32),
                 "head_c": self.head_c.numpy().astype(np.float32),
+                "skip_weight": cfg.skip,
             }
         return out
 
@@ -256,7 +267,7 @@ def infer_params(params: dict, tau: int, n_tables: int, x) -> torch.Tensor:
         t = torch.from_numpy(unpack_signs(tab, n_bits)).reshape(n_tables, 1 << tau, n_bits)
         acc = sum(t[m][idx[:, m]] for m in range(n_tables))
         if k > 0:
-            acc = acc + y
+            acc = acc + params.get("skip_weight", 1) * y
         y = torch.where(acc >= 0, 1.0, -1.0).double()
     dot = (y @ torch.from_numpy(unpack_signs(params["head_w"], n_bits)).t()).float()
     return dot * torch.from_numpy(params["head_a"]) + torch.from_numpy(params["head_c"])

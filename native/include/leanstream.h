@@ -64,7 +64,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 1
+#define LS_ABI_VERSION 2
 #define LS_BLOCK_FILE_VERSION 1
 #define LS_MAX_ERRMSG 512
 
@@ -204,7 +204,7 @@ LS_API void        ls_engine_reset_stats(ls_engine * e);
 // and equals the torch inference path bit for bit. A handle holds scratch space: use one
 // handle from one thread at a time.
 
-#define LS_PREDICTOR_FILE_VERSION 1
+#define LS_PREDICTOR_FILE_VERSION 2   // version 1 files are read too (skip_weight 1)
 
 typedef struct ls_predictor ls_predictor;
 
@@ -218,6 +218,7 @@ typedef struct ls_predictor_info {
     int32_t  n_tables;       // M hash functions per hashing layer
     int32_t  layer;          // FFN layer the file was trained for
     uint64_t size_bytes;     // file size
+    int32_t  skip_weight;    // votes of the previous code in hashing layers >= 2
 } ls_predictor_info;
 
 // Load from a file / from memory (copied). Malformed, truncated or other-version input

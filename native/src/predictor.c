@@ -122,10 +122,13 @@ ls_status ls_predictor_load_mem(const void * data, size_t size, ls_predictor ** 
     }
     if (memcmp(b, PRED_MAGIC, 8) != 0) { ls_set_error("not a leanstream predictor file (bad magic)"); return LS_ERR_FORMAT; }
     uint32_t version = rd_u32(b + 8);
-    if (version != LS_PREDICTOR_FILE_VERSION) {
-        ls_set_error("predictor file version %u, this build reads version %d", version, LS_PREDICTOR_FILE_VERSION);
+    if (version != 1 && version != LS_PREDICTOR_FILE_VERSION) {
+        ls_set_error("predictor file version %u, this build reads versions 1, %d: retrain (leanstream train-predictor)",
+                     version, LS_PREDICTOR_FILE_VERSION);
         return LS_ERR_FORMAT;
     }
+    const uint32_t skip = version == 1 ? 1 : rd_u32(b + 60);
+    if (skip < 1 || skip > 1024) { ls_set_error("predictor header has out-of-range skip weight %u", skip); return LS_ERR_FORMAT; }
     if (rd_u32(b + 12) != PRED_HEADER_SIZE) { ls_set_error("predictor file: bad header size %u", rd_u32(b + 12)); return LS_ERR_FORMAT; }
     ls_predictor_info h;
     memset(&h, 0, sizeof(h));
@@ -140,6 +143,7 @@ ls_status ls_predictor_load_mem(const void * data, size_t size, ls_predictor ** 
     h.n_embd = (int32_t) n_embd; h.n_blocks = (int32_t) n_blocks; h.n_pca = (int32_t) n_pca;
     h.n_hash_layers = (int32_t) L; h.tau = (int32_t) tau; h.n_bits = (int32_t) n_bits; h.n_tables = (int32_t) M;
     h.layer = rd_i32(b + 44);
+    h.skip_weight = (int32_t) skip;
     h.size_bytes = rd_u64(b + 48);
     if (h.size_bytes != size) {
         ls_set_error("predictor file truncated or padded: header says %llu bytes, got %zu",
@@ -235,7 +239,7 @@ static int32_t popdot(const uint64_t * a, const uint64_t * b, int n_words) {
     return n_words * 64 - 2 * c;
 }
 
-// y = sign(sum_m T[m][code_m] (+ y_prev)), sign(0) = +1.
+// y = sign(sum_m T[m][code_m] (+ skip_weight * y_prev)), sign(0) = +1.
 static void lookup_vote(ls_predictor * p, const uint64_t * table, int with_skip) {
     const int nb = p->info.n_bits, w = p->n_words, M = p->info.n_tables, kk = 1 << p->info.tau;
     int32_t * acc = p->acc;
@@ -244,8 +248,10 @@ static void lookup_vote(ls_predictor * p, const uint64_t * table, int with_skip)
         const uint64_t * row = table + ((size_t) m * kk + (size_t) p->code[m]) * w;
         for (int i = 0; i < nb; i++) acc[i] += (int32_t) ((row[i >> 6] >> (i & 63)) & 1) * 2 - 1;
     }
-    if (with_skip)
-        for (int i = 0; i < nb; i++) acc[i] += (int32_t) ((p->y[i >> 6] >> (i & 63)) & 1) * 2 - 1;
+    if (with_skip) {
+        const int32_t sw = p->info.skip_weight;
+        for (int i = 0; i < nb; i++) acc[i] += ((int32_t) ((p->y[i >> 6] >> (i & 63)) & 1) * 2 - 1) * sw;
+    }
     for (int j = 0; j < w; j++) {
         uint64_t word = 0;
         for (int i = 0; i < 64; i++) word |= (uint64_t) (acc[j * 64 + i] >= 0) << i;
