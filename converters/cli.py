@@ -65,11 +65,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
           f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}")
     if args.predictors != "none":
-        return _train_predictors(src, out, m, quick=args.predictors == "quick", progress=not args.quiet)
+        return _train_predictors(src, out, m, quick=args.predictors == "quick", progress=not args.quiet,
+                                 profile_dir=args.profile_dir)
     return 0
 
 
-def _train_predictors(src: Path, out: Path, m, *, quick: bool, progress: bool) -> int:
+def _train_predictors(src: Path, out: Path, m, *, quick: bool, progress: bool, profile_dir=None) -> int:
     """Profile the source GGUF and train one predictor per layer (the sparse modes need them)."""
     try:
         from leanstream_ggml.predictor.pipeline import build_predictors
@@ -89,7 +90,8 @@ def _train_predictors(src: Path, out: Path, m, *, quick: bool, progress: bool) -
         layers.append((blockfile.read_perm(m.layer_path(out, il), h), h.k))
     identity = all(k == 1 and np.array_equal(p, np.arange(len(p))) for p, k in layers)
     t0 = time.perf_counter()
-    entry = build_predictors(src, out, blocks_of_layer=None if identity else layers, quick=quick, progress=progress)
+    entry = build_predictors(src, out, blocks_of_layer=None if identity else layers, quick=quick, progress=progress,
+                             profile_dir=profile_dir)
     m.predictor = entry
     manifest.save(m, out)
     print(f"trained {m.n_layer} predictors ({_fmt_bytes(entry.get('bytes', 0))}) in {time.perf_counter() - t0:.0f} s")
@@ -139,6 +141,9 @@ def register(subparsers) -> None:
                    help="block alignment in bytes (default: logical block size of the output device, >= 512)")
     p.add_argument("--force", action="store_true", help="overwrite an existing conversion in OUT_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--profile-dir", default=None,
+                   help="keep the activation profile here (reused if present, resumable; default: a temporary "
+                        "folder inside OUT_DIR, removed after training)")
     p.add_argument("--predictors", choices=["full", "quick", "none"], default="full",
                    help="profile the model and train the sparse modes' predictors: full (default; minutes), "
                         "quick (CI-sized), none (dense mode only)")

@@ -130,3 +130,37 @@ def test_side_by_side_runner_json_and_plot(smollm2, smollm2_dir, tmp_path):
     # that the first token after the prompt is the same
     m = next(e for e in doc["runs"] if e["system"] == "dense")["greedy_match_vs_stock"]
     assert 0 < m <= 1
+
+
+def test_sparse_mode_perplexity_is_scored_token_by_token(smollm2, smollm2_dir, text, tmp_path):
+    """A sparse mode is sparse only for one-token batches (generation); prefill is dense. So its
+    perplexity must be scored while decoding: batch-scored it would show dense quality. With random
+    (untrained) predictors at sparsity 0.5 the decode-scored perplexity is clearly worse than the
+    batch-scored one, which stays at the dense level."""
+    pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
+    import shutil
+
+    from pred_synth import write_random_predictors
+
+    from leanstream_ggml.harness import perplexity, systems
+
+    d = tmp_path / "smollm2.lsm"
+    shutil.copytree(smollm2_dir, d)
+    write_random_predictors(d)
+    n_ctx = 128
+    kw = dict(n_ctx=n_ctx, n_threads=2, n_batch=n_ctx, logits_all=True)
+    sparse = systems.open_model(d, "leanstream", mode="leanstream", extra={"sparsity": 0.5}, **kw)
+    stock = systems.open_model(smollm2, "stock", **kw)
+    batch = perplexity.compare(sparse, stock, text, n_ctx, max_chunks=1)
+    decoded = perplexity.compare(sparse, stock, text, n_ctx, max_chunks=1, decode=True)
+    msg = f"batch-scored ratio {batch['ppl_ratio']:.3f}, decode-scored {decoded['ppl_ratio']:.3f}"
+    assert abs(batch["ppl_ratio"] - 1) <= 0.05, msg
+    assert decoded["ppl_ratio"] > 1.2 and decoded["kl_mean"] > 5 * batch["kl_mean"], msg
+
+    r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "perplexity", str(d), "--mode", "leanstream",
+                        "--sparsity", "0.5", "--n-stages", "2", "-c", str(n_ctx), "--chunks", "1", "-t", "2",
+                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["decode_scored"] is True and out["sparsity"] == 0.5 and out["n_stages"] == 2
+    assert out["ppl"] > 1.2 * decoded["ppl_reference"]   # sparse there too (other K: another selection)

@@ -109,7 +109,7 @@ def run_bench(llm, prompt: list[int], n_gen: int, repetitions: int = 3) -> dict:
 
 def bench(model_path, system: str | None = None, *, n_prompt: int = 128, n_gen: int = 32,
           repetitions: int = 3, n_threads: int | None = None, n_ctx: int | None = None, n_batch: int = 512,
-          mode: str = "dense", memory_budget=None, text_path=None) -> dict:
+          mode: str = "dense", memory_budget=None, text_path=None, extra: dict | None = None) -> dict:
     """Load a model as ``system``, benchmark it, and return one JSON-able dict (the process's
     counters included: call this in a fresh process for a clean peak RSS)."""
     system = system or systems.detect_system(model_path)
@@ -119,7 +119,7 @@ def bench(model_path, system: str | None = None, *, n_prompt: int = 128, n_gen: 
     io0 = measure.disk_read_bytes()
     t0 = time.perf_counter()
     llm = systems.open_model(model_path, system, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
-                             mode=mode, memory_budget=memory_budget)
+                             mode=mode, memory_budget=memory_budget, extra=extra)
     load_s = time.perf_counter() - t0
     io1 = measure.disk_read_bytes()
     rss_after_load = measure.proc_status().get("VmRSS")
@@ -129,7 +129,7 @@ def bench(model_path, system: str | None = None, *, n_prompt: int = 128, n_gen: 
     files = measure.model_files(model_path)
     out = {
         "system": system,
-        "mode": mode if system == "leanstream" else None,
+        "mode": mode if system == "leanstream" else None, **(extra or {}),
         "stock": systems.stock_description(),
         "model": str(model_path),
         "model_bytes": measure.files_size(files),

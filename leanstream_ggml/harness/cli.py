@@ -30,6 +30,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: leanstream for a directory, stock for a GGUF")
     p.add_argument("--mode", default="dense", help="leanstream engine mode (default: dense)")
     p.add_argument("--memory-budget", default=None, help="leanstream weight budget, e.g. 512MiB (default: none)")
+    p.add_argument("--sparsity", type=float, default=None, help="sparse modes: fraction of blocks skipped (default 0.5)")
+    p.add_argument("--n-stages", type=int, default=None, help="leanstream mode: priority stages K (default 4)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: cores available)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch (= n_ubatch)")
     p.add_argument("--json", action="store_true", help="print one JSON document on one line")
@@ -52,20 +54,31 @@ def register(subparsers) -> None:
     q.add_argument("--text", default=None, help="text file (default: the bundled held-out technical text)")
     q.add_argument("-c", "--ctx-size", type=int, default=512, help="window size n_ctx (second half is scored)")
     q.add_argument("--chunks", type=int, default=None, help="at most this many windows")
+    q.add_argument("--decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="score the second half of each window token by token, as generation runs "
+                        "(default: on for the sparse modes, which are sparse only there)")
     q.add_argument("--reference", default=None,
                    help="GGUF (or recipe name) run with stock llama-cpp-python over the same windows: "
                         "adds top-1 agreement and mean KL")
     q.set_defaults(func=cmd_perplexity)
 
 
+def _engine_extra(args, system: str) -> dict:
+    """--sparsity / --n-stages as Llama keyword arguments (leanstream only)."""
+    if system != "leanstream":
+        return {}
+    return {k: v for k, v in (("sparsity", args.sparsity), ("n_stages", args.n_stages)) if v is not None}
+
+
 def cmd_bench(args) -> int:
-    from . import bench, measure
+    from . import bench, measure, systems
 
     model = _resolve(args.model)
     args.memory_budget = measure.parse_size(args.memory_budget)  # bytes, one parser for all reports
     r = bench.bench(model, args.system, n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions,
                     n_threads=args.threads, n_ctx=args.ctx_size, n_batch=args.batch_size, mode=args.mode,
-                    memory_budget=args.memory_budget, text_path=args.text)
+                    memory_budget=args.memory_budget, text_path=args.text,
+                    extra=_engine_extra(args, args.system or systems.detect_system(model)))
     if args.json:
         print(json.dumps(r), flush=True)
     else:
@@ -87,16 +100,19 @@ def cmd_perplexity(args) -> int:
     common = dict(n_ctx=args.ctx_size, n_threads=n_threads, n_batch=max(args.batch_size, args.ctx_size),
                   logits_all=True)
     system = args.system or systems.detect_system(model)
-    llm = systems.open_model(model, system, mode=args.mode, memory_budget=args.memory_budget, **common)
+    llm = systems.open_model(model, system, mode=args.mode, memory_budget=args.memory_budget,
+                             extra=_engine_extra(args, system), **common)
+    decode = args.decode if args.decode is not None else (system == "leanstream" and args.mode != "dense")
     out = {"model": str(model), "system": system, "mode": args.mode if system == "leanstream" else None,
+           "decode_scored": decode, **_engine_extra(args, system),
            "stock": systems.stock_description(), "text": str(args.text or DEFAULT_TEXT), "n_threads": n_threads}
     if args.reference:
         ref_path = _resolve(args.reference)
         ref = systems.open_model(ref_path, "stock", **common)
         out["reference"] = str(ref_path)
-        out.update(perplexity.compare(llm, ref, text, args.ctx_size, args.chunks))
+        out.update(perplexity.compare(llm, ref, text, args.ctx_size, args.chunks, decode=decode))
     else:
-        out.update(perplexity.perplexity(llm, text, args.ctx_size, args.chunks).to_dict())
+        out.update(perplexity.perplexity(llm, text, args.ctx_size, args.chunks, decode=decode).to_dict())
     if args.json:
         print(json.dumps(out), flush=True)
     else:

@@ -62,11 +62,21 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def window_logits(llm, window: list[int]) -> np.ndarray:
+def window_logits(llm, window: list[int], decode: bool = False) -> np.ndarray:
     """Logits [n_ctx, n_vocab] (float32 copy) of one window evaluated from an empty context.
-    Needs a Llama opened with logits_all=True and n_batch >= n_ctx."""
+    Needs a Llama opened with logits_all=True and n_batch >= n_ctx.
+
+    decode: the unscored first half goes in as one batch (a prompt: prefill), every later token
+    on its own (generation). The sparse modes are sparse only for one-token batches, so this is
+    how their quality must be measured; for stock and dense it changes nothing but the speed."""
     llm.reset()
-    llm.eval(window)
+    if not decode:
+        llm.eval(window)
+    else:
+        split = scored_range(len(window)).start
+        llm.eval(window[:split])
+        for t in window[split:]:
+            llm.eval([t])
     return np.array(llm.scores[:len(window)], dtype=np.float32, copy=True)
 
 
@@ -98,17 +108,18 @@ def _result(nlls: list[np.ndarray], n_ctx: int, n_tokens: int) -> PerplexityResu
                             chunk_ppl=[float(math.exp(v.mean())) for v in nlls])
 
 
-def perplexity(llm, text: str, n_ctx: int, max_chunks: int | None = None) -> PerplexityResult:
+def perplexity(llm, text: str, n_ctx: int, max_chunks: int | None = None, decode: bool = False) -> PerplexityResult:
     tokens, add_bos = tokenize_for_perplexity(llm, text)
     nlls = []
     for w in windows(tokens, n_ctx, add_bos, llm.token_bos(), max_chunks):
-        nlls.append(window_nll(window_logits(llm, w), w))
+        nlls.append(window_nll(window_logits(llm, w, decode), w))
     return _result(nlls, n_ctx, len(tokens))
 
 
-def compare(llm, ref, text: str, n_ctx: int, max_chunks: int | None = None) -> dict:
+def compare(llm, ref, text: str, n_ctx: int, max_chunks: int | None = None, decode: bool = False) -> dict:
     """Perplexity of ``llm`` and of ``ref`` over identical windows, plus top-1 agreement and mean
-    KL(ref || llm) over the scored positions. Tokenization must agree (same vocabulary)."""
+    KL(ref || llm) over the scored positions. Tokenization must agree (same vocabulary).
+    decode: ``llm`` scores the second half token by token (see window_logits); ``ref`` in one batch."""
     tokens, add_bos = tokenize_for_perplexity(llm, text)
     ref_tokens, _ = tokenize_for_perplexity(ref, text)
     if tokens != ref_tokens:
@@ -116,7 +127,7 @@ def compare(llm, ref, text: str, n_ctx: int, max_chunks: int | None = None) -> d
     nll_t, nll_r, agree, kl = [], [], [], []
     for w in windows(tokens, n_ctx, add_bos, llm.token_bos(), max_chunks):
         pos = np.array(scored_range(n_ctx))
-        lt = window_logits(llm, w)[pos]
+        lt = window_logits(llm, w, decode)[pos]
         lr = window_logits(ref, w)[pos]
         lpt, lpr = log_softmax(lt), log_softmax(lr)
         nxt = np.asarray(w)[pos + 1]
