@@ -3,14 +3,16 @@ sparse FFN). One process; each configuration gets a fresh Llama over the same mo
 
     python bench/modes.py MODEL_DIR [--budgets 0.1,0.25,0.5,1.0] [--sparsity 0.5,0.8]
         [--modes dense,oneshot,dejavu+,powerinfer2,leanstream] [--tokens 24] [--repeats 3]
-        [--out results.json] [--plot results.png]
+        [--stock SOURCE.gguf [--quality]] [--out results.json] [--plot results.png]
 
 Budgets are fractions of the model's FFN bytes on disk. Block reads use O_DIRECT, so the page
 cache does not hide them: "bytes read per token" is real disk traffic. Before timing, each
 configuration decodes a short greedy continuation and checks it is text (and, for dense, that
 it equals a stock llama-cpp-python continuation when the stock GGUF is given with --stock).
 Prints one JSON object. A configuration whose budget cannot hold one layer's working set is
-reported as "budget too small", not run.
+reported as "budget too small", not run. Decode speed is timed on real text, teacher-forced
+(every token differs, as in generation). --quality adds the decode-scored perplexity of every
+(mode, sparsity) against stock: the price of the speed.
 """
 
 from __future__ import annotations
@@ -29,15 +31,42 @@ if str(REPO) not in sys.path:
 PROMPT = "The main differences between a process and a thread are"
 
 
-def decode_tps(llm, n_tokens: int) -> float:
+def decode_tps(llm, n_tokens: int, offset: int = 0) -> float:
+    """Prefill a prompt, then decode n_tokens of real text one at a time (teacher-forced: every
+    token differs, as in generation, so the cache sees a realistic stream of selections)."""
+    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+
     llm.reset()
     toks = llm.tokenize(PROMPT.encode())
+    text = llm.tokenize(DEFAULT_TEXT.read_text(encoding="utf-8").encode(), add_bos=False)
+    cont = text[offset: offset + n_tokens]
     llm.eval(toks)
-    tok = toks[-1]
     t0 = time.perf_counter()
-    for _ in range(n_tokens):
+    for tok in cont:
         llm.eval([tok])
-    return n_tokens / (time.perf_counter() - t0)
+    return len(cont) / (time.perf_counter() - t0)
+
+
+def quality(model_dir, mode, sparsity, args) -> dict:
+    """Decode-scored perplexity against stock llama-cpp-python on the bundled held-out text (one
+    window of --quality-ctx tokens; its second half is decoded token by token, where the sparse
+    modes are sparse). Selection does not depend on the budget, so one run per (mode, sparsity)."""
+    from leanstream_ggml import Llama
+    from leanstream_ggml.harness import perplexity, systems
+    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+
+    n = args.quality_ctx
+    kw = dict(n_ctx=n, n_threads=args.threads, n_threads_batch=args.threads, n_batch=n, n_ubatch=n,
+              logits_all=True, verbose=False)
+    llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity, **kw)
+    ref = systems.open_model(args.stock, "stock", n_ctx=n, n_threads=args.threads, n_batch=n, logits_all=True)
+    try:
+        r = perplexity.compare(llm, ref, DEFAULT_TEXT.read_text(encoding="utf-8"), n, max_chunks=args.quality_chunks,
+                               decode=True)
+    finally:
+        llm.close()
+        ref.close()
+    return {k: r[k] for k in ("ppl", "ppl_reference", "ppl_ratio", "top1_agreement", "kl_mean", "n_scored")}
 
 
 def run_one(model_dir, mode, budget, sparsity, args, stock_text):
@@ -56,9 +85,9 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
         if mode == "dense" and stock_text is not None:
             check["matches_stock"] = text == stock_text
         tps = []
-        for _ in range(args.repeats):
+        for i in range(args.repeats):
             llm.reset_stats()
-            tps.append(decode_tps(llm, args.tokens))
+            tps.append(decode_tps(llm, args.tokens, offset=i * args.tokens))
         s = llm.stats()
         nth = args.threads
         return {"decode_tps": statistics.median(tps), "decode_tps_all": tps, "check": check,
@@ -82,9 +111,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=16, help="I/O workers = reads in flight (default 16)")
     ap.add_argument("--stock", help="the source GGUF: check dense against stock llama-cpp-python")
+    ap.add_argument("--quality", action="store_true",
+                    help="also measure decode-scored perplexity vs stock per (mode, sparsity) (needs --stock)")
+    ap.add_argument("--quality-ctx", type=int, default=256)
+    ap.add_argument("--quality-chunks", type=int, default=1)
     ap.add_argument("--out")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
+    if args.quality and not args.stock:
+        ap.error("--quality needs --stock GGUF")
 
     from leanstream_ggml import manifest
 
@@ -106,9 +141,17 @@ def main(argv=None) -> int:
                 r.update(mode=mode, sparsity=s, budget_fraction=frac, budget_bytes=budget)
                 print(json.dumps({k: r[k] for k in r if k not in ("check", "decode_tps_all")}), file=sys.stderr)
                 results.append(r)
-    doc = {"model_dir": Path(args.model_dir).name,  # no machine paths in results "architecture": m.architecture, "ffn_bytes": ffn,
-           "threads": args.threads, "io_threads": args.io_threads, "tokens": args.tokens, "repeats": args.repeats,
-           "date": time.strftime("%Y-%m-%d"), "results": results}
+    qual = []
+    if args.quality:
+        for mode in args.modes.split(","):
+            for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
+                q = quality(args.model_dir, mode, s, args)
+                q.update(mode=mode, sparsity=s)
+                print(json.dumps(q), file=sys.stderr)
+                qual.append(q)
+    doc = {"model_dir": Path(args.model_dir).name,  # no machine paths in results
+           "architecture": m.architecture, "ffn_bytes": ffn, "threads": args.threads, "io_threads": args.io_threads, "tokens": args.tokens, "repeats": args.repeats,
+           "date": time.strftime("%Y-%m-%d"), "results": results, "quality": qual}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:

@@ -25,10 +25,11 @@ def register(sub) -> None:
     t.add_argument("--hash-layers", type=int, default=3, help="L (paper: 5)")
     t.add_argument("--tau", type=int, default=6, help="bits per hash code (paper: 8)")
     t.add_argument("--bits", type=int, default=256, help="d, code width (paper: 256)")
-    t.add_argument("--tables", type=int, default=4, help="M hash functions per layer (paper's literal layer: 1)")
+    t.add_argument("--tables", type=int, default=8, help="M hash functions per layer (paper's literal layer: 1)")
+    t.add_argument("--skip-weight", type=int, default=0, help="votes of the previous code in layers >= 2 (0: M - 1)")
     t.add_argument("--pca", type=float, default=0.3, help="fraction of dimensions PCA keeps (paper: 0.3)")
-    t.add_argument("--steps", type=int, default=150)
-    t.add_argument("--batch", type=int, default=128)
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch", type=int, default=256)
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--no-mlp", action="store_true", help="skip the DejaVu MLP baseline")
     t.add_argument("--mlp-rank", type=int, default=None)
@@ -50,7 +51,7 @@ def _train(args) -> int:
     from .pipeline import train_from_profile
 
     cfg = H.HashConfig(n_hash_layers=args.hash_layers, tau=args.tau, n_bits=args.bits, n_tables=args.tables,
-                       pca_frac=args.pca, steps=args.steps, batch=args.batch, lr=args.lr)
+                       skip_weight=args.skip_weight, pca_frac=args.pca, steps=args.steps, batch=args.batch, lr=args.lr)
     layers = range(args.layers) if args.layers else None
     s = train_from_profile(args.profile, args.model, args.out, cfg=cfg, train_mlp=not args.no_mlp,
                            mlp_rank=args.mlp_rank, eval_layers=args.eval_layers, n_threads=args.threads,

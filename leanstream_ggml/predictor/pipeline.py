@@ -292,7 +292,7 @@ def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool =
     if cfg is None:
         # the paper's L=5, tau=8 is HashConfig(); on 2 shared cores we train a smaller stack
         cfg = (H.HashConfig(n_hash_layers=2, tau=6, n_bits=128, n_tables=4, steps=40, batch=128) if quick
-               else H.HashConfig(n_hash_layers=3, tau=6, n_bits=256, n_tables=4, steps=150, batch=128))
+               else H.HashConfig(n_hash_layers=3, tau=6, n_bits=256, n_tables=8, steps=300, batch=256))
     summary = train_from_profile(work, src_gguf, model_dir, blocks_of_layer=blocks_of_layer, cfg=cfg,
                                  train_mlp=(not quick) if train_mlp is None else train_mlp,
                                  eval_layers=2 if quick else 6, eval_tokens=128 if quick else 512,
