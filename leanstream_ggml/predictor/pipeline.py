@@ -74,11 +74,13 @@ def refined_inputs(x_prev, a_prev, w_down, prio_prev, s, j, perm=None, k=1, n_st
     n, b = prio_prev.shape
     if not np.any(j > 0):
         return x_prev.copy()
-    rank = np.empty((n, b), dtype=np.int64)
-    np.put_along_axis(rank, np.argsort(-prio_prev, axis=1, kind="stable"), np.arange(b)[None, :], axis=1)
     n_sel = np.array([M.n_selected(b, si) for si in np.atleast_1d(s)]) * np.ones(n, dtype=np.int64)
     cut = np.floor(n_sel * (np.asarray(j) / n_stages) + 1e-9).astype(np.int64)
-    block_mask = rank < cut[:, None]
+    # the first cut[i] blocks of row i in priority order: at or above the cut-th largest priority
+    # (a value sort, not an argsort: this runs for every training batch)
+    desc = -np.sort(-prio_prev, axis=1)
+    thr = desc[np.arange(n), np.maximum(cut - 1, 0)]
+    block_mask = (prio_prev >= thr[:, None]) & (cut[:, None] > 0)
     nmask = M.neuron_mask_of_blocks(block_mask, perm, a_prev.shape[1], k)
     return x_prev + (a_prev * nmask) @ w_down.T
 
