@@ -76,6 +76,7 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
     try:
         llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity,
                     memory_budget=budget or None, n_ctx=256, n_threads=args.threads, n_io_threads=args.io_threads,
+                    hot_fraction=args.hot_fraction,
                     n_threads_batch=args.threads, verbose=False)
     except (LeanstreamError, ValueError) as e:
         return {"error": str(e).splitlines()[0]}
@@ -110,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--io-threads", type=int, default=16, help="I/O workers = reads in flight (default 16)")
+    ap.add_argument("--hot-fraction", type=float, default=0.5, help="powerinfer2/leanstream pinned share of the budget")
     ap.add_argument("--stock", help="the source GGUF: check dense against stock llama-cpp-python")
     ap.add_argument("--quality", action="store_true",
                     help="also measure decode-scored perplexity vs stock per (mode, sparsity) (needs --stock)")
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
                 print(json.dumps(q), file=sys.stderr)
                 qual.append(q)
     doc = {"model_dir": Path(args.model_dir).name,  # no machine paths in results
-           "architecture": m.architecture, "ffn_bytes": ffn, "threads": args.threads, "io_threads": args.io_threads, "tokens": args.tokens, "repeats": args.repeats,
+           "architecture": m.architecture, "ffn_bytes": ffn, "threads": args.threads, "io_threads": args.io_threads,
+           "hot_fraction": args.hot_fraction, "tokens": args.tokens, "repeats": args.repeats,
            "date": time.strftime("%Y-%m-%d"), "results": results, "quality": qual}
     text = json.dumps(doc, indent=1)
     print(text)

@@ -66,7 +66,7 @@ class FFNEngine:
                  memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 16,
                  max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0,
                  sparsity: float = 0.0, n_stages: int = 8, cache_policy: str | None = None,
-                 predictor_paths: Sequence[str | Path | None] | None = None):
+                 predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if activation not in ACTIVATIONS:
@@ -86,6 +86,7 @@ class FFNEngine:
         p.max_read_bytes = max_read_bytes
         p.use_direct_io = 1 if direct_io else 0
         p.test_io_delay_us = test_io_delay_us
+        p.test_io_queue_cap = test_io_queue_cap
         p.sparsity = sparsity
         p.n_stages = n_stages
         # leanstream evicts by predicted priority; the baselines use LRU (DESIGN §4)

@@ -38,15 +38,16 @@ class Llama(llama_cpp.Llama):
         mode: "dense" (every neuron: reproduces stock llama.cpp), or a sparse decode mode that
             computes only the top (1 - sparsity) of each layer's neuron blocks, chosen by the
             model's predictors: "leanstream" (priority-ordered stages, prefetch of the next layer
-            refined from partial results), "oneshot" (DejaVu: one layer-ahead prediction, no
+            refined from partial results, calibration-hot blocks pinned like powerinfer2's and
+            priority eviction for the rest), "oneshot" (DejaVu: one layer-ahead prediction, no
             weight cache), "dejavu+" (oneshot + LRU cache), "powerinfer2" (hot blocks pinned +
             LRU). Prefill is always dense.
         sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
         n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
             with the quick predictors 8 stages measured worse, see README).
         n_io_threads: I/O worker threads (reads in flight).
-        hot_fraction: "powerinfer2": share of the budget pinned for the blocks most often active
-            in calibration (default 0.5).
+        hot_fraction: "powerinfer2" and "leanstream": share of the budget pinned for the blocks
+            most often active in calibration (default 0.5; 0 pins nothing).
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
@@ -78,8 +79,9 @@ class Llama(llama_cpp.Llama):
                                  n_io_threads=n_io_threads, sparsity=sparsity, n_stages=n_stages,
                                  predictor_paths=predictor_paths)
         self.mode, self.sparsity = mode, sparsity
-        if mode == "powerinfer2":
-            self._pin_hot_blocks(path, hot_fraction)
+        self.hot_blocks = 0
+        if mode in ("powerinfer2", "leanstream") and hot_fraction > 0:
+            self._pin_hot_blocks(path, hot_fraction, required=mode == "powerinfer2")
         super().__init__(str(self.manifest.base_path(path)), **kwargs)
         _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
@@ -91,13 +93,17 @@ class Llama(llama_cpp.Llama):
 
         self._ctx.decode = decode
 
-    def _pin_hot_blocks(self, path: Path, hot_fraction: float) -> None:
-        """powerinfer2: the blocks most often in the top half during calibration, across all
-        layers, stay resident; they fill hot_fraction of the budget (never the working set)."""
+    def _pin_hot_blocks(self, path: Path, hot_fraction: float, required: bool = True) -> None:
+        """The blocks most often in the top half during calibration, across all layers, stay
+        resident; they fill hot_fraction of the budget (never the working set). The predictors'
+        per-block prior is most of what they know (README: predictors), so the blocks a static
+        hot set holds are hit by almost every token."""
         import numpy as np
 
         rel = (self.manifest.predictor or {}).get("block_freq")
         if not rel or not (path / rel).exists():
+            if not required:
+                return
             raise ValueError(f"mode='powerinfer2' needs calibration frequencies ({path}/predictor/block_freq.npy): "
                              f"re-convert with predictors")
         freq = np.load(path / rel)                       # [n_layer, n_blocks]

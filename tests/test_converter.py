@@ -474,3 +474,11 @@ def test_cli_convert_trains_predictors(models, tmp_path, capsys):
         assert s["cache_bytes"] <= s["cache_capacity"] <= budget
     finally:
         llm.close()
+    # leanstream pins the same hot set (unless hot_fraction=0)
+    for frac, pinned in ((0.5, True), (0.0, False)):
+        llm = Llama(str(out), mode="leanstream", sparsity=0.5, memory_budget=budget, hot_fraction=frac, n_ctx=64,
+                    verbose=False)
+        try:
+            assert (llm.hot_blocks > 0) == pinned
+        finally:
+            llm.close()

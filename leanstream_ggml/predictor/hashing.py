@@ -300,19 +300,18 @@ def weighted_bce(logits, target, weight):
 
 def train_model(model: nn.Module, x_train: np.ndarray, imp_train: np.ndarray, *, steps: int,
                 batch: int, lr: float, seed: int = 0, hashing: bool = True, log=None,
-                x_sampler=None) -> list[float]:
+                target_rows: np.ndarray | None = None) -> list[float]:
     """Minimise importance-weighted BCE against ordinal top-set targets. Returns loss per step.
 
-    x_sampler(idx, rng) -> x batch, when given, builds inputs on the fly (refinement inputs);
-    else batches come from x_train.
+    target_rows[i], when given, is the row of imp_train that x_train[i] is scored against (several
+    inputs -- one-shot and refined -- share one target); else row i.
     """
     g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     warm = max(1, steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1))))
-    n = imp_train.shape[0]
+    n = x_train.shape[0]
     tgt, wgt = block_targets(imp_train)
     if hasattr(model, "init_prior"):
         # start from the per-block prior (a static hot set); training adds the per-token part
@@ -322,9 +321,9 @@ def train_model(model: nn.Module, x_train: np.ndarray, imp_train: np.ndarray, *,
     t0 = time.time()
     for step in range(steps):
         idx = torch.randint(0, n, (min(batch, n),), generator=g).numpy()
-        xb = x_sampler(idx, rng) if x_sampler is not None else x_train[idx]
-        xb = torch.as_tensor(np.asarray(xb, dtype=np.float32))
-        tb, wb = torch.from_numpy(tgt[idx]), torch.from_numpy(wgt[idx])
+        xb = torch.as_tensor(np.asarray(x_train[idx], dtype=np.float32))
+        ti = idx if target_rows is None else target_rows[idx]
+        tb, wb = torch.from_numpy(tgt[ti]), torch.from_numpy(wgt[ti])
         if hashing:
             temp = 1.0
             logits = model(xb, temp=temp, noise=True)

@@ -9,8 +9,8 @@ What one layer's predictor sees (both uses share one predictor, paper §3.2 / Eq
 
 x_n is the residual entering FFN n (llama.cpp "ffn_inp-n"); Δm^{(k)} is the output of the k-th
 of K priority-ordered stages of layer il-1's sparse FFN. Refined inputs are made in distribution
-by training on all j = 0..K: each training row draws a target sparsity s and a stage count j, and
-orders layer il-1's blocks by a noisy oracle (true importance times log-normal noise, a stand-in
+by training on all j = 0..K: each training row (`pool` copies of it) draws a target sparsity s and
+a stage count j, and orders layer il-1's blocks by a noisy oracle (true importance times log-normal noise, a stand-in
 for the previous predictor's ranking), so the partial sums it sees look like the runtime's.
 
 Evaluation (the paper's Fig. 12): on held-out positions, layer il-1's stages are ordered by the
@@ -88,7 +88,8 @@ def refined_inputs(x_prev, a_prev, w_down, prio_prev, s, j, perm=None, k=1, n_st
 def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=None, cfg=None,
                        train_mlp: bool = True, mlp_rank: int | None = None, mlp_steps: int | None = None,
                        holdout: float = 0.2, eval_tokens: int = 512, eval_layers: int = 6,
-                       noise_sigma: float = 1.0, n_threads: int = 2, layers=None, log=print) -> dict:
+                       noise_sigma: float = 1.0, pool: int = 2, n_threads: int = 2, layers=None,
+                       log=print) -> dict:
     """Train and export one predictor per layer from a profile directory. Returns the summary
     (also written to <model_dir>/predictor/predictor.json)."""
     import torch
@@ -141,26 +142,32 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         prev_perm, prev_k = _perm(blocks_of_layer, il - 1) if il > 0 else (None, 1)
         prev_imp = M.block_importance(np.abs(a_in), prev_perm, prev_k) if a_in is not None else None
 
-        def sampler(idx, r, x_in=x_in, a_in=a_in, w_in=w_in, prev_imp=prev_imp, pp=prev_perm, pk=prev_k):
+        # the training set: every training row `pool` times, each copy with its own draw of a
+        # target sparsity s, a stage count j = 0..K and a noisy order of layer il-1's blocks
+        # (built once per layer: a fresh draw per batch cost most of the training time)
+        rows = np.tile(np.arange(n_train), pool if a_in is not None else 1)
+        x_pool = np.empty((len(rows), n_embd), dtype=np.float32)
+        for lo in range(0, len(rows), 2048):
+            idx = rows[lo:lo + 2048]
             if a_in is None:
-                return x_in[idx]
-            n = len(idx)
-            s = r.choice(M.SPARSITIES, size=n)
-            j = r.integers(0, K_STAGES + 1, size=n)
-            noisy = prev_imp[idx] * np.exp(noise_sigma * r.standard_normal(prev_imp[idx].shape))
-            return refined_inputs(x_in[idx], a_in[idx], w_in, noisy, s, j, pp, pk)
+                x_pool[lo:lo + len(idx)] = x_in[idx]
+                continue
+            s = rng.choice(M.SPARSITIES, size=len(idx))
+            j = rng.integers(0, K_STAGES + 1, size=len(idx))
+            noisy = prev_imp[idx] * np.exp(noise_sigma * rng.standard_normal(prev_imp[idx].shape)).astype(np.float32)
+            x_pool[lo:lo + len(idx)] = refined_inputs(x_in[idx], a_in[idx], w_in, noisy, s, j, prev_perm, prev_k)
 
         # input statistics and PCA over the training distribution (one-shot and refined rows)
-        stat_idx = rng.choice(n_train, size=min(n_train, 4096), replace=False)
-        x_stat = sampler(stat_idx, rng)
+        stat_idx = rng.choice(len(rows), size=min(len(rows), 4096), replace=False)
+        x_stat = x_pool[stat_idx]
         mean, scale = H.input_stats(x_stat)
         pca = H.fit_pca((x_stat - mean) * scale, cfg.pca_frac)
 
         t0 = time.time()
         torch.manual_seed(cfg.seed + il)
         model = H.HashingPredictor(n_embd, n_blocks, cfg, mean, scale, pca)
-        losses = H.train_model(model, None, imp[:n_train], steps=cfg.steps, batch=cfg.batch, lr=cfg.lr,
-                               seed=cfg.seed + il, hashing=True, x_sampler=sampler)
+        losses = H.train_model(model, x_pool, imp[:n_train], steps=cfg.steps, batch=cfg.batch, lr=cfg.lr,
+                               seed=cfg.seed + il, hashing=True, target_rows=rows)
         params = model.export_params()
         path = out_dir / f"blk.{il}.lspred"
         from .export import write_predictor
@@ -177,8 +184,8 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
             torch.manual_seed(cfg.seed + il)
             rank = mlp_rank or max(64, n_embd // 4)
             mlp = MLPPredictor(n_embd, n_blocks, rank, mean, scale)
-            H.train_model(mlp, None, imp[:n_train], steps=mlp_steps or cfg.steps, batch=cfg.batch, lr=3e-3,
-                          seed=cfg.seed + il, hashing=False, x_sampler=sampler)
+            H.train_model(mlp, x_pool, imp[:n_train], steps=mlp_steps or cfg.steps, batch=cfg.batch, lr=3e-3,
+                          seed=cfg.seed + il, hashing=False, target_rows=rows)
             t_mlp += time.time() - t0
             mlp_sizes.append(mlp.size_bytes())
 

@@ -116,6 +116,8 @@ typedef struct ls_engine_params {
     int32_t        n_stages;        // K: compute stages per layer = refinement points, default 8
     const char * const * predictor_paths; // [n_layers] predictor file per layer, or NULL
     int32_t        cache_policy;    // LS_CACHE_*, default LS_CACHE_LRU
+    uint32_t       test_io_queue_cap; // test hook: read queue capacity (0: 3 layers' blocks); when
+                                      // full, the submitting thread reads synchronously
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);

@@ -337,7 +337,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             for (int32_t b = 0; b < L->info.n_blocks && n_pin > 0; b++, n_pin--) L->hot[b] = 1;
         }
     }
-    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us);
+    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us, p->test_io_queue_cap);
     if (st != LS_OK) {
         char saved[LS_MAX_ERRMSG];
         snprintf(saved, sizeof(saved), "%s", tls_errmsg);

@@ -163,7 +163,7 @@ void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);
 int32_t     ls_cache_available(const ls_cache * c); // slots free or evictable
 
 // io.c
-ls_status   ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us);
+ls_status   ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us, uint32_t queue_cap);
 void        ls_io_stop(ls_engine * e);
 // Queue reads for the given blocks (state LOADING, slots acquired), merging runs of
 // adjacent blocks up to max_read_bytes; queue order = priority order.

@@ -76,7 +76,7 @@ static void * io_worker(void * arg) {
     }
 }
 
-ls_status ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us) {
+ls_status ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us, uint32_t queue_cap) {
     ls_io * io = &e->io;
     memset(io, 0, sizeof(*io));
     pthread_mutex_init(&io->mu, NULL);
@@ -87,6 +87,7 @@ ls_status ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us) {
         if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;
     }
     io->cap = 3 * max_blocks + 3; // this op's reads, the next layer's prefetch, let-go prefetches
+    if (queue_cap > 0 && (int32_t) queue_cap < io->cap) io->cap = (int32_t) queue_cap; // test hook
     io->queue = malloc(sizeof(ls_read) * (size_t) io->cap);
     io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
     if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
