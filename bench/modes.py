@@ -103,7 +103,8 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model_dir")
+    ap.add_argument("model_dir", help="converted model directory (or, with --table, a results JSON)")
+    ap.add_argument("--table", action="store_true", help="print the markdown tables of a results JSON and exit")
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
     ap.add_argument("--sparsity", default="0.5,0.8")
     ap.add_argument("--modes", default="dense,oneshot,dejavu+,powerinfer2,leanstream")
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(Path(args.model_dir).read_text())))
+        return 0
     if args.quality and not args.stock:
         ap.error("--quality needs --stock GGUF")
 
@@ -162,6 +166,31 @@ def main(argv=None) -> int:
     if args.plot:
         plot(doc, args.plot)
     return 0
+
+
+def markdown(doc) -> str:
+    """The README tables: decode tok/s (MB read per token) per budget and mode; quality per mode."""
+    rs = [r for r in doc["results"]]
+    cols = list(dict.fromkeys((r["mode"], r["sparsity"]) for r in rs))
+    name = lambda m, s: m if m == "dense" else f"{m} s={s:g}"
+    out = ["| FFN budget | " + " | ".join(name(*c) for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for frac in sorted({r["budget_fraction"] for r in rs}):
+        cells = []
+        for m, s in cols:
+            r = next((r for r in rs if r["budget_fraction"] == frac and r["mode"] == m and r["sparsity"] == s), None)
+            if r is None:
+                cells.append("")
+            elif "decode_tps" not in r:
+                cells.append("budget too small" if "budget" in r.get("error", "") else "error")
+            else:
+                cells.append(f"{r['decode_tps']:.2f} ({r['bytes_read_per_token'] / 1e6:.0f} MB)")
+        out.append(f"| {frac:.0%} | " + " | ".join(cells) + " |")
+    if doc.get("quality"):
+        out += ["", "| mode | sparsity | perplexity ratio vs stock | top-1 agreement | mean KL |", "|---|---:|---:|---:|---:|"]
+        for q in doc["quality"]:
+            out.append(f"| {q['mode']} | {q['sparsity']:g} | {q['ppl_ratio']:.3f} | {q['top1_agreement']:.3f} | "
+                       f"{q['kl_mean']:.4f} |")
+    return "\n".join(out)
 
 
 def plot(doc, path):
