@@ -197,6 +197,9 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
             if pred_m is not None:
                 one["mlp"] = M.summarize(pred_m, imp[ev])
             one["oracle"] = M.summarize(imp[ev], imp[ev])
+            # a static ranking (mean calibration importance, the same every token): what the
+            # predictors add per token is their distance above this
+            one["prior"] = M.summarize(np.broadcast_to(imp[:n_train].mean(0), imp[ev].shape), imp[ev])
             entry = {"bytes": size, "train_seconds": round(t_layer, 1),
                      "loss_first": float(np.mean(losses[:20])), "loss_last": float(np.mean(losses[-20:])),
                      "oneshot": one}
