@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         stock_text = st(PROMPT, max_tokens=12, temperature=0.0)["choices"][0]["text"]
         st.close()
     results = []
-    for frac in [float(x) for x in args.budgets.split(",")]:
+    for frac in [float(x) for x in args.budgets.split(",") if x]:   # --budgets "": quality only
         budget = 0 if frac >= 1.0 else int(frac * ffn)
         for mode in args.modes.split(","):
             for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
