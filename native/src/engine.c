@@ -217,9 +217,11 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     L->prio        = calloc((size_t) in->n_blocks, sizeof(float));
     L->prefetch    = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->order       = malloc((size_t) in->n_blocks * sizeof(int32_t));
+    L->stage_mark  = malloc((size_t) in->n_blocks);
+    if (L->stage_mark) memset(L->stage_mark, 0xFF, (size_t) in->n_blocks);
     L->in_prefetch = calloc((size_t) in->n_blocks, 1);
     L->last_plan   = malloc((size_t) in->n_blocks * sizeof(int32_t));
-    if (!L->prio || !L->prefetch || !L->order || !L->in_prefetch || !L->last_plan) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    if (!L->prio || !L->prefetch || !L->order || !L->stage_mark || !L->in_prefetch || !L->last_plan) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
 
     // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
     if (e->params.use_direct_io) {
@@ -359,7 +361,7 @@ void ls_engine_free(ls_engine * e) {
         free(L->perm);
         free(L->slot_of_block);
         free((void *) L->state);
-        free(L->prio); free(L->prefetch); free(L->order); free(L->in_prefetch); free(L->last_plan);
+        free(L->prio); free(L->prefetch); free(L->order); free(L->stage_mark); free(L->in_prefetch); free(L->last_plan);
         free(L->hot); free(L->hot_pinned);
         if (L->pred) ls_predictor_free(L->pred);
     }

@@ -49,6 +49,7 @@ typedef struct ls_layer {
     uint8_t *          hot;             // [n_blocks] powerinfer2: keep resident once loaded
     uint8_t *          hot_pinned;      // [n_blocks] the permanent pin has been taken
     int32_t *          order;           // [n_blocks] scratch: blocks sorted by priority
+    uint8_t *          stage_mark;      // [n_blocks] scratch of select_stages, 0xFF between calls
     uint8_t *          in_prefetch;     // [n_blocks] 1: in prefetch[] (holds a prefetch pin)
     int32_t *          last_plan;       // [n_blocks] blocks computed by the last op, in order
     int32_t            n_last_plan;

@@ -36,11 +36,6 @@ static void select_top(int32_t * idx, int32_t lo, int32_t hi, int32_t k, const f
     }
 }
 
-static int cmp_i32(const void * a, const void * b) {
-    int32_t x = *(const int32_t *) a, y = *(const int32_t *) b;
-    return (x > y) - (x < y);
-}
-
 int32_t ls_sched_n_selected(const ls_engine * e, const ls_layer * L) {
     int32_t n = (int32_t) ((1.0 - (double) e->params.sparsity) * L->info.n_blocks + 0.5);
     return n < 1 ? 1 : n > L->info.n_blocks ? L->info.n_blocks : n;
@@ -54,15 +49,25 @@ static void select_stages(const ls_engine * e, ls_layer * L, const float * prio,
     int32_t * idx = L->order;
     for (int32_t b = 0; b < nb; b++) idx[b] = b;
     select_top(idx, 0, nb, n_sel, prio);
-    int32_t lo = 0;
+    // stage boundaries by quickselect, then file order inside each stage by one scan over the
+    // layer's blocks (this runs up to K + 1 times per layer and token: a comparison sort of
+    // the stages was most of leanstream's planning time)
+    int32_t lo = 0, pos[LS_MAX_STAGES];
+    uint8_t * mark = L->stage_mark;
     for (int32_t s = 0; s < n_stages; s++) {
         int32_t hi = (int32_t) ((int64_t) n_sel * (s + 1) / n_stages);
         if (s < n_stages - 1) select_top(idx, lo, n_sel, hi, prio);
-        qsort(idx + lo, (size_t) (hi - lo), sizeof(int32_t), cmp_i32);
+        for (int32_t i = lo; i < hi; i++) mark[idx[i]] = (uint8_t) s;
+        pos[s] = lo;
         stage_end[s] = hi;
         lo = hi;
     }
-    memcpy(out, idx, sizeof(int32_t) * (size_t) n_sel);
+    for (int32_t b = 0; b < nb; b++) {
+        if (mark[b] != 0xFF) {
+            out[pos[mark[b]]++] = b;
+            mark[b] = 0xFF;
+        }
+    }
 }
 
 static ls_status run_predictor(ls_engine * e, ls_layer * L, const float * x) {
