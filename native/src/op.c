@@ -277,15 +277,23 @@ static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_st
         compute_share(e, ith, nth, lo, P->stage_end[s], acc, P->work + (size_t) ith * P->work_per_thread);
         if (!sync_stages || s == P->n_stages - 1) continue;
         ls_barrier_wait(&e->barrier, nth);
-        if (ith == 0) {
-            if (P->refine) { // partial output so far (decode: one row), summed in thread order
-                float * part = P->x_ref;
-                for (size_t c = 0; c < row; c++) {
-                    float v = 0.0f;
-                    for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + c];
-                    part[c] = v;
-                }
+        if (ith == 0 && P->refine) { // partial output so far (decode: one row), summed in thread order
+            float * part = P->x_ref;
+            for (size_t c = 0; c < row; c++) {
+                float v = 0.0f;
+                for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + c];
+                part[c] = v;
             }
+        }
+        if (P->sparse) {
+            // the refinement only touches the next layer (its priorities, prefetch pins and
+            // queued reads): once the partial sum is taken, the others go on with stage s + 1
+            // while thread 0 refines, then joins them
+            ls_barrier_wait(&e->barrier, nth);
+            if (ith == 0) ls_sched_stage_done(e, s, P->x_ref);
+            continue;
+        }
+        if (ith == 0) {
             ls_sched_stage_done(e, s, P->x_ref);
             if (ls_sched_stage_begin(e, s + 1) != LS_OK) {
                 ls_engine_record_error(e, LS_ERR_BUDGET, "layer %d: memory budget too small for the next chunk", L->il);
