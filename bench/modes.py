@@ -47,25 +47,24 @@ def decode_tps(llm, n_tokens: int, offset: int = 0) -> float:
     return len(cont) / (time.perf_counter() - t0)
 
 
-def quality(model_dir, mode, sparsity, args) -> dict:
-    """Decode-scored perplexity against stock llama-cpp-python on the bundled held-out text (one
-    window of --quality-ctx tokens; its second half is decoded token by token, where the sparse
-    modes are sparse). Selection does not depend on the budget, so one run per (mode, sparsity)."""
+def quality(model_dir, mode, sparsity, ref, args) -> dict:
+    """Decode-scored perplexity against ``ref`` (stock llama-cpp-python, opened once by the caller)
+    on the bundled held-out text (one window of --quality-ctx tokens; its second half is decoded
+    token by token, where the sparse modes are sparse). Selection does not depend on the budget,
+    so one run per (mode, sparsity)."""
     from leanstream_ggml import Llama
-    from leanstream_ggml.harness import perplexity, systems
+    from leanstream_ggml.harness import perplexity
     from leanstream_ggml.harness.bench import DEFAULT_TEXT
 
     n = args.quality_ctx
     kw = dict(n_ctx=n, n_threads=args.threads, n_threads_batch=args.threads, n_batch=n, n_ubatch=n,
               logits_all=True, verbose=False)
     llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity, **kw)
-    ref = systems.open_model(args.stock, "stock", n_ctx=n, n_threads=args.threads, n_batch=n, logits_all=True)
     try:
         r = perplexity.compare(llm, ref, DEFAULT_TEXT.read_text(encoding="utf-8"), n, max_chunks=args.quality_chunks,
                                decode=True)
     finally:
         llm.close()
-        ref.close()
     return {k: r[k] for k in ("ppl", "ppl_reference", "ppl_ratio", "top1_agreement", "kl_mean", "n_scored")}
 
 
@@ -149,12 +148,19 @@ def main(argv=None) -> int:
                 results.append(r)
     qual = []
     if args.quality:
-        for mode in args.modes.split(","):
-            for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
-                q = quality(args.model_dir, mode, s, args)
-                q.update(mode=mode, sparsity=s)
-                print(json.dumps(q), file=sys.stderr)
-                qual.append(q)
+        from leanstream_ggml.harness import systems
+
+        n = args.quality_ctx
+        ref = systems.open_model(args.stock, "stock", n_ctx=n, n_threads=args.threads, n_batch=n, logits_all=True)
+        try:
+            for mode in args.modes.split(","):
+                for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
+                    q = quality(args.model_dir, mode, s, ref, args)
+                    q.update(mode=mode, sparsity=s)
+                    print(json.dumps(q), file=sys.stderr)
+                    qual.append(q)
+        finally:
+            ref.close()
     doc = {"model_dir": Path(args.model_dir).name,  # no machine paths in results
            "architecture": m.architecture, "ffn_bytes": ffn, "threads": args.threads, "io_threads": args.io_threads,
            "hot_fraction": args.hot_fraction, "tokens": args.tokens, "repeats": args.repeats,

@@ -300,11 +300,12 @@ def weighted_bce(logits, target, weight):
 
 def train_model(model: nn.Module, x_train: np.ndarray, imp_train: np.ndarray, *, steps: int,
                 batch: int, lr: float, seed: int = 0, hashing: bool = True, log=None,
-                target_rows: np.ndarray | None = None) -> list[float]:
+                target_rows: np.ndarray | None = None, targets=None) -> list[float]:
     """Minimise importance-weighted BCE against ordinal top-set targets. Returns loss per step.
 
     target_rows[i], when given, is the row of imp_train that x_train[i] is scored against (several
-    inputs -- one-shot and refined -- share one target); else row i.
+    inputs -- one-shot and refined -- share one target); else row i. targets: block_targets(imp_train)
+    when the caller already has them (several models trained on one layer).
     """
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -312,7 +313,7 @@ def train_model(model: nn.Module, x_train: np.ndarray, imp_train: np.ndarray, *,
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / max(steps, 1))))
     n = x_train.shape[0]
-    tgt, wgt = block_targets(imp_train)
+    tgt, wgt = targets if targets is not None else block_targets(imp_train)
     if hasattr(model, "init_prior"):
         # start from the per-block prior (a static hot set); training adds the per-token part
         prior = np.clip((tgt * wgt).sum(0) / wgt.sum(0), 1e-3, 1 - 1e-3)

@@ -145,17 +145,17 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         # the training set: every training row `pool` times, each copy with its own draw of a
         # target sparsity s, a stage count j = 0..K and a noisy order of layer il-1's blocks
         # (built once per layer: a fresh draw per batch cost most of the training time)
-        rows = np.tile(np.arange(n_train), pool if a_in is not None else 1)
-        x_pool = np.empty((len(rows), n_embd), dtype=np.float32)
-        for lo in range(0, len(rows), 2048):
-            idx = rows[lo:lo + 2048]
-            if a_in is None:
-                x_pool[lo:lo + len(idx)] = x_in[idx]
-                continue
-            s = rng.choice(M.SPARSITIES, size=len(idx))
-            j = rng.integers(0, K_STAGES + 1, size=len(idx))
-            noisy = prev_imp[idx] * np.exp(noise_sigma * rng.standard_normal(prev_imp[idx].shape)).astype(np.float32)
-            x_pool[lo:lo + len(idx)] = refined_inputs(x_in[idx], a_in[idx], w_in, noisy, s, j, prev_perm, prev_k)
+        if a_in is None:   # layer 0, or no previous layer in this run: nothing to refine from
+            rows, x_pool = np.arange(n_train), x_in[:n_train]
+        else:
+            rows = np.tile(np.arange(n_train), pool)
+            x_pool = np.empty((len(rows), n_embd), dtype=np.float32)
+            for lo in range(0, len(rows), 2048):
+                idx = rows[lo:lo + 2048]
+                s = rng.choice(M.SPARSITIES, size=len(idx))
+                j = rng.integers(0, K_STAGES + 1, size=len(idx))
+                noisy = prev_imp[idx] * np.exp(noise_sigma * rng.standard_normal(prev_imp[idx].shape)).astype(np.float32)
+                x_pool[lo:lo + len(idx)] = refined_inputs(x_in[idx], a_in[idx], w_in, noisy, s, j, prev_perm, prev_k)
 
         # input statistics and PCA over the training distribution (one-shot and refined rows)
         stat_idx = rng.choice(len(rows), size=min(len(rows), 4096), replace=False)
@@ -166,8 +166,9 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         t0 = time.time()
         torch.manual_seed(cfg.seed + il)
         model = H.HashingPredictor(n_embd, n_blocks, cfg, mean, scale, pca)
+        targets = H.block_targets(imp[:n_train])   # shared by the hashing model and the MLP
         losses = H.train_model(model, x_pool, imp[:n_train], steps=cfg.steps, batch=cfg.batch, lr=cfg.lr,
-                               seed=cfg.seed + il, hashing=True, target_rows=rows)
+                               seed=cfg.seed + il, hashing=True, target_rows=rows, targets=targets)
         params = model.export_params()
         path = out_dir / f"blk.{il}.lspred"
         from .export import write_predictor
@@ -185,7 +186,7 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
             rank = mlp_rank or max(64, n_embd // 4)
             mlp = MLPPredictor(n_embd, n_blocks, rank, mean, scale)
             H.train_model(mlp, x_pool, imp[:n_train], steps=mlp_steps or cfg.steps, batch=cfg.batch, lr=3e-3,
-                          seed=cfg.seed + il, hashing=False, target_rows=rows)
+                          seed=cfg.seed + il, hashing=False, target_rows=rows, targets=targets)
             t_mlp += time.time() - t0
             mlp_sizes.append(mlp.size_bytes())
 
@@ -278,6 +279,11 @@ def _mean_curves(curves: dict) -> dict:
 
 
 QUICK = dict(n_prompts=6, max_tokens=64)
+# Hashing configurations of `convert --predictors full|quick` (and `train-predictor`'s defaults).
+# The paper's L = 5, tau = 8 is HashConfig()'s default; on 2 shared cores we train a smaller
+# stack (wider ones measured no better: README, predictors).
+FULL_HASH = dict(n_hash_layers=3, tau=6, n_bits=256, n_tables=8, steps=300, batch=256)
+QUICK_HASH = dict(n_hash_layers=2, tau=6, n_bits=128, n_tables=4, steps=40, batch=128)
 
 
 def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool = False, calibration=None,
@@ -302,9 +308,7 @@ def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool =
     meta = profile_model(src_gguf, work, calibration=calibration, n_threads=n_threads, progress=progress, log=log, **kw)
     t_prof = time.time() - t0
     if cfg is None:
-        # the paper's L=5, tau=8 is HashConfig(); on 2 shared cores we train a smaller stack
-        cfg = (H.HashConfig(n_hash_layers=2, tau=6, n_bits=128, n_tables=4, steps=40, batch=128) if quick
-               else H.HashConfig(n_hash_layers=3, tau=6, n_bits=256, n_tables=8, steps=300, batch=256))
+        cfg = H.HashConfig(**(QUICK_HASH if quick else FULL_HASH))
     summary = train_from_profile(work, src_gguf, model_dir, blocks_of_layer=blocks_of_layer, cfg=cfg,
                                  train_mlp=(not quick) if train_mlp is None else train_mlp,
                                  eval_layers=2 if quick else 6, eval_tokens=128 if quick else 512,
