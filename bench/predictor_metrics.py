@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def latency_us(path, repeats: int = 2000) -> float:
     from leanstream_ggml._native import ffi
-    from leanstream_ggml.predictor.native import NativePredictor
+    from leanstream_ggml.predictor import NativePredictor
 
     with NativePredictor(path) as c:
         x = ffi.new("float[]", np.random.default_rng(0).standard_normal(c.n_embd).astype(np.float32).tolist())
@@ -41,13 +41,13 @@ def latency_us(path, repeats: int = 2000) -> float:
 
 
 def check_exact(path) -> bool:
-    from leanstream_ggml.predictor import export as E
-    from leanstream_ggml.predictor.native import NativePredictor
+    from converters.train import export as E
+    from leanstream_ggml.predictor import NativePredictor
 
     hdr, params = E.read_predictor(path)
     x = np.random.default_rng(1).standard_normal((64, hdr["n_embd"])).astype(np.float32) * 3
     try:
-        from leanstream_ggml.predictor.hashing import infer_params
+        from converters.train.hashing import infer_params
     except ImportError:
         return True   # no torch: nothing to compare against
     ref = infer_params(params, hdr["tau"], hdr["n_tables"], x).numpy()

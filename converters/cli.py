@@ -37,7 +37,8 @@ def _fmt_bytes(n: float) -> str:
 def cmd_convert(args: argparse.Namespace) -> int:
     from leanstream_ggml import models
 
-    from .convert_gguf import ConvertError, convert
+    from .convert_gguf import ConvertError
+    from .stages import convert_model
 
     try:
         src = models.resolve(args.model)
@@ -54,47 +55,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
             return 0
         except ManifestError:
             pass
+    if args.predictors != "none":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            print("leanstream convert: training the predictors needs torch (pip install 'leanstream-ggml[convert]'); "
+                  "or convert with --predictors none for dense mode only", file=sys.stderr)
+            return 1
     t0 = time.perf_counter()
     try:
-        m = convert(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet)
+        m = convert_model(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet,
+                          predictors=args.predictors, profile_dir=args.profile_dir)
     except ConvertError as e:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
     t = m.totals
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
-          f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}")
-    if args.predictors != "none":
-        return _train_predictors(src, out, m, quick=args.predictors == "quick", progress=not args.quiet,
-                                 profile_dir=args.profile_dir)
-    return 0
-
-
-def _train_predictors(src: Path, out: Path, m, *, quick: bool, progress: bool, profile_dir=None) -> int:
-    """Profile the source GGUF and train one predictor per layer (the sparse modes need them)."""
-    try:
-        from leanstream_ggml.predictor.pipeline import build_predictors
-    except ImportError as e:
-        print(f"leanstream convert: predictors need the training extra ({e}); the model works in dense "
-              f"mode. Install it with `pip install leanstream-ggml[train]` and re-run with --force", file=sys.stderr)
-        return 1
-    import numpy as np
-
-    from leanstream_ggml import manifest
-
-    from . import blockfile
-
-    layers = []
-    for il in range(m.n_layer):
-        h = blockfile.read_header(m.layer_path(out, il))
-        layers.append((blockfile.read_perm(m.layer_path(out, il), h), h.k))
-    identity = all(k == 1 and np.array_equal(p, np.arange(len(p))) for p, k in layers)
-    t0 = time.perf_counter()
-    entry = build_predictors(src, out, blocks_of_layer=None if identity else layers, quick=quick, progress=progress,
-                             profile_dir=profile_dir)
-    m.predictor = entry
-    manifest.save(m, out)
-    print(f"trained {m.n_layer} predictors ({_fmt_bytes(entry.get('bytes', 0))}) in {time.perf_counter() - t0:.0f} s")
+          f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}"
+          + (f"; {m.n_layer} predictors ({_fmt_bytes(m.predictor.bytes)})" if m.predictor else ""))
     return 0
 
 
@@ -121,7 +100,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"FFN size         source {_fmt_bytes(t.ffn_bytes_source)}, on disk {_fmt_bytes(t.ffn_bytes_on_disk)}",
         f"padding          {_fmt_bytes(t.padding_bytes)} ({t.padding_waste:.1%} of block bytes)",
         f"base             {m.base.file} ({_fmt_bytes(m.base.size)})",
-        f"predictor        {'none' if m.predictor is None else ', '.join(sorted(m.predictor)) or 'present'}",
+        "predictor        " + ("none (dense mode only; convert with --predictors full for the sparse modes)"
+                                if m.predictor is None else
+                                f"{len(m.predictor.files)} files ({_fmt_bytes(m.predictor.bytes)}), format "
+                                f"{m.predictor.format} v{m.predictor.version}"
+                                + (", calibration block frequencies" if m.predictor.block_freq else "")),
     ]
     print("\n".join(lines))
     return 0
@@ -130,8 +113,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert a GGUF model into a LeanStream model directory",
-        description="Rewrite a GGUF's FFN into neuron block files streamed with O_DIRECT; the rest of "
-                    "the model goes to base.gguf. Restartable: re-run the same command after an interruption.")
+        description="Rewrite a GGUF's FFN into neuron block files streamed with O_DIRECT (the rest of "
+                    "the model goes to base.gguf) and train the sparse modes' predictors. Stages: read, "
+                    "profile, train, write, manifest; restartable: re-run the same command after an "
+                    "interruption and it resumes where it stopped.")
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or known model name (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("out_dir", nargs="?", default=None,
@@ -142,8 +127,8 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing conversion in OUT_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--profile-dir", default=None,
-                   help="keep the activation profile here (reused if present, resumable; default: a temporary "
-                        "folder inside OUT_DIR, removed after training)")
+                   help="keep the activation profile here (reused if complete, resumable; default: inside "
+                        "OUT_DIR/.convert/, removed when the conversion is complete)")
     p.add_argument("--predictors", choices=["full", "quick", "none"], default="full",
                    help="profile the model and train the sparse modes' predictors: full (default; minutes), "
                         "quick (CI-sized), none (dense mode only)")

@@ -1,7 +1,7 @@
-"""GGUF -> LeanStream model directory.
+"""The read and write stages of the converter (the driver is ``stages.py``).
 
     from converters import convert
-    manifest = convert("model.gguf", "model.lsm", k=1)
+    manifest = convert("model.gguf", "model.lsm", k=1)     # dense-only conversion
 
 Reads the source with gguf-py (memory-mapped, read-only; the source is never modified) and writes
 
@@ -10,22 +10,16 @@ Reads the source with gguf-py (memory-mapped, read-only; the source is never mod
                                ffn_gate/ffn_up/ffn_down as optional), leanstream.format_version,
                                leanstream.source_sha256
     OUT_DIR/ffn/blk.<il>.bin   per layer: neuron blocks (format: native/include/leanstream.h,
-                               converters/blockfile.py)
-    OUT_DIR/manifest.json      written last; its presence marks a complete conversion
-                               (contract: leanstream_ggml/manifest.py)
+                               leanstream_ggml/blockfile.py)
 
-Every file is written under a temporary name and renamed. An interrupted conversion leaves
-``.convert-state.json`` (source sha256 + parameters); re-running the same conversion skips the
-layers already complete. The predictor training stage runs after this function, on the Manifest
-it returns.
+Every file is written under a temporary name and renamed; a block file already complete from an
+interrupted run is kept. The manifest (written last, by the driver) is built by ``make_manifest``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +29,11 @@ import numpy as np
 
 from leanstream_ggml import manifest as mf
 
-from . import blockfile
+from leanstream_ggml import blockfile
+from leanstream_ggml.fileio import PARTIAL, atomic_writer, fsync_dir, sha256_file
 
-STATE_NAME = ".convert-state.json"
 BASE_NAME = "base.gguf"
 FFN_DIR = "ffn"
-PARTIAL = ".partial"        # suffix of files being written
 SUPPORTED_ARCHS = ("llama", "qwen2")   # gated SiLU FFN: down(silu(gate x) * up x)
 
 
@@ -284,8 +277,7 @@ def pack_blocks(gate_rows: np.ndarray, up_rows: np.ndarray, down_cols: np.ndarra
 
 
 def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks: np.ndarray) -> None:
-    tmp = path.with_name(path.name + PARTIAL)
-    with open(tmp, "wb") as f:
+    with atomic_writer(path, durable=False) as f:          # the folder is synced once, after all layers
         f.write(h.pack())                                     # [0, 4096)
         f.write(slots.astype("<i4").tobytes())                # [4096, 4096 + 4*n_blocks*k)
         f.write(b"\0" * (h.data_offset - f.tell()))
@@ -293,8 +285,7 @@ def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks
         f.flush()
         os.fsync(f.fileno())
         if f.tell() != h.file_size:  # pragma: no cover - an internal error, not bad input
-            raise ConvertError(f"{tmp}: wrote {f.tell()} bytes, expected {h.file_size}")
-    os.replace(tmp, path)
+            raise ConvertError(f"{path}: wrote {f.tell()} bytes, expected {h.file_size}")
 
 
 def _layer_done(path: Path, h: blockfile.BlockHeader, slots: np.ndarray) -> bool:
@@ -347,7 +338,6 @@ def _base_writer_class():
 
 def write_base(model: _Model, path: Path, source_sha256: str) -> None:
     """base.gguf: the source minus the FFN tensors, every KV pair copied, leanstream.* keys added."""
-    gguf = _gguf()
     reader = model.reader
     tmp = path.with_name(path.name + PARTIAL)
     w = _base_writer_class()(tmp, model.arch)     # adds general.architecture first
@@ -370,25 +360,15 @@ def write_base(model: _Model, path: Path, source_sha256: str) -> None:
         w.flush()
         for f in w.fout or []:
             os.fsync(f.fileno())
-    finally:
+    except BaseException:
         w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    w.close()
     os.replace(tmp, path)
 
 
-# ---- hashing, state --------------------------------------------------------------------------
-
-def sha256_file(path: Path, progress: bool = True, chunk: int = 8 << 20) -> str:
-    from tqdm import tqdm
-
-    h = hashlib.sha256()
-    size = path.stat().st_size
-    with open(path, "rb") as f, tqdm(total=size, unit="B", unit_scale=True, desc="hashing source",
-                                     disable=not progress, leave=False) as bar:
-        while b := f.read(chunk):
-            h.update(b)
-            bar.update(len(b))
-    return h.hexdigest()
-
+# ---- the read stage: the source and the block geometry ---------------------------------------
 
 def _layer_orders(permutation, n_layer: int, n_ff: int) -> list[np.ndarray]:
     """One order of neuron ids per layer: identity, or the given permutation (one for all
@@ -417,111 +397,65 @@ def _layer_orders(permutation, n_layer: int, n_ff: int) -> list[np.ndarray]:
     return out
 
 
-def _clean_outputs(out: Path) -> None:
-    """Remove what a conversion writes (and nothing else): manifest first, so the directory never
-    looks complete while it is being rewritten."""
-    for name in (mf.MANIFEST_NAME, STATE_NAME, BASE_NAME, mf.MANIFEST_NAME + PARTIAL, BASE_NAME + PARTIAL):
-        (out / name).unlink(missing_ok=True)
-    ffn = out / FFN_DIR
-    if ffn.is_dir():
-        for p in ffn.glob("blk.*.bin*"):
-            p.unlink()
+@dataclass
+class Source:
+    """The read stage's result: an opened, checked source and what the write stage will do."""
+    path: Path
+    model: _Model
+    sha256: str
+    size: int
+    k: int
+    align: int
+    orders: list[np.ndarray]    # per layer: neuron ids in on-disk order
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.model.n_ff // self.k)
+
+    def slots(self, il: int) -> np.ndarray:
+        """i32 [n_blocks*k]: neuron id of each block slot of layer il, -1 = padding."""
+        return _layer_slots(self.orders[il], self.n_blocks, self.k)
+
+    def params(self) -> dict:
+        """What the written files depend on (an interrupted conversion resumes only if equal)."""
+        return {"source_sha256": self.sha256, "source_size": self.size, "k": self.k, "align": self.align,
+                "permutation_sha256": hashlib.sha256(b"".join(o.tobytes() for o in self.orders)).hexdigest(),
+                "block_file_version": blockfile.VERSION}
 
 
-def _prepare_out_dir(out: Path, state: dict, force: bool) -> bool:
-    """Create/check OUT_DIR. Returns True when resuming an interrupted run of this conversion."""
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"{out}: exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    resume = False
-    if any(out.iterdir()):
-        if force:
-            _clean_outputs(out)
-        elif (out / mf.MANIFEST_NAME).exists():
-            raise ConvertError(f"{out}: already holds a converted model (manifest.json); "
-                               f"use --force to overwrite it")
-        else:
-            try:
-                old = json.loads((out / STATE_NAME).read_text())
-            except (OSError, ValueError):
-                old = None
-            if old is None:
-                raise ConvertError(f"{out}: directory is not empty and holds no interrupted conversion; "
-                                   f"choose an empty or new directory, or use --force")
-            if {k: old.get(k) for k in state} != state:
-                raise ConvertError(f"{out}: holds an interrupted conversion of another source or with other "
-                                   f"parameters (k/align/permutation); use --force to start over")
-            resume = True
-    (out / FFN_DIR).mkdir(exist_ok=True)
-    for p in list(out.glob("*" + PARTIAL)) + list((out / FFN_DIR).glob("*" + PARTIAL)):
-        p.unlink()   # left by an interrupted write
-    return resume
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + PARTIAL)
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-# ---- the conversion ------------------------------------------------------------------------------
-
-def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
-            force: bool = False, progress: bool = True,
-            permutation: Sequence[int] | Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
-            ) -> mf.Manifest:
-    """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
-
-    k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of
-    the device holding out_dir, at least 512). force: overwrite a directory holding another or a
-    complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
-    identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
-    when the source ffn_down is quantized (see ``down_columns`` for why). Raises ConvertError.
-    """
-    from tqdm import tqdm
-
+def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
+                permutation=None, progress: bool = True) -> Source:
+    """Open and check the source GGUF, hash it, and fix the block geometry. Raises ConvertError."""
     src = Path(src)
-    out = Path(out_dir)
-    if not isinstance(k, int) or k < 1 or k > 1 << 16:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > 1 << 16:
         raise ConvertError(f"k (neurons per block) must be a positive integer, got {k!r}")
     if align is None:
-        align = device_align(out)
-    if not isinstance(align, int) or align < 512 or align & (align - 1):
+        align = device_align(out_dir)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 512 or align & (align - 1):
         raise ConvertError(f"align must be a power of two >= 512, got {align!r}")
-
     reader = _open_gguf(src)
     model = _inspect(reader, src)
+    orders = _layer_orders(permutation, model.n_layer, model.n_ff)
+    sha = sha256_file(src, progress=progress, desc="hashing source")
+    return Source(src, model, sha, src.stat().st_size, k, align, orders)
+
+
+# ---- the write stage: base.gguf and the block files ---------------------------------------------
+
+def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[list[mf.LayerEntry], mf.Totals, int]:
+    """Write base.gguf and ffn/blk.<il>.bin (a file already complete from an interrupted run is
+    kept). Returns the manifest's layer entries, totals and the number of layers kept."""
+    from tqdm import tqdm
+
+    model, k, align = source.model, source.k, source.align
     n_embd, n_ff = model.n_embd, model.n_ff
-    orders = _layer_orders(permutation, model.n_layer, n_ff)
-    n_blocks = -(-n_ff // k)
-
-    sha = sha256_file(src, progress)
-    perm_sha = hashlib.sha256(b"".join(o.tobytes() for o in orders)).hexdigest()
-    state = {"source_sha256": sha, "source_size": src.stat().st_size, "k": k, "align": align,
-             "permutation_sha256": perm_sha, "block_file_version": blockfile.VERSION}
-    resume = _prepare_out_dir(out, state, force)
-    _write_json(out / STATE_NAME, state)
-
+    (out / FFN_DIR).mkdir(exist_ok=True)
     base = out / BASE_NAME
-    if not (resume and base.exists()):
-        write_base(model, base, sha)
-
-    entries, skipped = [], 0
+    if not base.exists():
+        write_base(model, base, source.sha256)
+    entries, kept = [], 0
     ffn_src = pad = region = on_disk = 0
-    for layer in tqdm(model.layers, desc="converting FFN layers", unit="layer", disable=not progress):
+    for layer in tqdm(model.layers, desc="writing FFN block files", unit="layer", disable=not progress):
         il = layer.il
         gate_rows = _rows_as_bytes(layer.gate, n_ff)      # uint8 [n_ff, gate_row_bytes]
         up_rows = _rows_as_bytes(layer.up, n_ff)          # uint8 [n_ff, up_row_bytes]
@@ -532,11 +466,11 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
             up_type=int(layer.up.tensor_type), down_type=int(_down_type(down_type_src, n_embd)),
             align=align, gate_row_bytes=gate_rows.shape[1], up_row_bytes=up_rows.shape[1],
             down_col_bytes=col_bytes)
-        slots = _layer_slots(orders[il], n_blocks, k)
+        slots = source.slots(il)
         rel = f"{FFN_DIR}/blk.{il}.bin"
         path = out / rel
-        if resume and _layer_done(path, h, slots):
-            skipped += 1
+        if _layer_done(path, h, slots):
+            kept += 1
         else:
             down_cols, down_type = down_columns(layer.down, n_embd, n_ff)   # uint8 [n_ff, col_bytes]
             assert int(down_type) == h.down_type and down_cols.shape[1] == col_bytes
@@ -552,20 +486,37 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
         region += h.n_blocks * h.block_stride
         pad += h.n_blocks * h.block_stride - n_ff * (h.gate_row_bytes + h.up_row_bytes + h.down_col_bytes)
         on_disk += h.file_size
+    fsync_dir(out / FFN_DIR)                 # the renames above are durable before the manifest
+    totals = mf.Totals(ffn_bytes_source=ffn_src, ffn_bytes_on_disk=on_disk, padding_bytes=pad,
+                       padding_waste=pad / region)
+    return entries, totals, kept
 
-    m = mf.Manifest(
-        source=mf.SourceInfo(filename=src.name, sha256=sha, size=src.stat().st_size),
-        architecture=model.arch, n_layer=model.n_layer, n_embd=n_embd, n_ff=n_ff, activation="silu",
-        block=mf.BlockGeometry(k=k, align=align), layers=entries,
-        totals=mf.Totals(ffn_bytes_source=ffn_src, ffn_bytes_on_disk=on_disk, padding_bytes=pad,
-                         padding_waste=pad / region),
-        base=mf.BaseInfo(file=BASE_NAME, size=base.stat().st_size),
-        predictor=None)
-    _fsync_dir(out / FFN_DIR)                # the renames above are durable before the manifest
-    _fsync_dir(out)
-    mf.save(m, out)                          # last: marks the directory complete
-    (out / STATE_NAME).unlink(missing_ok=True)
-    if progress and skipped:
-        print(f"resumed an interrupted conversion: {skipped} of {model.n_layer} layers were already complete",
-              file=sys.stderr)
-    return m
+
+def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], totals: mf.Totals,
+                  predictor: mf.PredictorInfo | None) -> mf.Manifest:
+    model = source.model
+    return mf.Manifest(
+        source=mf.SourceInfo(filename=source.path.name, sha256=source.sha256, size=source.size),
+        architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,
+        activation="silu", block=mf.BlockGeometry(k=source.k, align=source.align), layers=entries,
+        totals=totals, base=mf.BaseInfo(file=BASE_NAME, size=(out / BASE_NAME).stat().st_size),
+        predictor=predictor)
+
+
+def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
+            force: bool = False, progress: bool = True,
+            permutation: Sequence[int] | Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
+            ) -> mf.Manifest:
+    """Convert GGUF ``src`` into the model directory ``out_dir`` for dense mode (no predictors);
+    returns its Manifest. The staged pipeline with predictors is ``converters.stages.convert_model``.
+
+    k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of
+    the device holding out_dir, at least 512). force: overwrite a directory holding another or a
+    complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
+    identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
+    when the source ffn_down is quantized (see ``down_columns`` for why). Raises ConvertError.
+    """
+    from .stages import convert_model
+
+    return convert_model(src, out_dir, k=k, align=align, force=force, progress=progress,
+                         permutation=permutation, predictors="none")

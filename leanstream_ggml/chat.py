@@ -4,7 +4,7 @@
 
 Streams tokens as they are generated, keeps the conversation history, formats it with the
 GGUF's chat template. Ctrl-C while the model answers stops that answer; Ctrl-C or Ctrl-D at the
-prompt quits. Without DIR it uses the default model, converting it on first use.
+prompt quits. Without DIR it uses the default model (converted by `leanstream convert`).
 """
 
 from __future__ import annotations
@@ -14,21 +14,17 @@ import sys
 from pathlib import Path
 
 
-def default_model_dir(progress: bool = True) -> Path:
-    """The default model's directory, fetched and converted on first use."""
-    from converters.convert_gguf import convert
-
+def default_model_dir() -> Path:
+    """The default model's directory; it must have been converted (`leanstream convert`)."""
     from . import manifest, models
 
     out = models.models_dir() / f"{models.DEFAULT_MODEL}.lsm"
     try:
         manifest.load(out)
-        return out
     except manifest.ManifestError:
-        pass
-    src = models.fetch(models.DEFAULT_MODEL)
-    print(f"converting the default model {src.name} -> {out} (once)", file=sys.stderr)
-    convert(src, out, force=out.exists(), progress=progress)
+        raise manifest.ManifestError(
+            f"the default model ({models.DEFAULT_MODEL}) is not converted yet: run `leanstream convert` "
+            f"first (it downloads and converts it in a few seconds)") from None
     return out
 
 

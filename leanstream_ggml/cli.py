@@ -1,5 +1,10 @@
-"""The `leanstream` command. Each subcommand lives in its own module, which exposes
-``register(subparsers)`` adding an argparse parser whose ``func(args) -> int`` runs it."""
+"""The `leanstream` command. Each subcommand lives in a module that exposes
+``register(subparsers)`` adding argparse parsers whose ``func(args) -> int`` runs them.
+
+Only the module of the command being run is imported: the converter's commands (convert,
+profile, train-predictor) are named here by module path and loaded when asked for, so running
+`chat`, `bench` or `perplexity` never imports the converter (or torch, scikit-learn, gguf).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,38 @@ import argparse
 import importlib
 import sys
 
-# modules providing subcommands, in the order `leanstream --help` lists them
-COMMAND_MODULES = [
-    "converters.cli",            # convert, info
-    "leanstream_ggml.chat",      # chat
-    "leanstream_ggml.harness.cli",  # bench, perplexity
-    "leanstream_ggml.predictor.cli",  # profile, train-predictor
-]
+from . import __version__
+
+# command -> (module that registers it, one-line help), in the order `leanstream --help` lists them
+COMMANDS = {
+    "convert": ("converters.cli", "convert a GGUF model into a LeanStream model directory"),
+    "info": ("converters.cli", "describe a converted model directory"),
+    "chat": ("leanstream_ggml.chat", "chat with a converted model (streams tokens, keeps history)"),
+    "bench": ("leanstream_ggml.harness.cli", "decode/prefill speed, peak memory and disk reads"),
+    "perplexity": ("leanstream_ggml.harness.cli", "perplexity on held-out text (optionally vs stock)"),
+    "profile": ("converters.train.cli", "record FFN activations of a GGUF on calibration text"),
+    "train-predictor": ("converters.train.cli", "train and export the hashing predictors from a profile"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser for one command (its module imported and registered), or for the listing."""
     ap = argparse.ArgumentParser(prog="leanstream",
                                  description="Run GGUF models with a streamed sparse FFN under a memory budget.")
+    ap.add_argument("--version", action="version", version=f"leanstream-ggml {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    if command in COMMANDS:
+        importlib.import_module(COMMANDS[command][0]).register(sub)
+    else:
+        for name, (_, text) in COMMANDS.items():
+            sub.add_parser(name, help=text)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    ap = build_parser(command)
     args = ap.parse_args(argv)
     if not getattr(args, "func", None):
         ap.print_help()

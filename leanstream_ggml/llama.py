@@ -66,8 +66,8 @@ class Llama(llama_cpp.Llama):
         self.model_dir = path
         predictor_paths = None
         if mode != "dense":
-            files = (self.manifest.predictor or {}).get("files")
-            if not files or len(files) != self.manifest.n_layer:
+            files = self.manifest.predictor.files if self.manifest.predictor else None
+            if not files:
                 raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none: "
                                  f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
@@ -100,7 +100,7 @@ class Llama(llama_cpp.Llama):
         hot set holds are hit by almost every token."""
         import numpy as np
 
-        rel = (self.manifest.predictor or {}).get("block_freq")
+        rel = self.manifest.predictor.block_freq if self.manifest.predictor else None
         if not rel or not (path / rel).exists():
             if not required:
                 return

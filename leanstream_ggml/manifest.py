@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .fileio import atomic_write_text
+
 FORMAT = "leanstream-model"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -102,6 +104,44 @@ class BaseInfo:
 
 
 @dataclass
+class PredictorInfo:
+    """The sparse modes' predictors (written by the converter's train stage)."""
+    files: list[str]            # one per layer, in layer order: "predictor/blk.<il>.lspred"
+    version: int                # predictor file format version (leanstream_ggml/predictor.py)
+    bytes: int                  # total size of the files
+    block_freq: str | None = None  # "predictor/block_freq.npy": f32 [n_layer, n_blocks], how often each
+                                   # block was in the calibration top half (the hot set's ranking)
+    summary: str | None = None     # "predictor/predictor.json": training settings and metrics
+    config: dict[str, Any] = field(default_factory=dict)  # the hashing configuration (informational)
+    format: str = "lspred"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> PredictorInfo:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: expected an object or null")
+        files = _get(d, "files", list, where)
+        if not all(isinstance(f, str) for f in files):
+            raise ManifestError(f"{where}: files must be a list of paths")
+        opt = {}
+        for key in ("block_freq", "summary"):
+            v = d.get(key)
+            if v is not None and not isinstance(v, str):
+                raise ManifestError(f"{where}: {key} must be a path or null")
+            opt[key] = v
+        config = d.get("config", {})
+        if not isinstance(config, dict):
+            raise ManifestError(f"{where}: config must be an object")
+        fmt = d.get("format", "lspred")
+        if fmt != "lspred":
+            raise ManifestError(f"{where}: unknown predictor format {fmt!r}")
+        return cls(files=list(files), version=_get(d, "version", int, where), bytes=_get(d, "bytes", int, where),
+                   config=config, format=fmt, **opt)
+
+
+@dataclass
 class Manifest:
     source: SourceInfo
     architecture: str
@@ -113,7 +153,7 @@ class Manifest:
     layers: list[LayerEntry]
     totals: Totals
     base: BaseInfo
-    predictor: dict[str, Any] | None = None   # filled by the predictor training stage
+    predictor: PredictorInfo | None = None    # the sparse modes' predictors, if trained
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     # top-level keys this version does not know, kept so a rewrite does not drop them
@@ -141,7 +181,7 @@ class Manifest:
             "layers": [asdict(e) for e in self.layers],
             "totals": asdict(self.totals),
             "base": asdict(self.base),
-            "predictor": self.predictor,
+            "predictor": None if self.predictor is None else self.predictor.to_dict(),
         }
         d.update(self.extra)
         return d
@@ -177,13 +217,12 @@ class Manifest:
             layers=[_dc(LayerEntry, e, f"{where}: layers[{i}]") for i, e in enumerate(layers_raw)],
             totals=_dc(Totals, _get(d, "totals", dict, where), f"{where}: totals"),
             base=_dc(BaseInfo, _get(d, "base", dict, where), f"{where}: base"),
-            predictor=d.get("predictor"),
+            predictor=None if d.get("predictor") is None else
+            PredictorInfo.from_dict(d["predictor"], f"{where}: predictor"),
             format=fmt,
             format_version=ver,
             extra={k: v for k, v in d.items() if k not in _KNOWN_KEYS},
         )
-        if m.predictor is not None and not isinstance(m.predictor, dict):
-            raise ManifestError(f"{where}: predictor must be an object or null")
         m.validate(where)
         return m
 
@@ -228,6 +267,12 @@ class Manifest:
                 bad(f"{w}.file {e.file!r} must be a relative path inside the model directory")
         if os.path.isabs(self.base.file) or ".." in Path(self.base.file).parts:
             bad(f"base.file {self.base.file!r} must be a relative path inside the model directory")
+        if self.predictor is not None:
+            if len(self.predictor.files) != self.n_layer:
+                bad(f"predictor.files lists {len(self.predictor.files)} files for n_layer={self.n_layer}")
+            for f in self.predictor.files + [self.predictor.block_freq or "", self.predictor.summary or ""]:
+                if os.path.isabs(f) or ".." in Path(f).parts:
+                    bad(f"predictor path {f!r} must be a relative path inside the model directory")
         if not 0.0 <= self.totals.padding_waste < 1.0:
             bad(f"totals.padding_waste {self.totals.padding_waste} must be in [0, 1)")
 
@@ -307,10 +352,5 @@ def save(manifest: Manifest, model_dir: str | os.PathLike) -> Path:
     """Write ``manifest.json`` atomically (temporary name, fsync, rename)."""
     manifest.validate()
     path = Path(model_dir) / MANIFEST_NAME
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, manifest.to_json())
     return path

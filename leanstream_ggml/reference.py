@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from converters import blockfile
+from leanstream_ggml import blockfile
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Random (untrained) hashing predictor files for tests: the engine must follow whatever its
-predictors say, so plumbing can be tested without training. Needs torch (the train extra)."""
+predictors say, so plumbing can be tested without training. Needs torch (the convert extra)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ def write_random_predictors(model_dir, *, n_pca: int = 32, seed: int = 0, update
     import torch
 
     from leanstream_ggml import manifest
-    from leanstream_ggml.predictor.export import write_predictor
-    from leanstream_ggml.predictor.hashing import HashConfig, HashingPredictor
+    from converters.train.export import write_predictor
+    from converters.train.hashing import HashConfig, HashingPredictor
 
     model_dir = Path(model_dir)
     m = manifest.load(model_dir)
@@ -32,6 +32,7 @@ def write_random_predictors(model_dir, *, n_pca: int = 32, seed: int = 0, update
         files.append(rel)
         models.append(p)
     if update_manifest:
-        m.predictor = {"files": files, "note": "random (untrained) predictors for tests"}
+        m.predictor = manifest.PredictorInfo(files=files, version=2, bytes=sum((model_dir / f).stat().st_size for f in files),
+                                             config={"note": "random (untrained) predictors for tests"})
         manifest.save(m, model_dir)
     return [model_dir / f for f in files], models

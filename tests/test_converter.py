@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_synth import write_tiny_model
 
 import converters
-from converters import blockfile
+from leanstream_ggml import blockfile
 from converters import convert_gguf as cg
 from converters.convert_gguf import ConvertError, convert
 from leanstream_ggml import manifest as mf
@@ -233,7 +233,7 @@ def test_interrupted_then_resumed(tmp_path, monkeypatch):
         convert(src, out, k=2, progress=False)
     assert written == [0, 1]
     assert not (out / "manifest.json").exists(), "manifest must be written last"
-    assert (out / ".convert-state.json").exists() and (out / "base.gguf").exists()
+    assert (out / ".convert" / "state.json").exists() and (out / "base.gguf").exists()
     with pytest.raises(mf.ManifestError, match="did not finish|not a converted"):
         mf.load(out)
     done = {il: os.stat(out / f"ffn/blk.{il}.bin").st_ino for il in (0, 1)}
@@ -248,7 +248,7 @@ def test_interrupted_then_resumed(tmp_path, monkeypatch):
     m = convert(src, out, k=2, progress=False)
     assert written == [2, 3], "finished layers must be skipped"
     assert {il: os.stat(out / f"ffn/blk.{il}.bin").st_ino for il in (0, 1)} == done
-    assert not (out / ".convert-state.json").exists()
+    assert not (out / ".convert").exists()
     assert not list(out.rglob("*.partial"))
     assert mf.load(out) == m
     # a complete directory is refused without force, rewritten with it
@@ -263,7 +263,8 @@ def test_resume_rewrites_a_corrupt_layer(models, tmp_path, monkeypatch):
     src, out = models["llama-f16"], tmp_path / "out"
     convert(src, out, progress=False)
     (out / "manifest.json").unlink()
-    (out / ".convert-state.json").write_text(json.dumps({
+    (out / ".convert").mkdir()
+    (out / ".convert" / "state.json").write_text(json.dumps({
         "source_sha256": sha256(src), "source_size": src.stat().st_size, "k": 1,
         "align": converters.device_align(out), "permutation_sha256": hashlib.sha256(
             b"".join(np.arange(96, dtype=np.int32).tobytes() for _ in range(2))).hexdigest(),
@@ -449,12 +450,12 @@ def test_cli_convert_trains_predictors(models, tmp_path, capsys):
     """convert profiles the source and trains one predictor per layer (quick setting), records
     them in the manifest, and the runtime loads them for a sparse mode; grouped blocks (k=2)
     reach the predictor as blocks."""
-    pytest.importorskip("torch", reason="predictor training needs the train extra")
+    pytest.importorskip("torch", reason="predictor training needs the convert extra")
     out = tmp_path / "pred.lsm"
     assert run_cli("convert", str(models["llama-f16"]), str(out), "--k", "2", "--quiet", "--predictors", "quick") == 0
     m = mf.load(out)
-    assert m.predictor and len(m.predictor["files"]) == m.n_layer
-    assert all((out / f).exists() for f in m.predictor["files"])
+    assert m.predictor and len(m.predictor.files) == m.n_layer
+    assert all((out / f).exists() for f in m.predictor.files)
     from leanstream_ggml import Llama
 
     llm = Llama(str(out), mode="leanstream", sparsity=0.5, n_ctx=64, verbose=False)
@@ -464,7 +465,7 @@ def test_cli_convert_trains_predictors(models, tmp_path, capsys):
     finally:
         llm.close()
     # powerinfer2: calibration frequencies recorded; the most frequent blocks are pinned
-    assert (out / m.predictor["block_freq"]).exists()
+    assert (out / m.predictor.block_freq).exists()
     budget = int(0.8 * m.totals.ffn_bytes_on_disk)
     llm = Llama(str(out), mode="powerinfer2", sparsity=0.5, memory_budget=budget, n_ctx=64, verbose=False)
     try:

@@ -56,7 +56,8 @@ def test_load_valid(tmp_path):
 
 def test_json_round_trip_keeps_unknown_keys(tmp_path):
     d = valid_dict()
-    d["predictor"] = {"kind": "hashing", "files": ["predictor/blk.0.bin"]}
+    d["predictor"] = {"files": ["predictor/blk.0.lspred", "predictor/blk.1.lspred"], "version": 2, "bytes": 10,
+                      "block_freq": None, "summary": None, "config": {"tau": 6}, "format": "lspred"}
     d["controller"] = {"lut": "controller/lut.bin"}         # written by a later stage
     m = mf.Manifest.from_dict(d)
     assert m.extra == {"controller": {"lut": "controller/lut.bin"}}
@@ -102,7 +103,11 @@ def mutate(path: str, value):
     ("layers.0.file", "/etc/passwd", "relative path"),
     ("base.file", "../x.gguf", "relative path"),
     ("totals.padding_waste", 1.5, "padding_waste"),
-    ("predictor", [1], "predictor must be an object"),
+    ("predictor", [1], "predictor: expected an object"),
+    ("predictor", {"files": ["predictor/blk.0.lspred"], "version": 2, "bytes": 1}, "1 files for n_layer=2"),
+    ("predictor", {"files": ["/tmp/a", "b"], "version": 2, "bytes": 1}, "relative path"),
+    ("predictor", {"files": ["a", "b"], "version": 2, "bytes": 1, "block_freq": "../f.npy"}, "relative path"),
+    ("predictor", {"files": ["a", "b"], "version": "2", "bytes": 1}, "'version' should be int"),
     ("n_layer", 3, "3"),
 ])
 def test_invalid(path, value, message):

@@ -1,23 +1,22 @@
-"""Stacked learnable hashing predictor: C == torch inference, file format, training, profiling."""
+"""Stacked learnable hashing predictor training (torch): C == torch == numpy inference, training,
+profiling. The file format and its malformed-file tests need no torch: test_predictor_file.py."""
 
 from __future__ import annotations
-
-import struct
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="predictor training needs torch (pip install .[train])")
+torch = pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
 torch.set_num_threads(2)
 
-from leanstream_ggml.predictor import export as E  # noqa: E402
-from leanstream_ggml.predictor import hashing as H  # noqa: E402
-from leanstream_ggml.predictor import metrics as M  # noqa: E402
+from converters.train import export as E  # noqa: E402
+from converters.train import hashing as H  # noqa: E402
+from converters.train import metrics as M  # noqa: E402
 
 
 def _native():
     try:
-        from leanstream_ggml.predictor.native import NativePredictor
+        from leanstream_ggml.predictor import NativePredictor
         from leanstream_ggml import _native  # noqa: F401
     except ImportError as e:  # library not built
         pytest.skip(f"libleanstream not available: {e}")
@@ -48,26 +47,6 @@ CONFIGS = [
 ]
 
 
-def test_version_1_files_read_with_one_skip_vote():
-    """Files written before the skip weight existed (version 1) keep working: one skip vote."""
-    NativePredictor = _native()
-    cfg = CONFIGS[1]
-    m, x = _random_model(40, 33, cfg, seed=5)
-    params = m.export_params()
-    assert params["skip_weight"] == cfg.n_tables - 1 == 2
-    data = E.serialize(params, tau=cfg.tau, n_tables=cfg.n_tables)
-    v1 = data[:8] + struct.pack("<I", 1) + data[12:60] + b"\0" * 4 + data[64:]
-    hdr, back = E.parse(v1)
-    assert hdr["version"] == 1 and back["skip_weight"] == 1
-    ref1 = H.infer_params(back, cfg.tau, cfg.n_tables, x).numpy()
-    ref2 = H.infer_params(params, cfg.tau, cfg.n_tables, x).numpy()
-    assert not np.array_equal(ref1, ref2)   # the weight matters
-    with NativePredictor(v1) as c:
-        assert np.array_equal(c(x).view(np.uint32), ref1.view(np.uint32))
-    with NativePredictor(data) as c:
-        assert np.array_equal(c(x).view(np.uint32), ref2.view(np.uint32))
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"L{c.n_hash_layers}t{c.tau}d{c.n_bits}M{c.n_tables}")
 def test_c_equals_torch_random(cfg):
     NativePredictor = _native()
@@ -82,6 +61,10 @@ def test_c_equals_torch_random(cfg):
     assert out.dtype == np.float32 and out.shape == ref.shape
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
     assert np.array_equal(one.view(np.uint32), ref[3].view(np.uint32))
+    # the runtime's numpy reference (what the torch-free tests compare the C to) is the same function
+    from leanstream_ggml.predictor import reference_eval
+    num = reference_eval(m.export_params(), xs, tau=cfg.tau, n_tables=cfg.n_tables)
+    assert np.array_equal(num.view(np.uint32), ref.view(np.uint32))
 
 
 def test_export_round_trip(tmp_path):
@@ -105,50 +88,6 @@ def test_export_round_trip(tmp_path):
         assert np.array_equal(c(x), ref)
     assert np.array_equal(H.unpack_signs(params["head_w"], 128),
                           np.where(m.head_w.detach().numpy() >= 0, 1.0, -1.0))
-
-
-def _bad_files(data: bytes):
-    yield "empty", b""
-    yield "header only", data[:100]
-    yield "truncated payload", data[:-64]
-    yield "one byte short", data[:-1]
-    yield "padded", data + b"\0" * 64
-    yield "bad magic", b"XXXXXXXX" + data[8:]
-    yield "version 3", data[:8] + struct.pack("<I", 3) + data[12:]
-    yield "skip weight 0", data[:60] + struct.pack("<I", 0) + data[64:]
-    corrupt = bytearray(data)
-    corrupt[len(data) // 2] ^= 0x40
-    yield "corrupted payload", bytes(corrupt)
-    huge = bytearray(data)
-    huge[20:24] = struct.pack("<I", 1 << 30)   # n_blocks out of range
-    yield "bad dimension", bytes(huge)
-
-
-def test_bad_files_rejected(tmp_path):
-    NativePredictor = _native()
-    from leanstream_ggml._native import LeanstreamError, lib
-
-    cfg = CONFIGS[0]
-    m, _ = _random_model(16, 8, cfg)
-    data = E.serialize(m.export_params(), tau=cfg.tau, n_tables=cfg.n_tables)
-    for what, bad in _bad_files(data):
-        with pytest.raises(E.PredictorFormatError):
-            E.parse(bad)
-        with pytest.raises(LeanstreamError) as ei:
-            NativePredictor(bad)
-        assert ei.value.status == lib.LS_ERR_FORMAT, what
-        assert "predictor" in str(ei.value), what
-    (tmp_path / "v3.lspred").write_bytes(data[:8] + struct.pack("<I", 3) + data[12:])
-    with pytest.raises(LeanstreamError, match="version 3"):
-        NativePredictor(tmp_path / "v3.lspred")
-    with pytest.raises(LeanstreamError) as ei:
-        NativePredictor(tmp_path / "missing.lspred")
-    assert ei.value.status == lib.LS_ERR_IO
-    with NativePredictor(data) as c:   # wrong output size is an argument error, not a crash
-        from leanstream_ggml._native import ffi
-        x = ffi.new("float[]", 16)
-        y = ffi.new("float[]", 9)
-        assert lib.ls_predictor_eval(c._h, x, y, 9) == lib.LS_ERR_ARG
 
 
 def test_training_beats_chance():
@@ -185,7 +124,7 @@ def test_metrics_and_blocks():
 
 
 def test_refined_inputs_eq2():
-    from leanstream_ggml.predictor.pipeline import refined_inputs
+    from converters.train.pipeline import refined_inputs
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5))
@@ -213,7 +152,7 @@ def _tiny(tmp_path):
 
 
 def test_profile_matches_numpy(tmp_path):
-    from leanstream_ggml.predictor.profile import ProfileData, Profiler, profile_model
+    from converters.profile import ProfileData, Profiler, profile_model
 
     path, w = _tiny(tmp_path)
     with Profiler(path, n_ctx=64, n_threads=1) as prof:
@@ -252,8 +191,8 @@ def test_profile_matches_numpy(tmp_path):
 def test_pipeline_tiny_c_equals_torch_on_real_inputs(tmp_path):
     """Profile -> train -> export on the tiny model; C == torch on its real activations."""
     NativePredictor = _native()
-    from leanstream_ggml.predictor.pipeline import predictor_path, train_from_profile
-    from leanstream_ggml.predictor.profile import ProfileData, profile_model
+    from converters.train.pipeline import predictor_path, train_from_profile
+    from converters.profile import ProfileData, profile_model
 
     path, _ = _tiny(tmp_path)
     text = tmp_path / "calib.txt"
@@ -275,15 +214,16 @@ def test_pipeline_tiny_c_equals_torch_on_real_inputs(tmp_path):
 def test_build_predictors_quick_default_calibration(tmp_path):
     """The converter's entry point, with the default calibration (the model's own answers)."""
     _native()
-    from leanstream_ggml.predictor.pipeline import build_predictors
+    from converters.train.pipeline import build_predictors
 
     path, _ = _tiny(tmp_path)
     cfg = H.HashConfig(n_hash_layers=2, tau=4, n_bits=64, n_tables=2, steps=5, batch=32)
-    entry = build_predictors(path, tmp_path / "model", quick=True, progress=False, cfg=cfg,
+    state = tmp_path / "model" / ".convert"
+    state.mkdir(parents=True)
+    entry = build_predictors(path, tmp_path / "model", state_dir=state, quick=True, progress=False, cfg=cfg,
                              profile_kwargs=dict(n_prompts=2, max_tokens=24), log=lambda *a: None)
-    assert entry["format"] == "lspred" and entry["version"] == E.FILE_VERSION
-    assert entry["files"] == ["predictor/blk.0.lspred", "predictor/blk.1.lspred"]
-    assert all((tmp_path / "model" / f).exists() for f in entry["files"])
-    assert not (tmp_path / "model" / "predictor" / ".profile").exists()   # profile removed after training
-    import json
-    json.dumps(entry)
+    assert entry.format == "lspred" and entry.version == E.FILE_VERSION
+    assert entry.files == ["predictor/blk.0.lspred", "predictor/blk.1.lspred"]
+    assert all((tmp_path / "model" / f).exists() for f in entry.files)
+    assert (state / "profile.done").exists() and (state / "train.done").exists()
+    assert not (state / "profile").exists()   # the profile is removed after training

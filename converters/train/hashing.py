@@ -54,6 +54,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from leanstream_ggml.predictor import unpack_signs  # noqa: F401  (the format's bit order, defined once)
+
 
 @dataclass
 class HashConfig:
@@ -225,13 +227,6 @@ def pack_signs(w: torch.Tensor) -> np.ndarray:
     r, n = bits.shape
     packed = np.packbits(bits.reshape(r, n // 8, 8)[:, :, ::-1], axis=-1).reshape(r, n // 8)
     return packed.view("<u8").copy()   # little-endian: byte j of word holds bits 8j..8j+7
-
-
-def unpack_signs(p: np.ndarray, n_bits: int) -> np.ndarray:
-    """Inverse of pack_signs: [R, n_bits/64] uint64 -> [R, n_bits] float {-1, +1}."""
-    r = p.shape[0]
-    b = np.unpackbits(np.ascontiguousarray(p).view(np.uint8).reshape(r, -1, 1), axis=-1)[:, :, ::-1]
-    return np.where(b.reshape(r, n_bits) > 0, 1.0, -1.0)
 
 
 def quantize_act(v: torch.Tensor):

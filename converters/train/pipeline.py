@@ -23,15 +23,17 @@ the C evaluator (the runtime path); the oracle ranks by the true importance.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
+from leanstream_ggml.fileio import atomic_write_json, atomic_writer
+from leanstream_ggml.predictor import FILE_VERSION
+
+from .._faults import kill_point
 from . import metrics as M
-from .export import FILE_VERSION
 
 K_STAGES = 8
 PRED_SUBDIR = "predictor"
@@ -89,15 +91,19 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
                        train_mlp: bool = True, mlp_rank: int | None = None, mlp_steps: int | None = None,
                        holdout: float = 0.2, eval_tokens: int = 512, eval_layers: int = 6,
                        noise_sigma: float = 1.0, pool: int = 2, n_threads: int = 2, layers=None,
-                       log=print) -> dict:
+                       resume_dir=None, log=print) -> dict:
     """Train and export one predictor per layer from a profile directory. Returns the summary
-    (also written to <model_dir>/predictor/predictor.json)."""
+    (also written to <model_dir>/predictor/predictor.json).
+
+    resume_dir: after every layer, the state the next layers depend on (random generator, the
+    summary so far, the last layer's MLP predictions) is saved there; a rerun with the same
+    arguments skips the finished layers and writes the same files as an uninterrupted run."""
     import torch
 
     from . import hashing as H
     from .mlp import MLPPredictor
-    from .native import NativePredictor
-    from .profile import ProfileData
+    from leanstream_ggml.predictor import NativePredictor
+    from ..profile import ProfileData
 
     torch.set_num_threads(n_threads)
     cfg = cfg or H.HashConfig()
@@ -125,8 +131,27 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
     sizes, mlp_sizes = [], []
     curves = {"hashing": {}, "mlp": {}, "oracle": {}}
     block_freq = {}
+    resume = _TrainResume(resume_dir, cfg, layers) if resume_dir is not None else None
+    done = set()
+    if resume is not None and (st := resume.load()) is not None:
+        done = set(st["done"])
+        rng.bit_generator.state = st["rng"]
+        summary, sizes, mlp_sizes = st["summary"], st["sizes"], st["mlp_sizes"]
+        t_train, t_mlp = st["t_train"], st["t_mlp"]
+        curves = {name: {int(il): c for il, c in per.items()} for name, per in st["curves"].items()}
+        block_freq = resume.block_freq()
+        log(f"resuming predictor training: {len(done)} of {len(layers)} layers done")
     for il in layers:
         perm, k = _perm(blocks_of_layer, il)
+        if il in done:
+            if il + 1 in layers and il + 1 not in done:   # the next layer trains from this one's state
+                x_own = data.layer("x", il)
+                x_in = x_own if il == 0 else data.layer("x", il - 1)
+                with NativePredictor(predictor_path(model_dir, il)) as cpred:
+                    pred_h = cpred(x_in[ev])
+                prev = {"il": il, "x": x_own, "a": data.layer("a", il), "w_down": down(il) if il + 1 < n_layer else None,
+                        "pred_h": pred_h, "pred_m": resume.pred_m()}
+            continue
         x_own = data.layer("x", il)
         a_own = data.layer("a", il)
         imp = M.block_importance(np.abs(a_own), perm, k)
@@ -177,7 +202,8 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         t_layer = time.time() - t0
         t_train += t_layer
         sizes.append(size)
-        summary["files"].append(f"{PRED_SUBDIR}/{path.name}")
+        summary["files"] = sorted(set(summary["files"]) | {f"{PRED_SUBDIR}/{path.name}"},
+                                  key=lambda f: int(f.split(".")[-2]))
 
         mlp = None
         if train_mlp:
@@ -232,12 +258,55 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         # keep layer il's arrays for layer il+1: its input rows and its one-shot predictions
         prev = {"il": il, "x": x_own, "a": a_own, "w_down": down(il) if il + 1 < n_layer else None,
                 "pred_h": pred_h, "pred_m": pred_m}
+        if resume is not None:
+            done.add(il)
+            resume.save(done=sorted(done), rng=rng.bit_generator.state, summary=summary, sizes=sizes,
+                        mlp_sizes=mlp_sizes, t_train=t_train, t_mlp=t_mlp, curves=curves, block_freq=block_freq,
+                        pred_m=pred_m)
+            kill_point("train-layer")
 
     if block_freq and len(block_freq) == n_layer and len({len(v) for v in block_freq.values()}) == 1:
-        np.save(out_dir / "block_freq.npy", np.stack([block_freq[il] for il in range(n_layer)]))
+        with atomic_writer(out_dir / "block_freq.npy", durable=False) as f:
+            np.save(f, np.stack([block_freq[il] for il in range(n_layer)]))
         summary["block_freq"] = f"{PRED_SUBDIR}/block_freq.npy"
     _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)
     return summary
+
+
+class _TrainResume:
+    """Per-layer checkpoints of train_from_profile (json + npy files in one folder)."""
+
+    def __init__(self, folder, cfg, layers):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.key = {"config": cfg.to_dict(), "layers": list(layers)}
+
+    def load(self) -> dict | None:
+        try:
+            st = json.loads((self.dir / "train-state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return st if st.get("key") == self.key else None
+
+    def block_freq(self) -> dict:
+        with np.load(self.dir / "block_freq.npz") as z:
+            return {int(k): z[k] for k in z.files}
+
+    def pred_m(self):
+        p = self.dir / "pred_m.npy"
+        return np.load(p) if p.exists() else None
+
+    def save(self, *, block_freq, pred_m, **state) -> None:
+        # arrays first: the json names a state only once everything it needs is on disk
+        with atomic_writer(self.dir / "block_freq.npz", durable=False) as f:
+            np.savez(f, **{str(k): v for k, v in block_freq.items()})
+        if pred_m is not None:
+            with atomic_writer(self.dir / "pred_m.npy", durable=False) as f:
+                np.save(f, pred_m)
+        else:
+            (self.dir / "pred_m.npy").unlink(missing_ok=True)
+        curves = {name: {str(il): c for il, c in per.items()} for name, per in state.pop("curves").items()}
+        atomic_write_json(self.dir / "train-state.json", {"key": self.key, "curves": curves, **state}, indent=None)
 
 
 def _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves):
@@ -249,9 +318,7 @@ def _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp
         summary["mlp_train_seconds"] = round(t_mlp, 1)
     summary["oneshot_mean"] = _mean_oneshot(summary["layers"])
     summary["refinement"] = _mean_curves(curves)
-    tmp = out_dir / "predictor.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, out_dir / "predictor.json")
+    atomic_write_json(out_dir / "predictor.json", summary, durable=False)
 
 
 def _mean_oneshot(layers: dict) -> dict:
@@ -279,6 +346,7 @@ def _mean_curves(curves: dict) -> dict:
 
 
 QUICK = dict(n_prompts=6, max_tokens=64)
+FULL = dict(n_prompts=None, max_tokens=192)
 # Hashing configurations of `convert --predictors full|quick` (and `train-predictor`'s defaults).
 # The paper's L = 5, tau = 8 is HashConfig()'s default; on 2 shared cores we train a smaller
 # stack (wider ones measured no better: README, predictors).
@@ -286,43 +354,66 @@ FULL_HASH = dict(n_hash_layers=3, tau=6, n_bits=256, n_tables=8, steps=300, batc
 QUICK_HASH = dict(n_hash_layers=2, tau=6, n_bits=128, n_tables=4, steps=40, batch=128)
 
 
-def build_predictors(src_gguf, model_dir, *, blocks_of_layer=None, quick: bool = False, calibration=None,
-                     profile_dir=None, keep_profile: bool = False, cfg=None, train_mlp: bool | None = None,
-                     n_threads: int = 2, progress: bool = True, profile_kwargs: dict | None = None,
-                     log=print) -> dict:
-    """Called by the converter after conversion: profile the ORIGINAL GGUF, train one predictor per
-    layer, write `<model_dir>/predictor/blk.<il>.lspred` and return the manifest's `predictor`
-    entry (JSON-able). blocks_of_layer[il]: None (identity, k = 1), a perm array (k = 1) or
-    (perm, k) with block b = neurons perm[b*k:(b+1)*k], -1 = padding. quick: a setting CI can
-    afford (SmolLM2: a couple of minutes for profile + train on 2 cores)."""
-    from . import hashing as H
-    from .profile import profile_model
-
-    t0 = time.time()
-    model_dir = Path(model_dir)
-    work = Path(profile_dir) if profile_dir else model_dir / PRED_SUBDIR / ".profile"
-    kw = dict(QUICK) if quick else dict(n_prompts=None, max_tokens=192)
+def _profile_settings(quick: bool, calibration, profile_kwargs: dict | None) -> dict:
+    kw = dict(QUICK) if quick else dict(FULL)
     if calibration is not None:
         kw = dict(max_total_tokens=2048 if quick else 16384)
     kw.update(profile_kwargs or {})
-    meta = profile_model(src_gguf, work, calibration=calibration, n_threads=n_threads, progress=progress, log=log, **kw)
+    return kw
+
+
+def training_settings(choice: str, *, hash_config=None, profile_kwargs=None, calibration=None) -> dict:
+    """What predictor files of `convert --predictors choice` depend on (JSON-able; numpy only):
+    a resumed conversion must have the same."""
+    quick = choice == "quick"
+    cfg = dict(QUICK_HASH if quick else FULL_HASH)
+    if hash_config is not None:
+        cfg = hash_config if isinstance(hash_config, dict) else hash_config.to_dict()
+    return {"choice": choice, "hash": cfg, "profile": _profile_settings(quick, calibration, profile_kwargs),
+            "calibration": calibration}
+
+
+def build_predictors(src_gguf, model_dir, *, state_dir, blocks_of_layer=None, quick: bool = False, calibration=None,
+                     profile_dir=None, cfg=None, train_mlp: bool | None = None, n_threads: int = 2,
+                     progress: bool = True, profile_kwargs: dict | None = None, log=print):
+    """The converter's profile and train stages: profile the ORIGINAL GGUF (into profile_dir, or
+    state_dir/profile), train one predictor per layer into `<model_dir>/predictor/`, and return
+    the manifest's PredictorInfo. state_dir: the conversion's state folder (stage markers
+    `profile.done`, `train.done`; per-layer training checkpoints). blocks_of_layer[il]: None
+    (identity, k = 1), a perm array (k = 1) or (perm, k) with block b = neurons perm[b*k:(b+1)*k],
+    -1 = padding. quick: a setting CI can afford (SmolLM2: a couple of minutes on 2 cores)."""
+    from leanstream_ggml.manifest import PredictorInfo
+
+    from . import hashing as H
+    from ..profile import profile_model
+
+    t0 = time.time()
+    state_dir = Path(state_dir)
+    work = Path(profile_dir) if profile_dir else state_dir / "profile"
+    if not (state_dir / "profile.done").exists():
+        profile_model(src_gguf, work, calibration=calibration, n_threads=n_threads, progress=progress, log=log,
+                      **_profile_settings(quick, calibration, profile_kwargs))
+        atomic_write_json(state_dir / "profile.done", {"profile": str(work)})
     t_prof = time.time() - t0
     if cfg is None:
         cfg = H.HashConfig(**(QUICK_HASH if quick else FULL_HASH))
-    summary = train_from_profile(work, src_gguf, model_dir, blocks_of_layer=blocks_of_layer, cfg=cfg,
-                                 train_mlp=(not quick) if train_mlp is None else train_mlp,
-                                 eval_layers=2 if quick else 6, eval_tokens=128 if quick else 512,
-                                 n_threads=n_threads, log=log)
-    summary["profile_seconds"] = round(t_prof, 1)
-    summary["total_seconds"] = round(time.time() - t0, 1)
-    summary["input"] = ("layer il: residual x_{il-1} entering FFN il-1 (ffn_inp), optionally plus the partial "
-                        "outputs of the first j of K stages of FFN il-1 (Eq. 2); layer 0: its own ffn_inp")
-    summary["k_stages"] = K_STAGES
-    (model_dir / PRED_SUBDIR / "predictor.json").write_text(json.dumps(summary, indent=1))
-    if not keep_profile and profile_dir is None:
+    elif isinstance(cfg, dict):
+        cfg = H.HashConfig(**cfg)
+    summary_path = Path(model_dir) / PRED_SUBDIR / "predictor.json"
+    if not (state_dir / "train.done").exists():
+        summary = train_from_profile(work, src_gguf, model_dir, blocks_of_layer=blocks_of_layer, cfg=cfg,
+                                     train_mlp=(not quick) if train_mlp is None else train_mlp,
+                                     eval_layers=2 if quick else 6, eval_tokens=128 if quick else 512,
+                                     n_threads=n_threads, resume_dir=state_dir / "train", log=log)
+        summary["profile_seconds"] = round(t_prof, 1)
+        summary["input"] = ("layer il: residual x_{il-1} entering FFN il-1 (ffn_inp), optionally plus the partial "
+                            "outputs of the first j of K stages of FFN il-1 (Eq. 2); layer 0: its own ffn_inp")
+        summary["k_stages"] = K_STAGES
+        atomic_write_json(summary_path, summary)
+        atomic_write_json(state_dir / "train.done", {"files": summary["files"]})
+    summary = json.loads(summary_path.read_text())
+    if profile_dir is None:
         shutil.rmtree(work, ignore_errors=True)
-    entry = {k: summary[k] for k in ("format", "version", "files", "config", "bytes", "input", "k_stages",
-                                     "profile_seconds", "train_seconds", "total_seconds", "n_tokens_profile",
-                                     "block_freq") if k in summary}
-    entry["summary"] = f"{PRED_SUBDIR}/predictor.json"
-    return entry
+    return PredictorInfo(files=summary["files"], version=summary["version"], bytes=summary["bytes"],
+                         block_freq=summary.get("block_freq"), summary=f"{PRED_SUBDIR}/predictor.json",
+                         config=summary["config"])

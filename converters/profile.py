@@ -30,6 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from leanstream_ggml.fileio import atomic_write_json, atomic_writer
+
+from ._faults import kill_point
+
 KINDS = {"ffn_inp": "x", "ffn_norm": "xn", "ffn_swiglu": "a"}
 _NAME = re.compile(rb"^(ffn_inp|ffn_norm|ffn_swiglu)-(\d+)$")
 GGML_TYPE_F32 = 0
@@ -377,6 +381,7 @@ def profile_model(gguf_path, out_dir, *, calibration=None, n_prompts: int | None
             meta["chunks"].append(c)
             meta["tokens"].append(ntok)
             _write_json(meta_file, meta)
+            kill_point("profile-chunk")
         bar.close()
     meta["seconds_generate"] = round(t_gen, 1)
     meta["seconds_total"] = round(time.time() - t0, 1)   # of this (possibly resumed) run
@@ -402,12 +407,9 @@ class ProfileData:
 
 
 def _save_npy(path: Path, arr: np.ndarray):
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
+    with atomic_writer(path, durable=False) as f:
+        np.save(f, arr)
 
 
 def _write_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    atomic_write_json(path, obj, indent=None, durable=False)

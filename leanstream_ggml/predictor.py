@@ -1,8 +1,10 @@
-"""Predictor file format (version 2): one file per FFN layer, `predictor/blk.<il>.lspred`.
+"""Predictor files: their format, a numpy reference of their inference, and the owner of the C
+evaluator (native/src/predictor.c). numpy only: the runtime reads these files, training (torch,
+``converters/train/``) writes them.
 
-No torch here: the runtime and the tests read these files with numpy (and native/ with C).
-Little-endian. A 256-byte header, then sections in this fixed order, each starting at a
-multiple of 64 bytes (zero padding between):
+File format (version 2): one file per FFN layer, `predictor/blk.<il>.lspred`, little-endian.
+A 256-byte header, then sections in this fixed order, each starting at a multiple of 64 bytes
+(zero padding between):
 
   offset  size  field
   0       8     magic "LSPREDv\\0"
@@ -45,7 +47,6 @@ round half to even, s = 1 for a zero vector).
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
 from pathlib import Path
@@ -57,7 +58,7 @@ FILE_VERSION = 2
 READS_VERSIONS = (1, 2)   # version 1 = version 2 with skip_weight 1
 HEADER_SIZE = 256
 ALIGN = 64
-_HDR = struct.Struct("<8sIIIIIIIIIiQII")
+HDR = struct.Struct("<8sIIIIIIIIIiQII")
 
 
 class PredictorFormatError(ValueError):
@@ -68,7 +69,7 @@ def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def _layout(n_embd, n_blocks, n_pca, L, tau, n_bits, M):
+def layout(n_embd, n_blocks, n_pca, L, tau, n_bits, M):
     """[(name, dtype, shape)] in file order."""
     w = n_bits // 64
     mt, kk = M * tau, 1 << tau
@@ -82,15 +83,6 @@ def _layout(n_embd, n_blocks, n_pca, L, tau, n_bits, M):
     return secs
 
 
-def _flat(params: dict) -> dict:
-    out = {k: params[k] for k in ("in_mean", "in_scale", "pca_q", "pca_scale", "hp1_q", "hp1_scale",
-                                  "hp1_bias", "head_w", "head_a", "head_c")}
-    for k, t in enumerate(params["tables"], start=1):
-        out[f"table_{k}"] = t
-    for k, (hp, thr) in enumerate(zip(params["hp"], params["thr"]), start=2):
-        out[f"hp_{k}"], out[f"thr_{k}"] = hp, thr
-    return out
-
 
 def _nest(flat: dict, L: int) -> dict:
     p = {k: v for k, v in flat.items() if not k.startswith(("table_", "hp_", "thr_"))}
@@ -100,43 +92,13 @@ def _nest(flat: dict, L: int) -> dict:
     return p
 
 
-def serialize(params: dict, *, tau: int, n_tables: int, layer: int = -1) -> bytes:
-    n_pca, n_embd = params["pca_q"].shape
-    n_blocks, w = params["head_w"].shape
-    L = len(params["tables"])
-    flat = _flat(params)
-    body = bytearray()
-    for name, dt, shape in _layout(n_embd, n_blocks, n_pca, L, tau, w * 64, n_tables):
-        a = np.ascontiguousarray(flat[name], dtype=dt)
-        if a.shape != shape:
-            raise ValueError(f"{name}: shape {a.shape}, expected {shape}")
-        body += a.tobytes()
-        body += b"\0" * (-len(body) % ALIGN)
-    size = HEADER_SIZE + len(body)
-    hdr = _HDR.pack(MAGIC, FILE_VERSION, HEADER_SIZE, n_embd, n_blocks, n_pca, L, tau, w * 64,
-                    n_tables, layer, size, crc32(body), int(params.get("skip_weight", 1)))
-    return hdr + b"\0" * (HEADER_SIZE - len(hdr)) + bytes(body)
-
-
-def write_predictor(path, params: dict, *, tau: int, n_tables: int, layer: int = -1) -> int:
-    """Write atomically (temporary name, then rename). Returns the file size in bytes."""
-    data = serialize(params, tau=tau, n_tables=n_tables, layer=layer)
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return len(data)
-
 
 def parse(data: bytes, *, check_payload: bool = True) -> tuple[dict, dict]:
     """bytes of a predictor file -> (header dict, nested params). Treats the input as hostile."""
     if len(data) < HEADER_SIZE:
         raise PredictorFormatError(f"predictor file truncated: {len(data)} bytes, header needs {HEADER_SIZE}")
     (magic, version, hsize, n_embd, n_blocks, n_pca, L, tau, n_bits, M, layer, size,
-     crc, skip) = _HDR.unpack_from(data)
+     crc, skip) = HDR.unpack_from(data)
     if magic != MAGIC:
         raise PredictorFormatError(f"not a leanstream predictor file (magic {magic!r})")
     if version not in READS_VERSIONS:
@@ -154,10 +116,10 @@ def parse(data: bytes, *, check_payload: bool = True) -> tuple[dict, dict]:
         raise PredictorFormatError("predictor header has out-of-range dimensions")
     if size != len(data):
         raise PredictorFormatError(f"predictor file truncated or padded: header says {size} bytes, got {len(data)}")
-    layout = _layout(n_embd, n_blocks, n_pca, L, tau, n_bits, M)
+    sections = layout(n_embd, n_blocks, n_pca, L, tau, n_bits, M)
     off = HEADER_SIZE
     flat = {}
-    for name, dt, shape in layout:
+    for name, dt, shape in sections:
         nbytes = int(np.prod(shape)) * np.dtype(dt).itemsize
         if off + nbytes > len(data):
             raise PredictorFormatError(f"predictor file truncated in section {name}")
@@ -178,3 +140,105 @@ def parse(data: bytes, *, check_payload: bool = True) -> tuple[dict, dict]:
 
 def read_predictor(path) -> tuple[dict, dict]:
     return parse(Path(path).read_bytes())
+
+
+# ---- numpy reference of the C evaluator ----------------------------------------------------
+
+def _quantize_act(v: np.ndarray):
+    """Symmetric per-vector int8 of rows v [N, D] f32: v ~ q * s, s = max|v| / 127 (1 if 0),
+    q rounded half to even (rintf in C)."""
+    m = np.abs(v).max(axis=1)
+    s = np.where(m > 0, m / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(v / s[:, None]), -127, 127).astype(np.float32)
+    return q, s
+
+
+def unpack_signs(p: np.ndarray, n_bits: int) -> np.ndarray:
+    """[R, n_bits/64] uint64 -> [R, n_bits] float64 in {-1, +1} (bit k of word k/64 set = +1)."""
+    r = p.shape[0]
+    b = np.unpackbits(np.ascontiguousarray(p).view(np.uint8).reshape(r, -1, 1), axis=-1)[:, :, ::-1]
+    return np.where(b.reshape(r, n_bits) > 0, 1.0, -1.0)
+
+
+def reference_eval(params: dict, x: np.ndarray, *, tau: int, n_tables: int) -> np.ndarray:
+    """The C evaluator's result, computed with numpy: x [N, n_embd] f32 -> priorities
+    [N, n_blocks] f32, bit for bit. Integer dot products are done in float64 (exact: every
+    partial sum < 2^53); every float step is one float32 IEEE operation in the C order."""
+    f32 = np.float32
+    x = np.asarray(x, dtype=f32).reshape(-1, params["in_mean"].shape[0])
+    u = (x - params["in_mean"]) * params["in_scale"]
+    q, s = _quantize_act(u)
+    dot = (q.astype(np.float64) @ params["pca_q"].astype(np.float64).T).astype(f32)
+    z = (dot * s[:, None]) * params["pca_scale"]
+    qz, sz = _quantize_act(z)
+    dot = (qz.astype(np.float64) @ params["hp1_q"].astype(np.float64).T).astype(f32)
+    a = ((dot * sz[:, None]) * params["hp1_scale"]) + params["hp1_bias"]
+    n_bits = params["tables"][0].shape[1] * 64
+    n = x.shape[0]
+    shifts = np.arange(tau)
+    y = None
+    for k, tab in enumerate(params["tables"]):
+        if k > 0:
+            dotk = y @ unpack_signs(params["hp"][k - 1], n_bits).T
+            a = dotk - params["thr"][k - 1].astype(np.float64)      # >= 0 <=> popdot >= thr
+        idx = ((a >= 0).reshape(n, -1, tau).astype(np.int64) << shifts).sum(-1)   # [N, M] bucket
+        t = unpack_signs(tab, n_bits).reshape(n_tables, 1 << tau, n_bits)
+        acc = sum(t[m][idx[:, m]] for m in range(n_tables))
+        if k > 0:
+            acc = acc + params.get("skip_weight", 1) * y
+        y = np.where(acc >= 0, 1.0, -1.0)
+    dot = (y @ unpack_signs(params["head_w"], n_bits).T).astype(f32)
+    return (dot * params["head_a"]) + params["head_c"]
+
+
+# ---- the owner of the C evaluator ----------------------------------------------------------
+
+class NativePredictor:
+    """One loaded `blk.<il>.lspred`; `close()` (or `with`) frees the C handle."""
+
+    def __init__(self, source):
+        from ._native import check, ffi, lib
+
+        self._ffi, self._lib = ffi, lib
+        out = ffi.new("ls_predictor **")
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            data = bytes(source)
+            check(lib.ls_predictor_load_mem(ffi.from_buffer(data), len(data), out), "ls_predictor_load_mem")
+        else:
+            check(lib.ls_predictor_load(str(Path(source)).encode(), out), "ls_predictor_load")
+        self._h = out[0]
+        info = ffi.new("ls_predictor_info *")
+        check(lib.ls_predictor_get_info(self._h, info))
+        self.info = {k: getattr(info, k) for k in ("n_embd", "n_blocks", "n_pca", "n_hash_layers", "tau",
+                                                   "n_bits", "n_tables", "layer", "size_bytes")}
+        self.n_embd, self.n_blocks = self.info["n_embd"], self.info["n_blocks"]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [n, n_embd] (or [n_embd]) f32 -> priorities [n, n_blocks] (or [n_blocks]) f32."""
+        from ._native import check
+
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        one = x.ndim == 1
+        x2 = x.reshape(-1, self.n_embd)
+        out = np.empty((x2.shape[0], self.n_blocks), dtype=np.float32)
+        check(self._lib.ls_predictor_eval_batch(self._h, self._ffi.from_buffer("float[]", x2),
+                                                self._ffi.from_buffer("float[]", out), self.n_blocks,
+                                                x2.shape[0]), "ls_predictor_eval")
+        return out[0] if one else out
+
+    def eval_into(self, x_ptr, prio_ptr) -> int:
+        """Raw single call (for latency benchmarks): cffi pointers in, status out."""
+        return self._lib.ls_predictor_eval(self._h, x_ptr, prio_ptr, self.n_blocks)
+
+    def close(self):
+        if getattr(self, "_h", None) is not None:
+            self._lib.ls_predictor_free(self._h)
+            self._h = None
+
+    __del__ = close
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

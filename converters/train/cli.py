@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 
 def _profile(args) -> int:
-    from .profile import profile_model
+    from ..profile import profile_model
 
     profile_model(args.model, args.out, calibration=args.calibration, n_prompts=args.prompts,
                   max_tokens=args.max_tokens, max_total_tokens=args.max_total_tokens, n_threads=args.threads)
@@ -49,30 +49,35 @@ def _profile(args) -> int:
 
 
 def _train(args) -> int:
+    import numpy as np
+
+    from leanstream_ggml import blockfile, manifest
+
     from . import hashing as H
     from .pipeline import train_from_profile
 
     cfg = H.HashConfig(n_hash_layers=args.hash_layers, tau=args.tau, n_bits=args.bits, n_tables=args.tables,
                        skip_weight=args.skip_weight, pca_frac=args.pca, steps=args.steps, batch=args.batch, lr=args.lr)
     layers = range(args.layers) if args.layers else None
-    s = train_from_profile(args.profile, args.model, args.out, cfg=cfg, train_mlp=not args.no_mlp,
-                           mlp_rank=args.mlp_rank, eval_layers=args.eval_layers, n_threads=args.threads,
-                           layers=layers)
-    print(json.dumps({k: s[k] for k in ("bytes", "train_seconds", "oneshot_mean")}, indent=1))
-    _record_in_manifest(args.out, s)
-    return 0
-
-
-def _record_in_manifest(model_dir, summary: dict) -> None:
-    """Point the model directory's manifest at the new predictors (what the runtime loads)."""
-    from leanstream_ggml import manifest
-
     try:
-        m = manifest.load(model_dir)
+        m = manifest.load(args.out)
     except manifest.ManifestError:
-        return  # not a converted model directory: the files stand alone
-    if len(summary.get("files", [])) == m.n_layer:
-        m.predictor = {k: summary[k] for k in ("format", "version", "files", "config", "bytes", "block_freq")
-                       if k in summary}
-        manifest.save(m, model_dir)
-
+        m = None   # not a converted model directory: predictors for one neuron per block, file order
+    blocks = None
+    if m is not None:   # the directory's block geometry: which neurons each block holds
+        geo = []
+        for il in range(m.n_layer):
+            h = blockfile.read_header(m.layer_path(args.out, il))
+            geo.append((blockfile.read_perm(m.layer_path(args.out, il), h), h.k))
+        blocks = None if all(k == 1 and np.array_equal(p, np.arange(len(p))) for p, k in geo) else geo
+    s = train_from_profile(args.profile, args.model, args.out, cfg=cfg, train_mlp=not args.no_mlp,
+                           blocks_of_layer=blocks, mlp_rank=args.mlp_rank, eval_layers=args.eval_layers,
+                           n_threads=args.threads, layers=layers)
+    print(json.dumps({k: s[k] for k in ("bytes", "train_seconds", "oneshot_mean")}, indent=1))
+    if m is not None and len(s.get("files", [])) == m.n_layer:
+        # point the manifest at the new predictors (what the runtime loads)
+        m.predictor = manifest.PredictorInfo(files=s["files"], version=s["version"], bytes=s["bytes"],
+                                             block_freq=s.get("block_freq"), summary="predictor/predictor.json",
+                                             config=s["config"])
+        manifest.save(m, args.out)
+    return 0

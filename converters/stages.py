@@ -1,0 +1,182 @@
+"""The converter: GGUF -> model directory, as a pipeline of restartable stages.
+
+    from converters.stages import convert_model
+    m = convert_model("model.gguf", "model.lsm", predictors="full")    # -> Manifest
+
+    read      open and check the source, its sha256, the block geometry (k, align, neuron order)
+    profile   (with predictors) llama.cpp's activations on calibration text    -> <work>/profile/
+    train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
+    write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
+    manifest  manifest.json, written once, last: its presence marks a complete model directory
+
+While a conversion is unfinished, OUT/.convert/ holds its state: ``state.json`` (the source's
+sha256 and every parameter the outputs depend on) and one ``<stage>.done`` marker per finished
+stage (the profile too, unless ``profile_dir`` puts it elsewhere). Re-running the same command
+after an interruption (Ctrl-C, SIGKILL, power loss) resumes at the first unfinished stage and
+produces the same files; other parameters are refused unless ``force`` starts over. Every file is
+written under a temporary name and renamed, so no stage leaves a half file under a final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from leanstream_ggml import manifest as mf
+from leanstream_ggml.fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
+
+from .convert_gguf import BASE_NAME, FFN_DIR, ConvertError, make_manifest, read_source, write_model
+
+STATE_DIR = ".convert"
+STATE_NAME = "state.json"
+PREDICTOR_DIR = "predictor"
+PREDICTOR_CHOICES = ("full", "quick", "none")
+
+
+class _State:
+    """OUT/.convert/: the parameters of an unfinished conversion and its stage markers."""
+
+    def __init__(self, out: Path):
+        self.dir = out / STATE_DIR
+
+    def load(self) -> dict | None:
+        try:
+            return json.loads((self.dir / STATE_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def start(self, params: dict) -> None:
+        self.dir.mkdir(exist_ok=True)
+        atomic_write_json(self.dir / STATE_NAME, params)
+
+    def done(self, stage: str) -> bool:
+        return (self.dir / f"{stage}.done").exists()
+
+    def mark(self, stage: str) -> None:
+        atomic_write_json(self.dir / f"{stage}.done", {"stage": stage})
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _clean_outputs(out: Path) -> None:
+    """Remove what a conversion writes (and nothing else); the manifest first, so the directory
+    never looks complete while it is being rewritten."""
+    (out / mf.MANIFEST_NAME).unlink(missing_ok=True)
+    shutil.rmtree(out / STATE_DIR, ignore_errors=True)
+    shutil.rmtree(out / PREDICTOR_DIR, ignore_errors=True)
+    for name in (BASE_NAME, BASE_NAME + PARTIAL, mf.MANIFEST_NAME + PARTIAL, ".convert-state.json"):
+        (out / name).unlink(missing_ok=True)
+    ffn = out / FFN_DIR
+    if ffn.is_dir():
+        for p in ffn.glob("blk.*.bin*"):
+            p.unlink()
+
+
+def _prepare_out_dir(out: Path, params: dict, force: bool) -> bool:
+    """Create/check OUT_DIR for a conversion with these parameters. Returns True when resuming an
+    interrupted run of the same conversion."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    state = _State(out)
+    resume = False
+    if any(out.iterdir()):
+        old = state.load()
+        if force:
+            _clean_outputs(out)
+        elif (out / mf.MANIFEST_NAME).exists():
+            raise ConvertError(f"{out}: already holds a converted model (manifest.json); "
+                               f"use --force to overwrite it")
+        elif old is None:
+            raise ConvertError(f"{out}: directory is not empty and holds no interrupted conversion; "
+                               f"choose an empty or new directory, or use --force")
+        elif old != params:
+            changed = sorted(k for k in set(old) | set(params) if old.get(k) != params.get(k))
+            raise ConvertError(f"{out}: holds an interrupted conversion of another source or with other "
+                               f"parameters ({', '.join(changed)}); re-run it as it was, or use --force to start over")
+        else:
+            resume = True
+    if not resume:
+        state.start(params)
+    for folder in (out, out / FFN_DIR, out / PREDICTOR_DIR):
+        if folder.is_dir():
+            for p in folder.glob("*" + PARTIAL):
+                p.unlink()   # left by an interrupted write
+    return resume
+
+
+def _calibration_id(calibration) -> Any:
+    if calibration is None:
+        return None
+    return {"file": Path(calibration).name, "sha256": sha256_file(calibration)}
+
+
+def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
+                  force: bool = False, progress: bool = True, permutation=None,
+                  predictors: str = "full", profile_dir: str | os.PathLike | None = None, calibration=None,
+                  hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
+                  log: Callable[..., None] | None = None) -> mf.Manifest:
+    """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
+
+    predictors: "full" (profile the model on its own answers to the bundled prompts, or on
+    ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
+    training) or "none" (dense mode only: seconds). profile_dir: keep the activation profile
+    there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
+    hash_config / profile_kwargs: override the training / profiling settings of the choice.
+    Other arguments: see ``converters.convert``. Raises ConvertError.
+    """
+    if predictors not in PREDICTOR_CHOICES:
+        raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
+    log = log or (lambda *a: print(*a, file=sys.stderr))
+    out = Path(out_dir)
+    # read: the source, its hash and the block geometry
+    source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
+    params = source.params()
+    if predictors != "none":
+        from .train.pipeline import training_settings
+
+        params["predictors"] = training_settings(predictors, hash_config=hash_config, profile_kwargs=profile_kwargs,
+                                                 calibration=_calibration_id(calibration))
+    resume = _prepare_out_dir(out, params, force)
+    state = _State(out)
+    if resume and progress:
+        done = [s for s in ("profile", "train", "write") if state.done(s)]
+        log(f"resuming an interrupted conversion of {source.path.name}"
+            + (f" (finished: {', '.join(done)})" if done else ""))
+
+    predictor = None
+    if predictors != "none":
+        from .train.pipeline import build_predictors
+
+        predictor = build_predictors(
+            source.path, out, state_dir=state.dir, blocks_of_layer=_blocks_of_layer(source), quick=predictors == "quick",
+            calibration=calibration, profile_dir=profile_dir, cfg=hash_config, profile_kwargs=profile_kwargs,
+            n_threads=n_threads, progress=progress, log=log)
+
+    # write: base.gguf and the block files (a layer already complete is kept)
+    entries, totals, kept = write_model(source, out, progress=progress)
+    state.mark("write")
+
+    # manifest: once, last
+    m = make_manifest(source, out, entries, totals, predictor)
+    fsync_dir(out)
+    mf.save(m, out)
+    state.remove()
+    if progress and kept and not resume:
+        log(f"kept {kept} of {m.n_layer} block files already complete")
+    return m
+
+
+def _blocks_of_layer(source):
+    """The block geometry the predictors are trained for: None (one neuron per block, file order
+    = neuron order) or per layer (slots, k) with block b = neurons slots[b*k:(b+1)*k], -1 padding."""
+    import numpy as np
+
+    if source.k == 1 and all(np.array_equal(o, np.arange(len(o))) for o in source.orders):
+        return None
+    return [(source.slots(il), source.k) for il in range(source.model.n_layer)]

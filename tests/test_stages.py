@@ -1,0 +1,118 @@
+"""The converter as restartable stages (converters/stages.py): a conversion killed with SIGKILL
+during profiling or during training resumes when the same command is run again and produces
+the same files as an uninterrupted one; the manifest appears only when everything is done."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
+gs = pytest.importorskip("gguf_synth")
+
+ROOT = Path(__file__).resolve().parents[1]
+# a CI-sized profile (several chunks) and training (3 layers)
+SETTINGS = dict(predictors="quick", progress=False,
+                hash_config=dict(n_hash_layers=2, tau=4, n_bits=64, n_tables=2, steps=8, batch=32),
+                profile_kwargs=dict(n_prompts=3, max_tokens=20, chunk_tokens=16))
+
+_RUN = r"""
+import json, sys
+from converters.stages import convert_model
+convert_model(sys.argv[1], sys.argv[2], log=lambda *a: None, **json.loads(sys.argv[3]))
+"""
+
+
+def _convert(src, out, kill_at=None):
+    env = dict(os.environ)
+    env.pop("LEANSTREAM_TEST_KILL_AT", None)
+    if kill_at:
+        env["LEANSTREAM_TEST_KILL_AT"] = kill_at
+    return subprocess.run([sys.executable, "-c", _RUN, str(src), str(out), json.dumps(SETTINGS)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _digests(d: Path) -> dict:
+    """sha256 of every file of a model directory, except the training log (it holds timings)."""
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file() and p.name != "predictor.json"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stages")
+    src = d / "tiny.gguf"
+    gs.write_tiny_model(src, arch="llama", n_layer=3, n_embd=64, n_ff=96,
+                        types={"ffn": "Q8_0", "attn": "F32", "embd": "F32", "output": "F32"}, seed=0)
+    ref = d / "ref.lsm"
+    r = _convert(src, ref)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return src, ref
+
+
+def test_uninterrupted_conversion_is_complete(tiny):
+    from leanstream_ggml import manifest
+
+    src, ref = tiny
+    m = manifest.load(ref)
+    assert m.predictor is not None and len(m.predictor.files) == 3 and m.predictor.block_freq
+    assert not (ref / ".convert").exists()        # the state folder (and the profile in it) is gone
+    names = set(_digests(ref))
+    assert {"manifest.json", "base.gguf", "ffn/blk.0.bin", "predictor/blk.2.lspred", "predictor/block_freq.npy"} <= names
+    assert not [n for n in names if n.endswith(".partial")]
+
+
+@pytest.mark.parametrize("kill_at,stage", [("profile-chunk:1", "profile"), ("train-layer:0", "train"),
+                                           ("train-layer:1", "train")])
+def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at, stage):
+    src, ref = tiny
+    out = tmp_path / "model.lsm"
+    r = _convert(src, out, kill_at)
+    assert r.returncode == -9, (r.returncode, r.stderr[-3000:])    # SIGKILL
+    assert not (out / "manifest.json").exists()                   # never looks complete
+    state = out / ".convert"
+    assert (state / "state.json").exists()
+    assert (state / "profile.done").exists() == (stage == "train")
+    assert not (state / "train.done").exists()
+    if stage == "train":   # the layers finished before the kill are there and kept
+        n_done = int(kill_at.split(":")[1]) + 1
+        assert len(list((out / "predictor").glob("blk.*.lspred"))) == n_done
+        before = {p.name: p.stat().st_mtime_ns for p in (out / "predictor").glob("blk.*.lspred")}
+    r = _convert(src, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _digests(out) == _digests(ref)
+    if stage == "train":   # resumed, not redone
+        assert all((out / "predictor" / n).stat().st_mtime_ns == t for n, t in before.items())
+
+
+def test_other_parameters_refuse_to_resume(tiny, tmp_path):
+    from converters.convert_gguf import ConvertError
+    from converters.stages import convert_model
+
+    src, _ = tiny
+    out = tmp_path / "model.lsm"
+    assert _convert(src, out, "train-layer:0").returncode == -9
+    with pytest.raises(ConvertError, match="other parameters"):
+        convert_model(src, out, predictors="none", progress=False)
+    with pytest.raises(ConvertError, match="other parameters.*k"):
+        convert_model(src, out, k=2, log=lambda *a: None, **SETTINGS)
+    # --force starts over
+    m = convert_model(src, out, predictors="none", progress=False, force=True)
+    assert m.predictor is None and not (out / "predictor").exists() and not (out / ".convert").exists()
+
+
+def test_cli_rerun_after_interruption_resumes(tiny, tmp_path):
+    """What a user sees: the same `leanstream convert` command again finishes the job (no --force)."""
+    src, _ = tiny
+    out = tmp_path / "model.lsm"
+    assert _convert(src, out, "train-layer:0").returncode == -9
+    from converters.stages import convert_model
+
+    m = convert_model(src, out, log=lambda *a: None, **SETTINGS)
+    assert m.predictor is not None and len(m.predictor.files) == 3
