@@ -10,7 +10,7 @@ ORIGINAL GGUF with a ggml eval callback (cb_eval) that copies, per layer il,
 (names of the vendored llama.cpp's llama/qwen2 graphs, src/models/*.cpp and build_ffn).
 Only decode-like positions are kept: the model's generated tokens (default calibration), or
 every position but the first few of a chunk of text (--calibration). Position 0 is never kept:
-it carries atypical huge activations (DESIGN §9) and never occurs in decoding.
+it carries atypical huge activations (docs/design.md §9) and never occurs in decoding.
 
 Output directory (restartable: finished chunks are skipped on a rerun):
     meta.json                  model geometry, chunk list, settings

@@ -98,7 +98,7 @@ def register(sub) -> None:
     p.add_argument("--mode", default="dense", choices=["dense", "leanstream", "oneshot", "dejavu+", "powerinfer2"],
                    help="dense: every neuron (exact); the others compute only the predicted top blocks (default: dense)")
     p.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes (default 0.5)")
-    p.add_argument("--n-stages", type=int, default=4, help="compute stages (refinement points) per layer, leanstream mode")
+    p.add_argument("--n-stages", type=int, default=None, help="compute stages (refinement points) per layer, leanstream mode (default 4)")
     p.add_argument("-c", "--n-ctx", type=int, default=2048, help="context size (default: 2048)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama-cpp-python's)")
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")

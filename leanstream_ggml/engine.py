@@ -19,6 +19,7 @@ MODES = {
     "leanstream": lib.LS_MODE_LEANSTREAM,
 }
 ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
+CACHE_POLICIES = {"lru": lib.LS_CACHE_LRU, "priority": lib.LS_CACHE_PRIORITY}
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
@@ -44,11 +45,11 @@ def parse_bytes(value: int | float | str | None) -> int:
 
 STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
                "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
-               "cache_capacity", "blocks_prefetched", "refinements", "direct_io"]
+               "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks"]
 
 
 def derived_stats(raw: dict) -> dict:
-    """The DESIGN §5 metrics, defined once: every report uses this."""
+    """The docs/design.md §5 metrics, defined once: every report uses this."""
     d = dict(raw)
     d["miss_ratio"] = raw["blocks_read"] / raw["blocks_computed"] if raw["blocks_computed"] else 0.0
     d["loading_redundancy"] = raw["bytes_unused"] / raw["bytes_computed"] if raw["bytes_computed"] else 0.0
@@ -59,14 +60,24 @@ def derived_stats(raw: dict) -> dict:
     return d
 
 
+def kept_blocks(n_blocks: int, sparsity: float) -> int:
+    """How many of a layer's n_blocks a sparse op computes at this sparsity: the engine's own
+    rule (ls_kept_blocks), which the converter's training uses too."""
+    return int(lib.ls_kept_blocks(int(n_blocks), float(sparsity)))
+
+
 class FFNEngine:
-    """Streams and computes the FFN layers of one converted model directory."""
+    """Streams and computes the FFN layers of one converted model directory.
+
+    Every parameter left at None takes the engine's default (ls_engine_params_init: the mode's
+    sparsity, eviction and hot set share, 4 stages, 16 I/O threads, 256 KiB reads)."""
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
-                 memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int = 16,
-                 max_read_bytes: int = 256 << 10, direct_io: bool = True, test_io_delay_us: int = 0,
-                 sparsity: float = 0.0, n_stages: int = 8, cache_policy: str | None = None,
-                 predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0):
+                 memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int | None = None,
+                 max_read_bytes: int | None = None, direct_io: bool = True, test_io_delay_us: int = 0,
+                 sparsity: float | None = None, n_stages: int | None = None, cache_policy: str | None = None,
+                 predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0,
+                 hot_fraction: float | None = None, block_rank: np.ndarray | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if activation not in ACTIVATIONS:
@@ -82,31 +93,37 @@ class FFNEngine:
         p.activation = ACTIVATIONS[activation]
         p.mode = MODES[mode]
         p.memory_budget = parse_bytes(memory_budget)
-        p.n_io_threads = n_io_threads
-        p.max_read_bytes = max_read_bytes
         p.use_direct_io = 1 if direct_io else 0
         p.test_io_delay_us = test_io_delay_us
         p.test_io_queue_cap = test_io_queue_cap
-        p.sparsity = sparsity
-        p.n_stages = n_stages
-        # leanstream evicts by predicted priority; the baselines use LRU (DESIGN §4)
-        policy = cache_policy or ("priority" if mode == "leanstream" else "lru")
-        if policy not in ("lru", "priority"):
-            raise ValueError(f"unknown cache policy {policy!r} (lru or priority)")
-        p.cache_policy = lib.LS_CACHE_PRIORITY if policy == "priority" else lib.LS_CACHE_LRU
-        self.cache_policy = policy
+        for name, value in (("n_io_threads", n_io_threads), ("max_read_bytes", max_read_bytes),
+                            ("sparsity", sparsity), ("n_stages", n_stages), ("hot_fraction", hot_fraction)):
+            if value is not None:
+                setattr(p, name, value)
+        if cache_policy is not None:
+            if cache_policy not in CACHE_POLICIES:
+                raise ValueError(f"unknown cache policy {cache_policy!r} ({' or '.join(CACHE_POLICIES)})")
+            p.cache_policy = CACHE_POLICIES[cache_policy]
         if predictor_paths is not None:
             if len(predictor_paths) != self.n_layers:
                 raise ValueError(f"{len(predictor_paths)} predictor paths for {self.n_layers} layers")
             self._pred = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in predictor_paths]
             self._pred_array = ffi.new("const char *[]", self._pred)
             p.predictor_paths = self._pred_array
+        if block_rank is not None:
+            self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
+            p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
         out = ffi.new("ls_engine **")
         check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
         self._handle = out[0]
         self.mode = mode
-        self.sparsity = sparsity
         self.memory_budget = p.memory_budget
+        # what the engine made of the defaults (the mode's sparsity, eviction, hot set share)
+        got = ffi.new("ls_engine_params *")
+        check(lib.ls_engine_get_params(self._handle, got))
+        self.sparsity = float(sparsity) if sparsity is not None else float(got.sparsity)
+        self.n_stages, self.hot_fraction = int(got.n_stages), float(got.hot_fraction)
+        self.cache_policy = {v: k for k, v in CACHE_POLICIES.items()}[got.cache_policy]
 
     # -- ownership -------------------------------------------------------------------------
     @property

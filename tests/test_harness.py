@@ -1,7 +1,7 @@
 """The measurement harness: parsing, cgroup handling, perplexity math, runner and table helpers.
 
 Fast tests only (no model). The cgroup tests need a writable cgroup v1 memory hierarchy under
-our own cgroup (DESIGN §6) and skip with the reason when there is none.
+our own cgroup (docs/design.md §6) and skip with the reason when there is none.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The harness end to end on SmolLM2-135M (slow: each test loads the real model).
 
-The dense-plugin test is the exactness check of DESIGN §4 in the harness's terms: perplexity of
+The dense-plugin test is the exactness check of docs/design.md §4 in the harness's terms: perplexity of
 leanstream dense equals stock's within a stated bound, over the same windows of the bundled text.
 """
 
@@ -20,7 +20,7 @@ N_CTX = 512
 CHUNKS = 2  # 2 windows of 512 tokens, 510 scored positions: under a minute per system on 2 cores
 
 # Bound for "dense equals stock". llama.cpp against itself with another KV-cache precision lands at
-# top-1 agreement 0.968-0.973 and mean KL 0.002-0.004 on SmolLM2 (DESIGN §9). Dense mode adds the
+# top-1 agreement 0.968-0.973 and mean KL 0.002-0.004 on SmolLM2 (docs/design.md §9). Dense mode adds the
 # converter's transposed ffn_down re-quantized to q8_0 (a Q4_1 down cannot be cut per neuron) and
 # its own accumulation order; measured: ppl ratio 1.008, agreement 0.963, mean KL 0.006. The bound
 # keeps ~2x headroom over that and still fails for any real bug (a wrong block or a dropped

@@ -4,7 +4,7 @@ no FFN builder installed the patched build runs stock code paths).
 
 Tolerance of the logit comparison (dense mode, full budget). Two llama.cpp runs that differ
 only in rounding (f32 instead of f16 KV cache) agree on the top-1 token 0.968-0.973 of the
-time with mean KL 0.002-0.004 (DESIGN §9): an exact plugin lands there, not at 1.000. Ours
+time with mean KL 0.002-0.004 (docs/design.md §9): an exact plugin lands there, not at 1.000. Ours
 rounds differently from stock in one place of the same size as stock's own rounding: stock
 quantizes h = silu(gate)*up to 8 bits before the down projection (0.4 % relative error on a
 layer's output), we keep h in f32 but hold the transposed down columns in Q8_0 (0.3 %). We
@@ -210,7 +210,7 @@ def test_sparse_plumbing_inside_llama_cpp(stock, smollm2_random_pred_dir, prose)
         out = llm("Memory is the scarce resource", max_tokens=8, temperature=0.0)["choices"][0]["text"]
         s = llm.stats()
         assert s["cache_bytes"] <= s["cache_capacity"] <= budget
-        # reads / computed: above 1 when prefetched blocks go unused (DESIGN §5's definition)
+        # reads / computed: above 1 when prefetched blocks go unused (docs/design.md §5's definition)
         assert s["blocks_read"] > 0 and s["miss_ratio"] > 0
         assert isinstance(out, str)
     finally:

@@ -67,25 +67,15 @@ def test_c_equals_torch_random(cfg):
     assert np.array_equal(num.view(np.uint32), ref.view(np.uint32))
 
 
-def test_export_round_trip(tmp_path):
-    NativePredictor = _native()
+def test_export_matches_the_trained_model(tmp_path):
+    """What torch trained is what the file holds (the file format itself: test_predictor_file.py)."""
     cfg = CONFIGS[1]
     m, x = _random_model(40, 33, cfg, seed=3)
     params = m.export_params()
     path = tmp_path / "blk.7.lspred"
-    size = E.write_predictor(path, params, tau=cfg.tau, n_tables=cfg.n_tables, layer=7)
-    assert path.stat().st_size == size and size % 64 == 0
-    hdr, back = E.read_predictor(path)
-    assert hdr["layer"] == 7 and hdr["n_blocks"] == 33 and hdr["n_bits"] == 128 and hdr["version"] == E.FILE_VERSION
-    for k in ("in_mean", "pca_q", "hp1_bias", "head_w", "head_c"):
-        assert np.array_equal(back[k], params[k])
-    for a, b in zip(back["tables"] + back["hp"] + back["thr"], params["tables"] + params["hp"] + params["thr"]):
-        assert np.array_equal(a, b)
-    ref = H.infer_params(back, cfg.tau, cfg.n_tables, x).numpy()
-    assert np.array_equal(ref, m.infer(x).numpy())
-    with NativePredictor(path) as c:
-        assert c.info["layer"] == 7 and c.info["size_bytes"] == size and c.info["n_pca"] == params["pca_q"].shape[0]
-        assert np.array_equal(c(x), ref)
+    E.write_predictor(path, params, tau=cfg.tau, n_tables=cfg.n_tables, layer=7)
+    _, back = E.read_predictor(path)
+    assert np.array_equal(H.infer_params(back, cfg.tau, cfg.n_tables, x).numpy(), m.infer(x).numpy())
     assert np.array_equal(H.unpack_signs(params["head_w"], 128),
                           np.where(m.head_w.detach().numpy() >= 0, 1.0, -1.0))
 

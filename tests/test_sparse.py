@@ -67,7 +67,8 @@ def _check(y, ref):
 def test_oracle_priorities_select_the_top_blocks(model, mode, sparsity):
     paths, weights, h = model
     rng = np.random.default_rng(11)
-    with FFNEngine(paths, mode=mode, sparsity=sparsity, n_stages=4) as e:
+    # no calibration ranking here: the modes that pin a hot set pin none (hot_fraction 0)
+    with FFNEngine(paths, mode=mode, sparsity=sparsity, n_stages=4, hot_fraction=0.0) as e:
         for il in range(N_LAYER):
             prio = rng.permutation(h.n_blocks).astype(np.float32)  # distinct: one right answer
             e.set_priorities(il, prio)
@@ -158,7 +159,7 @@ def test_powerinfer2_hot_blocks_stay_resident(model):
     n_sel = n_selected(h.n_blocks, 0.5)
     hot = np.arange(n_sel // 2, dtype=np.int32)
     budget = (n_sel + len(hot) + 4) * h.block_stride  # hot set + one working set + a little
-    with FFNEngine(paths, mode="powerinfer2", sparsity=0.5, memory_budget=budget) as e:
+    with FFNEngine(paths, mode="powerinfer2", sparsity=0.5, memory_budget=budget, hot_fraction=0.0) as e:
         e.set_hot_blocks(0, hot)
         rng = np.random.default_rng(0)
         for il in [0, 1, 2, 0, 1, 2, 0]:
@@ -169,6 +170,46 @@ def test_powerinfer2_hot_blocks_stay_resident(model):
             e.eval_layer(il, _x(il), x_res=_x(il)[0])
         # the hot blocks were read once although layers 1 and 2 cycled through the cache
         assert e.stats(0)["blocks_read"] <= len(hot) + 3 * (n_sel - len(hot))
+
+
+@pytest.mark.parametrize("mode,fraction", [("powerinfer2", None), ("leanstream", 0.3), ("leanstream", 0.9)])
+def test_hot_set_sized_and_chosen_by_the_engine(model, mode, fraction):
+    """The engine sizes the hot set from its own slot count and takes the best-ranked blocks of
+    all layers (numpy reference: a stable sort of the flattened ranking)."""
+    paths, _, h = model
+    n_sel = n_selected(h.n_blocks, 0.5)
+    slots = 5 * n_sel
+    rank = np.random.default_rng(3).random((N_LAYER, h.n_blocks)).astype(np.float32)
+    rank[1, :7] = rank[0, 0]                      # ties: broken by (layer, block) order
+    with FFNEngine(paths, mode=mode, sparsity=0.5, memory_budget=slots * h.block_stride, hot_fraction=fraction,
+                   block_rank=rank) as e:
+        f = 0.5 if fraction is None else fraction       # the mode's default share
+        n_hot = max(0, min(int(f * slots), slots - 2 * n_sel))
+        assert e.stats()["hot_blocks"] == n_hot and e.hot_fraction == f
+        order = np.argsort(-rank, axis=None, kind="stable")[:n_hot]
+        want = np.zeros(rank.size, bool)
+        want[order] = True
+        prio = np.zeros(h.n_blocks, np.float32)
+        for il in range(N_LAYER):   # hot blocks stay resident once computed: compute every block once
+            for start in range(0, h.n_blocks, n_sel):
+                p = prio.copy()
+                p[start:start + n_sel] = 1.0
+                e.set_priorities(il, p)
+                e.eval_layer(il, _x(il), x_res=_x(il)[0])
+        for _ in range(2):   # churn the rest of the cache
+            for il in range(N_LAYER):
+                e.set_priorities(il, np.random.default_rng(il).random(h.n_blocks).astype(np.float32))
+                e.eval_layer(il, _x(il), x_res=_x(il)[0])
+        resident = np.concatenate([e.resident(il) for il in range(N_LAYER)])
+        assert resident[want].all()
+
+
+def test_powerinfer2_needs_a_ranking(model):
+    paths, _, h = model
+    with pytest.raises(LeanstreamError, match="block_rank"):
+        FFNEngine(paths, mode="powerinfer2", sparsity=0.5)
+    with FFNEngine(paths, mode="leanstream", sparsity=0.5) as e:   # leanstream pins only if it can
+        assert e.stats()["hot_blocks"] == 0
 
 
 def test_budget_below_the_working_set_is_a_clear_error(model):

@@ -1,8 +1,8 @@
-"""Predictor metrics (DESIGN §5), numpy only.
+"""Predictor metrics (docs/design.md §5), numpy only.
 
 For a token with true block importance imp [B] (sum of |silu(gate)*up| over the block's
 neurons) and predicted priorities prio [B], at target sparsity s the runtime computes the
-n_sel = round((1 - s) * B) blocks of highest priority:
+n_sel = ls_kept_blocks(B, s) blocks of highest priority (round half up, at least 1):
 
     importance ratio = sum(imp[selected]) / sum(imp)
     top-10 % recall  = |selected ∩ true top 10 % blocks| / |true top 10 % blocks|
@@ -16,7 +16,10 @@ SPARSITIES = (0.5, 0.7, 0.8, 0.9)
 
 
 def n_selected(n_blocks: int, s: float) -> int:
-    return max(1, int(round((1.0 - s) * n_blocks)))
+    """The runtime's own rule (ls_kept_blocks in native/src/mode.c), through the binding."""
+    from leanstream_ggml.engine import kept_blocks
+
+    return kept_blocks(n_blocks, s)
 
 
 def topk_mask(score: np.ndarray, k: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Whole-process memory limits for side-by-side runs (DESIGN §6): a child memory cgroup.
+"""Whole-process memory limits for side-by-side runs (docs/design.md §6): a child memory cgroup.
 
 cgroup v1 only: the child is made at ``<mount>/<our own memory cgroup>/<child>`` (our own cgroup
 read from /proc/self/cgroup), never anywhere else, and removed afterwards. Its

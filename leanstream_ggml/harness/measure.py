@@ -1,6 +1,6 @@
 """Process counters, sizes and the machine: the measurements every harness number rests on.
 
-Definitions (DESIGN §5), used by `leanstream bench`, `leanstream perplexity` and bench/:
+Definitions (docs/design.md §5), used by `leanstream bench`, `leanstream perplexity` and bench/:
 
 - peak RSS      = VmHWM of /proc/<pid>/status: the whole process's resident high-water mark,
                   file-backed (mmap'd model) pages included.

@@ -13,7 +13,7 @@ same scored positions, with full logit rows in float64:
 - top-1 agreement = fraction of positions where argmax(test) == argmax(reference)
   (llama-perplexity's "Same top p"), and
 - mean KL = mean over positions of KL(P_ref || P_test) (llama-perplexity --kl-divergence).
-Scored positions start at n_ctx/2, so position 0 (Qwen's outlier activation, DESIGN §9) is never
+Scored positions start at n_ctx/2, so position 0 (Qwen's outlier activation, docs/design.md §9) is never
 scored. Both models are open at once and evaluated window by window, so no logits are stored.
 """
 

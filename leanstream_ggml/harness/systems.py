@@ -2,7 +2,7 @@
 
 - "stock":      llama_cpp.Llama on a plain GGUF (mmap, as llama-cpp-python users run it).
 - "leanstream": leanstream_ggml.Llama on a converted model directory, in one of the engine's
-                modes (DESIGN §4: dense, oneshot, dejavu+, powerinfer2, leanstream).
+                modes (docs/design.md §4: dense, oneshot, dejavu+, powerinfer2, leanstream).
 
 A GGUF file means stock, a directory means leanstream, unless the caller says otherwise.
 """

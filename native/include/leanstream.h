@@ -64,9 +64,10 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 2
+#define LS_ABI_VERSION 3
 #define LS_BLOCK_FILE_VERSION 1
 #define LS_MAX_ERRMSG 512
+#define LS_MAX_IO_THREADS 256
 
 typedef int32_t ls_status;
 enum {
@@ -86,7 +87,16 @@ enum { LS_ACT_SILU = 0, LS_ACT_GELU = 1 };
 // LRU_WINDOW least recently used (blocks prefetched but not computed go first).
 enum { LS_CACHE_LRU = 0, LS_CACHE_PRIORITY = 1 };
 
-// Execution modes (DESIGN §4). Only LS_MODE_DENSE computes every neuron.
+// Execution modes. Only LS_MODE_DENSE computes every neuron; the others compute the top
+// (1 - sparsity) blocks of each layer per decoded token (prefill is dense in every mode). What
+// each one does (prefetch, refinement, stages, weight cache, eviction, hot set) is one row of
+// the mode table in src/mode.c:
+//   dense        every block, streamed under the budget (exact)
+//   oneshot      DejaVu: one layer-ahead prediction per layer, no weight cache
+//   dejavu+      oneshot + LRU weight cache
+//   powerinfer2  calibration-hot blocks pinned (hot_fraction of the budget) + LRU for the rest
+//   leanstream   hot set + priority eviction + n_stages priority stages, the next layer's
+//                prefetch refined from partial results after every stage (paper Eq. 2)
 enum {
     LS_MODE_DENSE       = 0,
     LS_MODE_ONESHOT     = 1,
@@ -107,23 +117,31 @@ typedef struct ls_engine_params {
     int32_t        activation;      // LS_ACT_*
     int32_t        mode;            // LS_MODE_*
     uint64_t       memory_budget;   // bytes of FFN weights kept in RAM; 0 = unlimited (keep all)
-    int32_t        n_io_threads;    // I/O worker threads (queue depth), default 16
+    int32_t        n_io_threads;    // I/O worker threads (queue depth), 1..LS_MAX_IO_THREADS, default 16
     uint32_t       max_read_bytes;  // largest single read (adjacent blocks are merged), default 256 KiB
     int32_t        use_direct_io;   // 1: O_DIRECT (default); 0: buffered reads (testing only)
     uint32_t       test_io_delay_us; // test hook: each read sleeps rand()%delay µs first (0: off)
     // sparse decode (modes other than LS_MODE_DENSE; prefill always runs dense)
-    float          sparsity;        // fraction of each layer's blocks NOT computed per token, [0, 1)
-    int32_t        n_stages;        // K: compute stages per layer = refinement points, default 8
+    float          sparsity;        // fraction of each layer's blocks NOT computed per token, [0, 1);
+                                    // -1 (default): the mode's (0 dense, LS_DEFAULT_SPARSITY otherwise)
+    int32_t        n_stages;        // K: compute stages per layer = refinement points (leanstream), default 4
     const char * const * predictor_paths; // [n_layers] predictor file per layer, or NULL
-    int32_t        cache_policy;    // LS_CACHE_*, default LS_CACHE_LRU
+    int32_t        cache_policy;    // LS_CACHE_*; -1 (default): the mode's
     uint32_t       test_io_queue_cap; // test hook: read queue capacity (0: 3 layers' blocks); when
                                       // full, the submitting thread reads synchronously
+    double         hot_fraction;    // share of the cache's slots pinned for the hot set in the modes
+                                    // that pin one, [0, 1]; -1 (default): the mode's (0.5)
+    const float *  block_rank;      // [sum of n_blocks over layers] calibration rank of every block,
+                                    // layer after layer (higher = more often needed), or NULL; the
+                                    // hot set is the top of this ranking (required by powerinfer2)
 } ls_engine_params;
 
-LS_API void        ls_engine_params_init(ls_engine_params * p);
+LS_API void        ls_engine_params_init(ls_engine_params * p);   // the only source of defaults
 LS_API ls_status   ls_engine_create(const ls_engine_params * p, ls_engine ** out);
 LS_API void        ls_engine_free(ls_engine * e);
-LS_API const char * ls_errmsg(void);  // message of the last failed call on this thread
+LS_API const char * ls_errmsg(void);
+// The engine's parameters with the mode's defaults resolved (path arrays and block_rank: NULL).
+LS_API ls_status   ls_engine_get_params(const ls_engine * e, ls_engine_params * out);  // message of the last failed call on this thread
 LS_API int32_t     ls_abi_version(void);
 
 // The last error from an I/O worker or the op (then cleared); LS_OK if none.
@@ -131,8 +149,10 @@ LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_si
 
 // The llama_ffn_builder_t given to llama_set_ffn_builder(ctx, ls_ffn_build, engine): returns a
 // ggml_custom_4d node [n_embd, n_tokens] computing layer il's FFN of cur [n_embd, n_tokens].
+// ffn_inp [n_embd, n_tokens]: the residual entering the FFN, as the patched llama.cpp hands it
+// over (NULL where the architecture's graph names none: dense mode only).
 LS_API struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor * cur,
-                                         int32_t il, void * engine);
+                                         struct ggml_tensor * ffn_inp, int32_t il, void * engine);
 
 // Same computation outside a ggml graph (tests, benchmarks): y = FFN_il(x), x and y are
 // [n_embd, n_tokens] f32, computed by n_threads threads exactly as the graph op would.
@@ -141,12 +161,16 @@ LS_API struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml
 LS_API ls_status   ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
                                int64_t n_tokens, int32_t n_threads);
 
+// How many of a layer's n_blocks a sparse op computes at this sparsity (round half up, at least
+// one): the one definition, which the converter's training uses through the binding too.
+LS_API int32_t     ls_kept_blocks(int32_t n_blocks, float sparsity);
+
 // Priorities of layer il's blocks for its next decode op ([n_blocks], higher first), replacing
 // the predictor's for that op: an oracle for tests and ablations, or an external scheduler.
 LS_API ls_status   ls_engine_set_priorities(ls_engine * e, int32_t il, const float * prio, int32_t n_blocks);
 
-// powerinfer2 mode: blocks of layer il kept resident for good once loaded (the hot set chosen
-// from calibration frequencies); they count against the memory budget.
+// Blocks of layer il kept resident for good once loaded, on top of the hot set the engine chose
+// from params.block_rank (tests, external policies); they count against the memory budget.
 LS_API ls_status   ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * blocks, int32_t n);
 
 // The blocks layer il's last op computed, in compute order (stage by stage); returns how many
@@ -172,7 +196,7 @@ typedef struct ls_layer_info {
 
 LS_API ls_status   ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * out);
 
-// ---- counters (DESIGN §5) -----------------------------------------------------------------
+// ---- counters (README: metrics) -----------------------------------------------------------------
 
 typedef struct ls_stats {
     uint64_t op_calls;         // FFN op executions
@@ -191,6 +215,7 @@ typedef struct ls_stats {
     uint64_t blocks_prefetched; // blocks queued for layer il+1 while layer il computed
     uint64_t refinements;      // predictor re-runs on partial results (Eq. 2)
     uint64_t direct_io;        // 1 if block reads bypass the page cache (O_DIRECT)
+    uint64_t hot_blocks;       // blocks kept resident for good: the hot set (dense: the pinned prefix)
 } ls_stats;
 
 // il = -1: totals over all layers.

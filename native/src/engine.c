@@ -1,45 +1,15 @@
-// engine.c — engine lifetime, block file headers, errors, counters.
+// engine.c — the engine's lifetime (layers, budget -> cache slots, hot set, I/O workers), its
+// error slot and counters, and the small public calls on it.
 
 #include "internal.h"
 
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <immintrin.h>
-#include <sched.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-
-static _Thread_local char tls_errmsg[LS_MAX_ERRMSG];
-
-void ls_set_error(const char * fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(tls_errmsg, sizeof(tls_errmsg), fmt, ap);
-    va_end(ap);
-}
-
-const char * ls_errmsg(void) { return tls_errmsg; }
-int32_t ls_abi_version(void) { return LS_ABI_VERSION; }
-
-void ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...) {
-    pthread_mutex_lock(&e->err_mu);
-    if (e->err_status == LS_OK) { // keep the first error: later ones are usually consequences
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(e->err_msg, sizeof(e->err_msg), fmt, ap);
-        va_end(ap);
-        e->err_status = st;
-    }
-    pthread_mutex_unlock(&e->err_mu);
-}
 
 ls_status ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size) {
     if (!e) return LS_ERR_ARG;
@@ -52,168 +22,12 @@ ls_status ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size) {
     return st;
 }
 
-uint64_t ls_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
-}
-
-// Spin briefly, then yield: on 2 cores the thread we wait for may need this core.
-void ls_cpu_relax(unsigned * spins) {
-    if (++*spins < 64) {
-        _mm_pause();
-    } else {
-        sched_yield();
-    }
-}
-
-void ls_barrier_wait(ls_barrier * b, int n) {
-    if (n <= 1) return;
-    unsigned gen = atomic_load_explicit(&b->gen, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&b->count, 1, memory_order_acq_rel) == n - 1) {
-        atomic_store_explicit(&b->count, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->gen, 1, memory_order_release);
-        return;
-    }
-    unsigned spins = 0;
-    while (atomic_load_explicit(&b->gen, memory_order_acquire) == gen) ls_cpu_relax(&spins);
-}
-
-void ls_engine_params_init(ls_engine_params * p) {
-    memset(p, 0, sizeof(*p));
-    p->activation     = LS_ACT_SILU;
-    p->mode           = LS_MODE_DENSE;
-    p->memory_budget  = 0;
-    p->n_io_threads   = 16; // random 4 KiB O_DIRECT reads need 8+ in flight for full IOPS
-    p->max_read_bytes = 256u << 10;
-    p->use_direct_io  = 1;
-    p->sparsity       = 0.0f;
-    p->n_stages       = 8;
-}
-
-// ---- block file header (format in leanstream.h) --------------------------------------------
-
-static uint32_t rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint64_t rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
-static bool type_ok_for_rows(int32_t t) {
-    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
-    const struct ggml_type_traits_cpu * tc = ggml_get_type_traits_cpu((enum ggml_type) t);
-    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ggml_get_type_traits_cpu(tc->vec_dot_type) : NULL;
-    return tc && tc->vec_dot && vt && vt->from_float;
-}
-
-static bool type_ok_for_cols(int32_t t) {
-    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
-    if (t == GGML_TYPE_F32) return true;
-    const struct ggml_type_traits * tt = ggml_get_type_traits((enum ggml_type) t);
-    return tt && tt->to_float && tt->blck_size > 0;
-}
-
+// One layer: its block file, then the planner's per-block scratch.
 static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char * path) {
     L->e = e;
-    L->il = il;
-    L->fd = -1;
-    L->path = strdup(path);
-    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
-    uint8_t h[4096];
-    ssize_t got = pread(fd, h, sizeof(h), 0);
-    struct stat st;
-    if (fstat(fd, &st) != 0) { ls_set_error("%s: stat: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
-    if (got != (ssize_t) sizeof(h)) {
-        ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st.st_size);
-        close(fd);
-        return LS_ERR_FORMAT;
-    }
-    if (memcmp(h, "LSBLOCKS", 8) != 0) {
-        ls_set_error("%s: not a leanstream block file (bad magic)", path);
-        close(fd);
-        return LS_ERR_FORMAT;
-    }
-    uint32_t version = rd_u32(h + 8);
-    if (version != LS_BLOCK_FILE_VERSION) {
-        ls_set_error("%s: block file version %u, this build reads version %d (re-run leanstream convert)",
-                     path, version, LS_BLOCK_FILE_VERSION);
-        close(fd);
-        return LS_ERR_FORMAT;
-    }
-    ls_layer_info * in = &L->info;
-    uint32_t file_il   = rd_u32(h + 12);
-    in->n_embd          = (int64_t) rd_u64(h + 16);
-    in->n_ff            = (int64_t) rd_u64(h + 24);
-    in->neurons_per_block = (int32_t) rd_u32(h + 32);
-    in->n_blocks        = (int32_t) rd_u32(h + 36);
-    in->gate_type       = (int32_t) rd_u32(h + 40);
-    in->up_type         = (int32_t) rd_u32(h + 44);
-    in->down_type       = (int32_t) rd_u32(h + 48);
-    uint32_t align      = rd_u32(h + 52);
-    L->gate_row_bytes   = rd_u64(h + 56);
-    L->up_row_bytes     = rd_u64(h + 64);
-    L->down_col_bytes   = rd_u64(h + 72);
-    in->block_stride    = rd_u64(h + 80);
-    uint64_t perm_off   = rd_u64(h + 88);
-    in->data_offset     = rd_u64(h + 96);
-    uint64_t file_size  = rd_u64(h + 104);
-
-    const int64_t k = in->neurons_per_block;
-    const char * bad = NULL;
-    if (file_il != (uint32_t) il) bad = "layer index does not match its position";
-    else if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) bad = "zero dimension";
-    else if (k > 256) bad = "more than 256 neurons per block";
-    else if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) bad = "n_blocks != ceil(n_ff / k)";
-    else if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) bad = "unsupported gate/up type";
-    else if (!type_ok_for_cols(in->down_type)) bad = "unsupported down column type";
-    else if (L->gate_row_bytes != ggml_row_size(in->gate_type, in->n_embd) ||
-             L->up_row_bytes   != ggml_row_size(in->up_type, in->n_embd) ||
-             in->n_embd % ggml_blck_size(in->down_type) != 0 ||
-             L->down_col_bytes != ggml_row_size(in->down_type, in->n_embd)) bad = "row sizes do not match the types";
-    else if (align < 512 || (align & (align - 1)) != 0) bad = "alignment is not a power of two >= 512";
-    else if (in->block_stride % align != 0 ||
-             in->block_stride < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes)) bad = "bad block stride";
-    else if (perm_off < 112 || in->data_offset % 4096 != 0 ||
-             perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k > in->data_offset) bad = "bad offsets";
-    else if (file_size != in->data_offset + (uint64_t) in->n_blocks * in->block_stride) bad = "file_size field inconsistent";
-    if (bad) {
-        ls_set_error("%s: malformed block file header: %s", path, bad);
-        close(fd);
-        return LS_ERR_FORMAT;
-    }
-    if ((uint64_t) st.st_size < file_size) {
-        ls_set_error("%s: truncated block file: %lld bytes, header says %llu", path,
-                     (long long) st.st_size, (unsigned long long) file_size);
-        close(fd);
-        return LS_ERR_FORMAT;
-    }
-    in->block_payload = (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes);
-
-    const size_t n_slots = (size_t) in->n_blocks * (size_t) k;
-    L->perm = malloc(n_slots * sizeof(int32_t));
-    L->slot_of_block = malloc((size_t) in->n_blocks * sizeof(int32_t));
-    L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
-    if (!L->perm || !L->slot_of_block || !L->state) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    if (pread(fd, L->perm, n_slots * 4, (off_t) perm_off) != (ssize_t) (n_slots * 4)) {
-        ls_set_error("%s: cannot read the neuron permutation at offset %llu", path, (unsigned long long) perm_off);
-        close(fd);
-        return LS_ERR_FORMAT;
-    }
-    // every neuron exactly once, padding only as -1
-    uint8_t * seen = calloc((size_t) in->n_ff, 1);
-    if (!seen) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    int64_t n_real = 0;
-    for (size_t i = 0; i < n_slots && !bad; i++) {
-        int32_t nid = L->perm[i];
-        if (nid == -1) continue;
-        if (nid < 0 || nid >= in->n_ff || seen[nid]) bad = "permutation is not a permutation of the neurons";
-        else { seen[nid] = 1; n_real++; }
-    }
-    free(seen);
-    if (!bad && n_real != in->n_ff) bad = "permutation misses neurons";
-    if (bad) { ls_set_error("%s: %s", path, bad); close(fd); return LS_ERR_FORMAT; }
-    for (int32_t b = 0; b < in->n_blocks; b++) L->slot_of_block[b] = -1;
-    close(fd);
+    ls_status st = ls_blockfile_open(L, il, path, e->params.use_direct_io != 0, &e->direct_io);
+    if (st != LS_OK) return st;
+    const ls_layer_info * in = &L->info;
     L->prio        = calloc((size_t) in->n_blocks, sizeof(float));
     L->prefetch    = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->order       = malloc((size_t) in->n_blocks * sizeof(int32_t));
@@ -223,40 +37,55 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     L->last_plan   = malloc((size_t) in->n_blocks * sizeof(int32_t));
     if (!L->prio || !L->prefetch || !L->order || !L->stage_mark || !L->in_prefetch || !L->last_plan) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
 
-    // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
-    if (e->params.use_direct_io) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
-        if (L->fd < 0 && errno == EINVAL) {
-            e->direct_io = false; // filesystem without O_DIRECT (tmpfs): fall back, reported in stats
-        } else if (L->fd < 0) {
-            ls_set_error("%s: cannot open with O_DIRECT: %s", path, strerror(errno));
-            return LS_ERR_IO;
-        }
-    }
-    if (L->fd < 0) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
-        if (!e->params.use_direct_io) e->direct_io = false;
-    }
     return LS_OK;
+}
+
+// The hot set (powerinfer2, leanstream): the best-ranked blocks of all layers by calibration
+// frequency fill hot_fraction of the slots, never the room two layers' working sets need.
+static ls_status pick_hot_set(ls_engine * e, const float * rank, int32_t working_set) {
+    if (!rank) {
+        if (!e->policy->hot_required) return LS_OK;
+        ls_set_error("this mode pins the blocks most often active in calibration and needs their ranking "
+                     "(block_rank: the model directory's predictor/block_freq.npy); re-convert with predictors");
+        return LS_ERR_ARG;
+    }
+    const int32_t n_hot = ls_hot_set_size(e->cache.n_slots, working_set, e->params.hot_fraction);
+    if (n_hot == 0) return LS_OK;
+    int32_t * nb = malloc(sizeof(int32_t) * (size_t) e->n_layers);
+    uint8_t ** hot = malloc(sizeof(uint8_t *) * (size_t) e->n_layers);
+    ls_status st = nb && hot ? LS_OK : LS_ERR_NOMEM;
+    for (int32_t il = 0; il < e->n_layers && st == LS_OK; il++) {
+        ls_layer * L = &e->layers[il];
+        nb[il] = L->info.n_blocks;
+        L->hot = calloc((size_t) nb[il], 1);
+        L->hot_pinned = calloc((size_t) nb[il], 1);
+        hot[il] = L->hot;
+        if (!L->hot || !L->hot_pinned) st = LS_ERR_NOMEM;
+    }
+    if (st == LS_OK) st = ls_mode_pick_hot(e->n_layers, nb, rank, n_hot, hot);
+    else ls_set_error("out of memory");
+    if (st == LS_OK) e->n_hot = n_hot;
+    free(nb);
+    free(hot);
+    return st;
 }
 
 ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (!p || !out || p->n_layers <= 0 || !p->block_paths) { ls_set_error("ls_engine_create: bad arguments"); return LS_ERR_ARG; }
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("unknown activation %d", p->activation); return LS_ERR_ARG; }
-    if (p->mode < LS_MODE_DENSE || p->mode > LS_MODE_LEANSTREAM) { ls_set_error("unknown mode %d", p->mode); return LS_ERR_ARG; }
-    if (!(p->sparsity >= 0.0f && p->sparsity < 1.0f)) { ls_set_error("sparsity must be in [0, 1), got %g", (double) p->sparsity); return LS_ERR_ARG; }
-    if (p->cache_policy != LS_CACHE_LRU && p->cache_policy != LS_CACHE_PRIORITY) { ls_set_error("unknown cache policy %d", p->cache_policy); return LS_ERR_ARG; }
-    if (p->n_stages < 1 || p->n_stages > LS_MAX_STAGES) { ls_set_error("n_stages must be in [1, %d], got %d", LS_MAX_STAGES, p->n_stages); return LS_ERR_ARG; }
+    ls_engine_params rp = *p;
+    ls_status st = ls_params_resolve(&rp);
+    if (st != LS_OK) return st;
     *out = NULL;
     ggml_cpu_init(); // fp16 tables for the CPU type traits (idempotent)
 
     ls_engine * e = calloc(1, sizeof(*e));
     if (!e) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    e->params = *p;
-    if (e->params.n_io_threads <= 0) e->params.n_io_threads = 16;
-    if (e->params.max_read_bytes < 4096) e->params.max_read_bytes = 256u << 10;
+    e->params = rp;
+    e->policy = ls_mode_policy_of(rp.mode);
     e->params.block_paths = NULL; // not owned
+    e->params.predictor_paths = NULL;
+    e->params.block_rank = NULL;
     e->direct_io = true;
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->err_mu, NULL);
@@ -265,7 +94,6 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (!e->layers) { free(e); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     for (int32_t il = 0; il < p->n_layers; il++) e->layers[il].fd = -1;
 
-    ls_status st = LS_OK;
     uint64_t stride = 0, total_bytes = 0;
     int32_t total_blocks = 0, max_layer_blocks = 0, max_working_set = 0;
     for (int32_t il = 0; il < p->n_layers && st == LS_OK; il++) {
@@ -293,7 +121,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
         if (in->block_stride > stride) stride = in->block_stride;
         total_blocks += in->n_blocks;
         total_bytes += (uint64_t) in->n_blocks * in->block_stride;
-        const int32_t ws = p->mode == LS_MODE_DENSE ? in->n_blocks : ls_sched_n_selected(e, &e->layers[il]);
+        const int32_t ws = e->policy->sparse ? ls_kept_blocks(in->n_blocks, e->params.sparsity) : in->n_blocks;
         if (ws > max_working_set) max_working_set = ws;
         if (in->n_blocks > max_layer_blocks) max_layer_blocks = in->n_blocks;
     }
@@ -309,12 +137,12 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
                          "x %llu bytes = %llu bytes (%s); the whole FFN is %llu bytes",
                          (unsigned long long) p->memory_budget, max_working_set,
                          (unsigned long long) stride, (unsigned long long) max_working_set * stride,
-                         p->mode == LS_MODE_DENSE ? "dense: every block of a layer" : "the blocks computed per token",
+                         e->policy->sparse ? "the blocks computed per token" : "dense: every block of a layer",
                          (unsigned long long) total_bytes);
             st = LS_ERR_BUDGET;
         } else {
             st = ls_cache_init(&e->cache, stride, (int32_t) n_slots, total_blocks);
-            e->cache.policy = p->cache_policy;
+            e->cache.policy = e->params.cache_policy;
         }
         ls_plan * P = &e->plan;
         if (st == LS_OK) {
@@ -325,7 +153,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
         }
     }
-    if (st == LS_OK && p->mode == LS_MODE_DENSE && !e->cache.never_evicts) {
+    if (st == LS_OK && !e->policy->sparse && !e->cache.never_evicts) {
         // Dense decode scans every block of every layer in the same order each token: LRU
         // evicts each block just before it is needed again and reads the whole FFN per token.
         // Keep a fixed prefix of the scan resident instead (the optimal policy for a cyclic
@@ -336,15 +164,17 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             L->hot = calloc((size_t) L->info.n_blocks, 1);
             L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
             if (!L->hot || !L->hot_pinned) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; break; }
-            for (int32_t b = 0; b < L->info.n_blocks && n_pin > 0; b++, n_pin--) L->hot[b] = 1;
+            for (int32_t b = 0; b < L->info.n_blocks && n_pin > 0; b++, n_pin--) { L->hot[b] = 1; e->n_hot++; }
         }
     }
+    // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
+    if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
     if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us, p->test_io_queue_cap);
     if (st != LS_OK) {
         char saved[LS_MAX_ERRMSG];
-        snprintf(saved, sizeof(saved), "%s", tls_errmsg);
+        snprintf(saved, sizeof(saved), "%s", ls_errmsg());
         ls_engine_free(e);
-        snprintf(tls_errmsg, sizeof(tls_errmsg), "%s", saved);
+        ls_set_error("%s", saved);
         return st;
     }
     *out = e;
@@ -377,6 +207,12 @@ void ls_engine_free(ls_engine * e) {
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->err_mu);
     free(e);
+}
+
+ls_status ls_engine_get_params(const ls_engine * e, ls_engine_params * out) {
+    if (!e || !out) { ls_set_error("ls_engine_get_params: bad arguments"); return LS_ERR_ARG; }
+    *out = e->params;
+    return LS_OK;
 }
 
 ls_status ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * out) {
@@ -420,6 +256,7 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     out->cache_capacity = (uint64_t) e->cache.n_slots * e->cache.stride;
     out->direct_io = e->direct_io ? 1 : 0;
+    out->hot_blocks = (uint64_t) e->n_hot;
     return LS_OK;
 }
 
@@ -467,7 +304,7 @@ ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * bl
     }
     for (int32_t i = 0; i < n && st == LS_OK; i++) {
         if (blocks[i] < 0 || blocks[i] >= L->info.n_blocks) { ls_set_error("hot block %d out of range", blocks[i]); st = LS_ERR_ARG; }
-        else L->hot[blocks[i]] = 1;
+        else if (!L->hot[blocks[i]]) { L->hot[blocks[i]] = 1; e->n_hot++; }
     }
     pthread_mutex_unlock(&e->mu);
     return st;

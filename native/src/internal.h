@@ -7,6 +7,9 @@
 //                    waits for each block's ready flag, accumulates its neurons' partial output
 //   reduce:          dst = sum of the per-thread partial outputs, in thread order (deterministic)
 //   finish (thread 0): unpin the blocks (they become evictable in LRU order)
+//
+// Policies (what a mode does, how many blocks sparsity s keeps, defaults, the hot set's size)
+// have one owner: mode.c.
 
 #ifndef LS_INTERNAL_H
 #define LS_INTERNAL_H
@@ -21,6 +24,18 @@
 // Block states (the per-block ready flags of Algorithm 1).
 enum { LS_BLK_ABSENT = 0, LS_BLK_LOADING = 1, LS_BLK_READY = 2, LS_BLK_FAILED = 3 };
 
+// What a mode does (mode.c holds one row per LS_MODE_*).
+typedef struct ls_mode_policy {
+    bool    sparse;        // decode computes the top (1 - sparsity) blocks, not all
+    bool    prefetch;      // while layer il computes, queue layer il+1's predicted blocks
+    bool    refine;        // re-predict layer il+1 after every stage from partial outputs (Eq. 2)
+    bool    staged;        // n_stages priority-ordered compute stages per layer (else one)
+    bool    keep_cache;    // blocks stay cached after the op (false: oneshot reads every time)
+    int32_t eviction;      // default LS_CACHE_*
+    float   hot_fraction;  // default share of the slots pinned for the calibration-hot blocks;
+                           // 0: the mode pins no hot set (params.hot_fraction is ignored)
+    bool    hot_required;  // the mode is meaningless without a calibration ranking
+} ls_mode_policy;
 typedef struct ls_layer_stats {
     _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
                      bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
@@ -128,7 +143,8 @@ typedef struct ls_plan {
 } ls_plan;
 
 struct ls_engine {
-    ls_engine_params params;
+    ls_engine_params params;         // defaults resolved (ls_params_resolve)
+    const ls_mode_policy * policy;   // params.mode's row of the mode table
     int32_t          n_layers;
     ls_layer *       layers;
     ls_cache         cache;
@@ -140,15 +156,43 @@ struct ls_engine {
     ls_status        err_status;
     char             err_msg[LS_MAX_ERRMSG];
     bool             direct_io;      // O_DIRECT active on the block files
+    int32_t          n_hot;          // blocks marked hot (kept resident once loaded)
 };
 
-// engine.c
+// Files and who calls whom (no loops: a file calls only files below it in this list):
+//   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
+//   op.c         the op (plan, compute, reduce), ls_ffn_eval -> schedule.c engine.c kernels.c cache.c util.c
+//   schedule.c   selection, stages, prefetch, refinement     -> cache.c io.c predictor.c mode.c util.c
+//   engine.c     lifetime, budget -> slots, counters          -> blockfile.c cache.c io.c predictor.c mode.c util.c
+//   io.c         O_DIRECT read workers                        -> cache.c util.c
+//   cache.c      budgeted slots, eviction                     -> util.c
+//   blockfile.c  block file header, permutation, descriptor   -> util.c
+//   predictor.c  hashing predictor files and evaluation        -> util.c
+//   kernels.c    activations, dequantization, down projection  (leaf)
+//   mode.c       mode table, kept-blocks count, defaults, hot set -> util.c
+//   util.c       errors, clock, spin, barrier                  (leaf)
+
+#define LS_DEFAULT_SPARSITY 0.5f
+
+// util.c
 void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
                 __attribute__((format(printf, 3, 4)));
 uint64_t    ls_now_ns(void);
 void        ls_barrier_wait(ls_barrier * b, int n);
 void        ls_cpu_relax(unsigned * spins);
+
+// mode.c
+const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode
+ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
+int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
+// hot[il][b] = 1 for the n_hot best-ranked blocks of all layers (rank: layer after layer)
+ls_status   ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
+                             uint8_t ** hot);
+
+// blockfile.c: open layer il's block file into L (info, perm, fd). *direct_io is cleared when
+// the file system refuses O_DIRECT.
+ls_status   ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io);
 
 // cache.c
 ls_status   ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t total_blocks);
@@ -173,13 +217,24 @@ void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, in
 int32_t     ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int32_t cap);
 
 // schedule.c (thread 0, under e->mu)
-int32_t     ls_sched_n_selected(const ls_engine * e, const ls_layer * L);
 ls_status   ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const float * x_res);
 ls_status   ls_sched_stage_begin(ls_engine * e, int32_t s);
 void        ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial);
 void        ls_sched_finish(ls_engine * e, bool * all_ready);
 
-// op.c
-void        ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+// kernels.c: y += h * column, for the down projection (Q8_0 columns fused; others dequantized)
+typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;
+float       ls_act(int32_t activation, float g);                       // LS_ACT_* of a gate value
+void        ls_dequant_q8_0(float * out, const ls_block_q8_0 * col, int64_t n);
+// acc[0..n) += sum_{j<m} h[j] * dequant(cols[j]) (Q8_0 columns, read in place)
+void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
+// acc[t] += sum_j h[j][t] * cols[j] for T token rows (f32 columns staged in a tile)
+void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd);
+
+// op.c: the whole op for one of nth threads (the graph node and ls_ffn_eval both run it).
+// x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
+// FFN, [n_embd] (sparse decode; may be NULL); y: output [n_tokens, n_embd].
+void        ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
+                      float * y, int64_t n_tokens, int ith, int nth);
 
 #endif // LS_INTERNAL_H

@@ -26,13 +26,6 @@
 #define LS_TILE_MAX 256 // k above this is refused at load
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
-static inline float act_silu(float x) { return x / (1.0f + expf(-x)); }
-static inline float act_gelu(float x) {
-    // tanh approximation, as ggml_gelu
-    const float c = 0.797884560802865f; // sqrt(2/pi)
-    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
-}
-
 static bool grow(void ** p, size_t * cap, size_t need, size_t elem) {
     if (need <= *cap) return true;
     void * q = NULL;
@@ -90,68 +83,17 @@ static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
     return s == LS_BLK_READY;
 }
 
-// ---- down-projection kernels: acc += h * column --------------------------------------------
-// Q8_0 columns (the converter's default) get fused AVX2 kernels: block = {f16 d; int8 q[32]}.
-
-typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;
-
-static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-
-// acc[0..n) += sum_{j<m} h[j] * dequant(col_j): one load/store of acc per 8 columns
-static void axpy_q8_0_multi(float * restrict acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
-    for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
-        for (int64_t b = 0; b < n / 32; b++) {
-            __m256 s[8];
-            for (int j = 0; j < mj; j++) s[j] = _mm256_set1_ps(h[j0 + j] * f16_to_f32(cols[j0 + j][b].d));
-            float * a = acc + b * 32;
-            for (int i = 0; i < 32; i += 8) {
-                __m256 v = _mm256_loadu_ps(a + i);
-                for (int j = 0; j < mj; j++) {
-                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (cols[j0 + j][b].qs + i))));
-                    v = _mm256_fmadd_ps(s[j], q, v);
-                }
-                _mm256_storeu_ps(a + i, v);
-            }
-        }
-    }
-}
-
-static void dequant_q8_0(float * restrict out, const ls_block_q8_0 * restrict col, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++) {
-        const __m256 s = _mm256_set1_ps(f16_to_f32(col[b].d));
-        for (int i = 0; i < 32; i += 8) {
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (col[b].qs + i))));
-            _mm256_storeu_ps(out + b * 32 + i, _mm256_mul_ps(s, q));
-        }
-    }
-}
-
-// acc[t] += sum_j h[j][t] * col_j over the staged neurons; t outermost keeps acc[t] in L1.
-static void flush_tile(float * restrict acc, const float * restrict h, const float * restrict cols,
-                       int n_staged, int64_t T, int64_t n_embd) {
-    for (int64_t t = 0; t < T; t++) {
-        float * restrict at = acc + (size_t) t * n_embd;
-        for (int j = 0; j < n_staged; j++) {
-            const float hv = h[(size_t) j * T + t];
-            if (hv == 0.0f) continue;
-            const float * restrict cj = cols + (size_t) j * n_embd;
-            for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
-        }
-    }
-}
-
 static void flush(float * acc, const float * h, const float * cols, const ls_block_q8_0 * const * qcols,
                   int n_staged, int64_t T, int64_t n_embd, bool direct) {
     if (n_staged == 0) return;
     if (!direct) {
-        flush_tile(acc, h, cols, n_staged, T, n_embd);
+        ls_axpy_tile(acc, h, cols, n_staged, T, n_embd);
         return;
     }
     float hs[LS_TILE_MAX];
     for (int64_t t = 0; t < T; t++) {
         for (int j = 0; j < n_staged; j++) hs[j] = h[(size_t) j * T + t];
-        axpy_q8_0_multi(acc + (size_t) t * n_embd, hs, qcols, n_staged, n_embd);
+        ls_axpy_q8_0_multi(acc + (size_t) t * n_embd, hs, qcols, n_staged, n_embd);
     }
 }
 
@@ -167,7 +109,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
-    const bool gelu = e->params.activation == LS_ACT_GELU;
+    const int32_t act = e->params.activation;
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
     const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
 
@@ -208,7 +150,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
                 float g, u;
                 tg->vec_dot(n_embd, &g, 0, gate + j * L->gate_row_bytes, 0, xg + (size_t) t * rg, 0, 1);
                 tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu + (size_t) t * ru, 0, 1);
-                hj[t] = (gelu ? act_gelu(g) : act_silu(g)) * u;
+                hj[t] = ls_act(act, g) * u;
             }
             const uint8_t * col = down + j * L->down_col_bytes;
             if (direct) { // decode: stage the int8 column itself, flushed by axpy_q8_0_multi
@@ -217,7 +159,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             }
             float * cj = cols + (size_t) n_staged * n_embd;
             if (in->down_type == GGML_TYPE_Q8_0) {
-                dequant_q8_0(cj, (const ls_block_q8_0 *) col, n_embd);
+                ls_dequant_q8_0(cj, (const ls_block_q8_0 *) col, n_embd);
             } else if (down_to_float) {
                 down_to_float(col, cj, n_embd);
             } else { // F32 columns
@@ -237,8 +179,8 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
 // The whole op for one thread; the same code serves the ggml graph and ls_ffn_eval.
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
 // FFN (sparse decode and prefetch use it; may be NULL); y: output [n_tokens, n_embd].
-static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
-                   float * y, int64_t n_tokens, int ith, int nth) {
+void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
+               float * y, int64_t n_tokens, int ith, int nth) {
     ls_plan * P = &e->plan;
     const size_t row = (size_t) L->info.n_embd, per = (size_t) n_tokens * row;
     uint64_t t0 = 0;
@@ -324,56 +266,6 @@ static void run_op(ls_engine * e, ls_layer * L, const float * x, size_t x_row_st
     }
 }
 
-void ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    ls_layer * L = userdata;
-    const struct ggml_tensor * src = dst->src[0];
-    const struct ggml_tensor * res = dst->src[1];
-    const int64_t n_tokens = ggml_nrows(src);
-    // the residual of the last token row (decode: the only one)
-    const float * x_res = res ? (const float *) ((const char *) res->data + (size_t) (ggml_nrows(res) - 1) * res->nb[1]) : NULL;
-    run_op(L->e, L, (const float *) src->data, src->nb[1], x_res, (float *) dst->data, n_tokens, ith, nth);
-}
-
-// The residual entering the FFN: llama.cpp builds cur = ffn_norm_w * rms_norm(ffn_inp), so it is
-// cur->src[0 or 1]->src[0] when that shape is there (llama, qwen2); NULL otherwise.
-static struct ggml_tensor * find_ffn_inp(struct ggml_tensor * cur) {
-    if (cur->op != GGML_OP_MUL) return NULL;
-    for (int i = 0; i < 2; i++) {
-        struct ggml_tensor * n = cur->src[i];
-        if (n && n->op == GGML_OP_RMS_NORM && n->src[0] && n->src[0]->type == GGML_TYPE_F32 &&
-            n->src[0]->ne[0] == cur->ne[0] && ggml_nrows(n->src[0]) == ggml_nrows(cur) &&
-            ggml_is_contiguous_rows(n->src[0])) {
-            return n->src[0];
-        }
-    }
-    return NULL;
-}
-
-struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor * cur, int32_t il, void * engine) {
-    ls_engine * e = engine;
-    if (!e || il < 0 || il >= e->n_layers) {
-        if (e) ls_engine_record_error(e, LS_ERR_ARG, "llama.cpp asked for FFN layer %d, the model directory has %d", il, e->n_layers);
-        return NULL;
-    }
-    ls_layer * L = &e->layers[il];
-    if (cur->type != GGML_TYPE_F32 || cur->ne[0] != L->info.n_embd || !ggml_is_contiguous_rows(cur) ||
-        cur->ne[2] * cur->ne[3] != 1) {
-        ls_engine_record_error(e, LS_ERR_UNSUPPORTED, "layer %d: FFN input [%lld, %lld, %lld] %s does not fit the block files (n_embd %lld)",
-                               il, (long long) cur->ne[0], (long long) cur->ne[1], (long long) cur->ne[2],
-                               ggml_type_name(cur->type), (long long) L->info.n_embd);
-        return NULL;
-    }
-    struct ggml_tensor * args[2] = { cur, find_ffn_inp(cur) };
-    if (e->params.mode != LS_MODE_DENSE && !args[1]) {
-        ls_engine_record_error(e, LS_ERR_UNSUPPORTED, "layer %d: cannot find the residual entering the FFN "
-                               "(needed by sparse modes) in this architecture's graph", il);
-        return NULL;
-    }
-    // sized from cur->ne[1]: the last layer sees only the output rows (inp_out_ids)
-    return ggml_custom_4d(ctx0, GGML_TYPE_F32, cur->ne[0], cur->ne[1], 1, 1, args, args[1] ? 2 : 1,
-                          ls_op_compute, GGML_N_TASKS_MAX, L);
-}
-
 // ---- ls_ffn_eval: the op outside a graph -------------------------------------------------------
 
 typedef struct eval_arg {
@@ -392,7 +284,7 @@ static void * eval_thread(void * p) {
     unsigned spins = 0;
     int go;
     while ((go = atomic_load_explicit(a->go, memory_order_acquire)) == 0) ls_cpu_relax(&spins);
-    if (go > 0) run_op(a->e, a->L, a->x, sizeof(float) * (size_t) a->L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
+    if (go > 0) ls_op_run(a->e, a->L, a->x, sizeof(float) * (size_t) a->L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
     return NULL;
 }
 

@@ -36,16 +36,15 @@ static void select_top(int32_t * idx, int32_t lo, int32_t hi, int32_t k, const f
     }
 }
 
-int32_t ls_sched_n_selected(const ls_engine * e, const ls_layer * L) {
-    int32_t n = (int32_t) ((1.0 - (double) e->params.sparsity) * L->info.n_blocks + 0.5);
-    return n < 1 ? 1 : n > L->info.n_blocks ? L->info.n_blocks : n;
+static int32_t n_kept(const ls_engine * e, const ls_layer * L) {
+    return ls_kept_blocks(L->info.n_blocks, e->params.sparsity);
 }
 
 // Top n_sel blocks of L by prio into out[0, n_sel), in n_stages groups of descending priority,
 // each group in file order. stage_end[s] receives the end of group s.
 static void select_stages(const ls_engine * e, ls_layer * L, const float * prio, int32_t * out,
                           int32_t n_stages, int32_t * stage_end) {
-    const int32_t nb = L->info.n_blocks, n_sel = ls_sched_n_selected(e, L);
+    const int32_t nb = L->info.n_blocks, n_sel = n_kept(e, L);
     int32_t * idx = L->order;
     for (int32_t b = 0; b < nb; b++) idx[b] = b;
     select_top(idx, 0, nb, n_sel, prio);
@@ -123,16 +122,11 @@ static void release_blocks(ls_engine * e, ls_layer * L, const int32_t * blocks, 
 
 // ---- prefetch of the next layer ----------------------------------------------------------------
 
-static bool prefetches(const ls_engine * e) {
-    const int32_t m = e->params.mode;
-    return m == LS_MODE_ONESHOT || m == LS_MODE_DEJAVU_PLUS || m == LS_MODE_POWERINFER2 || m == LS_MODE_LEANSTREAM;
-}
-
 // Pin + queue the top set of layer N from its current priorities, skipping blocks already
 // prefetched. Budget permitting.
 static void prefetch_top(ls_engine * e, ls_layer * N) {
     ls_plan * P = &e->plan;
-    int32_t n_sel = ls_sched_n_selected(e, N);
+    int32_t n_sel = n_kept(e, N);
     int32_t * want = P->scratch;
     int32_t ends[LS_MAX_STAGES];
     int32_t groups = e->params.n_stages < n_sel ? e->params.n_stages : n_sel;
@@ -174,8 +168,8 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
     P->n = 0;
     P->n_acquired = 0;
     P->x_res = x_res;
-    P->sparse = n_tokens == 1 && e->params.mode != LS_MODE_DENSE;
-    P->refine = P->sparse && e->params.mode == LS_MODE_LEANSTREAM && x_res && L->il + 1 < e->n_layers &&
+    P->sparse = n_tokens == 1 && e->policy->sparse;
+    P->refine = P->sparse && e->policy->refine && x_res && L->il + 1 < e->n_layers &&
                 e->layers[L->il + 1].pred;
 
     if (!P->sparse) {
@@ -208,8 +202,8 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
         ls_status st = run_predictor(e, L, x_res);
         if (st != LS_OK) return st;
     }
-    int32_t n_stages = e->params.mode == LS_MODE_LEANSTREAM ? e->params.n_stages : 1;
-    const int32_t n_sel = ls_sched_n_selected(e, L);
+    int32_t n_stages = e->policy->staged ? e->params.n_stages : 1;
+    const int32_t n_sel = n_kept(e, L);
     if (n_stages > n_sel) n_stages = n_sel;
     P->n_stages = n_stages;
     select_stages(e, L, L->prio, P->blocks, n_stages, P->stage_end);
@@ -236,7 +230,7 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
     if (P->n_acquired < n_sel) return LS_ERR_BUDGET;
 
     // load ahead: layer il+1's top set from the layer-ahead input x_il
-    if (prefetches(e) && x_res && L->il + 1 < e->n_layers) {
+    if (e->policy->prefetch && x_res && L->il + 1 < e->n_layers) {
         ls_layer * N = &e->layers[L->il + 1];
         if (N->pred && run_predictor(e, N, x_res) == LS_OK) prefetch_top(e, N);
     }
@@ -259,7 +253,7 @@ void ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial) {
     if (!P->sparse) {
         if (P->n_stages > 1 && s < P->n_stages - 1) { // chunked: let this chunk go before the next
             const int32_t lo = s == 0 ? 0 : P->stage_end[s - 1];
-            release_blocks(e, L, P->blocks + lo, P->stage_end[s] - lo, true, e->params.mode != LS_MODE_ONESHOT);
+            release_blocks(e, L, P->blocks + lo, P->stage_end[s] - lo, true, e->policy->keep_cache);
         }
         return;
     }
@@ -284,7 +278,7 @@ void ls_sched_finish(ls_engine * e, bool * all_ready) {
         if (atomic_load_explicit(&L->state[P->blocks[i]], memory_order_acquire) != LS_BLK_READY) *all_ready = false;
     }
     if (L->pinned_forever) return;
-    const bool keep = e->params.mode != LS_MODE_ONESHOT; // oneshot (DejaVu): no weight cache
+    const bool keep = e->policy->keep_cache; // oneshot (DejaVu): no weight cache
     if (!P->sparse && P->n_stages > 1) {
         // chunked dense: all but the last chunk were released after their stage
         const int32_t lo = P->stage_end[P->n_stages - 2];

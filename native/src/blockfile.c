@@ -1,0 +1,153 @@
+// blockfile.c — opening one layer's block file: the header checked field by field (format in
+// leanstream.h; every file is treated as hostile), the neuron permutation, the data descriptor
+// (O_DIRECT where the file system allows it).
+
+#include "internal.h"
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static uint32_t rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static bool type_ok_for_rows(int32_t t) {
+    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
+    const struct ggml_type_traits_cpu * tc = ggml_get_type_traits_cpu((enum ggml_type) t);
+    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ggml_get_type_traits_cpu(tc->vec_dot_type) : NULL;
+    return tc && tc->vec_dot && vt && vt->from_float;
+}
+
+static bool type_ok_for_cols(int32_t t) {
+    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
+    if (t == GGML_TYPE_F32) return true;
+    const struct ggml_type_traits * tt = ggml_get_type_traits((enum ggml_type) t);
+    return tt && tt->to_float && tt->blck_size > 0;
+}
+
+ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
+    L->il = il;
+    L->fd = -1;
+    L->path = strdup(path);
+    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+    uint8_t h[4096];
+    ssize_t got = pread(fd, h, sizeof(h), 0);
+    struct stat st;
+    if (fstat(fd, &st) != 0) { ls_set_error("%s: stat: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
+    if (got != (ssize_t) sizeof(h)) {
+        ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st.st_size);
+        close(fd);
+        return LS_ERR_FORMAT;
+    }
+    if (memcmp(h, "LSBLOCKS", 8) != 0) {
+        ls_set_error("%s: not a leanstream block file (bad magic)", path);
+        close(fd);
+        return LS_ERR_FORMAT;
+    }
+    uint32_t version = rd_u32(h + 8);
+    if (version != LS_BLOCK_FILE_VERSION) {
+        ls_set_error("%s: block file version %u, this build reads version %d (re-run leanstream convert)",
+                     path, version, LS_BLOCK_FILE_VERSION);
+        close(fd);
+        return LS_ERR_FORMAT;
+    }
+    ls_layer_info * in = &L->info;
+    uint32_t file_il   = rd_u32(h + 12);
+    in->n_embd          = (int64_t) rd_u64(h + 16);
+    in->n_ff            = (int64_t) rd_u64(h + 24);
+    in->neurons_per_block = (int32_t) rd_u32(h + 32);
+    in->n_blocks        = (int32_t) rd_u32(h + 36);
+    in->gate_type       = (int32_t) rd_u32(h + 40);
+    in->up_type         = (int32_t) rd_u32(h + 44);
+    in->down_type       = (int32_t) rd_u32(h + 48);
+    uint32_t align      = rd_u32(h + 52);
+    L->gate_row_bytes   = rd_u64(h + 56);
+    L->up_row_bytes     = rd_u64(h + 64);
+    L->down_col_bytes   = rd_u64(h + 72);
+    in->block_stride    = rd_u64(h + 80);
+    uint64_t perm_off   = rd_u64(h + 88);
+    in->data_offset     = rd_u64(h + 96);
+    uint64_t file_size  = rd_u64(h + 104);
+
+    const int64_t k = in->neurons_per_block;
+    const char * bad = NULL;
+    if (file_il != (uint32_t) il) bad = "layer index does not match its position";
+    else if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) bad = "zero dimension";
+    else if (k > 256) bad = "more than 256 neurons per block";
+    else if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) bad = "n_blocks != ceil(n_ff / k)";
+    else if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) bad = "unsupported gate/up type";
+    else if (!type_ok_for_cols(in->down_type)) bad = "unsupported down column type";
+    else if (L->gate_row_bytes != ggml_row_size(in->gate_type, in->n_embd) ||
+             L->up_row_bytes   != ggml_row_size(in->up_type, in->n_embd) ||
+             in->n_embd % ggml_blck_size(in->down_type) != 0 ||
+             L->down_col_bytes != ggml_row_size(in->down_type, in->n_embd)) bad = "row sizes do not match the types";
+    else if (align < 512 || (align & (align - 1)) != 0) bad = "alignment is not a power of two >= 512";
+    else if (in->block_stride % align != 0 ||
+             in->block_stride < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes)) bad = "bad block stride";
+    else if (perm_off < 112 || in->data_offset % 4096 != 0 ||
+             perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k > in->data_offset) bad = "bad offsets";
+    else if (file_size != in->data_offset + (uint64_t) in->n_blocks * in->block_stride) bad = "file_size field inconsistent";
+    if (bad) {
+        ls_set_error("%s: malformed block file header: %s", path, bad);
+        close(fd);
+        return LS_ERR_FORMAT;
+    }
+    if ((uint64_t) st.st_size < file_size) {
+        ls_set_error("%s: truncated block file: %lld bytes, header says %llu", path,
+                     (long long) st.st_size, (unsigned long long) file_size);
+        close(fd);
+        return LS_ERR_FORMAT;
+    }
+    in->block_payload = (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes);
+
+    const size_t n_slots = (size_t) in->n_blocks * (size_t) k;
+    L->perm = malloc(n_slots * sizeof(int32_t));
+    L->slot_of_block = malloc((size_t) in->n_blocks * sizeof(int32_t));
+    L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
+    if (!L->perm || !L->slot_of_block || !L->state) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    if (pread(fd, L->perm, n_slots * 4, (off_t) perm_off) != (ssize_t) (n_slots * 4)) {
+        ls_set_error("%s: cannot read the neuron permutation at offset %llu", path, (unsigned long long) perm_off);
+        close(fd);
+        return LS_ERR_FORMAT;
+    }
+    // every neuron exactly once, padding only as -1
+    uint8_t * seen = calloc((size_t) in->n_ff, 1);
+    if (!seen) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    int64_t n_real = 0;
+    for (size_t i = 0; i < n_slots && !bad; i++) {
+        int32_t nid = L->perm[i];
+        if (nid == -1) continue;
+        if (nid < 0 || nid >= in->n_ff || seen[nid]) bad = "permutation is not a permutation of the neurons";
+        else { seen[nid] = 1; n_real++; }
+    }
+    free(seen);
+    if (!bad && n_real != in->n_ff) bad = "permutation misses neurons";
+    if (bad) { ls_set_error("%s: %s", path, bad); close(fd); return LS_ERR_FORMAT; }
+    for (int32_t b = 0; b < in->n_blocks; b++) L->slot_of_block[b] = -1;
+    close(fd);
+    // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
+    if (use_direct_io) {
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (L->fd < 0 && errno == EINVAL) {
+            *direct_io = false; // filesystem without O_DIRECT (tmpfs): fall back, reported in stats
+        } else if (L->fd < 0) {
+            ls_set_error("%s: cannot open with O_DIRECT: %s", path, strerror(errno));
+            return LS_ERR_IO;
+        }
+    }
+    if (L->fd < 0) {
+        L->fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+        if (!use_direct_io) *direct_io = false;
+    }
+    return LS_OK;
+}
