@@ -22,6 +22,7 @@ it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -285,10 +286,9 @@ def pack_blocks(gate_rows: np.ndarray, up_rows: np.ndarray, down_cols: np.ndarra
 
 def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks: np.ndarray) -> None:
     tmp = path.with_name(path.name + PARTIAL)
+    h, meta = blockfile.pack_meta(h, slots, blockfile.block_checksums(blocks))
     with open(tmp, "wb") as f:
-        f.write(h.pack())                                     # [0, 4096)
-        f.write(slots.astype("<i4").tobytes())                # [4096, 4096 + 4*n_blocks*k)
-        f.write(b"\0" * (h.data_offset - f.tell()))
+        f.write(meta)                                         # header, perm and checksum tables
         f.write(memoryview(blocks).cast("B"))
         f.flush()
         os.fsync(f.fileno())
@@ -298,13 +298,17 @@ def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks
 
 
 def _layer_done(path: Path, h: blockfile.BlockHeader, slots: np.ndarray) -> bool:
-    """A block file from an earlier run that is complete and matches what would be written."""
+    """A block file from an earlier run that is complete and matches what would be written
+    (its tables intact: the block checksums are verified whenever the blocks are read)."""
     try:
         if path.stat().st_size != h.file_size:
             return False
-        if blockfile.read_header(path) != h:
+        old = blockfile.read_header(path)
+        if dataclasses.replace(old, meta_crc=0) != h:
             return False
-        return np.array_equal(blockfile.read_perm(path, h), slots)
+        with open(path, "rb") as f:
+            meta = f.read(h.data_offset)
+        return blockfile.check_meta(meta, old) and np.array_equal(blockfile.read_perm(path, h), slots)
     except (OSError, ValueError):
         return False
 

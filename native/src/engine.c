@@ -89,6 +89,7 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->use_direct_io  = 1;
     p->sparsity       = 0.0f;
     p->n_stages       = 8;
+    p->verify_checksums = 1;
 }
 
 // ---- block file header (format in leanstream.h) --------------------------------------------
@@ -110,6 +111,27 @@ static bool type_ok_for_cols(int32_t t) {
     return tt && tt->to_float && tt->blck_size > 0;
 }
 
+// Open a file of the model directory for reading: the last path component must not be a
+// symlink (the Python side resolves the path inside the model directory first), and it must be
+// a regular file — a FIFO or device would block or stream forever. O_NONBLOCK keeps open() of a
+// FIFO from waiting for a writer; it has no effect on regular files.
+ls_status ls_open_regular(const char * path, int * fd_out, struct stat * st) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        if (errno == ELOOP) ls_set_error("%s: is a symbolic link; model files must be regular files", path);
+        else ls_set_error("%s: cannot open: %s", path, strerror(errno));
+        return LS_ERR_IO;
+    }
+    if (fstat(fd, st) != 0) { ls_set_error("%s: stat: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
+    if (!S_ISREG(st->st_mode)) {
+        ls_set_error("%s: not a regular file (a FIFO, device or directory); model files must be regular files", path);
+        close(fd);
+        return LS_ERR_IO;
+    }
+    *fd_out = fd;
+    return LS_OK;
+}
+
 static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char * path) {
     L->e = e;
     L->il = il;
@@ -117,12 +139,12 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     L->path = strdup(path);
     if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
 
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+    int fd = -1;
+    struct stat st;
+    ls_status ost = ls_open_regular(path, &fd, &st);
+    if (ost != LS_OK) return ost;
     uint8_t h[4096];
     ssize_t got = pread(fd, h, sizeof(h), 0);
-    struct stat st;
-    if (fstat(fd, &st) != 0) { ls_set_error("%s: stat: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
     if (got != (ssize_t) sizeof(h)) {
         ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st.st_size);
         close(fd);
@@ -135,8 +157,9 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     }
     uint32_t version = rd_u32(h + 8);
     if (version != LS_BLOCK_FILE_VERSION) {
-        ls_set_error("%s: block file version %u, this build reads version %d (re-run leanstream convert)",
-                     path, version, LS_BLOCK_FILE_VERSION);
+        ls_set_error("%s: block file version %u, this build reads version %d%s (re-run `leanstream convert` "
+                     "with --force to rewrite the model directory)", path, version, LS_BLOCK_FILE_VERSION,
+                     version == 1 ? ", which adds a checksum to every block" : "");
         close(fd);
         return LS_ERR_FORMAT;
     }
@@ -157,11 +180,14 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     uint64_t perm_off   = rd_u64(h + 88);
     in->data_offset     = rd_u64(h + 96);
     uint64_t file_size  = rd_u64(h + 104);
+    uint64_t crc_off    = rd_u64(h + 112);
+    uint32_t meta_crc   = rd_u32(h + 120);
 
     const int64_t k = in->neurons_per_block;
     const char * bad = NULL;
     if (file_il != (uint32_t) il) bad = "layer index does not match its position";
     else if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) bad = "zero dimension";
+    else if (in->n_embd > (1 << 24) || in->n_ff > (1 << 28)) bad = "implausibly large dimension";
     else if (k > 256) bad = "more than 256 neurons per block";
     else if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) bad = "n_blocks != ceil(n_ff / k)";
     else if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) bad = "unsupported gate/up type";
@@ -171,10 +197,11 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
              in->n_embd % ggml_blck_size(in->down_type) != 0 ||
              L->down_col_bytes != ggml_row_size(in->down_type, in->n_embd)) bad = "row sizes do not match the types";
     else if (align < 512 || (align & (align - 1)) != 0) bad = "alignment is not a power of two >= 512";
-    else if (in->block_stride % align != 0 ||
+    else if (in->block_stride % align != 0 || in->block_stride > (1ull << 32) ||
              in->block_stride < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes)) bad = "bad block stride";
-    else if (perm_off < 112 || in->data_offset % 4096 != 0 ||
-             perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k > in->data_offset) bad = "bad offsets";
+    else if (perm_off < 128 || perm_off > (1ull << 40) || in->data_offset % 4096 != 0 ||
+             crc_off != perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k ||
+             crc_off + 4ull * (uint64_t) in->n_blocks > in->data_offset) bad = "bad offsets";
     else if (file_size != in->data_offset + (uint64_t) in->n_blocks * in->block_stride) bad = "file_size field inconsistent";
     if (bad) {
         ls_set_error("%s: malformed block file header: %s", path, bad);
@@ -191,14 +218,31 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
 
     const size_t n_slots = (size_t) in->n_blocks * (size_t) k;
     L->perm = malloc(n_slots * sizeof(int32_t));
+    L->block_crc = malloc((size_t) in->n_blocks * sizeof(uint32_t));
     L->slot_of_block = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
-    if (!L->perm || !L->slot_of_block || !L->state) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    if (pread(fd, L->perm, n_slots * 4, (off_t) perm_off) != (ssize_t) (n_slots * 4)) {
-        ls_set_error("%s: cannot read the neuron permutation at offset %llu", path, (unsigned long long) perm_off);
-        close(fd);
+    uint8_t * meta = malloc((size_t) in->data_offset);
+    if (!L->perm || !L->block_crc || !L->slot_of_block || !L->state || !meta) {
+        free(meta); close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM;
+    }
+    // header, perm and checksum tables: one read, checked against meta_crc before any use
+    if (pread(fd, meta, (size_t) in->data_offset, 0) != (ssize_t) in->data_offset) {
+        ls_set_error("%s: cannot read the block file's tables (%llu bytes)", path, (unsigned long long) in->data_offset);
+        free(meta); close(fd);
         return LS_ERR_FORMAT;
     }
+    memset(meta + 120, 0, 4);
+    const uint32_t have_crc = ls_crc32c(0, meta, (size_t) in->data_offset);
+    if (have_crc != meta_crc) {
+        ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); "
+                     "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
+                     path, il, have_crc, meta_crc);
+        free(meta); close(fd);
+        return LS_ERR_CORRUPT;
+    }
+    memcpy(L->perm, meta + perm_off, n_slots * 4);
+    memcpy(L->block_crc, meta + crc_off, (size_t) in->n_blocks * 4);
+    free(meta);
     // every neuron exactly once, padding only as -1
     uint8_t * seen = calloc((size_t) in->n_ff, 1);
     if (!seen) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
@@ -225,7 +269,7 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
 
     // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
     if (e->params.use_direct_io) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
         if (L->fd < 0 && errno == EINVAL) {
             e->direct_io = false; // filesystem without O_DIRECT (tmpfs): fall back, reported in stats
         } else if (L->fd < 0) {
@@ -234,9 +278,15 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
         }
     }
     if (L->fd < 0) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC);
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
         if (!e->params.use_direct_io) e->direct_io = false;
+    }
+    // the file read above must be the one kept open (not replaced in between)
+    struct stat st2;
+    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st.st_dev || st2.st_ino != st.st_ino) {
+        ls_set_error("%s: the file changed while it was being opened", path);
+        return LS_ERR_IO;
     }
     return LS_OK;
 }
@@ -247,6 +297,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (p->mode < LS_MODE_DENSE || p->mode > LS_MODE_LEANSTREAM) { ls_set_error("unknown mode %d", p->mode); return LS_ERR_ARG; }
     if (!(p->sparsity >= 0.0f && p->sparsity < 1.0f)) { ls_set_error("sparsity must be in [0, 1), got %g", (double) p->sparsity); return LS_ERR_ARG; }
     if (p->cache_policy != LS_CACHE_LRU && p->cache_policy != LS_CACHE_PRIORITY) { ls_set_error("unknown cache policy %d", p->cache_policy); return LS_ERR_ARG; }
+    if (p->n_io_threads < 1 || p->n_io_threads > 256) { ls_set_error("n_io_threads must be in [1, 256], got %d", p->n_io_threads); return LS_ERR_ARG; }
     if (p->n_stages < 1 || p->n_stages > LS_MAX_STAGES) { ls_set_error("n_stages must be in [1, %d], got %d", LS_MAX_STAGES, p->n_stages); return LS_ERR_ARG; }
     *out = NULL;
     ggml_cpu_init(); // fp16 tables for the CPU type traits (idempotent)
@@ -254,7 +305,6 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     ls_engine * e = calloc(1, sizeof(*e));
     if (!e) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     e->params = *p;
-    if (e->params.n_io_threads <= 0) e->params.n_io_threads = 16;
     if (e->params.max_read_bytes < 4096) e->params.max_read_bytes = 256u << 10;
     e->params.block_paths = NULL; // not owned
     e->direct_io = true;
@@ -283,6 +333,10 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             ls_predictor_info pi;
             st = ls_predictor_load(p->predictor_paths[il], &L->pred);
             if (st == LS_OK) st = ls_predictor_get_info(L->pred, &pi);
+            if (st == LS_OK && pi.layer >= 0 && pi.layer != il) {  // -1: written without a layer
+                ls_set_error("%s: predictor trained for layer %d, given for layer %d", p->predictor_paths[il], pi.layer, il);
+                st = LS_ERR_FORMAT;
+            }
             if (st == LS_OK && (pi.n_blocks != in->n_blocks || pi.n_embd != in->n_embd)) {
                 ls_set_error("%s: predictor for %d blocks of n_embd %d, layer %d has %d blocks of n_embd %lld",
                              p->predictor_paths[il], pi.n_blocks, pi.n_embd, il, in->n_blocks, (long long) in->n_embd);
@@ -359,6 +413,7 @@ void ls_engine_free(ls_engine * e) {
         if (L->fd >= 0) close(L->fd);
         free(L->path);
         free(L->perm);
+        free(L->block_crc);
         free(L->slot_of_block);
         free((void *) L->state);
         free(L->prio); free(L->prefetch); free(L->order); free(L->stage_mark); free(L->in_prefetch); free(L->last_plan);
@@ -399,6 +454,7 @@ static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
     s->predictor_ns    += atomic_load(&l->predictor_ns);
     s->blocks_prefetched += atomic_load(&l->blocks_prefetched);
     s->refinements     += atomic_load(&l->refinements);
+    s->checksum_ns     += atomic_load(&l->checksum_ns);
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
@@ -407,7 +463,15 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     if (il >= 0) {
         add_layer_stats(out, &e->layers[il].stats);
     } else {
-        for (int32_t i = 0; i < e->n_layers; i++) add_layer_stats(out, &e->layers[i].stats);
+        // totals: every counter summed over layers except tokens, which every layer sees once
+        // (the model's token rows, so that bytes_read / tokens is bytes per token)
+        uint64_t tokens = 0;
+        for (int32_t i = 0; i < e->n_layers; i++) {
+            add_layer_stats(out, &e->layers[i].stats);
+            uint64_t t = atomic_load(&e->layers[i].stats.tokens);
+            if (t > tokens) tokens = t;
+        }
+        out->tokens = tokens;
     }
     pthread_mutex_lock((pthread_mutex_t *) &e->mu);
     if (il >= 0) {
@@ -434,6 +498,7 @@ void ls_engine_reset_stats(ls_engine * e) {
         atomic_store(&l->io_stall_ns, 0); atomic_store(&l->op_ns, 0);
         atomic_store(&l->predictor_ns, 0);
         atomic_store(&l->blocks_prefetched, 0); atomic_store(&l->refinements, 0);
+        atomic_store(&l->checksum_ns, 0);
     }
 }
 

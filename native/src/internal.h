@@ -24,7 +24,7 @@ enum { LS_BLK_ABSENT = 0, LS_BLK_LOADING = 1, LS_BLK_READY = 2, LS_BLK_FAILED = 
 typedef struct ls_layer_stats {
     _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
                      bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
-                     refinements;
+                     refinements, checksum_ns;
 } ls_layer_stats;
 
 struct ls_predictor;
@@ -36,6 +36,7 @@ typedef struct ls_layer {
     char *             path;
     ls_layer_info      info;
     int32_t *          perm;            // [n_blocks*k] neuron id per slot, -1 = padding
+    uint32_t *         block_crc;       // [n_blocks] CRC-32C of each block's stride bytes
     uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
     int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
     _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
@@ -147,6 +148,8 @@ void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1,
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
                 __attribute__((format(printf, 3, 4)));
 uint64_t    ls_now_ns(void);
+struct stat;
+ls_status   ls_open_regular(const char * path, int * fd, struct stat * st);
 void        ls_barrier_wait(ls_barrier * b, int n);
 void        ls_cpu_relax(unsigned * spins);
 
