@@ -56,13 +56,18 @@ def test_load_valid(tmp_path):
 
 def test_json_round_trip_keeps_unknown_keys(tmp_path):
     d = valid_dict()
-    d["predictor"] = {"kind": "hashing", "files": ["predictor/blk.0.bin"]}
+    d["predictor"] = {"kind": "hashing", "files": ["predictor/blk.0.bin", "predictor/blk.1.bin"]}
     d["controller"] = {"lut": "controller/lut.bin"}         # written by a later stage
     m = mf.Manifest.from_dict(d)
     assert m.extra == {"controller": {"lut": "controller/lut.bin"}}
     again = json.loads(m.to_json())
     assert again == d
-    mf.save(m, tmp_path)
+    make_dir(tmp_path, d)
+    (tmp_path / "predictor").mkdir()
+    for f in d["predictor"]["files"]:
+        (tmp_path / f).write_bytes(b"p")
+    mf.save(m, tmp_path)                                     # records the files' checksums
+    assert set(m.checksums) == {"base.gguf", *d["predictor"]["files"]}
     assert mf.load(tmp_path, check_files=False) == m
     assert not list(tmp_path.glob("*.partial"))
 
