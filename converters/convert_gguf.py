@@ -37,6 +37,7 @@ import numpy as np
 from leanstream_ggml import manifest as mf
 
 from . import blockfile
+from .validate import check_tensors
 
 STATE_NAME = ".convert-state.json"
 BASE_NAME = "base.gguf"
@@ -144,6 +145,10 @@ def _open_gguf(src: Path):
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise ConvertError(f"{src}: truncated GGUF: tensor {t.name} ends at byte "
                                f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
+    problems = check_tensors(reader, size)     # what llama.cpp's loader checks (converters/validate.py)
+    if problems:
+        raise ConvertError(f"{src}: corrupt GGUF (llama.cpp would refuse to load it): {problems[0]}"
+                           + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
     if reader.byte_order != "I":
         raise ConvertError(f"{src}: a GGUF of the other byte order is not supported")
     return reader
@@ -483,10 +488,48 @@ def _write_json(path: Path, obj: dict) -> None:
 
 # ---- the conversion ------------------------------------------------------------------------------
 
+def check_out_dir_apart(src: Path, out: Path) -> None:
+    """The converter never writes over or next to its source: an output directory that
+    contains it (at any depth) is refused, whatever --force says (--force deletes the
+    converter's own files there, and base.gguf is one of them)."""
+    try:
+        src_real, out_real = src.resolve(), out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise ConvertError(f"{out}: cannot resolve the path ({e})") from None
+    if out_real == src_real or out_real in src_real.parents:
+        raise ConvertError(f"{out}: contains the source {src}; choose an output directory that does not "
+                           f"(the converter never writes next to its source, even with --force)")
+
+
+def _remove_partials(out: Path) -> None:
+    """Files left half-written by a failed conversion (disk full, interrupted, ...)."""
+    for d in (out, out / FFN_DIR):
+        try:
+            for p in d.glob("*" + PARTIAL):
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
             force: bool = False, progress: bool = True,
             permutation: Sequence[int] | Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
             ) -> mf.Manifest:
+    """Convert GGUF ``src`` into the model directory ``out_dir`` (see ``_convert``); on any
+    failure no ``.partial`` file is left behind."""
+    src, out = Path(src), Path(out_dir)
+    check_out_dir_apart(src, out)
+    try:
+        return _convert(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation)
+    except BaseException:
+        _remove_partials(out)
+        raise
+
+
+def _convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
+             force: bool = False, progress: bool = True,
+             permutation: Sequence[int] | Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
+             ) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
 
     k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of

@@ -10,6 +10,7 @@ import sys
 # modules providing subcommands, in the order `leanstream --help` lists them
 COMMAND_MODULES = [
     "converters.cli",            # convert, info
+    "leanstream_ggml.verify",    # verify
     "leanstream_ggml.chat",      # chat
     "leanstream_ggml.harness.cli",  # bench, perplexity
     "leanstream_ggml.predictor.cli",  # profile, train-predictor
@@ -36,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from .errors import describe
+
+        line = describe(e)      # OS errors, bad model directories, parameters, corrupt files
+        if line is None:
+            raise               # a bug: keep the traceback
+        print(f"leanstream {args.command}: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

