@@ -521,6 +521,12 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
     check_out_dir_apart(src, out)
     try:
         return _convert(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation)
+    except OSError as e:
+        _remove_partials(out)
+        if e.errno is None:   # numpy's tofile reports a short write without errno
+            raise ConvertError(f"{out}: writing failed ({e}): the disk is full or a file size limit was "
+                               f"reached; free some space or choose another output directory") from None
+        raise
     except BaseException:
         _remove_partials(out)
         raise

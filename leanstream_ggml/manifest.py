@@ -442,7 +442,7 @@ def load(model_dir: str | os.PathLike, *, check_files: bool = True) -> Manifest:
         raise ManifestError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:   # JSONDecodeError, or an integer too long to convert
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
     except RecursionError:
         raise ManifestError(f"{path}: JSON nested too deeply; not a manifest") from None
