@@ -219,3 +219,20 @@ def test_bytes_read_per_token_counts_each_token_once(pristine):
     m = mf.load(pristine)
     layer_bytes = m.layers[0].n_blocks * m.layers[0].block_stride
     assert layer_bytes / 2 <= s["bytes_read_per_token"] <= m.n_layer * layer_bytes
+
+
+def test_corrupt_block_keeps_failing_with_an_unlimited_budget(model):
+    """With a budget covering the whole FFN blocks are read once and kept: a corrupt one must
+    fail every call that needs it, not only the first (it would be skipped silently after)."""
+    from leanstream_ggml import Llama
+
+    path = model / "ffn" / "blk.0.bin"
+    h, lo, _ = _payload_range(path)
+    _flip(path, [lo + 2 * h.block_stride + 7])
+    llm = Llama(str(model), memory_budget=None, **CTX)
+    toks = llm.tokenize(PROMPT, add_bos=False)
+    for _ in range(3):
+        llm.reset()
+        with pytest.raises(LeanstreamError, match=r"layer 0 block 2 (is corrupt|could not be loaded)"):
+            llm.eval(toks)
+    llm.close()

@@ -53,9 +53,10 @@
 //   padding slots hold zero bytes.
 //
 // Integrity: the engine checks meta_crc when it opens a file and, unless verify_checksums is
-// 0, every block's CRC right after its read lands (on the I/O thread); a mismatch is an
-// LS_ERR_CORRUPT error naming the file, layer and block. Version 1 files (no checksums) are
-// refused with a message to re-run `leanstream convert`.
+// 0, every block's CRC once after each read, before the block is first computed with; a
+// mismatch is an LS_ERR_CORRUPT error naming the file, layer and block (the block is not used,
+// and is read again next time). Version 1 files (no checksums) are refused with a message to
+// re-run `leanstream convert`.
 //
 // This header is read as-is by the Python binding (cffi cdef): everything between
 // LS_CDEF_BEGIN and LS_CDEF_END must stay plain C declarations (no macros but LS_API and
@@ -130,7 +131,7 @@ typedef struct ls_engine_params {
     int32_t        cache_policy;    // LS_CACHE_*, default LS_CACHE_LRU
     uint32_t       test_io_queue_cap; // test hook: read queue capacity (0: 3 layers' blocks); when
                                       // full, the submitting thread reads synchronously
-    int32_t        verify_checksums; // 1 (default): check every block's CRC-32C after its read
+    int32_t        verify_checksums; // 1 (default): check every block's CRC-32C after each read, before use
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);
@@ -204,7 +205,7 @@ typedef struct ls_stats {
     uint64_t blocks_prefetched; // blocks queued for layer il+1 while layer il computed
     uint64_t refinements;      // predictor re-runs on partial results (Eq. 2)
     uint64_t direct_io;        // 1 if block reads bypass the page cache (O_DIRECT)
-    uint64_t checksum_ns;      // I/O threads verifying block checksums (summed over threads)
+    uint64_t checksum_ns;      // time verifying block checksums (summed over compute threads)
 } ls_stats;
 
 // il = -1: totals over all layers.

@@ -219,10 +219,11 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     const size_t n_slots = (size_t) in->n_blocks * (size_t) k;
     L->perm = malloc(n_slots * sizeof(int32_t));
     L->block_crc = malloc((size_t) in->n_blocks * sizeof(uint32_t));
+    L->verified = calloc((size_t) in->n_blocks, sizeof(*L->verified));
     L->slot_of_block = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
     uint8_t * meta = malloc((size_t) in->data_offset);
-    if (!L->perm || !L->block_crc || !L->slot_of_block || !L->state || !meta) {
+    if (!L->perm || !L->block_crc || !L->verified || !L->slot_of_block || !L->state || !meta) {
         free(meta); close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM;
     }
     // header, perm and checksum tables: one read, checked against meta_crc before any use
@@ -414,6 +415,7 @@ void ls_engine_free(ls_engine * e) {
         free(L->path);
         free(L->perm);
         free(L->block_crc);
+        free((void *) L->verified);
         free(L->slot_of_block);
         free((void *) L->state);
         free(L->prio); free(L->prefetch); free(L->order); free(L->stage_mark); free(L->in_prefetch); free(L->last_plan);

@@ -37,6 +37,7 @@ typedef struct ls_layer {
     ls_layer_info      info;
     int32_t *          perm;            // [n_blocks*k] neuron id per slot, -1 = padding
     uint32_t *         block_crc;       // [n_blocks] CRC-32C of each block's stride bytes
+    _Atomic uint8_t *  verified;        // [n_blocks] 1: checked against block_crc since it was read
     uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
     int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
     _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
@@ -181,6 +182,11 @@ ls_status   ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const f
 ls_status   ls_sched_stage_begin(ls_engine * e, int32_t s);
 void        ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial);
 void        ls_sched_finish(ls_engine * e, bool * all_ready);
+
+// checksum.c: before its first use after a read, block b (its bytes at blk) is checked against
+// its CRC-32C by the compute thread about to use it; false (and the block FAILED, the error
+// recorded) on a mismatch.
+bool        ls_block_verify(ls_engine * e, ls_layer * L, int32_t b, const uint8_t * blk);
 
 // op.c
 void        ls_op_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata);

@@ -26,36 +26,9 @@ static void finish_read(ls_engine * e, ls_read * r, ls_status st, const char * w
         atomic_fetch_add(&L->stats.reads_issued, 1);
     }
     const int32_t v = st == LS_OK ? LS_BLK_READY : LS_BLK_FAILED;
+    // fresh bytes: their checksum is checked by the compute thread that first uses them
+    for (int32_t i = 0; i < r->n; i++) atomic_store_explicit(&L->verified[r->first + i], 0, memory_order_relaxed);
     for (int32_t i = 0; i < r->n; i++) {
-        atomic_store_explicit(&L->state[r->first + i], v, memory_order_release);
-    }
-}
-
-// Check each block of a completed read against its stored CRC-32C (leanstream.h). A corrupt
-// block is marked FAILED (the op skips it and the error is reported after the op); the
-// others of the read are delivered.
-static void verify_blocks(ls_engine * e, ls_read * r) {
-    ls_layer * L = r->L;
-    const uint64_t t0 = ls_now_ns();
-    uint32_t bad_mask[(LS_MAX_IOV + 31) / 32] = {0};
-    for (int32_t i = 0; i < r->n; i++) {
-        const int32_t b = r->first + i;
-        const uint32_t have = ls_crc32c(0, r->iov[i].iov_base, r->iov[i].iov_len);
-        if (have != L->block_crc[b]) {
-            bad_mask[i / 32] |= 1u << (i % 32);
-            ls_engine_record_error(e, LS_ERR_CORRUPT,
-                                   "%s: layer %d block %d is corrupt (CRC-32C %08x, stored %08x, file offset %llu); "
-                                   "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
-                                   L->path, L->il, b, have, L->block_crc[b],
-                                   (unsigned long long) (L->info.data_offset + (uint64_t) b * L->info.block_stride));
-        }
-    }
-    atomic_fetch_add(&L->stats.checksum_ns, ls_now_ns() - t0);
-    atomic_fetch_add(&L->stats.blocks_read, (uint64_t) r->n);
-    atomic_fetch_add(&L->stats.bytes_read, (uint64_t) r->n * L->info.block_stride);
-    atomic_fetch_add(&L->stats.reads_issued, 1);
-    for (int32_t i = 0; i < r->n; i++) {
-        const int v = bad_mask[i / 32] >> (i % 32) & 1 ? LS_BLK_FAILED : LS_BLK_READY;
         atomic_store_explicit(&L->state[r->first + i], v, memory_order_release);
     }
 }
@@ -86,10 +59,6 @@ static void do_read(ls_engine * e, ls_read * r) {
         size_t adv = (size_t) got;
         while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
         if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
-    }
-    if (e->params.verify_checksums) {
-        verify_blocks(e, r);
-        return;
     }
     finish_read(e, r, LS_OK, NULL, 0);
 }
