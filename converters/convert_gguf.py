@@ -18,6 +18,7 @@ interrupted run is kept. The manifest (written last, by the driver) is built by 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from leanstream_ggml import manifest as mf
 
 from leanstream_ggml import blockfile
 from leanstream_ggml.fileio import PARTIAL, atomic_writer, fsync_dir, sha256_file
+
+from .validate import check_tensors
 
 BASE_NAME = "base.gguf"
 FFN_DIR = "ffn"
@@ -136,6 +139,10 @@ def _open_gguf(src: Path):
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise ConvertError(f"{src}: truncated GGUF: tensor {t.name} ends at byte "
                                f"{t.data_offset + t.n_bytes}, the file has {size} bytes")
+    problems = check_tensors(reader, size)     # what llama.cpp's loader checks (converters/validate.py)
+    if problems:
+        raise ConvertError(f"{src}: corrupt GGUF (llama.cpp would refuse to load it): {problems[0]}"
+                           + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
     if reader.byte_order != "I":
         raise ConvertError(f"{src}: a GGUF of the other byte order is not supported")
     return reader
@@ -277,10 +284,9 @@ def pack_blocks(gate_rows: np.ndarray, up_rows: np.ndarray, down_cols: np.ndarra
 
 
 def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks: np.ndarray) -> None:
+    h, meta = blockfile.pack_meta(h, slots, blockfile.block_checksums(blocks))
     with atomic_writer(path, durable=False) as f:          # the folder is synced once, after all layers
-        f.write(h.pack())                                     # [0, 4096)
-        f.write(slots.astype("<i4").tobytes())                # [4096, 4096 + 4*n_blocks*k)
-        f.write(b"\0" * (h.data_offset - f.tell()))
+        f.write(meta)                                         # header, perm and checksum tables
         f.write(memoryview(blocks).cast("B"))
         f.flush()
         os.fsync(f.fileno())
@@ -289,13 +295,17 @@ def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks
 
 
 def _layer_done(path: Path, h: blockfile.BlockHeader, slots: np.ndarray) -> bool:
-    """A block file from an earlier run that is complete and matches what would be written."""
+    """A block file from an earlier run that is complete and matches what would be written
+    (its tables intact: the block checksums are verified whenever the blocks are read)."""
     try:
         if path.stat().st_size != h.file_size:
             return False
-        if blockfile.read_header(path) != h:
+        old = blockfile.read_header(path)
+        if dataclasses.replace(old, meta_crc=0) != h:
             return False
-        return np.array_equal(blockfile.read_perm(path, h), slots)
+        with open(path, "rb") as f:
+            meta = f.read(h.data_offset)
+        return blockfile.check_meta(meta, old) and np.array_equal(blockfile.read_perm(path, h), slots)
     except (OSError, ValueError):
         return False
 
@@ -368,6 +378,29 @@ def write_base(model: _Model, path: Path, source_sha256: str) -> None:
     os.replace(tmp, path)
 
 
+def check_out_dir_apart(src: Path, out: Path) -> None:
+    """The converter never writes over or next to its source: an output directory that
+    contains it (at any depth) is refused, whatever --force says (--force deletes the
+    converter's own files there, and base.gguf is one of them)."""
+    try:
+        src_real, out_real = src.resolve(), out.resolve()
+    except (OSError, RuntimeError) as e:
+        raise ConvertError(f"{out}: cannot resolve the path ({e})") from None
+    if out_real == src_real or out_real in src_real.parents:
+        raise ConvertError(f"{out}: contains the source {src}; choose an output directory that does not "
+                           f"(the converter never writes next to its source, even with --force)")
+
+
+def remove_partials(out: Path) -> None:
+    """Files left half-written by a failed conversion (disk full, interrupted, ...)."""
+    for d in (out, out / FFN_DIR):
+        try:
+            for p in d.glob("*" + PARTIAL):
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 # ---- the read stage: the source and the block geometry ---------------------------------------
 
 def _layer_orders(permutation, n_layer: int, n_ff: int) -> list[np.ndarray]:
@@ -426,6 +459,7 @@ class Source:
 def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
                 permutation=None, progress: bool = True) -> Source:
     """Open and check the source GGUF, hash it, and fix the block geometry. Raises ConvertError."""
+
     src = Path(src)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > 1 << 16:
         raise ConvertError(f"k (neurons per block) must be a positive integer, got {k!r}")

@@ -29,7 +29,8 @@ from typing import Any, Callable
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 
-from .convert_gguf import BASE_NAME, FFN_DIR, ConvertError, make_manifest, read_source, write_model
+from .convert_gguf import (BASE_NAME, FFN_DIR, ConvertError, check_out_dir_apart, make_manifest, read_source,
+                           remove_partials, write_model)
 
 STATE_DIR = ".convert"
 STATE_NAME = "state.json"
@@ -134,6 +135,24 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
     log = log or (lambda *a: print(*a, file=sys.stderr))
     out = Path(out_dir)
+    check_out_dir_apart(Path(src), out)
+    try:
+        return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation,
+                              predictors=predictors, profile_dir=profile_dir, calibration=calibration,
+                              hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log)
+    except OSError as e:
+        remove_partials(out)
+        if e.errno is None:   # numpy's tofile reports a short write without errno
+            raise ConvertError(f"{out}: writing failed ({e}): the disk is full or a file size limit was "
+                               f"reached; free some space or choose another output directory") from None
+        raise
+    except BaseException:
+        remove_partials(out)
+        raise
+
+
+def _convert_model(src, out: Path, *, k, align, force, progress, permutation, predictors, profile_dir, calibration,
+                   hash_config, profile_kwargs, n_threads, log) -> mf.Manifest:
     # read: the source, its hash and the block geometry
     source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
     params = source.params()

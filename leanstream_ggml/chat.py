@@ -95,7 +95,9 @@ def register(sub) -> None:
     p.add_argument("-p", "--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message")
     p.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    p.add_argument("--mode", default="dense", choices=["dense", "leanstream", "oneshot", "dejavu+", "powerinfer2"],
+    from .params import MODES
+
+    p.add_argument("--mode", default="dense", choices=MODES,
                    help="dense: every neuron (exact); the others compute only the predicted top blocks (default: dense)")
     p.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes (default 0.5)")
     p.add_argument("--n-stages", type=int, default=None, help="compute stages (refinement points) per layer, leanstream mode (default 4)")

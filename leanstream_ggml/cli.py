@@ -18,6 +18,7 @@ from . import __version__
 COMMANDS = {
     "convert": ("converters.cli", "convert a GGUF model into a LeanStream model directory"),
     "info": ("converters.cli", "describe a converted model directory"),
+    "verify": ("leanstream_ggml.verify", "check every checksum of a model directory"),
     "chat": ("leanstream_ggml.chat", "chat with a converted model (streams tokens, keeps history)"),
     "bench": ("leanstream_ggml.harness.cli", "decode/prefill speed, peak memory and disk reads"),
     "perplexity": ("leanstream_ggml.harness.cli", "perplexity on held-out text (optionally vs stock)"),
@@ -53,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from .errors import describe
+
+        line = describe(e)      # OS errors, bad model directories, parameters, corrupt files
+        if line is None:
+            raise               # a bug: keep the traceback
+        print(f"leanstream {args.command}: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

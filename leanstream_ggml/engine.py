@@ -3,13 +3,13 @@ its weight cache and I/O workers)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from ._native import LeanstreamError, check, ffi, lib
+from .params import size_bytes
 
 MODES = {
     "dense": lib.LS_MODE_DENSE,
@@ -21,31 +21,15 @@ MODES = {
 ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
 CACHE_POLICIES = {"lru": lib.LS_CACHE_LRU, "priority": lib.LS_CACHE_PRIORITY}
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
-          "tib": 1 << 40}
-
-
 def parse_bytes(value: int | float | str | None) -> int:
-    """Bytes from 123, "512MiB", "1.5GB", "800 M". None, 0 and "unlimited" mean 0 (no limit)."""
-    if value is None:
-        return 0
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"memory budget must be >= 0, got {value}")
-        return int(value)
-    s = str(value).strip().lower()
-    if s in ("", "0", "none", "unlimited", "inf"):
-        return 0
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", s)
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"cannot parse memory size {value!r} (examples: 512MiB, 1.5GB, 800000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    """Bytes from 123, "512MiB", "1.5GB", "800 M". None, 0 and "unlimited" mean 0 (no limit).
+    (params.size_bytes: the one parser of sizes.)"""
+    return size_bytes(value, "memory_budget")
 
 
 STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
                "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
-               "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks"]
+               "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks", "checksum_ns"]
 
 
 def derived_stats(raw: dict) -> dict:
@@ -53,10 +37,12 @@ def derived_stats(raw: dict) -> dict:
     d = dict(raw)
     d["miss_ratio"] = raw["blocks_read"] / raw["blocks_computed"] if raw["blocks_computed"] else 0.0
     d["loading_redundancy"] = raw["bytes_unused"] / raw["bytes_computed"] if raw["bytes_computed"] else 0.0
+    # totals: tokens counts each token once (not once per layer), so this is bytes per token
     d["bytes_read_per_token"] = raw["bytes_read"] / raw["tokens"] if raw["tokens"] else 0.0
     d["io_stall_s"] = raw["io_stall_ns"] / 1e9
     d["op_s"] = raw["op_ns"] / 1e9
     d["predictor_s"] = raw["predictor_ns"] / 1e9
+    d["checksum_s"] = raw["checksum_ns"] / 1e9
     return d
 
 
@@ -72,12 +58,15 @@ class FFNEngine:
     Every parameter left at None takes the engine's default (ls_engine_params_init: the mode's
     sparsity, eviction and hot set share, 4 stages, 16 I/O threads, 256 KiB reads)."""
 
+    _handle = None   # set once the native engine exists; close() and __del__ rely on it
+
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
                  memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int | None = None,
                  max_read_bytes: int | None = None, direct_io: bool = True, test_io_delay_us: int = 0,
                  sparsity: float | None = None, n_stages: int | None = None, cache_policy: str | None = None,
                  predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0,
-                 hot_fraction: float | None = None, block_rank: np.ndarray | None = None):
+                 hot_fraction: float | None = None, block_rank: np.ndarray | None = None,
+                 verify_checksums: bool = True):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if activation not in ACTIVATIONS:
@@ -96,6 +85,7 @@ class FFNEngine:
         p.use_direct_io = 1 if direct_io else 0
         p.test_io_delay_us = test_io_delay_us
         p.test_io_queue_cap = test_io_queue_cap
+        p.verify_checksums = 1 if verify_checksums else 0
         for name, value in (("n_io_threads", n_io_threads), ("max_read_bytes", max_read_bytes),
                             ("sparsity", sparsity), ("n_stages", n_stages), ("hot_fraction", hot_fraction)):
             if value is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import llama_cpp
 
 from . import manifest as manifest_mod
+from . import params
 from .engine import FFNEngine
 
 _lib = llama_cpp.llama_cpp._lib
@@ -27,6 +28,30 @@ def _is_gguf_file(p: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
+
+
+class ClosedError(ValueError):
+    """A method of a closed Llama was called."""
+
+
+# llama_cpp.Llama's attributes that hold native handles (model, context, batch, sampler, tokenizer)
+_HANDLE_ATTRS = ("_model", "_ctx", "_batch", "_sampler", "tokenizer_", "_candidates")
+
+
+class _Closed:
+    """Stands in for a native handle of a closed Llama: any use raises ClosedError."""
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_name", name)
+
+    def __getattr__(self, attr):
+        raise ClosedError("this Llama is closed (close() was called); create a new one to continue")
+
+    def __call__(self, *a, **k):
+        raise ClosedError("this Llama is closed (close() was called); create a new one to continue")
+
+    def __bool__(self):
+        return True
 
 
 class Llama(llama_cpp.Llama):
@@ -45,16 +70,26 @@ class Llama(llama_cpp.Llama):
         sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
         n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
             with the quick predictors 8 stages measured worse, see README).
-        n_io_threads: I/O worker threads (reads in flight, default 16).
+        n_io_threads: I/O worker threads (reads in flight, 1..256, default 16).
         hot_fraction: "powerinfer2" and "leanstream": share of the budget pinned for the blocks
             most often active in calibration (default 0.5; 0 pins nothing).
-        Defaults (None) are the engine's own (ls_engine_params_init), so they are written once.
+        verify_checksums: check every block's CRC-32C as it is read (default True; a mismatch
+            raises LeanstreamError naming the file, layer and block). The other files of the
+            model directory are checked against the manifest's checksums when it is opened.
+        Parameters are validated first (params.py): a bad value raises ParameterError (a
+        ValueError) naming it. Defaults (None) are the engine's own (ls_engine_params_init), so
+        they are written once. After close(), every method raises ClosedError.
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
                  sparsity: float | None = None, n_stages: int | None = None, n_io_threads: int | None = None,
-                 hot_fraction: float | None = None, **kwargs):
+                 hot_fraction: float | None = None, verify_checksums: bool = True, **kwargs):
+        self._engine = None
+        # every parameter checked before anything is opened (ParameterError names the bad one)
+        p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity, n_stages=n_stages,
+                                 n_io_threads=n_io_threads, hot_fraction=hot_fraction)
+        mode = p["mode"]
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
             raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
@@ -62,29 +97,31 @@ class Llama(llama_cpp.Llama):
                              f"then load the directory {path.with_suffix('.lsm')}")
         if not path.is_dir():
             raise ValueError(f"model directory does not exist: {model_path}")
-        self._engine = None
         self.manifest = manifest_mod.load(path)
         self.model_dir = path
-        pred = self.manifest.predictor
+        m = self.manifest
+        # every file the model is made of: inside the directory, regular, intact (block files
+        # check their own tables when opened and each block when read)
+        m.check_checksums(path)
         predictor_paths = block_rank = None
         if mode != "dense":
-            if pred is None:
+            files = m.predictor_files()
+            if not files:
                 raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none: "
                                  f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
-            predictor_paths = [path / f for f in pred.files]
-            if pred.block_freq and (path / pred.block_freq).exists():
-                import numpy as np
-
-                block_rank = np.load(path / pred.block_freq)       # [n_layer, n_blocks] f32
-        self._engine = FFNEngine([self.manifest.layer_path(path, il) for il in range(self.manifest.n_layer)],
-                                 activation=self.manifest.activation, memory_budget=memory_budget, mode=mode,
-                                 n_io_threads=n_io_threads, sparsity=sparsity, n_stages=n_stages,
-                                 predictor_paths=predictor_paths, hot_fraction=hot_fraction, block_rank=block_rank)
+            predictor_paths = [m.resolve(path, f) for f in files]
+            block_rank = self._block_rank(path)
+        self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
+                                 activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
+                                 n_io_threads=p["n_io_threads"], sparsity=p["sparsity"], n_stages=p["n_stages"],
+                                 predictor_paths=predictor_paths, hot_fraction=p["hot_fraction"],
+                                 block_rank=block_rank, verify_checksums=verify_checksums)
+        self._check_layers_match_manifest()
         self.mode, self.sparsity = mode, self._engine.sparsity
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
         self.hot_blocks = self._engine.stats()["hot_blocks"] if mode != "dense" else 0
-        super().__init__(str(self.manifest.base_path(path)), **kwargs)
+        super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
         ctx_decode = self._ctx.decode
@@ -95,21 +132,73 @@ class Llama(llama_cpp.Llama):
 
         self._ctx.decode = decode
 
+    def _check_layers_match_manifest(self) -> None:
+        """The block files' headers (checksummed) agree with what the manifest says of them."""
+        for e in self.manifest.layers:
+            info = self._engine.layer_info(e.il)
+            have = (info["n_blocks"], info["block_stride"], info["block_payload"], info["data_offset"],
+                    manifest_mod.GGML_TYPE_NAMES.get(info["gate_type"]), manifest_mod.GGML_TYPE_NAMES.get(info["up_type"]),
+                    manifest_mod.GGML_TYPE_NAMES.get(info["down_type"]), info["n_embd"], info["n_ff"],
+                    info["neurons_per_block"])
+            want = (e.n_blocks, e.block_stride, e.block_payload, e.data_offset, e.gate_type, e.up_type, e.down_type,
+                    self.manifest.n_embd, self.manifest.n_ff, self.manifest.block.k)
+            if have != want:
+                raise manifest_mod.ManifestError(
+                    f"{self.model_dir / e.file}: its header does not match the manifest's layers[{e.il}] "
+                    f"(file: {have}, manifest: {want}); re-run `leanstream convert` with --force")
+
+    def _block_rank(self, path: Path):
+        """The calibration frequencies of every block (predictor/block_freq.npy, [n_layer,
+        n_blocks] f32), checked, or None: the engine pins the best-ranked ones (the hot set of
+        powerinfer2 and leanstream). The predictors' per-block prior is most of what they know
+        (README: predictors), so the blocks a static hot set holds are hit by almost every token."""
+        import numpy as np
+
+        m = self.manifest
+        rel = m.block_freq_file()
+        if not rel:
+            return None
+        freq_path = m.resolve(path, rel)
+        try:
+            freq = np.load(freq_path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise manifest_mod.ManifestError(f"{freq_path}: not a readable .npy array ({e})") from None
+        n_blocks = {le.n_blocks for le in m.layers}
+        if (not isinstance(freq, np.ndarray) or freq.ndim != 2 or freq.shape[0] != m.n_layer
+                or len(n_blocks) != 1 or freq.shape[1] != n_blocks.pop()
+                or not np.issubdtype(freq.dtype, np.floating) or not np.all(np.isfinite(freq))):
+            raise manifest_mod.ManifestError(
+                f"{freq_path}: block frequencies must be finite floats of shape [n_layer, n_blocks] = "
+                f"[{m.n_layer}, {m.layers[0].n_blocks}], got {getattr(freq, 'dtype', '?')} {getattr(freq, 'shape', '?')}")
+        return freq
+
     @property
     def engine(self) -> FFNEngine:
         return self._engine
 
     def stats(self, layer: int | None = None) -> dict:
-        """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ..."""
-        return self._engine.stats(layer)
+        """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ...
+        (totals: summed over layers, except ``tokens``, the token rows the model processed)."""
+        return self._live_engine().stats(layer)
 
     def reset_stats(self) -> None:
-        self._engine.reset_stats()
+        self._live_engine().reset_stats()
+
+    def _live_engine(self) -> FFNEngine:
+        if self._engine is None:
+            raise ClosedError("this Llama is closed")
+        return self._engine
 
     def close(self) -> None:
         # the context (whose graphs point at the engine) goes first, then the engine
-        if hasattr(self, "_stack"):
+        if hasattr(self, "_stack") and not self.__dict__.get("_closed"):
+            self._closed = True
             super().close()
+            # llama-cpp-python leaves dangling native handles behind: any later call would use
+            # freed memory. Every handle-holding attribute now raises ClosedError instead.
+            for name in _HANDLE_ATTRS:
+                if name in self.__dict__:
+                    setattr(self, name, _Closed(name))
         if getattr(self, "_engine", None) is not None:
             self._engine.close()
             self._engine = None

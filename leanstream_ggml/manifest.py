@@ -15,6 +15,13 @@ Layout of a model directory::
     ffn/blk.<il>.bin   one block file per layer (format: native/include/leanstream.h)
     predictor/ ...     (optional, described by the ``predictor`` field)
 
+Integrity: block files carry their own checksums (a CRC-32C per block and of their tables);
+every other file the manifest names (base.gguf, predictor files) has its zlib CRC-32 in
+``checksums`` ({relative path: "crc32:<8 hex digits>"}), recorded by ``save`` from the files as
+they are when the manifest is written. ``check_checksums`` verifies them (the runtime does so
+when it opens a model). Every path is relative and must resolve, symlinks followed, to a regular
+file inside the model directory (``resolve``).
+
 Sizes are bytes. Type names are ggml's (``ggml_type_name``: "f32", "f16", "q4_0", "q4_K", ...);
 ``ggml_type_id`` maps them to ``enum ggml_type``.
 
@@ -31,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,7 @@ from .fileio import atomic_write_text
 FORMAT = "leanstream-model"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20
 HEADER_BYTES = 4096  # block file header; perm table starts here (leanstream.h)
 
 # enum ggml_type values of ggml's type names (ggml.h); only what a model directory may hold
@@ -49,6 +58,8 @@ GGML_TYPE_IDS = {
 }
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 ACTIVATIONS = ("silu", "gelu")
+# the FFN activation each supported architecture's llama.cpp graph uses
+ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu"}
 
 
 class ManifestError(ValueError):
@@ -154,6 +165,7 @@ class Manifest:
     totals: Totals
     base: BaseInfo
     predictor: PredictorInfo | None = None    # the sparse modes' predictors, if trained
+    checksums: dict[str, str] = field(default_factory=dict)  # relative path -> "crc32:<hex>" (save)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     # top-level keys this version does not know, kept so a rewrite does not drop them
@@ -165,6 +177,26 @@ class Manifest:
 
     def base_path(self, model_dir: str | os.PathLike) -> Path:
         return Path(model_dir) / self.base.file
+
+    def predictor_files(self) -> list[str]:
+        """Relative paths of the predictor files, one per layer ([] if none)."""
+        return list(self.predictor.files) if self.predictor else []
+
+    def block_freq_file(self) -> str | None:
+        return self.predictor.block_freq if self.predictor else None
+
+    def checksummed_files(self) -> list[str]:
+        """Every file the manifest names except the block files (which carry their own)."""
+        out = [self.base.file] + self.predictor_files()
+        if self.block_freq_file():
+            out.append(self.block_freq_file())
+        return out
+
+    @staticmethod
+    def resolve(model_dir: str | os.PathLike, rel: str) -> Path:
+        """The real path of ``rel`` inside the model directory: symlinks resolved, inside the
+        directory, a regular file (not a FIFO, device or directory). Raises ManifestError."""
+        return resolve_inside(model_dir, rel)
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +215,8 @@ class Manifest:
             "base": asdict(self.base),
             "predictor": None if self.predictor is None else self.predictor.to_dict(),
         }
+        if self.checksums:
+            d["checksums"] = dict(self.checksums)
         d.update(self.extra)
         return d
 
@@ -219,10 +253,14 @@ class Manifest:
             base=_dc(BaseInfo, _get(d, "base", dict, where), f"{where}: base"),
             predictor=None if d.get("predictor") is None else
             PredictorInfo.from_dict(d["predictor"], f"{where}: predictor"),
+            checksums=d.get("checksums", {}),
             format=fmt,
             format_version=ver,
             extra={k: v for k, v in d.items() if k not in _KNOWN_KEYS},
         )
+        if not isinstance(m.checksums, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in m.checksums.items()):
+            raise ManifestError(f"{where}: checksums must map file names to strings")
         m.validate(where)
         return m
 
@@ -237,6 +275,11 @@ class Manifest:
                 bad(f"{name} must be positive")
         if self.activation not in ACTIVATIONS:
             bad(f"unknown activation {self.activation!r} (known: {', '.join(ACTIVATIONS)})")
+        if self.architecture not in ARCH_ACTIVATION:
+            bad(f"unsupported architecture {self.architecture!r} (known: {', '.join(ARCH_ACTIVATION)})")
+        if self.activation != ARCH_ACTIVATION[self.architecture]:
+            bad(f"activation {self.activation!r} does not match architecture {self.architecture!r}, whose FFN "
+                f"uses {ARCH_ACTIVATION[self.architecture]!r}")
         k, align = self.block.k, self.block.align
         if k <= 0:
             bad("block.k must be positive")
@@ -263,29 +306,104 @@ class Manifest:
                 bad(f"{w}.data_offset {e.data_offset} must be a multiple of 4096 past the perm table")
             if e.file_size != e.data_offset + e.n_blocks * e.block_stride:
                 bad(f"{w}.file_size {e.file_size} != data_offset + n_blocks * block_stride")
-            if os.path.isabs(e.file) or ".." in Path(e.file).parts:
-                bad(f"{w}.file {e.file!r} must be a relative path inside the model directory")
-        if os.path.isabs(self.base.file) or ".." in Path(self.base.file).parts:
-            bad(f"base.file {self.base.file!r} must be a relative path inside the model directory")
+            _check_rel(e.file, f"{w}.file", bad)
+        _check_rel(self.base.file, "base.file", bad)
         if self.predictor is not None:
-            if len(self.predictor.files) != self.n_layer:
-                bad(f"predictor.files lists {len(self.predictor.files)} files for n_layer={self.n_layer}")
-            for f in self.predictor.files + [self.predictor.block_freq or "", self.predictor.summary or ""]:
-                if os.path.isabs(f) or ".." in Path(f).parts:
-                    bad(f"predictor path {f!r} must be a relative path inside the model directory")
+            files = self.predictor.files
+            if len(files) != self.n_layer:
+                bad(f"predictor.files must list one file per layer ({self.n_layer}), it lists {len(files)}")
+            for i, f in enumerate(files):
+                _check_rel(f, f"predictor.files[{i}]", bad)
+            if len(set(files)) != len(files):
+                bad("predictor.files names a file twice")
+            for key in ("block_freq", "summary"):
+                if getattr(self.predictor, key) is not None:
+                    _check_rel(getattr(self.predictor, key), f"predictor.{key}", bad)
         if not 0.0 <= self.totals.padding_waste < 1.0:
             bad(f"totals.padding_waste {self.totals.padding_waste} must be in [0, 1)")
 
     def check_files(self, model_dir: str | os.PathLike) -> None:
-        """Every file the manifest names exists with the size it records. Raises ManifestError."""
-        d = Path(model_dir)
+        """Every file the manifest names resolves to a regular file inside the model directory;
+        block files and base.gguf have the sizes it records. Raises ManifestError."""
         for e in self.layers:
-            _check_size(d / e.file, e.file_size)
-        _check_size(d / self.base.file, self.base.size)
+            _check_size(self.resolve(model_dir, e.file), e.file_size)
+        _check_size(self.resolve(model_dir, self.base.file), self.base.size)
+        for rel in self.checksummed_files()[1:]:
+            self.resolve(model_dir, rel)
+
+    def check_checksums(self, model_dir: str | os.PathLike) -> None:
+        """The CRC-32 of every file in ``checksummed_files`` equals the recorded one (reads them
+        all: base.gguf is most of it). Raises ManifestError naming the file."""
+        from .checksum import file_crc32
+
+        for rel in self.checksummed_files():
+            want = self.checksums.get(rel)
+            path = self.resolve(model_dir, rel)
+            if want is None:
+                raise ManifestError(f"{path}: the manifest records no checksum for it (converted by an older "
+                                    f"leanstream-ggml?); re-run `leanstream convert` with --force")
+            fd = _open_regular(path)
+            try:
+                have = f"crc32:{file_crc32(path, fd=fd):08x}"
+            finally:
+                os.close(fd)
+            if have != want:
+                raise ManifestError(f"{path}: corrupt (checksum {have}, the manifest records {want}); "
+                                    f"re-run `leanstream convert` with --force to repair the model directory")
+
+    def record_checksums(self, model_dir: str | os.PathLike) -> None:
+        """Set ``checksums`` from the files as they are now."""
+        from .checksum import file_crc32
+
+        self.checksums = {}
+        for rel in self.checksummed_files():
+            path = self.resolve(model_dir, rel)
+            fd = _open_regular(path)
+            try:
+                self.checksums[rel] = f"crc32:{file_crc32(path, fd=fd):08x}"
+            finally:
+                os.close(fd)
 
 
 _KNOWN_KEYS = {"format", "format_version", "source", "architecture", "n_layer", "n_embd", "n_ff",
-               "activation", "block", "layers", "totals", "base", "predictor"}
+               "activation", "block", "layers", "totals", "base", "predictor", "checksums"}
+
+
+def _check_rel(rel: Any, what: str, bad) -> None:
+    if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+        bad(f"{what} {rel!r} must be a relative path inside the model directory")
+
+
+def resolve_inside(model_dir: str | os.PathLike, rel: str) -> Path:
+    """Real path of model_dir/rel, which must be a regular file inside model_dir (symlinks
+    resolved first: a link pointing outside the directory is refused)."""
+    root = os.path.realpath(model_dir)
+    real = os.path.realpath(os.path.join(root, rel))
+    if os.path.commonpath([root, real]) != root or real == root:
+        raise ManifestError(f"{Path(model_dir) / rel}: resolves to {real}, outside the model directory {root}; "
+                            f"model files must stay inside it")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise ManifestError(f"{Path(model_dir) / rel}: missing (the model directory is incomplete)") from None
+    except OSError as e:
+        raise ManifestError(f"{Path(model_dir) / rel}: cannot stat: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ManifestError(f"{Path(model_dir) / rel}: not a regular file (a FIFO, device or directory); "
+                            f"model files must be regular files")
+    return Path(real)
+
+
+def _open_regular(path: Path) -> int:
+    """Open without following a last-component symlink or blocking on a FIFO; regular files only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot open: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ManifestError(f"{path}: not a regular file")
+    return fd
 
 
 def _type_ok(v: Any, typ: type) -> bool:
@@ -322,6 +440,8 @@ def _check_size(path: Path, size: int) -> None:
         actual = path.stat().st_size
     except FileNotFoundError:
         raise ManifestError(f"{path}: missing (the model directory is incomplete)") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot stat: {e.strerror}") from None
     if actual != size:
         raise ManifestError(f"{path}: {actual} bytes, the manifest says {size} (truncated or replaced?)")
 
@@ -334,14 +454,33 @@ def load(model_dir: str | os.PathLike, *, check_files: bool = True) -> Manifest:
     if not d.is_dir():
         raise ManifestError(f"{d}: not a directory (expected a model directory from `leanstream convert`)")
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ManifestError(f"{path}: missing — {d} is not a converted model, or its conversion did not "
                             f"finish (re-run `leanstream convert`)") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot open: {e.strerror} (check its permissions)") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError(f"{path}: not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes; not a manifest")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         raw = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:   # JSONDecodeError, or an integer too long to convert
         raise ManifestError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ManifestError(f"{path}: JSON nested too deeply; not a manifest") from None
     m = Manifest.from_dict(raw, where=str(path))
     if check_files:
         m.check_files(d)
@@ -349,8 +488,10 @@ def load(model_dir: str | os.PathLike, *, check_files: bool = True) -> Manifest:
 
 
 def save(manifest: Manifest, model_dir: str | os.PathLike) -> Path:
-    """Write ``manifest.json`` atomically (temporary name, fsync, rename)."""
+    """Write ``manifest.json`` atomically (temporary name, fsync, rename), after recording the
+    checksums of the files it names (base.gguf, predictor files) as they are now."""
     manifest.validate()
+    manifest.record_checksums(model_dir)
     path = Path(model_dir) / MANIFEST_NAME
     atomic_write_text(path, manifest.to_json())
     return path

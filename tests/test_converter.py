@@ -23,6 +23,7 @@ from leanstream_ggml import blockfile
 from converters import convert_gguf as cg
 from converters.convert_gguf import ConvertError, convert
 from leanstream_ggml import manifest as mf
+from leanstream_ggml.checksum import crc32c
 
 # (arch, n_embd, n_ff, types): every supported gate/up type and several ffn_down source types
 CASES = {
@@ -126,7 +127,7 @@ def test_header_fields(models, tmp_path):
         path = tmp_path / "out" / e.file
         buf = path.read_bytes()
         h = blockfile.BlockHeader.unpack(buf)
-        assert buf[:8] == b"LSBLOCKS" and struct.unpack_from("<I", buf, 8)[0] == 1
+        assert buf[:8] == b"LSBLOCKS" and struct.unpack_from("<I", buf, 8)[0] == 2
         assert (h.il, h.n_embd, h.n_ff, h.k) == (il, 256, 512, 2)
         assert h.n_blocks == 256 == e.n_blocks
         assert h.gate_type == T.Q4_K and h.up_type == T.Q5_K and h.down_type == T.Q8_0
@@ -135,12 +136,20 @@ def test_header_fields(models, tmp_path):
         assert h.align == 4096 and h.block_stride % 4096 == 0 and h.block_stride >= h.block_payload
         assert h.block_stride == blockfile.round_up(2 * (144 + 176 + 272), 4096) == e.block_stride
         assert h.perm_offset == 4096 and h.data_offset % 4096 == 0
-        assert h.data_offset >= 4096 + 4 * h.n_blocks * h.k and h.data_offset == e.data_offset
+        assert h.crc_offset == 4096 + 4 * h.n_blocks * h.k
+        assert h.data_offset >= h.crc_offset + 4 * h.n_blocks and h.data_offset == e.data_offset
         assert h.file_size == len(buf) == e.file_size == h.data_offset + h.n_blocks * h.block_stride
-        assert not any(buf[112:4096]), "header tail must be zero"
-        assert not any(buf[4096 + 4 * h.n_blocks * h.k: h.data_offset]), "perm tail must be zero"
+        assert not any(buf[124:4096]), "header tail must be zero"
+        assert not any(buf[h.crc_offset + 4 * h.n_blocks: h.data_offset]), "table tail must be zero"
         raw = np.frombuffer(buf, np.uint8, offset=h.data_offset).reshape(h.n_blocks, h.block_stride)
         assert not raw[:, h.block_payload:].any(), "block padding must be zero"
+        # checksums: one CRC-32C per block (padding included), and one of [0, data_offset)
+        crcs = np.frombuffer(buf, "<u4", count=h.n_blocks, offset=h.crc_offset)
+        for b in (0, h.n_blocks // 2, h.n_blocks - 1):
+            assert crcs[b] == crc32c(raw[b].tobytes())
+        meta = bytearray(buf[:h.data_offset])
+        meta[120:124] = bytes(4)
+        assert h.meta_crc == crc32c(meta)
         # manifest type names are ggml's and map back to the header's enum values
         assert mf.ggml_type_id(e.gate_type) == h.gate_type and mf.ggml_type_id(e.down_type) == h.down_type
 
@@ -268,7 +277,7 @@ def test_resume_rewrites_a_corrupt_layer(models, tmp_path, monkeypatch):
         "source_sha256": sha256(src), "source_size": src.stat().st_size, "k": 1,
         "align": converters.device_align(out), "permutation_sha256": hashlib.sha256(
             b"".join(np.arange(96, dtype=np.int32).tobytes() for _ in range(2))).hexdigest(),
-        "block_file_version": 1}))
+        "block_file_version": blockfile.VERSION}))
     with open(out / "ffn" / "blk.1.bin", "r+b") as f:
         f.truncate(5000)
     written = []

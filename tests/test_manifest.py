@@ -63,7 +63,12 @@ def test_json_round_trip_keeps_unknown_keys(tmp_path):
     assert m.extra == {"controller": {"lut": "controller/lut.bin"}}
     again = json.loads(m.to_json())
     assert again == d
-    mf.save(m, tmp_path)
+    make_dir(tmp_path, d)
+    (tmp_path / "predictor").mkdir()
+    for f in d["predictor"]["files"]:
+        (tmp_path / f).write_bytes(b"p")
+    mf.save(m, tmp_path)                                     # records the files' checksums
+    assert set(m.checksums) == {"base.gguf", *d["predictor"]["files"]}
     assert mf.load(tmp_path, check_files=False) == m
     assert not list(tmp_path.glob("*.partial"))
 
@@ -104,7 +109,7 @@ def mutate(path: str, value):
     ("base.file", "../x.gguf", "relative path"),
     ("totals.padding_waste", 1.5, "padding_waste"),
     ("predictor", [1], "predictor: expected an object"),
-    ("predictor", {"files": ["predictor/blk.0.lspred"], "version": 2, "bytes": 1}, "1 files for n_layer=2"),
+    ("predictor", {"files": ["predictor/blk.0.lspred"], "version": 2, "bytes": 1}, "one file per layer \\(2\\), it lists 1"),
     ("predictor", {"files": ["/tmp/a", "b"], "version": 2, "bytes": 1}, "relative path"),
     ("predictor", {"files": ["a", "b"], "version": 2, "bytes": 1, "block_freq": "../f.npy"}, "relative path"),
     ("predictor", {"files": ["a", "b"], "version": "2", "bytes": 1}, "'version' should be int"),

@@ -35,6 +35,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: cores available)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch (= n_ubatch)")
     p.add_argument("--json", action="store_true", help="print one JSON document on one line")
+    p.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                   help="leanstream: check each block's CRC-32C as it is read (default: on; off only to "
+                        "measure what the check costs)")
 
 
 def register(subparsers) -> None:
@@ -67,14 +70,29 @@ def _engine_extra(args, system: str) -> dict:
     """--sparsity / --n-stages as Llama keyword arguments (leanstream only)."""
     if system != "leanstream":
         return {}
-    return {k: v for k, v in (("sparsity", args.sparsity), ("n_stages", args.n_stages)) if v is not None}
+    out = {k: v for k, v in (("sparsity", args.sparsity), ("n_stages", args.n_stages)) if v is not None}
+    if not args.verify_checksums:
+        out["verify_checksums"] = False
+    return out
+
+
+def _check_params(args) -> None:
+    """--memory-budget, --mode, --sparsity, --n-stages through the one validator (params.py):
+    a bad value is one line naming it, before any model is opened."""
+    from leanstream_ggml import params
+
+    kw = {"memory_budget": args.memory_budget, "mode": args.mode, "sparsity": args.sparsity}
+    if args.n_stages is not None:
+        kw["n_stages"] = args.n_stages
+    p = params.engine_params(**kw)
+    args.memory_budget = p["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
 
 
 def cmd_bench(args) -> int:
-    from . import bench, measure, systems
+    from . import bench, systems
 
+    _check_params(args)
     model = _resolve(args.model)
-    args.memory_budget = measure.parse_size(args.memory_budget)  # bytes, one parser for all reports
     r = bench.bench(model, args.system, n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions,
                     n_threads=args.threads, n_ctx=args.ctx_size, n_batch=args.batch_size, mode=args.mode,
                     memory_budget=args.memory_budget, text_path=args.text,
@@ -90,11 +108,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from . import measure, perplexity, systems
+    from . import perplexity, systems
     from .bench import DEFAULT_TEXT
 
+    _check_params(args)
     model = _resolve(args.model)
-    args.memory_budget = measure.parse_size(args.memory_budget)
     text = Path(args.text or DEFAULT_TEXT).read_text(encoding="utf-8")
     n_threads = args.threads or len(os.sched_getaffinity(0))
     common = dict(n_ctx=args.ctx_size, n_threads=n_threads, n_batch=max(args.batch_size, args.ctx_size),

@@ -19,35 +19,18 @@ import ctypes.util
 import datetime as _dt
 import os
 import platform
-import re
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
 # sizes
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_size(text: str | int | float | None) -> int | None:
     """Bytes from "900MB" (10^6), "512MiB" (2^20), "1.5G", "123" (bytes) or a number.
-    "none", "" and None mean no limit and return None."""
-    if text is None:
-        return None
-    if isinstance(text, (int, float)):
-        if text < 0:
-            raise ValueError(f"negative size {text!r}")
-        return int(text)
-    if text.strip().lower() in ("", "none", "unlimited", "inf"):
-        return None
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 900MB, 512MiB, 1.5GB, 123456)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    "none", "" and None mean no limit and return None. (params.size_bytes parses.)"""
+    from leanstream_ggml.params import size_bytes
+
+    n = size_bytes(text, "size")
+    return n or None
 
 
 def format_size(n: int | None) -> str:

@@ -18,7 +18,7 @@
 // error raised on a worker thread is kept and returned by the next ls_engine_take_error().
 // Shapes are written [ne0, ne1] as in ggml (ne0 contiguous).
 //
-// Block file format (version 1), one file per layer, `ffn/blk.<il>.bin`, little-endian:
+// Block file format (version 2), one file per layer, `ffn/blk.<il>.bin`, little-endian:
 //
 //   offset  size  field
 //   0       8     magic "LSBLOCKS"
@@ -39,12 +39,24 @@
 //   88      8     u64 perm_offset           (= 4096)
 //   96      8     u64 data_offset           (multiple of 4096)
 //   104     8     u64 file_size             (= data_offset + n_blocks*block_stride)
-//   112..4095     zero
+//   112     8     u64 crc_offset            (= perm_offset + 4*n_blocks*k)             [version 2]
+//   120     4     u32 meta_crc              CRC-32C of bytes [0, data_offset), this field
+//                                           read as 0: header, perm and checksum tables [version 2]
+//   124..4095     zero
 //   perm_offset:  i32 perm[n_blocks*k]      neuron id of slot j of block b at perm[b*k+j];
 //                                           -1 marks a padding slot (only in the last block)
+//   crc_offset:   u32 block_crc[n_blocks]   CRC-32C (Castagnoli) of block b's block_stride
+//                                           bytes, padding included               [version 2]
+//   zeros up to data_offset
 //   data_offset + b*block_stride: block b =
 //       [k gate rows][k up rows][k down columns][zero padding to block_stride]
 //   padding slots hold zero bytes.
+//
+// Integrity: the engine checks meta_crc when it opens a file and, unless verify_checksums is
+// 0, every block's CRC once after each read, before the block is first computed with; a
+// mismatch is an LS_ERR_CORRUPT error naming the file, layer and block (the block is not used,
+// and is read again next time). Version 1 files (no checksums) are refused with a message to
+// re-run `leanstream convert`.
 //
 // This header is read as-is by the Python binding (cffi cdef): everything between
 // LS_CDEF_BEGIN and LS_CDEF_END must stay plain C declarations (no macros but LS_API and
@@ -65,7 +77,7 @@ extern "C" {
 // LS_CDEF_BEGIN
 
 #define LS_ABI_VERSION 3
-#define LS_BLOCK_FILE_VERSION 1
+#define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
 
@@ -78,6 +90,7 @@ enum {
     LS_ERR_NOMEM   = -4,
     LS_ERR_BUDGET  = -5,  // memory budget too small for the working set
     LS_ERR_UNSUPPORTED = -6,
+    LS_ERR_CORRUPT = -7,  // stored data does not match its checksum
 };
 
 // Activation of the gated FFN: out = down · (act(gate · x) ⊙ (up · x)).
@@ -134,6 +147,7 @@ typedef struct ls_engine_params {
     const float *  block_rank;      // [sum of n_blocks over layers] calibration rank of every block,
                                     // layer after layer (higher = more often needed), or NULL; the
                                     // hot set is the top of this ranking (required by powerinfer2)
+    int32_t        verify_checksums; // 1 (default): check every block's CRC-32C after each read, before use
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);   // the only source of defaults
@@ -216,11 +230,19 @@ typedef struct ls_stats {
     uint64_t refinements;      // predictor re-runs on partial results (Eq. 2)
     uint64_t direct_io;        // 1 if block reads bypass the page cache (O_DIRECT)
     uint64_t hot_blocks;       // blocks kept resident for good: the hot set (dense: the pinned prefix)
+    uint64_t checksum_ns;      // time verifying block checksums (summed over compute threads)
 } ls_stats;
 
 // il = -1: totals over all layers.
 LS_API ls_status   ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out);
 LS_API void        ls_engine_reset_stats(ls_engine * e);
+
+// ---- checksums ---------------------------------------------------------------------------
+// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of data[len], continuing from crc
+// (0 to start): ls_crc32c(0, "123456789", 9) == 0xE3069283. ls_crc32c uses SSE4.2 on three
+// streams; ls_crc32c_ref is the byte-at-a-time table reference.
+LS_API uint32_t    ls_crc32c(uint32_t crc, const void * data, size_t len);
+LS_API uint32_t    ls_crc32c_ref(uint32_t crc, const void * data, size_t len);
 
 // ---- predictor (stacked learnable hashing, paper §3.3) ------------------------------------
 // One predictor per FFN layer, loaded from `predictor/blk.<il>.lspred` (format: see

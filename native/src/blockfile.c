@@ -37,12 +37,12 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     L->path = strdup(path);
     if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
 
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+    int fd = -1;
+    struct stat st;
+    ls_status ost = ls_open_regular(path, &fd, &st);
+    if (ost != LS_OK) return ost;
     uint8_t h[4096];
     ssize_t got = pread(fd, h, sizeof(h), 0);
-    struct stat st;
-    if (fstat(fd, &st) != 0) { ls_set_error("%s: stat: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
     if (got != (ssize_t) sizeof(h)) {
         ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st.st_size);
         close(fd);
@@ -55,8 +55,9 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     }
     uint32_t version = rd_u32(h + 8);
     if (version != LS_BLOCK_FILE_VERSION) {
-        ls_set_error("%s: block file version %u, this build reads version %d (re-run leanstream convert)",
-                     path, version, LS_BLOCK_FILE_VERSION);
+        ls_set_error("%s: block file version %u, this build reads version %d%s (re-run `leanstream convert` "
+                     "with --force to rewrite the model directory)", path, version, LS_BLOCK_FILE_VERSION,
+                     version == 1 ? ", which adds a checksum to every block" : "");
         close(fd);
         return LS_ERR_FORMAT;
     }
@@ -77,11 +78,14 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     uint64_t perm_off   = rd_u64(h + 88);
     in->data_offset     = rd_u64(h + 96);
     uint64_t file_size  = rd_u64(h + 104);
+    uint64_t crc_off    = rd_u64(h + 112);
+    uint32_t meta_crc   = rd_u32(h + 120);
 
     const int64_t k = in->neurons_per_block;
     const char * bad = NULL;
     if (file_il != (uint32_t) il) bad = "layer index does not match its position";
     else if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) bad = "zero dimension";
+    else if (in->n_embd > (1 << 24) || in->n_ff > (1 << 28)) bad = "implausibly large dimension";
     else if (k > 256) bad = "more than 256 neurons per block";
     else if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) bad = "n_blocks != ceil(n_ff / k)";
     else if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) bad = "unsupported gate/up type";
@@ -91,10 +95,11 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
              in->n_embd % ggml_blck_size(in->down_type) != 0 ||
              L->down_col_bytes != ggml_row_size(in->down_type, in->n_embd)) bad = "row sizes do not match the types";
     else if (align < 512 || (align & (align - 1)) != 0) bad = "alignment is not a power of two >= 512";
-    else if (in->block_stride % align != 0 ||
+    else if (in->block_stride % align != 0 || in->block_stride > (1ull << 32) ||
              in->block_stride < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes)) bad = "bad block stride";
-    else if (perm_off < 112 || in->data_offset % 4096 != 0 ||
-             perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k > in->data_offset) bad = "bad offsets";
+    else if (perm_off < 128 || perm_off > (1ull << 40) || in->data_offset % 4096 != 0 ||
+             crc_off != perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k ||
+             crc_off + 4ull * (uint64_t) in->n_blocks > in->data_offset) bad = "bad offsets";
     else if (file_size != in->data_offset + (uint64_t) in->n_blocks * in->block_stride) bad = "file_size field inconsistent";
     if (bad) {
         ls_set_error("%s: malformed block file header: %s", path, bad);
@@ -111,14 +116,32 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
 
     const size_t n_slots = (size_t) in->n_blocks * (size_t) k;
     L->perm = malloc(n_slots * sizeof(int32_t));
+    L->block_crc = malloc((size_t) in->n_blocks * sizeof(uint32_t));
+    L->verified = calloc((size_t) in->n_blocks, sizeof(*L->verified));
     L->slot_of_block = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
-    if (!L->perm || !L->slot_of_block || !L->state) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    if (pread(fd, L->perm, n_slots * 4, (off_t) perm_off) != (ssize_t) (n_slots * 4)) {
-        ls_set_error("%s: cannot read the neuron permutation at offset %llu", path, (unsigned long long) perm_off);
-        close(fd);
+    uint8_t * meta = malloc((size_t) in->data_offset);
+    if (!L->perm || !L->block_crc || !L->verified || !L->slot_of_block || !L->state || !meta) {
+        free(meta); close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM;
+    }
+    // header, perm and checksum tables: one read, checked against meta_crc before any use
+    if (pread(fd, meta, (size_t) in->data_offset, 0) != (ssize_t) in->data_offset) {
+        ls_set_error("%s: cannot read the block file's tables (%llu bytes)", path, (unsigned long long) in->data_offset);
+        free(meta); close(fd);
         return LS_ERR_FORMAT;
     }
+    memset(meta + 120, 0, 4);
+    const uint32_t have_crc = ls_crc32c(0, meta, (size_t) in->data_offset);
+    if (have_crc != meta_crc) {
+        ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); "
+                     "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
+                     path, il, have_crc, meta_crc);
+        free(meta); close(fd);
+        return LS_ERR_CORRUPT;
+    }
+    memcpy(L->perm, meta + perm_off, n_slots * 4);
+    memcpy(L->block_crc, meta + crc_off, (size_t) in->n_blocks * 4);
+    free(meta);
     // every neuron exactly once, padding only as -1
     uint8_t * seen = calloc((size_t) in->n_ff, 1);
     if (!seen) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
@@ -136,7 +159,7 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     close(fd);
     // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
     if (use_direct_io) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
         if (L->fd < 0 && errno == EINVAL) {
             *direct_io = false; // filesystem without O_DIRECT (tmpfs): fall back, reported in stats
         } else if (L->fd < 0) {
@@ -145,9 +168,15 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
         }
     }
     if (L->fd < 0) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC);
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
         if (!use_direct_io) *direct_io = false;
+    }
+    // the file read above must be the one kept open (not replaced in between)
+    struct stat st2;
+    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st.st_dev || st2.st_ino != st.st_ino) {
+        ls_set_error("%s: the file changed while it was being opened", path);
+        return LS_ERR_IO;
     }
     return LS_OK;
 }

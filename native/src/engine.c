@@ -111,6 +111,10 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             ls_predictor_info pi;
             st = ls_predictor_load(p->predictor_paths[il], &L->pred);
             if (st == LS_OK) st = ls_predictor_get_info(L->pred, &pi);
+            if (st == LS_OK && pi.layer >= 0 && pi.layer != il) {  // -1: written without a layer
+                ls_set_error("%s: predictor trained for layer %d, given for layer %d", p->predictor_paths[il], pi.layer, il);
+                st = LS_ERR_FORMAT;
+            }
             if (st == LS_OK && (pi.n_blocks != in->n_blocks || pi.n_embd != in->n_embd)) {
                 ls_set_error("%s: predictor for %d blocks of n_embd %d, layer %d has %d blocks of n_embd %lld",
                              p->predictor_paths[il], pi.n_blocks, pi.n_embd, il, in->n_blocks, (long long) in->n_embd);
@@ -189,6 +193,8 @@ void ls_engine_free(ls_engine * e) {
         if (L->fd >= 0) close(L->fd);
         free(L->path);
         free(L->perm);
+        free(L->block_crc);
+        free((void *) L->verified);
         free(L->slot_of_block);
         free((void *) L->state);
         free(L->prio); free(L->prefetch); free(L->order); free(L->stage_mark); free(L->in_prefetch); free(L->last_plan);
@@ -235,6 +241,7 @@ static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
     s->predictor_ns    += atomic_load(&l->predictor_ns);
     s->blocks_prefetched += atomic_load(&l->blocks_prefetched);
     s->refinements     += atomic_load(&l->refinements);
+    s->checksum_ns     += atomic_load(&l->checksum_ns);
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
@@ -243,7 +250,15 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     if (il >= 0) {
         add_layer_stats(out, &e->layers[il].stats);
     } else {
-        for (int32_t i = 0; i < e->n_layers; i++) add_layer_stats(out, &e->layers[i].stats);
+        // totals: every counter summed over layers except tokens, which every layer sees once
+        // (the model's token rows, so that bytes_read / tokens is bytes per token)
+        uint64_t tokens = 0;
+        for (int32_t i = 0; i < e->n_layers; i++) {
+            add_layer_stats(out, &e->layers[i].stats);
+            uint64_t t = atomic_load(&e->layers[i].stats.tokens);
+            if (t > tokens) tokens = t;
+        }
+        out->tokens = tokens;
     }
     pthread_mutex_lock((pthread_mutex_t *) &e->mu);
     if (il >= 0) {
@@ -271,6 +286,7 @@ void ls_engine_reset_stats(ls_engine * e) {
         atomic_store(&l->io_stall_ns, 0); atomic_store(&l->op_ns, 0);
         atomic_store(&l->predictor_ns, 0);
         atomic_store(&l->blocks_prefetched, 0); atomic_store(&l->refinements, 0);
+        atomic_store(&l->checksum_ns, 0);
     }
 }
 

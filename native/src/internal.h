@@ -39,7 +39,7 @@ typedef struct ls_mode_policy {
 typedef struct ls_layer_stats {
     _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
                      bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
-                     refinements;
+                     refinements, checksum_ns;
 } ls_layer_stats;
 
 struct ls_predictor;
@@ -51,6 +51,8 @@ typedef struct ls_layer {
     char *             path;
     ls_layer_info      info;
     int32_t *          perm;            // [n_blocks*k] neuron id per slot, -1 = padding
+    uint32_t *         block_crc;       // [n_blocks] CRC-32C of each block's stride bytes
+    _Atomic uint8_t *  verified;        // [n_blocks] 1: checked against block_crc since it was read
     uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
     int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
     _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
@@ -161,16 +163,17 @@ struct ls_engine {
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
-//   op.c         the op (plan, compute, reduce), ls_ffn_eval -> schedule.c engine.c kernels.c cache.c util.c
+//   op.c         the op (plan, compute, reduce), ls_ffn_eval -> schedule.c engine.c kernels.c checksum.c cache.c util.c
 //   schedule.c   selection, stages, prefetch, refinement     -> cache.c io.c predictor.c mode.c util.c
 //   engine.c     lifetime, budget -> slots, counters          -> blockfile.c cache.c io.c predictor.c mode.c util.c
 //   io.c         O_DIRECT read workers                        -> cache.c util.c
 //   cache.c      budgeted slots, eviction                     -> util.c
-//   blockfile.c  block file header, permutation, descriptor   -> util.c
+//   blockfile.c  block file header, permutation, descriptor   -> checksum.c util.c
+//   checksum.c   CRC-32C, a block's check before first use     -> util.c
 //   predictor.c  hashing predictor files and evaluation        -> util.c
 //   kernels.c    activations, dequantization, down projection  (leaf)
 //   mode.c       mode table, kept-blocks count, defaults, hot set -> util.c
-//   util.c       errors, clock, spin, barrier                  (leaf)
+//   util.c       errors, clock, spin, barrier, safe open       (leaf)
 
 #define LS_DEFAULT_SPARSITY 0.5f
 
@@ -179,6 +182,8 @@ void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1,
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
                 __attribute__((format(printf, 3, 4)));
 uint64_t    ls_now_ns(void);
+struct stat;
+ls_status   ls_open_regular(const char * path, int * fd, struct stat * st);
 void        ls_barrier_wait(ls_barrier * b, int n);
 void        ls_cpu_relax(unsigned * spins);
 
@@ -236,5 +241,10 @@ void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n
 // FFN, [n_embd] (sparse decode; may be NULL); y: output [n_tokens, n_embd].
 void        ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
                       float * y, int64_t n_tokens, int ith, int nth);
+
+// checksum.c: before its first use after a read, block b (its bytes at blk) is checked against
+// its CRC-32C by the compute thread about to use it; false (and the block FAILED, the error
+// recorded) on a mismatch.
+bool        ls_block_verify(ls_engine * e, ls_layer * L, int32_t b, const uint8_t * blk);
 
 #endif // LS_INTERNAL_H

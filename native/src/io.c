@@ -26,6 +26,8 @@ static void finish_read(ls_engine * e, ls_read * r, ls_status st, const char * w
         atomic_fetch_add(&L->stats.reads_issued, 1);
     }
     const int32_t v = st == LS_OK ? LS_BLK_READY : LS_BLK_FAILED;
+    // fresh bytes: their checksum is checked by the compute thread that first uses them
+    for (int32_t i = 0; i < r->n; i++) atomic_store_explicit(&L->verified[r->first + i], 0, memory_order_relaxed);
     for (int32_t i = 0; i < r->n; i++) {
         atomic_store_explicit(&L->state[r->first + i], v, memory_order_release);
     }

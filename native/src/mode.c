@@ -37,6 +37,7 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->n_stages       = 4;           // 8 measured worse with the quick predictors (README)
     p->cache_policy   = -1;          // the mode's eviction
     p->hot_fraction   = -1.0;        // the mode's share of the budget pinned for the hot set
+    p->verify_checksums = 1;         // every block checked against its CRC-32C before first use
 }
 
 ls_status ls_params_resolve(ls_engine_params * p) {

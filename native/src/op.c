@@ -130,8 +130,16 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             n_staged = 0;
         }
         const int32_t b = P->blocks[i];
-        if (!wait_ready(L, b, &stall_ns)) continue; // failed read: reported by take_error
+        if (!wait_ready(L, b, &stall_ns)) {
+            // a failed read or a corrupt block, reported with its cause when it happened; every
+            // op that needs the block reports it again (with an unlimited budget it stays failed)
+            ls_engine_record_error(e, LS_ERR_IO, "%s: layer %d block %d could not be loaded (see the first error)",
+                                   L->path, L->il, b);
+            continue;
+        }
         const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
+        if (e->params.verify_checksums && !atomic_load_explicit(&L->verified[b], memory_order_relaxed) &&
+            !ls_block_verify(e, L, b, blk)) continue;
         if (i + LS_PREFETCH_AHEAD < hi) { // the block a few entries ahead, if it is there already
             const int32_t nb = P->blocks[i + LS_PREFETCH_AHEAD];
             const int32_t ns = L->slot_of_block[nb];

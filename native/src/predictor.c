@@ -18,6 +18,9 @@
 
 #include "internal.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -185,8 +188,12 @@ nomem:
 ls_status ls_predictor_load(const char * path, ls_predictor ** out) {
     if (!path || !out) { ls_set_error("ls_predictor_load: null argument"); return LS_ERR_ARG; }
     *out = NULL;
-    FILE * f = fopen(path, "rb");
-    if (!f) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+    int fd = -1;
+    struct stat sb;
+    ls_status ost = ls_open_regular(path, &fd, &sb);   // no FIFO/device/symlink: never blocks
+    if (ost != LS_OK) return ost;
+    FILE * f = fdopen(fd, "rb");
+    if (!f) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
     if (fseek(f, 0, SEEK_END) != 0) { ls_set_error("%s: cannot seek", path); fclose(f); return LS_ERR_IO; }
     long n = ftell(f);
     if (n < 0 || fseek(f, 0, SEEK_SET) != 0) { ls_set_error("%s: cannot size", path); fclose(f); return LS_ERR_IO; }

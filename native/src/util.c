@@ -1,13 +1,18 @@
-// util.c — errors, clocks, spinning and the barrier: leaf utilities every other file uses
+// util.c — errors, clocks, spinning, the barrier, opening model files safely: leaf utilities every other file uses
 // (this file calls no other file of the library).
 
 #include "internal.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <immintrin.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 static _Thread_local char ls_tls_errmsg[LS_MAX_ERRMSG];
 
@@ -58,4 +63,25 @@ void ls_barrier_wait(ls_barrier * b, int n) {
     }
     unsigned spins = 0;
     while (atomic_load_explicit(&b->gen, memory_order_acquire) == gen) ls_cpu_relax(&spins);
+}
+
+// Open a file of the model directory for reading: the last path component must not be a
+// symlink (the Python side resolves the path inside the model directory first), and it must be
+// a regular file — a FIFO or device would block or stream forever. O_NONBLOCK keeps open() of a
+// FIFO from waiting for a writer; it has no effect on regular files.
+ls_status ls_open_regular(const char * path, int * fd_out, struct stat * st) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        if (errno == ELOOP) ls_set_error("%s: is a symbolic link; model files must be regular files", path);
+        else ls_set_error("%s: cannot open: %s", path, strerror(errno));
+        return LS_ERR_IO;
+    }
+    if (fstat(fd, st) != 0) { ls_set_error("%s: stat: %s", path, strerror(errno)); close(fd); return LS_ERR_IO; }
+    if (!S_ISREG(st->st_mode)) {
+        ls_set_error("%s: not a regular file (a FIFO, device or directory); model files must be regular files", path);
+        close(fd);
+        return LS_ERR_IO;
+    }
+    *fd_out = fd;
+    return LS_OK;
 }
