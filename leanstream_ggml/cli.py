@@ -11,14 +11,30 @@ import sys
 COMMAND_MODULES = [
     "converters.cli",            # convert, info
     "leanstream_ggml.chat",      # chat
+    "leanstream_ggml.server",    # serve
     "leanstream_ggml.harness.cli",  # bench, perplexity
     "leanstream_ggml.predictor.cli",  # profile, train-predictor
 ]
 
 
+def version_string() -> str:
+    """This package's version and the llama-cpp-python it runs on (read from the installed
+    metadata: printing it must not load llama.cpp)."""
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        llama = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        llama = "not installed"
+    return f"leanstream-ggml {__version__} (llama-cpp-python {llama})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="leanstream",
                                  description="Run GGUF models with a streamed sparse FFN under a memory budget.")
+    ap.add_argument("--version", action="version", version=version_string())
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
