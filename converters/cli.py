@@ -64,7 +64,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
           f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}")
-    if args.predictors != "none":
+    from .convert_gguf import PREDICTOR_ARCHS
+
+    if args.predictors != "none" and m.architecture not in PREDICTOR_ARCHS:
+        print(f"no predictors: the predictor stage supports {', '.join(PREDICTOR_ARCHS)}, not {m.architecture}, "
+              f"yet; {out} runs in dense mode")
+    elif args.predictors != "none":
         return _train_predictors(src, out, m, quick=args.predictors == "quick", progress=not args.quiet,
                                  profile_dir=args.profile_dir)
     return 0
@@ -121,10 +126,40 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"FFN size         source {_fmt_bytes(t.ffn_bytes_source)}, on disk {_fmt_bytes(t.ffn_bytes_on_disk)}",
         f"padding          {_fmt_bytes(t.padding_bytes)} ({t.padding_waste:.1%} of block bytes)",
         f"base             {m.base.file} ({_fmt_bytes(m.base.size)})",
-        f"predictor        {'none' if m.predictor is None else ', '.join(sorted(m.predictor)) or 'present'}",
+        f"predictor        {_predictor_line(m)}",
+        f"sparse modes     {_sparse_line(m, d)}",
     ]
     print("\n".join(lines))
     return 0
+
+
+def _predictor_line(m) -> str:
+    p = m.predictor
+    if not p:
+        return "none"
+    cfg = p.get("config") or {}
+    parts = [f"{p['format']} v{p.get('version', '?')}"] if p.get("format") else []
+    parts.append(f"{len(p.get('files') or [])} layer files")
+    if p.get("bytes"):
+        parts.append(_fmt_bytes(p["bytes"]))
+    if cfg.get("n_hash_layers") is not None:
+        parts.append(f"{cfg['n_hash_layers']} hashing layers")
+    if p.get("block_freq"):
+        parts.append("calibration block frequencies")
+    return ", ".join(parts)
+
+
+def _sparse_line(m, d: Path) -> str:
+    from .convert_gguf import PREDICTOR_ARCHS
+
+    ready, why = m.sparse_modes(d)
+    if ready:
+        return "ready: " + ", ".join(ready) + (f" ({why})" if why else "")
+    if m.architecture not in PREDICTOR_ARCHS:
+        return (f"not available: dense only (predictor training supports {', '.join(PREDICTOR_ARCHS)}, "
+                f"not {m.architecture}, yet)")
+    return (f"not ready: {why}; dense only. For the sparse modes convert the source again with predictors: "
+            f"leanstream convert {m.source.filename} {d} --force")
 
 
 def register(subparsers) -> None:

@@ -66,12 +66,15 @@ class Llama(llama_cpp.Llama):
         self.model_dir = path
         predictor_paths = None
         if mode != "dense":
-            files = (self.manifest.predictor or {}).get("files")
-            if not files or len(files) != self.manifest.n_layer:
-                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none: "
+            ready, why = self.manifest.sparse_modes(path)
+            if mode in ("leanstream", "oneshot", "dejavu+") and mode not in ready:
+                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none ({why}): "
                                  f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
-            predictor_paths = [path / f for f in files]
+            if mode == "powerinfer2" and "leanstream" not in ready:
+                raise ValueError(f"mode='powerinfer2' needs the model's predictors ({why}): convert with predictors "
+                                 f"(`leanstream convert SRC {model_path} --force`) or use mode='dense'")
+            predictor_paths = [path / f for f in self.manifest.predictor["files"]]
         if sparsity is None:
             sparsity = 0.0 if mode == "dense" else 0.5
         self._engine = FFNEngine([self.manifest.layer_path(path, il) for il in range(self.manifest.n_layer)],

@@ -126,6 +126,25 @@ class Manifest:
     def base_path(self, model_dir: str | os.PathLike) -> Path:
         return Path(model_dir) / self.base.file
 
+    # ---- what the sparse modes need -------------------------------------------------------
+    def sparse_modes(self, model_dir: str | os.PathLike) -> tuple[list[str], str | None]:
+        """(sparse modes this directory can run, why the others cannot or None). The modes
+        need one predictor file per layer; powerinfer2 also the calibration block frequencies
+        (leanstream pins them when present)."""
+        d = Path(model_dir)
+        files = (self.predictor or {}).get("files") or []
+        if not files:
+            return [], "no predictors (the converter's predictor stage did not run)"
+        if len(files) != self.n_layer:
+            return [], f"predictors for {len(files)} of {self.n_layer} layers"
+        missing = [f for f in files if not (d / f).is_file()]
+        if missing:
+            return [], f"predictor file {missing[0]} is missing"
+        freq = (self.predictor or {}).get("block_freq")
+        if freq and (d / freq).is_file():
+            return ["leanstream", "oneshot", "dejavu+", "powerinfer2"], None
+        return ["leanstream", "oneshot", "dejavu+"], "powerinfer2 needs the calibration block frequencies"
+
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
