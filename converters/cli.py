@@ -106,7 +106,10 @@ def _train_predictors(src: Path, out: Path, m, *, quick: bool, progress: bool, p
 def cmd_info(args: argparse.Namespace) -> int:
     from leanstream_ggml.manifest import ManifestError, load
 
-    d = Path(args.dir) if args.dir else _default_out(None, Path())
+    from leanstream_ggml import models
+
+    named = args.dir in models.RECIPES and not Path(args.dir).exists()
+    d = Path(args.dir) if args.dir and not named else _default_out(args.dir, Path())
     try:
         m = load(d)
     except ManifestError as e:
@@ -186,5 +189,6 @@ def register(subparsers) -> None:
 
     q = subparsers.add_parser("info", help="describe a converted model directory",
                               description="Print what a model directory's manifest.json says.")
-    q.add_argument("dir", nargs="?", default=None, help="model directory (default: the default model's)")
+    q.add_argument("dir", nargs="?", default=None,
+                   help="model directory, or a known model name (default: the default model's)")
     q.set_defaults(func=cmd_info)
