@@ -2,10 +2,11 @@
 
     python bench/make_readme_table.py bench/results/side_by_side-*.json
 
-One table per JSON file: a header line (model, machine class, date, settings), then one row per
-memory limit with, for each system, decode tok/s, peak RSS and disk bytes read per decode token;
-failed runs show their status (oom, timeout, error, skipped). Decode tok/s is the median over
-repetitions, with the best repetition in parentheses. Standard library only.
+One table per JSON file: a header line (model, machine class, date, settings), then for every
+memory limit one row per system: its model file, held-out perplexity (when measured, with the
+ratio to stock's), decode tok/s, peak RSS and disk bytes read per decode token; failed runs show
+their status (oom, timeout, error, skipped). Decode tok/s is the median over repetitions, with
+the best repetition in parentheses. Standard library only.
 """
 
 from __future__ import annotations
@@ -27,8 +28,27 @@ def _limit(n) -> str:
     return "none" if n is None else f"{n / 1e6:.0f} MB"
 
 
-def _system_name(s: str) -> str:
-    return "stock" if s == "stock" else f"leanstream {s}"
+def _system_name(s: str, doc: dict) -> str:
+    if s == "stock" or s.startswith("stock-"):
+        f = (doc.get("stock_files") or {}).get(s, {}).get("file") or (doc["model"] if s == "stock" else s[6:].upper())
+        q = _quant_of(f)
+        return f"stock {q}" if q else s
+    return f"leanstream {s}"
+
+
+def _quant_of(filename: str) -> str | None:
+    """"Qwen.Q3_K_M-from-Q4_K_M.gguf" -> "Q3_K_M", "SmolLM2.Q4_1.gguf" -> "Q4_1"."""
+    stem = filename[:-5] if filename.endswith(".gguf") else filename
+    last = stem.rsplit(".", 1)[-1].split("-from-")[0]
+    return last.upper() if last[:1] in "qQfF" and any(c.isdigit() for c in last) else None
+
+
+def _ppl_cell(doc: dict, s: str) -> str:
+    ppl = doc.get("perplexity") or {}
+    p, ref = (ppl.get(s) or {}).get("ppl"), (ppl.get("stock") or {}).get("ppl")
+    if p is None:
+        return "–"
+    return f"{p:.2f}" + (f" (×{p / ref:.3f})" if ref and s != "stock" else "")
 
 
 def table(doc: dict) -> str:
@@ -45,18 +65,19 @@ def table(doc: dict) -> str:
     loads = [e["loadavg_1min_at_start"] for e in doc["runs"] if e.get("loadavg_1min_at_start") is not None]
     if loads:
         head += (f" Machine load (1-min load average at the start of each run) {min(loads):.1f}–{max(loads):.1f}"
-                 f" on {m['cores']} cores: other work shared the CPUs, so compare systems within a row.")
+                 f" on {m['cores']} cores: other work shared the CPUs, so compare systems within a limit.")
     systems = doc["systems"]
-    cols = ["memory limit"]
-    for s in systems:
-        n = _system_name(s)
-        cols += [f"{n} decode tok/s (best)", f"{n} peak RSS", f"{n} disk/token"]
-    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
+    with_ppl = bool(doc.get("perplexity"))
+    cols = ["memory limit", "system", "model file"] + (["held-out PPL (vs stock)"] if with_ppl else []) + \
+        ["decode tok/s (best)", "peak RSS", "disk/token"]
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * (len(cols) - 3)) + "|"]
     notes: list[str] = []
+    files = doc.get("stock_files") or {}
     for lim in doc["limits_bytes"]:
-        row = [_limit(lim)]
         for s in systems:
             e = next((e for e in doc["runs"] if e["system"] == s and e["limit_bytes"] == lim), None)
+            size = (files.get(s) or {}).get("bytes") if s.startswith("stock") else doc.get("model_dir_bytes")
+            row = [_limit(lim), _system_name(s, doc), _mb(size) if size else "–"] + ([_ppl_cell(doc, s)] if with_ppl else [])
             if e is None:
                 row += ["–"] * 3
             elif e["status"] != "ok" or not e.get("result"):
@@ -75,9 +96,20 @@ def table(doc: dict) -> str:
                 per_tok = r.get("disk_read_bytes_per_decode_token")
                 cell = "–" if dec is None else f"{dec:.2f}" + (f" ({best:.2f})" if best is not None else "")
                 row += [cell, _mb(r.get("peak_rss_bytes")), _mb(per_tok)]
-        lines.append("| " + " | ".join(row) + " |")
+            lines.append("| " + " | ".join(row) + " |")
     if notes:
         lines += [""] + [f"[{i}] {n}" for i, n in enumerate(notes, 1)]
+    made = {s: f["made"] for s, f in files.items() if f.get("made") and s in systems}
+    if made:
+        lines += ["", "Smaller quants: " + "; ".join(f"{_system_name(s, doc)} = {how}" for s, how in made.items())
+                  + ". Re-quantized from an already quantized file (the only one available here), they are "
+                    "somewhat worse than the same types quantized from the original f16 weights."]
+    if with_ppl:
+        ppl = doc["perplexity"]
+        n = next((v.get("n_scored") for v in ppl.values() if v.get("n_scored")), None)
+        lines += ["", f"Held-out PPL: `leanstream perplexity` on the bundled held-out text ({n} scored tokens, "
+                      f"windows of {st.get('ppl_ctx', 512)}), measured once per system without a limit: a limit "
+                      f"changes where weights are read from, not what is computed."]
     lines += ["", "Peak RSS is VmHWM: it also counts mapped pages of shared libraries that other processes brought "
               "into the page cache (charged to them, not to the run's cgroup), so it can exceed the limit; the "
               "charged peak the limit binds is `cgroup.max_usage_bytes` in the JSON. Disk/token = bytes read from "
@@ -89,7 +121,7 @@ def table(doc: dict) -> str:
                   "(reserve: " + "; ".join(f"{s} {_mb(b)}" + (f", {how[s]}" if how.get(s) else "")
                                           for s, b in budgets.items()) + ")."]
     match = [(e["system"], _limit(e["limit_bytes"]), e.get("greedy_match_vs_stock")) for e in doc["runs"]
-             if e["system"] != "stock" and e.get("greedy_match_vs_stock") is not None]
+             if not e["system"].startswith("stock") and e.get("greedy_match_vs_stock") is not None]
     if match:
         worst = min(match, key=lambda t: t[2])
         lines += [f"Correctness check: greedy continuations identical to stock's for "

@@ -18,9 +18,17 @@ limit run back to back under the same machine conditions):
 3. its JSON, the cgroup's peak and OOM counters, and "oom" / "timeout" / "error" are recorded.
 
 Systems: "stock" = llama_cpp.Llama on the GGUF with mmap (llama-cpp-python's defaults);
-any other name is a LeanStream engine mode on the converted model directory ("dense", "oneshot",
-"dejavu+", "powerinfer2", "leanstream"). All get the same n_ctx, n_batch, threads, prompt and
-lengths. A LeanStream run under limit L gets ``memory_budget = L - reserve`` for its FFN weight
+"stock-<type>" (e.g. stock-q3_k_m, stock-q2_k) = the same on a smaller quantization of the same
+model, made with llama.cpp's quantizer from the GGUF given (leanstream_ggml/harness/quants.py: a
+re-quantization when the source is already quantized) — what a stock user would run at a limit
+the original does not fit; any other name is a LeanStream engine mode on the converted model
+directory ("dense", "oneshot", "dejavu+", "powerinfer2", "leanstream"). All get the same n_ctx,
+n_batch, threads, prompt and lengths.
+
+--perplexity: each system's held-out perplexity too (`leanstream perplexity`, windows of 512,
+the bundled held-out text), measured once per system without a limit: a memory limit changes
+where the weights are read from, not what is computed (dense streaming is checked equal to stock
+below; a quantization's output does not depend on the page cache), so it holds at every limit. A LeanStream run under limit L gets ``memory_budget = L - reserve`` for its FFN weight
 cache, and no budget without a limit. The reserve (non-FFN weights, KV cache, compute buffers,
 Python) is measured: the same mode's charged peak (cgroup) without a limit minus the bytes its
 cache held, plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
@@ -48,6 +56,16 @@ if str(REPO) not in sys.path:
 from leanstream_ggml.harness import cgroup, measure  # noqa: E402
 
 STOCK = "stock"
+
+
+def is_stock(system: str) -> bool:
+    """stock llama-cpp-python: on the GGUF given ("stock") or a smaller quantization of it."""
+    return system == STOCK or system.startswith(STOCK + "-")
+
+
+def stock_quant(system: str) -> str | None:
+    """"stock-q3_k_m" -> "Q3_K_M"; None for the GGUF as given."""
+    return system[len(STOCK) + 1:].upper() if system.startswith(STOCK + "-") else None
 
 
 def log(msg: str) -> None:
@@ -133,13 +151,24 @@ def bench_command(model: Path, system: str, args, budget: int | None) -> list[st
     cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "bench", str(model), "--json",
            "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
            "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
-    if system == STOCK:
+    if is_stock(system):
         cmd += ["--system", "stock"]
     else:
         cmd += ["--system", "leanstream", "--mode", system]
         if budget is not None:
             cmd += ["--memory-budget", str(budget)]
+        if args.sparsity is not None and system != "dense":
+            cmd += ["--sparsity", str(args.sparsity)]
     return cmd
+
+
+def perplexity_command(model: Path, system: str, args) -> list[str]:
+    cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "perplexity", str(model), "--json",
+           "-c", str(args.ppl_ctx), "-t", str(args.threads)]
+    if is_stock(system):
+        return cmd + ["--system", "stock"]
+    return cmd + ["--system", "leanstream", "--mode", system] + \
+        (["--sparsity", str(args.sparsity)] if args.sparsity is not None and system != "dense" else [])
 
 
 def summarize(bench_json: dict) -> dict:
@@ -159,14 +188,17 @@ def greedy_match(a: list[int] | None, b: list[int] | None) -> float | None:
     return k / n
 
 
-def private_copies(gguf: Path, model_dir: Path | None, where: Path) -> tuple[Path, Path | None]:
+def private_copies(ggufs: dict, model_dir: Path | None, where: Path) -> tuple[dict, Path | None]:
     """Copies of the model files that no other process reads, so that dropping their page cache
     sticks (another process reading the shared GGUF would bring its pages back, charged to
     someone else, and our run would read them for free). Same filesystem as the model cache, so
-    the block files keep their O_DIRECT alignment."""
+    the block files keep their O_DIRECT alignment. ggufs: stock system -> GGUF."""
     where.mkdir(parents=True, exist_ok=True)
-    g = where / gguf.name
-    shutil.copyfile(gguf, g)
+    g = {}
+    for system, path in ggufs.items():
+        g[system] = where / path.name
+        if not g[system].exists():
+            shutil.copyfile(path, g[system])
     d = None
     if model_dir is not None:
         d = where / model_dir.name
@@ -178,29 +210,41 @@ def run(args) -> dict:
     from leanstream_ggml import models
     from leanstream_ggml.build import cache_dir
 
+    from leanstream_ggml.harness import quants
+
     gguf_orig = models.resolve(args.model)
     systems = parse_systems(args.systems)
     limits = parse_limits(args.limits)
-    lean_modes = [s for s in systems if s != STOCK]
+    lean_modes = [s for s in systems if not is_stock(s)]
     dir_orig = resolve_model_dir(gguf_orig, args.model, args.model_dir) if lean_modes else None
+    # every stock system's GGUF: the one given, or a smaller quantization made from it (once)
+    ggufs_orig = {s: gguf_orig if stock_quant(s) is None else quants.requantize(gguf_orig, stock_quant(s), log=log)
+                  for s in systems if is_stock(s)}
+    ggufs_orig.setdefault(STOCK, gguf_orig)
     tmp = None
     if args.private_copy:
         tmp = Path(tempfile.mkdtemp(prefix="side-by-side-", dir=cache_dir()))
         log(f"copying the model files to {tmp} (private copies; --no-private-copy to skip)")
-        gguf, model_dir = private_copies(gguf_orig, dir_orig, tmp)
+        ggufs, model_dir = private_copies(ggufs_orig, dir_orig, tmp)
     else:
-        gguf, model_dir = gguf_orig, dir_orig
+        ggufs, model_dir = ggufs_orig, dir_orig
     try:
-        doc = _run(args, systems, limits, gguf, model_dir)
+        doc = _run(args, systems, limits, ggufs, model_dir)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     doc.update(model_path=str(gguf_orig), model_dir=str(dir_orig) if dir_orig else None)
+    doc["stock_files"] = {s: {"file": p.name, "bytes": p.stat().st_size,
+                              "made": None if stock_quant(s) is None else
+                              f"llama.cpp llama_model_quantize (via llama-cpp-python) from {gguf_orig.name}"
+                              + (", re-quantized (allow_requantize)" if quants.source_type(gguf_orig) != "src" else "")}
+                          for s, p in ggufs_orig.items()}
     doc["settings"]["private_copy"] = bool(args.private_copy)
     return doc
 
 
-def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
+def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
+    gguf = ggufs[STOCK]
     fixed_reserve = measure.parse_size(args.reserve) if args.reserve else None
     reserve_of: dict[str, tuple[int, str]] = {}  # mode -> (reserve bytes, how it was chosen)
 
@@ -214,21 +258,21 @@ def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
     runs = []
     for limit in limits:
         for system in systems:
-            path = gguf if system == STOCK else model_dir
+            path = ggufs[system] if is_stock(system) else model_dir
             files = measure.model_files(path)
             if not args.no_drop_cache:
                 measure.drop_page_cache(files)
             resident = [measure.resident_bytes(f) for f in files]
             resident = None if any(r is None for r in resident) else sum(resident)
             reserve = None
-            if system != STOCK and limit is not None:
+            if not is_stock(system) and limit is not None:
                 reserve, how = reserve_of.get(system) or choose_reserve(fixed_reserve, model_dir, None)
-            budget = None if system == STOCK else plugin_budget(limit, reserve)
+            budget = None if is_stock(system) else plugin_budget(limit, reserve)
             entry = {"system": system, "limit_bytes": limit,
                      "memory_budget_bytes": budget, "plugin_reserve_bytes": reserve,
                      "page_cache_resident_at_start_bytes": resident,
                      "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
-            if system != STOCK and limit is not None and budget == 0:
+            if not is_stock(system) and limit is not None and budget == 0:
                 entry.update(status="skipped", reason=f"limit below the reserve ({measure.format_size(reserve)})",
                              cgroup={})
                 runs.append(entry)
@@ -243,7 +287,7 @@ def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
                 entry.update(status="error", stderr_tail="no JSON on stdout\n" + res.stderr[-2000:])
             if bj is not None:
                 entry["result"] = summarize(bj)
-                if system != STOCK and limit is None and system not in reserve_of:
+                if not is_stock(system) and limit is None and system not in reserve_of:
                     reserve_of[system] = choose_reserve(fixed_reserve, model_dir, bj,
                                                         res.cgroup.get("max_usage_bytes"))
             runs.append(entry)
@@ -254,6 +298,19 @@ def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
                 f"cgroup peak {measure.format_size(entry['cgroup'].get('max_usage_bytes'))}  "
                 f"disk/decode-token {measure.format_size(int(r['disk_read_bytes_per_decode_token'])) if r.get('disk_read_bytes_per_decode_token') is not None else 'n/a'}  "
                 f"({entry['wall_s']:.0f} s)")
+
+    # quality: held-out perplexity of every system, once, without a limit (see the docstring)
+    ppl = {}
+    if args.perplexity:
+        for system in systems:
+            path = ggufs[system] if is_stock(system) else model_dir
+            res = cgroup.run_command(perplexity_command(path, system, args), limit_bytes=None,
+                                     timeout_s=args.timeout * 4, env=env, cwd=str(REPO), account=ok)
+            pj = extract_json(res.stdout) if res.status == "ok" else None
+            ppl[system] = ({k: pj.get(k) for k in ("ppl", "n_scored", "n_chunks", "decode_scored", "sparsity")}
+                           if pj else {"status": res.status, "stderr_tail": res.stderr[-1000:]})
+            ppl[system]["loadavg_1min_at_start"] = round(os.getloadavg()[0], 2)
+            log(f"{system:>12} perplexity: {ppl[system].get('ppl')}")
 
     # correctness before speed: each run's greedy continuation against stock's without a limit
     ref = next((e["result"]["generated"] for e in runs
@@ -278,7 +335,7 @@ def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
                    "note": "each run in its own child memory cgroup (v1) under ours; memory.limit_in_bytes "
                            "= the limit (memsw too where present), page cache included"
                    if ok else "no limits applied"},
-        "settings": {"n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+        "settings": {"ppl_ctx": args.ppl_ctx, "sparsity": args.sparsity, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
                      "n_ctx": args.ctx_size, "n_batch": args.batch_size, "n_threads": args.threads,
                      "timeout_s": args.timeout,
                      "plugin_reserve": {m: {"bytes": r, "how": how} for m, (r, how) in reserve_of.items()},
@@ -286,6 +343,7 @@ def _run(args, systems, limits, gguf: Path, model_dir: Path | None) -> dict:
                      "prompt": "bundled held-out technical text (leanstream_ggml/harness/data)"},
         "machine": measure.machine_info(),
         "runs": runs,
+        "perplexity": ppl or None,
     }
 
 
@@ -319,7 +377,8 @@ def plot(doc: dict, path: str) -> None:
         pts = sorted(((xpos(e["limit_bytes"]), (e.get("result") or {}).get("decode_tok_s"), e["status"])
                       for e in doc["runs"] if e["system"] == system), key=lambda t: t[0])
         good = [(x, y) for x, y, s in pts if s == "ok" and y is not None]
-        label = "stock llama-cpp-python (mmap)" if system == STOCK else f"leanstream {system}"
+        label = ("stock llama-cpp-python (mmap)" if system == STOCK else
+                 f"stock, {stock_quant(system)} (mmap)" if is_stock(system) else f"leanstream {system}")
         line, = ax.plot([p[0] for p in good], [p[1] for p in good], marker="o", label=label)
         bad = [(x, s) for x, y, s in pts if s not in ("ok",)]
         for x, s in bad:
@@ -359,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--ctx-size", type=int, default=512)
     ap.add_argument("-b", "--batch-size", type=int, default=512)
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--perplexity", action="store_true",
+                    help="also measure each system's held-out perplexity (once, without a limit)")
+    ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window (n_ctx; second half scored)")
+    ap.add_argument("--sparsity", type=float, default=None, help="sparse LeanStream modes: fraction skipped")
     ap.add_argument("--reserve", default=None,
                     help="memory a LeanStream run keeps outside its weight budget (default: measured, see above)")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock cap per run (s); past it: 'timeout'")

@@ -80,7 +80,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from leanstream_ggml.manifest import ManifestError, load
 
-    d = Path(args.dir) if args.dir else _default_out(None, Path())
+    from leanstream_ggml import models
+
+    named = args.dir in models.RECIPES and not Path(args.dir).exists()
+    d = Path(args.dir) if args.dir and not named else _default_out(args.dir, Path())
     try:
         m = load(d)
     except ManifestError as e:
@@ -100,14 +103,36 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"FFN size         source {_fmt_bytes(t.ffn_bytes_source)}, on disk {_fmt_bytes(t.ffn_bytes_on_disk)}",
         f"padding          {_fmt_bytes(t.padding_bytes)} ({t.padding_waste:.1%} of block bytes)",
         f"base             {m.base.file} ({_fmt_bytes(m.base.size)})",
-        "predictor        " + ("none (dense mode only; convert with --predictors full for the sparse modes)"
-                                if m.predictor is None else
-                                f"{len(m.predictor.files)} files ({_fmt_bytes(m.predictor.bytes)}), format "
-                                f"{m.predictor.format} v{m.predictor.version}"
-                                + (", calibration block frequencies" if m.predictor.block_freq else "")),
+        f"predictor        {_predictor_line(m)}",
+        f"sparse modes     {_sparse_line(m, d)}",
     ]
     print("\n".join(lines))
     return 0
+
+
+def _predictor_line(m) -> str:
+    p = m.predictor
+    if not p:
+        return "none"
+    parts = [f"{p.format} v{p.version}", f"{len(p.files)} layer files", _fmt_bytes(p.bytes)]
+    if p.config.get("n_hash_layers") is not None:
+        parts.append(f"{p.config['n_hash_layers']} hashing layers")
+    if p.block_freq:
+        parts.append("calibration block frequencies")
+    return ", ".join(parts)
+
+
+def _sparse_line(m, d: Path) -> str:
+    from .convert_gguf import PREDICTOR_ARCHS
+
+    ready, why = m.sparse_modes(d)
+    if ready:
+        return "ready: " + ", ".join(ready) + (f" ({why})" if why else "")
+    if m.architecture not in PREDICTOR_ARCHS:
+        return (f"not available: dense only (predictor training supports {', '.join(PREDICTOR_ARCHS)}, "
+                f"not {m.architecture}, yet)")
+    return (f"not ready: {why}; dense only. For the sparse modes convert the source again with predictors: "
+            f"leanstream convert {m.source.filename} {d} --force")
 
 
 def register(subparsers) -> None:
@@ -136,5 +161,6 @@ def register(subparsers) -> None:
 
     q = subparsers.add_parser("info", help="describe a converted model directory",
                               description="Print what a model directory's manifest.json says.")
-    q.add_argument("dir", nargs="?", default=None, help="model directory (default: the default model's)")
+    q.add_argument("dir", nargs="?", default=None,
+                   help="model directory, or a known model name (default: the default model's)")
     q.set_defaults(func=cmd_info)

@@ -37,7 +37,13 @@ from .validate import check_tensors
 
 BASE_NAME = "base.gguf"
 FFN_DIR = "ffn"
-SUPPORTED_ARCHS = ("llama", "qwen2")   # gated SiLU FFN: down(silu(gate x) * up x)
+# gated FFN down(act(gate x) * up x), by architecture: the activation its llama.cpp graph uses
+ACTIVATION_OF_ARCH = mf.ARCH_ACTIVATION   # the contract's table (leanstream_ggml/manifest.py)
+SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
+# architectures whose graphs the predictor stage can profile (it captures llama.cpp's ffn_inp /
+# ffn_swiglu tensors; gemma3 names them sa_out / ffn_geglu and norms the FFN's output before the
+# residual add): the others convert for dense mode only
+PREDICTOR_ARCHS = ("llama", "qwen2")
 
 
 class ConvertError(Exception):
@@ -169,7 +175,7 @@ def _inspect(reader, src: Path) -> _Model:
                            f"gated-FFN models only ({', '.join(SUPPORTED_ARCHS)})")
     if arch not in SUPPORTED_ARCHS:
         raise ConvertError(f"{src}: unsupported architecture {arch!r}; leanstream convert supports "
-                           f"{', '.join(SUPPORTED_ARCHS)} (gated SiLU FFN)")
+                           f"{', '.join(SUPPORTED_ARCHS)} (gated SiLU/GELU FFN)")
     n_layer = _kv(reader, f"{arch}.block_count")
     n_embd = _kv(reader, f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
@@ -182,7 +188,7 @@ def _inspect(reader, src: Path) -> _Model:
         got = {r: tensors.get(n) for r, n in names.items()}
         if got["gate"] is None and got["up"] is not None:
             raise ConvertError(f"{src}: layer {il} has no ffn_gate: a non-gated FFN is not supported "
-                               f"(leanstream needs down(silu(gate x) * up x))")
+                               f"(leanstream needs down(act(gate x) * up x))")
         missing = [names[r] for r in names if got[r] is None]
         if missing:
             raise ConvertError(f"{src}: missing FFN tensors {', '.join(missing)} (already converted, "
@@ -532,7 +538,8 @@ def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], total
     return mf.Manifest(
         source=mf.SourceInfo(filename=source.path.name, sha256=source.sha256, size=source.size),
         architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,
-        activation="silu", block=mf.BlockGeometry(k=source.k, align=source.align), layers=entries,
+        activation=ACTIVATION_OF_ARCH[model.arch], block=mf.BlockGeometry(k=source.k, align=source.align),
+        layers=entries,
         totals=totals, base=mf.BaseInfo(file=BASE_NAME, size=(out / BASE_NAME).stat().st_size),
         predictor=predictor)
 

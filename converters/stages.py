@@ -29,8 +29,8 @@ from typing import Any, Callable
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 
-from .convert_gguf import (BASE_NAME, FFN_DIR, ConvertError, check_out_dir_apart, make_manifest, read_source,
-                           remove_partials, write_model)
+from .convert_gguf import (BASE_NAME, FFN_DIR, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest,
+                           read_source, remove_partials, write_model)
 
 STATE_DIR = ".convert"
 STATE_NAME = "state.json"
@@ -155,6 +155,10 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
                    hash_config, profile_kwargs, n_threads, log) -> mf.Manifest:
     # read: the source, its hash and the block geometry
     source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
+    if predictors != "none" and source.model.arch not in PREDICTOR_ARCHS:
+        log(f"no predictors: the predictor stage supports {', '.join(PREDICTOR_ARCHS)}, not "
+            f"{source.model.arch}, yet; {out} runs in dense mode")
+        predictors = "none"
     params = source.params()
     if predictors != "none":
         from .train.pipeline import training_settings

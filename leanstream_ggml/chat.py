@@ -1,16 +1,19 @@
 """`leanstream chat`: interactive chat (like llama.cpp's chat) with a converted model.
 
-    leanstream chat [DIR] [--memory-budget 512MiB] [--prompt "..."] [--system "..."]
+    leanstream chat [DIR | MODEL_NAME] [--memory-budget 512MiB] [--prompt "..."] [--system "..."] [-v]
 
 Streams tokens as they are generated, keeps the conversation history, formats it with the
 GGUF's chat template. Ctrl-C while the model answers stops that answer; Ctrl-C or Ctrl-D at the
-prompt quits. Without DIR it uses the default model (converted by `leanstream convert`).
+prompt quits. Without DIR it uses the default model (converted by `leanstream convert`). Prints
+the load time; with --verbose, after every answer, the prefill and decode rates and the engine's
+counters per decoded token.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 
@@ -28,12 +31,54 @@ def default_model_dir() -> Path:
     return out
 
 
+def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
+    """The engine's counters over the decode steps of one answer, per decoded token."""
+    n_layer = llm.manifest.n_layer
+    steps = (end["op_calls"] - after_prefill["op_calls"]) // n_layer
+    if steps <= 0:
+        return "no decode steps"
+    d = {k: end[k] - after_prefill[k] for k in ("blocks_computed", "blocks_read", "bytes_read",
+                                                 "io_stall_ns", "op_ns", "predictor_ns")}
+    miss = d["blocks_read"] / d["blocks_computed"] if d["blocks_computed"] else 0.0
+    return (f"per decoded token: {d['blocks_computed'] / steps:.0f} blocks computed, {d['blocks_read'] / steps:.0f} "
+            f"read from disk (miss ratio {miss:.2f}), {d['bytes_read'] / steps / 1e6:.1f} MB read, FFN op "
+            f"{d['op_ns'] / steps / 1e6:.1f} ms (I/O stall {d['io_stall_ns'] / steps / 1e6:.1f} ms, predictor "
+            f"{d['predictor_ns'] / steps / 1e6:.2f} ms); FFN cache {end['cache_bytes'] / 1e6:.0f} MB")
+
+
+def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, after_prefill: dict | None) -> None:
+    import llama_cpp
+
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    parts = []
+    if perf.n_p_eval:
+        parts.append(f"prefill {perf.n_p_eval} tokens {perf.t_p_eval_ms / 1e3:.2f} s "
+                     f"({perf.n_p_eval / max(perf.t_p_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
+    if perf.n_eval:
+        parts.append(f"decode {perf.n_eval} tokens {perf.t_eval_ms / 1e3:.2f} s "
+                     f"({perf.n_eval / max(perf.t_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
+    if t_first is not None:
+        parts.append(f"first token after {t_first - t0:.2f} s, answer {t_end - t0:.2f} s")
+    print("[" + " | ".join(parts) + "]", file=sys.stderr)
+    if after_prefill is not None:
+        print("[" + _per_token_stats(llm, after_prefill, llm.stats()) + "]", file=sys.stderr)
+
+
 def _stream_answer(llm, messages, args) -> str:
     out = []
+    if args.verbose:
+        import llama_cpp
+
+        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    t0, t_first, after_prefill = time.perf_counter(), None, None
     stream = llm.create_chat_completion(messages=messages, stream=True, max_tokens=args.max_tokens,
                                         temperature=args.temp, seed=args.seed)
     try:
         for chunk in stream:
+            if t_first is None:
+                # the first chunk comes after the prompt's prefill and before any decode step
+                t_first = time.perf_counter()
+                after_prefill = llm.stats() if args.verbose else None
             delta = chunk["choices"][0]["delta"].get("content")
             if delta:
                 out.append(delta)
@@ -44,6 +89,8 @@ def _stream_answer(llm, messages, args) -> str:
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if args.verbose:
+        _print_answer_stats(llm, t0, t_first, time.perf_counter(), after_prefill)
     return "".join(out)
 
 
@@ -52,14 +99,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .llama import Llama
     from .manifest import ManifestError
 
+    from .models import converted_model_dir
+
     try:
-        model_dir = Path(args.model) if args.model else default_model_dir()
+        model_dir = converted_model_dir(args.model, "chat") if args.model else default_model_dir()
+        t0 = time.perf_counter()
         llm = Llama(str(model_dir), memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity,
                     n_stages=args.n_stages, n_ctx=args.n_ctx,
-                    n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.verbose)
+                    n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log)
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
         return 1
+    budget = llm.engine.memory_budget
+    print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (mode {llm.mode}, FFN budget "
+          f"{f'{budget / 2**20:.0f} MiB' if budget else 'all'})", file=sys.stderr)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -91,7 +144,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a converted model (streams, keeps history)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", help="model directory from `leanstream convert` (default: SmolLM2)")
+    p.add_argument("model", nargs="?", help="model directory from `leanstream convert`, or a converted known model "
+                                            "name (default: SmolLM2)")
     p.add_argument("-p", "--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message")
     p.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
@@ -106,5 +160,7 @@ def register(sub) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")
     p.add_argument("--temp", type=float, default=0.7, help="sampling temperature (default: 0.7)")
     p.add_argument("--seed", type=int, default=-1 & 0xFFFFFFFF, help="RNG seed")
-    p.add_argument("-v", "--verbose", action="store_true", help="llama.cpp's log on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="after every answer: prefill/decode rates and the engine's counters per decoded token")
+    p.add_argument("--log", action="store_true", help="llama.cpp's log on stderr")
     p.set_defaults(func=cmd_chat)

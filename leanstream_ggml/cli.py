@@ -12,7 +12,18 @@ import argparse
 import importlib
 import sys
 
-from . import __version__
+def version_string() -> str:
+    """This package's version and the llama-cpp-python it runs on (read from the installed
+    metadata: printing it must not load llama.cpp)."""
+    from importlib import metadata
+
+    from . import __version__
+
+    try:
+        llama = metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        llama = "not installed"
+    return f"leanstream-ggml {__version__} (llama-cpp-python {llama})"
 
 # command -> (module that registers it, one-line help), in the order `leanstream --help` lists them
 COMMANDS = {
@@ -20,6 +31,7 @@ COMMANDS = {
     "info": ("converters.cli", "describe a converted model directory"),
     "verify": ("leanstream_ggml.verify", "check every checksum of a model directory"),
     "chat": ("leanstream_ggml.chat", "chat with a converted model (streams tokens, keeps history)"),
+    "serve": ("leanstream_ggml.server", "llama-cpp-python's OpenAI-compatible server on a converted model"),
     "bench": ("leanstream_ggml.harness.cli", "decode/prefill speed, peak memory and disk reads"),
     "perplexity": ("leanstream_ggml.harness.cli", "perplexity on held-out text (optionally vs stock)"),
     "profile": ("converters.train.cli", "record FFN activations of a GGUF on calibration text"),
@@ -31,7 +43,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser for one command (its module imported and registered), or for the listing."""
     ap = argparse.ArgumentParser(prog="leanstream",
                                  description="Run GGUF models with a streamed sparse FFN under a memory budget.")
-    ap.add_argument("--version", action="version", version=f"leanstream-ggml {__version__}")
+    ap.add_argument("--version", action="version", version=version_string())
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     if command in COMMANDS:
         importlib.import_module(COMMANDS[command][0]).register(sub)

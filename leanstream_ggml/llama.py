@@ -105,12 +105,12 @@ class Llama(llama_cpp.Llama):
         m.check_checksums(path)
         predictor_paths = block_rank = None
         if mode != "dense":
-            files = m.predictor_files()
-            if not files:
-                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none: "
+            ready, why = m.sparse_modes(path)
+            if "leanstream" not in ready:
+                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none ({why}): "
                                  f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
-            predictor_paths = [m.resolve(path, f) for f in files]
+            predictor_paths = [m.resolve(path, f) for f in m.predictor_files()]
             block_rank = self._block_rank(path)
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,

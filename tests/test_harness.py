@@ -364,9 +364,12 @@ def test_private_copies(tmp_path):
     d = tmp_path / "m.lsm"
     (d / "ffn").mkdir(parents=True)
     (d / "ffn" / "blk.0.bin").write_bytes(b"x" * 4096)
-    g2, d2 = side_by_side.private_copies(g, d, tmp_path / "copies")
-    assert g2.read_bytes() == g.read_bytes() and (d2 / "ffn" / "blk.0.bin").read_bytes() == b"x" * 4096
-    assert g2.parent == d2.parent == tmp_path / "copies"
+    q = tmp_path / "m.Q2_K-from-Q4_K_M.gguf"
+    q.write_bytes(b"GGUF" + b"\1" * 50)
+    g2, d2 = side_by_side.private_copies({"stock": g, "stock-q2_k": q}, d, tmp_path / "copies")
+    assert g2["stock"].read_bytes() == g.read_bytes() and g2["stock-q2_k"].read_bytes() == q.read_bytes()
+    assert (d2 / "ffn" / "blk.0.bin").read_bytes() == b"x" * 4096
+    assert g2["stock"].parent == g2["stock-q2_k"].parent == d2.parent == tmp_path / "copies"
 
 
 def test_bench_command_passes_identical_settings():
@@ -378,6 +381,13 @@ def test_bench_command_passes_identical_settings():
         assert " ".join(common) in " ".join(c) and "--json" in c
     assert stock[stock.index("--system") + 1] == "stock"
     assert dense[dense.index("--mode") + 1] == "dense" and dense[dense.index("--memory-budget") + 1] == "12345"
+    # a smaller quant is stock llama-cpp-python on another GGUF, with the same settings
+    q2 = side_by_side.bench_command(Path("m.Q2_K.gguf"), "stock-q2_k", args, None)
+    assert q2 == [x if x != "m.gguf" else "m.Q2_K.gguf" for x in stock]
+    assert side_by_side.is_stock("stock-q3_k_m") and not side_by_side.is_stock("dense")
+    assert side_by_side.stock_quant("stock-q3_k_m") == "Q3_K_M" and side_by_side.stock_quant("stock") is None
+    ppl = side_by_side.perplexity_command(Path("m.lsm"), "dense", args)
+    assert ppl[ppl.index("--mode") + 1] == "dense" and ppl[ppl.index("-c") + 1] == "512"
 
 
 def _fake_doc():
@@ -406,11 +416,33 @@ def test_readme_table_from_json(tmp_path, capsys):
     assert make_readme_table.main([str(p)]) == 0
     out = capsys.readouterr().out
     assert "**Tiny.gguf**" in out and "2-core AMD EPYC" in out and "2026-01-01" in out
-    assert "| none | 13.40 | 1.80 GB | 0 MB | 10.10 | 1.20 GB | 0 MB |" in out
-    assert "| 900 MB | 1.39 | 900 MB | 750 MB | oom | – | – |" in out
+    assert "| none | stock | – | 13.40 | 1.80 GB | 0 MB |" in out
+    assert "| none | leanstream dense | – | 10.10 | 1.20 GB | 0 MB |" in out
+    assert "| 900 MB | stock | – | 1.39 | 900 MB | 750 MB |" in out
+    assert "| 900 MB | leanstream dense | – | oom | – | – |" in out
     doc = _fake_doc()
     doc["runs"][0]["result"]["decode_tok_s_best"] = 14.0
-    assert "| none | 13.40 (14.00) |" in make_readme_table.table(doc)
+    assert "| none | stock | – | 13.40 (14.00) |" in make_readme_table.table(doc)
+
+
+def test_readme_table_with_smaller_quants_and_perplexity():
+    doc = _fake_doc()
+    doc["model"] = "Tiny.Q4_K_M.gguf"
+    doc["systems"] = ["stock", "stock-q2_k", "dense"]
+    doc["stock_files"] = {"stock": {"file": "Tiny.Q4_K_M.gguf", "bytes": 10**9, "made": None},
+                          "stock-q2_k": {"file": "Tiny.Q2_K-from-Q4_K_M.gguf", "bytes": 6 * 10**8,
+                                         "made": "llama_model_quantize from Tiny.Q4_K_M.gguf"}}
+    doc["model_dir_bytes"] = 12 * 10**8
+    doc["runs"].append({"system": "stock-q2_k", "limit_bytes": 900 * 10**6, "status": "ok",
+                        "result": {"decode_tok_s": 25.0, "peak_rss_bytes": 7e8, "disk_read_bytes_per_decode_token": 0}})
+    doc["perplexity"] = {"stock": {"ppl": 10.0, "n_scored": 1000}, "stock-q2_k": {"ppl": 18.2}, "dense": {"ppl": 10.01}}
+    out = make_readme_table.table(doc)
+    assert "| 900 MB | stock Q2_K | 600 MB | 18.20 (×1.820) | 25.00 | 700 MB | 0 MB |" in out
+    assert "| none | stock Q4_K_M | 1.00 GB | 10.00 | 13.40 | 1.80 GB | 0 MB |" in out
+    assert "| none | leanstream dense | 1.20 GB | 10.01 (×1.001) | 10.10 |" in out
+    assert "| none | stock Q2_K | 600 MB | 18.20 (×1.820) | – | – | – |" in out
+    assert "stock Q2_K = llama_model_quantize from Tiny.Q4_K_M.gguf" in out
+    assert "1000 scored tokens" in out
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -137,7 +137,7 @@ def test_sparse_mode_perplexity_is_scored_token_by_token(smollm2, smollm2_dir, t
     perplexity must be scored while decoding: batch-scored it would show dense quality. With random
     (untrained) predictors at sparsity 0.5 the decode-scored perplexity is clearly worse than the
     batch-scored one, which stays at the dense level."""
-    pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
+    pytest.importorskip("torch", reason="predictor files are made with torch (convert extra)")
     import shutil
 
     from pred_synth import write_random_predictors
@@ -164,3 +164,35 @@ def test_sparse_mode_perplexity_is_scored_token_by_token(smollm2, smollm2_dir, t
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["decode_scored"] is True and out["sparsity"] == 0.5 and out["n_stages"] == 2
     assert out["ppl"] > 1.2 * decoded["ppl_reference"]   # sparse there too (other K: another selection)
+
+
+def test_smaller_quant_made_with_llamas_quantizer(smollm2, tmp_path):
+    """A stock user's alternative at a memory limit: a smaller quantization of the same model,
+    made by llama.cpp's own llama_model_quantize (bound by llama-cpp-python), once."""
+    import shutil
+
+    import llama_cpp
+
+    from leanstream_ggml.harness import perplexity, quants
+
+    src = tmp_path / smollm2.name
+    shutil.copyfile(smollm2, src)
+    out = quants.requantize(src, "Q2_K", n_threads=2)
+    assert out == tmp_path / "SmolLM2-135M-Instruct.Q2_K-from-Q4_1.gguf"
+    assert 0 < out.stat().st_size < src.stat().st_size
+    mtime = out.stat().st_mtime_ns
+    assert quants.requantize(src, "Q2_K") == out and out.stat().st_mtime_ns == mtime   # reused
+    assert not list(tmp_path.glob("*.partial"))
+    text = (REPO / "leanstream_ggml/harness/data/heldout-technical.txt").read_text()
+    kw = dict(n_ctx=128, n_threads=2, n_batch=128, logits_all=True, verbose=False)
+    small, ref = llama_cpp.Llama(str(out), **kw), llama_cpp.Llama(str(src), **kw)
+    try:
+        assert small.metadata.get("general.file_type") == str(quants.FTYPES["Q2_K"])
+        r = perplexity.compare(small, ref, text, 128, max_chunks=1)
+    finally:
+        small.close()
+        ref.close()
+    # a real, usable but worse model: 2-bit weights cost perplexity
+    assert 1.0 < r["ppl_ratio"] < 10, r
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quants.requantize(src, "Q1_X")

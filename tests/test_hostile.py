@@ -30,7 +30,7 @@ from leanstream_ggml.engine import FFNEngine
 
 LEANSTREAM = [sys.executable, "-m", "leanstream_ggml.cli"]
 ROOT = os.geteuid() == 0
-needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="predictor files are made with torch (train extra)")
+needs_torch = pytest.mark.skipif(not HAVE_TORCH, reason="predictor files are made with torch (convert extra)")
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_cli_chat_prompt_and_info(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def smollm2_random_pred_dir(smollm2_dir, tmp_path_factory):
-    pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
+    pytest.importorskip("torch", reason="predictor files are made with torch (convert extra)")
     from pred_synth import write_random_predictors
 
     d = tmp_path_factory.mktemp("smolpred") / "smollm2.lsm"

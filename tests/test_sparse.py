@@ -37,7 +37,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def predictors(model, tmp_path_factory):
     """Untrained (random) hashing predictors: the engine must follow whatever they say."""
-    pytest.importorskip("torch", reason="predictor files are made with torch (train extra)")
+    pytest.importorskip("torch", reason="predictor files are made with torch (convert extra)")
     from pred_synth import write_random_predictors
 
     paths, _, _ = model

@@ -9,10 +9,16 @@
 #include <math.h>
 
 static float act_silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float f16_round(float x) { return _cvtsh_ss(_cvtss_sh(x, 0)); }  // to f16 and back, ties to even
 static float act_gelu(float x) {
-    // tanh approximation, as ggml_gelu
-    const float c = 0.797884560802865f; // sqrt(2/pi)
-    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+    // GELU, tanh form, exactly as ggml's CPU geglu computes it (GGML_GELU_FP16): 0 below -10,
+    // x above 10, otherwise a lookup table indexed by x rounded to f16 whose entries are
+    // gelu(that f16 value) rounded to f16. Evaluating the table's formula here gives its entry.
+    if (x <= -10.0f) return 0.0f;
+    if (x >= 10.0f) return x;
+    const float c = 0.79788456080286535587989211986876f; // sqrt(2/pi), ggml's SQRT_2_OVER_PI
+    const float xr = f16_round(x);
+    return f16_round(0.5f * xr * (1.0f + tanhf(c * xr * (1.0f + 0.044715f * xr * xr))));
 }
 
 // the activation table: the op computes act(gate . x) * (up . x) for any entry

@@ -1,0 +1,95 @@
+"""What a user sees from the `leanstream` command: --version, `info`'s predictor and sparse-mode
+lines, `chat`'s load time and --verbose per-token stats, and the exact convert command when a
+plain GGUF is given to `chat` or `serve`."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from gguf_synth import write_tiny_model
+
+
+def _cli(*argv, timeout=300):
+    return subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_version():
+    import leanstream_ggml
+
+    r = _cli("--version", timeout=60)
+    assert r.returncode == 0
+    assert f"leanstream-ggml {leanstream_ggml.__version__}" in r.stdout
+    assert f"llama-cpp-python {metadata.version('llama_cpp_python')}" in r.stdout
+
+
+def _field(info: str, name: str) -> str:
+    """The value of one `leanstream info` line (labels padded to 17 characters)."""
+    line = next(line for line in info.splitlines() if line.startswith(name + " "))
+    return line[len(name):].strip()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    src = tmp_path_factory.mktemp("tiny") / "tiny model.gguf"   # a space: the command must be quoted
+    write_tiny_model(src, arch="llama", n_layer=2, n_embd=64, n_ff=96, types={"ffn": "F16"}, seed=2)
+    return src
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_plain_gguf_gets_the_exact_convert_command(tiny_gguf, command):
+    r = _cli(command, str(tiny_gguf), timeout=120)
+    assert r.returncode == 1
+    out = tiny_gguf.with_suffix(".lsm")
+    assert f"leanstream convert {shlex.quote(str(tiny_gguf))} {shlex.quote(str(out))}" in r.stderr
+    assert f"leanstream {command} {shlex.quote(str(out))}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_info_shows_predictor_and_sparse_mode_readiness(tiny_gguf, tmp_path):
+    from converters import convert
+
+    d = tmp_path / "tiny.lsm"
+    convert(tiny_gguf, d, progress=False)
+    r = _cli("info", str(d), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert _field(r.stdout, "predictor") == "none"
+    sparse = _field(r.stdout, "sparse modes")
+    assert sparse.startswith("not ready: no predictors")
+    assert "leanstream convert tiny model.gguf" in sparse
+
+    pytest.importorskip("torch", reason="predictor files are made with torch (convert extra)")
+    from pred_synth import write_random_predictors
+
+    write_random_predictors(d)
+    r = _cli("info", str(d), timeout=60)
+    assert _field(r.stdout, "predictor").startswith("lspred v2, 2 layer files, ")
+    sparse = _field(r.stdout, "sparse modes")
+    assert "ready: leanstream, oneshot, dejavu+" in sparse and "powerinfer2 needs" in sparse
+    (d / "predictor" / "blk.1.lspred").unlink()
+    r = _cli("info", str(d), timeout=60)      # a file the manifest names is gone: one clear line
+    assert r.returncode == 1 and "blk.1.lspred" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_chat_prints_load_time_and_verbose_per_token_stats(smollm2_dir, tmp_path):
+    r = _cli("chat", str(smollm2_dir), "-p", "Say hello.", "-n", "12", "--temp", "0", "-t", "2",
+             "--memory-budget", "32MiB")
+    assert r.returncode == 0, r.stderr
+    assert f"loaded {smollm2_dir} in " in r.stderr and "FFN budget 32 MiB" in r.stderr
+    assert "per decoded token" not in r.stderr
+    r = _cli("chat", str(smollm2_dir), "-p", "Say hello.", "-n", "12", "--temp", "0", "-t", "2",
+             "--memory-budget", "32MiB", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    print(r.stderr)
+    assert "prefill " in r.stderr and "decode " in r.stderr and "tok/s" in r.stderr
+    stats = next(line for line in r.stderr.splitlines() if "per decoded token" in line)
+    # under a budget of about half the FFN, dense decoding reads blocks from disk every token
+    assert "blocks computed" in stats and "MB read" in stats and "miss ratio" in stats
