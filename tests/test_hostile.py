@@ -22,7 +22,7 @@ import pytest
 import llama_cpp
 from converters.convert_gguf import ConvertError, convert
 from gguf_synth import write_tiny_model
-from hostile_model import BUDGET, CTX, HAVE_TORCH, make_model_dir, run_model
+from hostile_model import CTX, HAVE_TORCH, make_model_dir, run_model
 from leanstream_ggml import manifest as mf
 from leanstream_ggml import models, params
 from leanstream_ggml._native import LeanstreamError

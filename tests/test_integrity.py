@@ -4,12 +4,10 @@ manifest's checksums of the other files; stats per decoded token."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

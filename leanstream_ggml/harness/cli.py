@@ -19,9 +19,14 @@ from pathlib import Path
 
 
 def _resolve(model: str) -> Path:
+    import errno
+
     from leanstream_ggml import models
 
-    return models.resolve(model)
+    p = models.resolve(model)
+    if not p.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such model directory, GGUF file or model name", str(p))
+    return p
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -88,6 +93,22 @@ def _check_params(args) -> None:
     args.memory_budget = p["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
 
 
+def _one_line_model_errors(fn):
+    """llama-cpp-python reports a model it cannot load as ValueError: one line, like every
+    other user error (leanstream_ggml/errors.py)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(args):
+        try:
+            return fn(args)
+        except ValueError as e:
+            print(f"leanstream {args.command}: {e}", file=sys.stderr)
+            return 1
+    return run
+
+
+@_one_line_model_errors
 def cmd_bench(args) -> int:
     from . import bench, systems
 
@@ -107,6 +128,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
+@_one_line_model_errors
 def cmd_perplexity(args) -> int:
     from . import perplexity, systems
     from .bench import DEFAULT_TEXT
