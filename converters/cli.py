@@ -34,6 +34,21 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _usable(d: Path) -> bool:
+    """A model directory this version can run: manifest, checksums and block file headers."""
+    from leanstream_ggml import blockfile
+    from leanstream_ggml.manifest import ManifestError, load
+
+    try:
+        m = load(d)
+        m.check_checksums(d)
+        for il in range(m.n_layer):
+            blockfile.read_header(m.layer_path(d, il))
+        return True
+    except (ManifestError, ValueError, OSError):
+        return False
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from leanstream_ggml import models
 
@@ -47,14 +62,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 1
     out = Path(args.out_dir) if args.out_dir else _default_out(args.model, src)
     if args.model is None and args.out_dir is None and not args.force:
-        from leanstream_ggml.manifest import ManifestError, load
-
-        try:
-            load(out)
+        if _usable(out):
             print(f"{out}: the default model is already converted (use --force to convert it again)")
             return 0
-        except ManifestError:
-            pass
+        if out.exists():   # our own cache folder: written by another version, or damaged
+            print(f"{out}: converted by another version of leanstream-ggml or damaged; converting it again",
+                  file=sys.stderr)
+            args.force = True
     if args.predictors != "none":
         try:
             import torch  # noqa: F401

@@ -492,3 +492,22 @@ def test_cli_convert_trains_predictors(models, tmp_path, capsys):
             assert (llm.hot_blocks > 0) == pinned
         finally:
             llm.close()
+
+
+def test_usable_model_dir_check(models, tmp_path):
+    """`leanstream convert` (no arguments) keeps the cached default model only if this version
+    can run it: manifest, file checksums and block file headers."""
+    from converters.cli import _usable
+
+    out = tmp_path / "m.lsm"
+    convert(models["llama-f16"], out, progress=False)
+    assert _usable(out)
+    m = json.loads((out / "manifest.json").read_text())
+    m.pop("checksums")                       # as written by an older leanstream-ggml
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert not _usable(out)
+    convert(models["llama-f16"], out, progress=False, force=True)
+    with open(out / "ffn" / "blk.0.bin", "r+b") as f:   # a version-1 block file header
+        f.seek(8)
+        f.write((1).to_bytes(4, "little"))
+    assert not _usable(out)
