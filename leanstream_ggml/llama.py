@@ -67,13 +67,10 @@ class Llama(llama_cpp.Llama):
         predictor_paths = None
         if mode != "dense":
             ready, why = self.manifest.sparse_modes(path)
-            if mode in ("leanstream", "oneshot", "dejavu+") and mode not in ready:
-                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none ({why}): "
-                                 f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
+            if not ready:   # (powerinfer2's calibration frequencies are checked where they are read)
+                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none usable "
+                                 f"({why}): convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
-            if mode == "powerinfer2" and "leanstream" not in ready:
-                raise ValueError(f"mode='powerinfer2' needs the model's predictors ({why}): convert with predictors "
-                                 f"(`leanstream convert SRC {model_path} --force`) or use mode='dense'")
             predictor_paths = [path / f for f in self.manifest.predictor["files"]]
         if sparsity is None:
             sparsity = 0.0 if mode == "dense" else 0.5
