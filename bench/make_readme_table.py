@@ -109,7 +109,10 @@ def table(doc: dict) -> str:
         n = next((v.get("n_scored") for v in ppl.values() if v.get("n_scored")), None)
         lines += ["", f"Held-out PPL: `leanstream perplexity` on the bundled held-out text ({n} scored tokens, "
                       f"windows of {st.get('ppl_ctx', 512)}), measured once per system without a limit: a limit "
-                      f"changes where weights are read from, not what is computed."]
+                      f"changes where weights are read from, not what is computed"
+                      + (f"; taken from the run in {src}" if (src := next((v.get('measured_in') for v in ppl.values()
+                                                                            if v.get('measured_in')), None)) else "")
+                      + "."]
     lines += ["", "Peak RSS is VmHWM: it also counts mapped pages of shared libraries that other processes brought "
               "into the page cache (charged to them, not to the run's cgroup), so it can exceed the limit; the "
               "charged peak the limit binds is `cgroup.max_usage_bytes` in the JSON. Disk/token = bytes read from "

@@ -301,7 +301,13 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
 
     # quality: held-out perplexity of every system, once, without a limit (see the docstring)
     ppl = {}
-    if args.perplexity:
+    if args.perplexity_from:
+        # perplexity depends on the weights and the computation, not on the machine's load: reuse
+        # an earlier run's measurement of the same systems (recorded as such in the JSON)
+        earlier = json.loads(Path(args.perplexity_from).read_text())
+        ppl = {s: dict(v, measured_in=Path(args.perplexity_from).name)
+               for s, v in (earlier.get("perplexity") or {}).items() if s in systems}
+    elif args.perplexity:
         for system in systems:
             path = ggufs[system] if is_stock(system) else model_dir
             res = cgroup.run_command(perplexity_command(path, system, args), limit_bytes=None,
@@ -420,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--perplexity", action="store_true",
                     help="also measure each system's held-out perplexity (once, without a limit)")
+    ap.add_argument("--perplexity-from", default=None, metavar="JSON",
+                    help="take the perplexities from an earlier run's JSON instead of measuring them again")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window (n_ctx; second half scored)")
     ap.add_argument("--sparsity", type=float, default=None, help="sparse LeanStream modes: fraction skipped")
     ap.add_argument("--reserve", default=None,

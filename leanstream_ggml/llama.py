@@ -106,9 +106,9 @@ class Llama(llama_cpp.Llama):
         predictor_paths = block_rank = None
         if mode != "dense":
             ready, why = m.sparse_modes(path)
-            if "leanstream" not in ready:
-                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none ({why}): "
-                                 f"convert with predictors (`leanstream convert SRC {model_path} --force`) "
+            if not ready:   # (powerinfer2's calibration frequencies are checked where they are read)
+                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none usable "
+                                 f"({why}): convert with predictors (`leanstream convert SRC {model_path} --force`) "
                                  f"or use mode='dense'")
             predictor_paths = [m.resolve(path, f) for f in m.predictor_files()]
             block_rank = self._block_rank(path)

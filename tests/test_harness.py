@@ -442,7 +442,10 @@ def test_readme_table_with_smaller_quants_and_perplexity():
     assert "| none | leanstream dense | 1.20 GB | 10.01 (×1.001) | 10.10 |" in out
     assert "| none | stock Q2_K | 600 MB | 18.20 (×1.820) | – | – | – |" in out
     assert "stock Q2_K = llama_model_quantize from Tiny.Q4_K_M.gguf" in out
-    assert "1000 scored tokens" in out
+    assert "1000 scored tokens" in out and "taken from" not in out
+    for v in doc["perplexity"].values():
+        v["measured_in"] = "earlier.json"
+    assert "taken from the run in earlier.json" in make_readme_table.table(doc)
 
 
 def test_plot_writes_a_png(tmp_path):
