@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import numpy as np
+from logits import log_softmax, teacher_forced
 import pytest
 
 from converters import convert
@@ -88,17 +89,6 @@ def gemma3_dir(gemma3_gguf, tmp_path_factory):
     return out
 
 
-def _log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def _teacher_forced(llm, tokens):
-    llm.reset()
-    llm.eval(tokens)
-    return np.array(llm.scores[: len(tokens)], dtype=np.float64)
-
-
 @pytest.mark.slow
 def test_gemma3_converts_with_gelu_and_says_dense_only(gemma3_dir):
     from leanstream_ggml import manifest
@@ -120,7 +110,7 @@ def test_gemma3_dense_matches_stock(gemma3_gguf, gemma3_dir, prose):
     stock = llama_cpp.Llama(str(gemma3_gguf), logits_all=True, **CTX)
     try:
         tokens = stock.tokenize(prose.encode())
-        a = _teacher_forced(stock, tokens)
+        a = teacher_forced(stock, tokens)
         ref_text = stock("The three most important ideas in operating systems are", max_tokens=24,
                          temperature=0.0)["choices"][0]["text"]
     finally:
@@ -128,13 +118,13 @@ def test_gemma3_dense_matches_stock(gemma3_gguf, gemma3_dir, prose):
     plugin = Llama(str(gemma3_dir), logits_all=True, **CTX)
     try:
         assert plugin.tokenize(prose.encode()) == tokens
-        b = _teacher_forced(plugin, tokens)
+        b = teacher_forced(plugin, tokens)
         s = plugin.stats()
         text = plugin("The three most important ideas in operating systems are", max_tokens=24,
                       temperature=0.0)["choices"][0]["text"]
     finally:
         plugin.close()
-    pa, pb = _log_softmax(a), _log_softmax(b)
+    pa, pb = log_softmax(a), log_softmax(b)
     kl = (np.exp(pa) * (pa - pb)).sum(-1)
     agree = (a.argmax(-1) == b.argmax(-1)).mean()
     print(f"\ngemma3-270m, {len(tokens)} tokens: top-1 agreement {agree:.4f}, mean KL {kl.mean():.5f}, "

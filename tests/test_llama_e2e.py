@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import numpy as np
+from logits import log_softmax, teacher_forced
 import pytest
 
 import llama_cpp
@@ -30,17 +31,6 @@ from leanstream_ggml._native import LeanstreamError
 pytestmark = pytest.mark.slow
 
 CTX = dict(n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
-
-
-def _log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def _teacher_forced(llm, tokens):
-    llm.reset()
-    llm.eval(tokens)
-    return np.array(llm.scores[: len(tokens)], dtype=np.float64)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +50,9 @@ def plugin(smollm2_dir):
 def test_teacher_forced_logits_match_stock(stock, plugin, prose):
     tokens = stock.tokenize(prose.encode())
     assert plugin.tokenize(prose.encode()) == tokens
-    a = _teacher_forced(stock, tokens)
-    b = _teacher_forced(plugin, tokens)
-    pa, pb = _log_softmax(a), _log_softmax(b)
+    a = teacher_forced(stock, tokens)
+    b = teacher_forced(plugin, tokens)
+    pa, pb = log_softmax(a), log_softmax(b)
     kl = (np.exp(pa) * (pa - pb)).sum(-1)
     agree = (a.argmax(-1) == b.argmax(-1)).mean()
     print(f"\n{len(tokens)} tokens: max |logit diff| {np.abs(a - b).max():.3f}, top-1 agreement {agree:.4f}, "
@@ -82,7 +72,7 @@ def test_greedy_generation_follows_stock(stock, plugin):
     assert len(gen) >= 32
     # stock, teacher-forced on the plugin's continuation, picks the same next token almost everywhere
     ptoks = stock.tokenize(prompt.encode())
-    a = _teacher_forced(stock, ptoks + gen)
+    a = teacher_forced(stock, ptoks + gen)
     picks = a[len(ptoks) - 1: len(ptoks) + len(gen) - 1].argmax(-1)
     agree = (picks == np.array(gen)).mean()
     common = os.path.commonprefix([out, ref])
@@ -118,14 +108,14 @@ def test_two_models_in_one_process(tmp_path, plugin, stock, prose):
         toks = tiny_stock.tokenize(b"two models, one process")
         smol_toks = stock.tokenize(prose.encode())[:64]
         # interleave: smol, tiny, smol
-        s1 = _teacher_forced(plugin, smol_toks)
-        t = _teacher_forced(tiny, toks)
-        s2 = _teacher_forced(plugin, smol_toks)
+        s1 = teacher_forced(plugin, smol_toks)
+        t = teacher_forced(tiny, toks)
+        s2 = teacher_forced(plugin, smol_toks)
         assert np.array_equal(s1, s2)
         # F16 FFN: the down columns stay F16, so the tiny model matches stock to rounding noise
-        t_ref = _teacher_forced(tiny_stock, toks)
+        t_ref = teacher_forced(tiny_stock, toks)
         assert np.abs(t - t_ref).max() <= 1e-2 * np.abs(t_ref).max()
-        assert (s1.argmax(-1) == _teacher_forced(stock, smol_toks).argmax(-1)).mean() >= 0.9
+        assert (s1.argmax(-1) == teacher_forced(stock, smol_toks).argmax(-1)).mean() >= 0.9
     finally:
         tiny.close()
         tiny_stock.close()
@@ -187,7 +177,7 @@ def test_sparse_plumbing_inside_llama_cpp(stock, smollm2_random_pred_dir, prose)
     stays at the dense level. With sparsity 0.5 under a budget, the engine streams and respects it."""
     d = smollm2_random_pred_dir
     tokens = stock.tokenize(prose.encode())[:96]
-    ref = _teacher_forced(stock, tokens)
+    ref = teacher_forced(stock, tokens)
     llm = Llama(str(d), mode="leanstream", sparsity=0.0, n_stages=4, logits_all=True, **CTX)
     try:
         # decode one token at a time: every FFN op is a sparse-path (single-row) op
