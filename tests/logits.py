@@ -16,3 +16,9 @@ def teacher_forced(llm, tokens) -> np.ndarray:
     llm.reset()
     llm.eval(tokens)
     return np.array(llm.scores[: len(tokens)], dtype=np.float64)
+
+
+def agreement_and_kl(ref: np.ndarray, got: np.ndarray) -> tuple[float, np.ndarray]:
+    """Top-1 agreement of two logit arrays [T, n_vocab] and KL(ref || got) per position [T]."""
+    pa, pb = log_softmax(ref), log_softmax(got)
+    return float((ref.argmax(-1) == got.argmax(-1)).mean()), (np.exp(pa) * (pa - pb)).sum(-1)
