@@ -41,10 +41,10 @@ def latency_us(path, repeats: int = 2000) -> float:
 
 
 def check_exact(path) -> bool:
-    from converters.train import export as E
+    from leanstream_ggml import predictor as P
     from leanstream_ggml.predictor import NativePredictor
 
-    hdr, params = E.read_predictor(path)
+    hdr, params = P.read_predictor(path)
     x = np.random.default_rng(1).standard_normal((64, hdr["n_embd"])).astype(np.float32) * 3
     try:
         from converters.train.hashing import infer_params

@@ -21,8 +21,7 @@ def _default_out(model: str | None, src: Path) -> Path:
     from leanstream_ggml import models
 
     if model is None or model in models.RECIPES:
-        name = model or models.DEFAULT_MODEL
-        return models.models_dir() / f"{name}.lsm"
+        return models.lsm_dir(model or models.DEFAULT_MODEL)
     return src.with_suffix(".lsm") if src.suffix == ".gguf" else src.with_name(src.name + ".lsm")
 
 

@@ -14,21 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-
-def default_model_dir() -> Path:
-    """The default model's directory; it must have been converted (`leanstream convert`)."""
-    from . import manifest, models
-
-    out = models.models_dir() / f"{models.DEFAULT_MODEL}.lsm"
-    try:
-        manifest.load(out)
-    except manifest.ManifestError:
-        raise manifest.ManifestError(
-            f"the default model ({models.DEFAULT_MODEL}) is not converted yet: run `leanstream convert` "
-            f"first (it downloads and converts it in a few seconds)") from None
-    return out
 
 
 def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
@@ -99,10 +84,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .llama import Llama
     from .manifest import ManifestError
 
-    from .models import converted_model_dir
+    from .models import DEFAULT_MODEL, converted_model_dir
 
     try:
-        model_dir = converted_model_dir(args.model, "chat") if args.model else default_model_dir()
+        model_dir = converted_model_dir(args.model or DEFAULT_MODEL, "chat")
         t0 = time.perf_counter()
         llm = Llama(str(model_dir), memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity,
                     n_stages=args.n_stages, n_ctx=args.n_ctx,

@@ -353,35 +353,31 @@ class Manifest:
     def check_checksums(self, model_dir: str | os.PathLike) -> None:
         """The CRC-32 of every file in ``checksummed_files`` equals the recorded one (reads them
         all: base.gguf is most of it). Raises ManifestError naming the file."""
-        from .checksum import file_crc32
-
         for rel in self.checksummed_files():
             want = self.checksums.get(rel)
             path = self.resolve(model_dir, rel)
             if want is None:
                 raise ManifestError(f"{path}: the manifest records no checksum for it (converted by an older "
                                     f"leanstream-ggml?); re-run `leanstream convert` with --force")
-            fd = _open_regular(path)
-            try:
-                have = f"crc32:{file_crc32(path, fd=fd):08x}"
-            finally:
-                os.close(fd)
+            have = file_checksum(path)
             if have != want:
                 raise ManifestError(f"{path}: corrupt (checksum {have}, the manifest records {want}); "
                                     f"re-run `leanstream convert` with --force to repair the model directory")
 
     def record_checksums(self, model_dir: str | os.PathLike) -> None:
         """Set ``checksums`` from the files as they are now."""
-        from .checksum import file_crc32
+        self.checksums = {rel: file_checksum(self.resolve(model_dir, rel)) for rel in self.checksummed_files()}
 
-        self.checksums = {}
-        for rel in self.checksummed_files():
-            path = self.resolve(model_dir, rel)
-            fd = _open_regular(path)
-            try:
-                self.checksums[rel] = f"crc32:{file_crc32(path, fd=fd):08x}"
-            finally:
-                os.close(fd)
+
+def file_checksum(path: Path) -> str:
+    """The manifest's checksum of one file, "crc32:<8 hex digits>" (opened as a regular file only)."""
+    from .checksum import file_crc32
+
+    fd = _open_regular(path)
+    try:
+        return f"crc32:{file_crc32(path, fd=fd):08x}"
+    finally:
+        os.close(fd)
 
 
 _KNOWN_KEYS = {"format", "format_version", "source", "architecture", "n_layer", "n_embd", "n_ff",

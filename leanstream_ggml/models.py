@@ -123,12 +123,17 @@ def resolve(model: str | None) -> Path:
     return Path(model)
 
 
+def lsm_dir(name: str) -> Path:
+    """Where `leanstream convert NAME` puts a known model's directory."""
+    return models_dir() / f"{name}.lsm"
+
+
 def converted_model_dir(model: str, command: str) -> Path:
     """A converted model directory from a path or a known model name; a ValueError whose message
     is the exact command to run when the argument is a plain GGUF or an unconverted name."""
     p = Path(model)
     if model in RECIPES and not p.exists():
-        out = models_dir() / f"{model}.lsm"
+        out = lsm_dir(model)
         if (out / "manifest.json").is_file():
             return out
         raise ValueError(f"{model} is not converted yet; convert it first:\n"

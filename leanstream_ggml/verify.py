@@ -27,7 +27,7 @@ def verify_dir(model_dir: str | os.PathLike, progress=None) -> tuple[list[str], 
     from . import blockfile
 
     from . import manifest as mf
-    from .checksum import crc32c_rows, file_crc32
+    from .checksum import crc32c_rows
 
     d = Path(model_dir)
     problems: list[str] = []
@@ -39,15 +39,11 @@ def verify_dir(model_dir: str | os.PathLike, progress=None) -> tuple[list[str], 
     for rel in m.checksummed_files():
         try:
             path = m.resolve(d, rel)
-            fd = mf._open_regular(path)
+            have = mf.file_checksum(path)
         except mf.ManifestError as e:
             problems.append(str(e))
             continue
-        try:
-            have = f"crc32:{file_crc32(path, fd=fd):08x}"
-            counts["bytes"] += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+        counts["bytes"] += path.stat().st_size
         counts["files"] += 1
         want = m.checksums.get(rel)
         if want is None:

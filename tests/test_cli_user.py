@@ -5,7 +5,6 @@ plain GGUF is given to `chat` or `serve`."""
 from __future__ import annotations
 
 import shlex
-import shutil
 import subprocess
 import sys
 from importlib import metadata

@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from leanstream_ggml.fileio import atomic_write_bytes
-from leanstream_ggml.predictor import (ALIGN, FILE_VERSION, HDR, HEADER_SIZE, MAGIC, PredictorFormatError,  # noqa: F401
-                                       crc32, layout, parse, read_predictor)
+from leanstream_ggml.predictor import ALIGN, FILE_VERSION, HDR, HEADER_SIZE, MAGIC, crc32, layout
 
 
 def _flat(params: dict) -> dict:

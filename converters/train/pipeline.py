@@ -109,7 +109,7 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
     cfg = cfg or H.HashConfig()
     data = ProfileData(profile_dir)
     down = DownWeights(gguf_path)
-    n_layer, n_embd, n_ff = data.n_layer, data.n_embd, data.n_ff
+    n_layer, n_embd = data.n_layer, data.n_embd
     out_dir = Path(model_dir) / PRED_SUBDIR
     out_dir.mkdir(parents=True, exist_ok=True)
     T = data.n_tokens

@@ -85,40 +85,39 @@ static inline uint32_t crc_shift(uint32_t zeros[4][256], uint32_t crc) {
 
 static inline uint64_t ld64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
+// While at least 3n bytes remain: three independent streams of n bytes each (the crc32
+// instruction's latency hidden), combined with the "append n zero bytes" operator `zeros`.
+static inline uint64_t crc_3streams(uint64_t c0, const uint8_t ** pnext, size_t * plen, size_t n,
+                                    uint32_t zeros[4][256]) {
+    const uint8_t * next = *pnext;
+    size_t len = *plen;
+    while (len >= 3 * n) {
+        uint64_t c1 = 0, c2 = 0;
+        const uint8_t * end = next + n;
+        do {
+            c0 = _mm_crc32_u64(c0, ld64(next));
+            c1 = _mm_crc32_u64(c1, ld64(next + n));
+            c2 = _mm_crc32_u64(c2, ld64(next + 2 * n));
+            next += 8;
+        } while (next < end);
+        c0 = crc_shift(zeros, (uint32_t) c0) ^ c1;
+        c0 = crc_shift(zeros, (uint32_t) c0) ^ c2;
+        next += 2 * n;
+        len -= 3 * n;
+    }
+    *pnext = next;
+    *plen = len;
+    return c0;
+}
+
 uint32_t ls_crc32c(uint32_t crc, const void * data, size_t len) {
     if (!data || !len) return crc;
     pthread_once(&crc_once, crc_init);
     const uint8_t * next = data;
-    uint64_t c0 = crc ^ 0xffffffffu, c1, c2;
+    uint64_t c0 = crc ^ 0xffffffffu;
     while (len && ((uintptr_t) next & 7)) { c0 = _mm_crc32_u8((uint32_t) c0, *next++); len--; }
-    while (len >= 3 * CRC_LONG) {      // three streams of CRC_LONG bytes, then combined
-        c1 = c2 = 0;
-        const uint8_t * end = next + CRC_LONG;
-        do {
-            c0 = _mm_crc32_u64(c0, ld64(next));
-            c1 = _mm_crc32_u64(c1, ld64(next + CRC_LONG));
-            c2 = _mm_crc32_u64(c2, ld64(next + 2 * CRC_LONG));
-            next += 8;
-        } while (next < end);
-        c0 = crc_shift(crc_long, (uint32_t) c0) ^ c1;
-        c0 = crc_shift(crc_long, (uint32_t) c0) ^ c2;
-        next += 2 * CRC_LONG;
-        len -= 3 * CRC_LONG;
-    }
-    while (len >= 3 * CRC_SHORT) {
-        c1 = c2 = 0;
-        const uint8_t * end = next + CRC_SHORT;
-        do {
-            c0 = _mm_crc32_u64(c0, ld64(next));
-            c1 = _mm_crc32_u64(c1, ld64(next + CRC_SHORT));
-            c2 = _mm_crc32_u64(c2, ld64(next + 2 * CRC_SHORT));
-            next += 8;
-        } while (next < end);
-        c0 = crc_shift(crc_short, (uint32_t) c0) ^ c1;
-        c0 = crc_shift(crc_short, (uint32_t) c0) ^ c2;
-        next += 2 * CRC_SHORT;
-        len -= 3 * CRC_SHORT;
-    }
+    c0 = crc_3streams(c0, &next, &len, CRC_LONG, crc_long);
+    c0 = crc_3streams(c0, &next, &len, CRC_SHORT, crc_short);
     const uint8_t * end = next + (len - (len & 7));
     while (next < end) { c0 = _mm_crc32_u64(c0, ld64(next)); next += 8; }
     len &= 7;
