@@ -1,7 +1,7 @@
 """`leanstream convert` and `leanstream info`.
 
     leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
-                       [--predictors full|quick|none]
+                       [--sketch ls2|none] [--predictors none|quick|full]
     leanstream info [DIR]
 
 Without IN, convert uses the default model (SmolLM2-135M-Instruct, fetched into the model cache);
@@ -78,7 +78,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         m = convert_model(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet,
-                          predictors=args.predictors, profile_dir=args.profile_dir)
+                          predictors=args.predictors, sketch=args.sketch, profile_dir=args.profile_dir)
     except ConvertError as e:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
@@ -86,6 +86,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
           f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}"
+          + (f"; {args.sketch} sketch ({_fmt_bytes(m.sketch.bytes)}, leanstream mode ready)" if m.sketch else "")
           + (f"; {m.n_layer} predictors ({_fmt_bytes(m.predictor.bytes)})" if m.predictor else ""))
     return 0
 
@@ -116,11 +117,22 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"FFN size         source {_fmt_bytes(t.ffn_bytes_source)}, on disk {_fmt_bytes(t.ffn_bytes_on_disk)}",
         f"padding          {_fmt_bytes(t.padding_bytes)} ({t.padding_waste:.1%} of block bytes)",
         f"base             {m.base.file} ({_fmt_bytes(m.base.size)})",
+        f"sketch           {_sketch_line(m)}",
         f"predictor        {_predictor_line(m)}",
         f"sparse modes     {_sparse_line(m, d)}",
     ]
     print("\n".join(lines))
     return 0
+
+
+def _sketch_line(m) -> str:
+    k = m.sketch
+    if not k:
+        return "none"
+    line = f"{k.type}, {len(k.files)} layer files, {_fmt_bytes(k.bytes)} resident in leanstream mode"
+    if k.quality:
+        line += "; calibrated: " + ", ".join(f"s={q['sparsity']:g} ppl x{q['ppl_ratio']:.3f}" for q in k.quality)
+    return line
 
 
 def _predictor_line(m) -> str:
@@ -141,20 +153,20 @@ def _sparse_line(m, d: Path) -> str:
     ready, why = m.sparse_modes(d)
     if ready:
         return "ready: " + ", ".join(ready) + (f" ({why})" if why else "")
+    hint = f"leanstream convert {m.source.filename} {d} --force"
     if m.architecture not in PREDICTOR_ARCHS:
-        return (f"not available: dense only (predictor training supports {', '.join(PREDICTOR_ARCHS)}, "
-                f"not {m.architecture}, yet)")
-    return (f"not ready: {why}; dense only. For the sparse modes convert the source again with predictors: "
-            f"leanstream convert {m.source.filename} {d} --force")
+        hint += " (the sketch; predictor training supports " + ", ".join(PREDICTOR_ARCHS) + ")"
+    return f"not ready: {why}; dense only. For leanstream mode convert the source again: {hint}"
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert a GGUF model into a LeanStream model directory",
         description="Rewrite a GGUF's FFN into neuron block files streamed with O_DIRECT (the rest of "
-                    "the model goes to base.gguf) and train the sparse modes' predictors. Stages: read, "
-                    "profile, train, write, manifest; restartable: re-run the same command after an "
-                    "interruption and it resumes where it stopped.")
+                    "the model goes to base.gguf) and write the 2-bit sketch leanstream mode selects "
+                    "neurons with (no training: minutes); predictors are trained on request. Stages: read, "
+                    "profile, train, write, sketch, manifest; restartable: re-run the same command after "
+                    "an interruption and it resumes where it stopped.")
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or known model name (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("out_dir", nargs="?", default=None,
@@ -167,9 +179,13 @@ def register(subparsers) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="keep the activation profile here (reused if complete, resumable; default: inside "
                         "OUT_DIR/.convert/, removed when the conversion is complete)")
-    p.add_argument("--predictors", choices=["full", "quick", "none"], default="full",
-                   help="profile the model and train the sparse modes' predictors: full (default; minutes), "
-                        "quick (CI-sized), none (dense mode only)")
+    p.add_argument("--sketch", choices=["ls2", "none"], default="ls2",
+                   help="write the 2-bit gate/up sketch leanstream mode selects from each layer's own input "
+                        "with (default ls2; none: dense mode only, unless predictors are trained)")
+    p.add_argument("--predictors", choices=["none", "quick", "full"], default="none",
+                   help="also profile the model and train layer-ahead predictors: the baselines' (oneshot, "
+                        "dejavu+, powerinfer2) selection and leanstream's prefetch (default none; quick: "
+                        "CI-sized; full: about an hour on 2 cores for a 1.5B model)")
     p.set_defaults(func=cmd_convert)
 
     q = subparsers.add_parser("info", help="describe a converted model directory",

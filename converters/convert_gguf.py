@@ -560,4 +560,4 @@ def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, a
     from .stages import convert_model
 
     return convert_model(src, out_dir, k=k, align=align, force=force, progress=progress,
-                         permutation=permutation, predictors="none")
+                         permutation=permutation, predictors="none", sketch="none")

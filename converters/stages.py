@@ -1,13 +1,18 @@
 """The converter: GGUF -> model directory, as a pipeline of restartable stages.
 
     from converters.stages import convert_model
-    m = convert_model("model.gguf", "model.lsm", predictors="full")    # -> Manifest
+    m = convert_model("model.gguf", "model.lsm")                        # -> Manifest
 
     read      open and check the source, its sha256, the block geometry (k, align, neuron order)
     profile   (with predictors) llama.cpp's activations on calibration text    -> <work>/profile/
     train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
     write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
+    sketch    (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
     manifest  manifest.json, written once, last: its presence marks a complete model directory
+
+The default (a q2_K sketch, no predictors) trains nothing: leanstream mode selects from each
+layer's own input with the sketch, and the conversion takes minutes. Predictors (layer-ahead
+speculation for leanstream's prefetch, and the baselines' selection) are trained on request.
 
 While a conversion is unfinished, OUT/.convert/ holds its state: ``state.json`` (the source's
 sha256 and every parameter the outputs depend on) and one ``<stage>.done`` marker per finished
@@ -29,6 +34,7 @@ from typing import Any, Callable
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 
+from .sketch import DEFAULT_TYPE as DEFAULT_SKETCH, SKETCH_DIR, write_sketches
 from .convert_gguf import (BASE_NAME, FFN_DIR, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest,
                            read_source, remove_partials, write_model)
 
@@ -70,6 +76,7 @@ def _clean_outputs(out: Path) -> None:
     (out / mf.MANIFEST_NAME).unlink(missing_ok=True)
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     shutil.rmtree(out / PREDICTOR_DIR, ignore_errors=True)
+    shutil.rmtree(out / SKETCH_DIR, ignore_errors=True)
     for name in (BASE_NAME, BASE_NAME + PARTIAL, mf.MANIFEST_NAME + PARTIAL, ".convert-state.json"):
         (out / name).unlink(missing_ok=True)
     ffn = out / FFN_DIR
@@ -104,7 +111,7 @@ def _prepare_out_dir(out: Path, params: dict, force: bool) -> bool:
             resume = True
     if not resume:
         state.start(params)
-    for folder in (out, out / FFN_DIR, out / PREDICTOR_DIR):
+    for folder in (out, out / FFN_DIR, out / PREDICTOR_DIR, out / SKETCH_DIR):
         if folder.is_dir():
             for p in folder.glob("*" + PARTIAL):
                 p.unlink()   # left by an interrupted write
@@ -119,26 +126,31 @@ def _calibration_id(calibration) -> Any:
 
 def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
                   force: bool = False, progress: bool = True, permutation=None,
-                  predictors: str = "full", profile_dir: str | os.PathLike | None = None, calibration=None,
+                  predictors: str = "none", sketch: str = DEFAULT_SKETCH, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
                   log: Callable[..., None] | None = None) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
 
     predictors: "full" (profile the model on its own answers to the bundled prompts, or on
     ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
-    training) or "none" (dense mode only: seconds). profile_dir: keep the activation profile
+    training) or "none" (default: no training). sketch: the sketch rows' ggml type ("q2_K",
+    default) or "none" (with predictors "none" too: dense mode only, seconds). profile_dir: keep the activation profile
     there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
     Other arguments: see ``converters.convert``. Raises ConvertError.
     """
     if predictors not in PREDICTOR_CHOICES:
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
+    from .sketch import TYPES as SKETCH_TYPES
+
+    if sketch != "none" and sketch not in SKETCH_TYPES:
+        raise ConvertError(f"sketch must be one of {', '.join(SKETCH_TYPES)} or none, got {sketch!r}")
     log = log or (lambda *a: print(*a, file=sys.stderr))
     out = Path(out_dir)
     check_out_dir_apart(Path(src), out)
     try:
         return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation,
-                              predictors=predictors, profile_dir=profile_dir, calibration=calibration,
+                              predictors=predictors, sketch=sketch, profile_dir=profile_dir, calibration=calibration,
                               hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log)
     except OSError as e:
         remove_partials(out)
@@ -151,7 +163,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
         raise
 
 
-def _convert_model(src, out: Path, *, k, align, force, progress, permutation, predictors, profile_dir, calibration,
+def _convert_model(src, out: Path, *, k, align, force, progress, permutation, predictors, sketch, profile_dir, calibration,
                    hash_config, profile_kwargs, n_threads, log) -> mf.Manifest:
     # read: the source, its hash and the block geometry
     source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
@@ -160,6 +172,14 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
             f"{source.model.arch}, yet; {out} runs in dense mode")
         predictors = "none"
     params = source.params()
+    if sketch != "none" and source.model.n_embd % 64:
+        log(f"no sketch: the {sketch} rows need n_embd a multiple of 64, the model "
+            f"has {source.model.n_embd}; leanstream mode needs predictors here")
+        sketch = "none"
+    if sketch != "none":
+        from .sketch import DEFAULT_WEIGHT
+
+        params["sketch"] = {"type": sketch, "weight": DEFAULT_WEIGHT}
     if predictors != "none":
         from .train.pipeline import training_settings
 
@@ -168,7 +188,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("profile", "train", "write") if state.done(s)]
+        done = [s for s in ("profile", "train", "write", "sketch") if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
 
@@ -185,8 +205,16 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     entries, totals, kept = write_model(source, out, progress=progress)
     state.mark("write")
 
+    # sketch: the exact-input scorer's rows (a layer already complete is kept)
+    sketch_info = None
+    if sketch != "none":
+        sketch_info = write_sketches(source, out, type_name=sketch, weight=params["sketch"]["weight"],
+                                     progress=progress)
+        state.mark("sketch")
+
     # manifest: once, last
     m = make_manifest(source, out, entries, totals, predictor)
+    m.sketch = sketch_info
     fsync_dir(out)
     mf.save(m, out)
     state.remove()

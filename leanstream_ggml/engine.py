@@ -29,7 +29,8 @@ def parse_bytes(value: int | float | str | None) -> int:
 
 STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
                "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
-               "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks", "checksum_ns"]
+               "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks", "checksum_ns",
+               "blocks_candidates", "down_skipped", "spec_hits", "spec_selected", "scorer_ns", "resident_bytes"]
 
 
 def derived_stats(raw: dict) -> dict:
@@ -43,6 +44,10 @@ def derived_stats(raw: dict) -> dict:
     d["op_s"] = raw["op_ns"] / 1e9
     d["predictor_s"] = raw["predictor_ns"] / 1e9
     d["checksum_s"] = raw["checksum_ns"] / 1e9
+    d["scorer_s"] = raw["scorer_ns"] / 1e9
+    d["bytes_computed_per_token"] = raw["bytes_computed"] / raw["tokens"] if raw["tokens"] else 0.0
+    # speculation: share of the kept blocks that the layer-ahead prediction had prefetched
+    d["spec_recall"] = raw["spec_hits"] / raw["spec_selected"] if raw["spec_selected"] else None
     return d
 
 
@@ -66,7 +71,8 @@ class FFNEngine:
                  sparsity: float | None = None, n_stages: int | None = None, cache_policy: str | None = None,
                  predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0,
                  hot_fraction: float | None = None, block_rank: np.ndarray | None = None,
-                 verify_checksums: bool = True):
+                 verify_checksums: bool = True, sketch_paths: Sequence[str | Path | None] | None = None,
+                 candidate_ratio: float | None = None, cache_bias: float | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if activation not in ACTIVATIONS:
@@ -87,7 +93,8 @@ class FFNEngine:
         p.test_io_queue_cap = test_io_queue_cap
         p.verify_checksums = 1 if verify_checksums else 0
         for name, value in (("n_io_threads", n_io_threads), ("max_read_bytes", max_read_bytes),
-                            ("sparsity", sparsity), ("n_stages", n_stages), ("hot_fraction", hot_fraction)):
+                            ("sparsity", sparsity), ("n_stages", n_stages), ("hot_fraction", hot_fraction),
+                            ("candidate_ratio", candidate_ratio), ("cache_bias", cache_bias)):
             if value is not None:
                 setattr(p, name, value)
         if cache_policy is not None:
@@ -100,6 +107,12 @@ class FFNEngine:
             self._pred = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in predictor_paths]
             self._pred_array = ffi.new("const char *[]", self._pred)
             p.predictor_paths = self._pred_array
+        if sketch_paths is not None:
+            if len(sketch_paths) != self.n_layers:
+                raise ValueError(f"{len(sketch_paths)} sketch paths for {self.n_layers} layers")
+            self._sk = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in sketch_paths]
+            self._sk_array = ffi.new("const char *[]", self._sk)
+            p.sketch_paths = self._sk_array
         if block_rank is not None:
             self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
             p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
@@ -113,6 +126,7 @@ class FFNEngine:
         check(lib.ls_engine_get_params(self._handle, got))
         self.sparsity = float(sparsity) if sparsity is not None else float(got.sparsity)
         self.n_stages, self.hot_fraction = int(got.n_stages), float(got.hot_fraction)
+        self.candidate_ratio, self.cache_bias = float(got.candidate_ratio), float(got.cache_bias)
         self.cache_policy = {v: k for k, v in CACHE_POLICIES.items()}[got.cache_policy]
 
     # -- ownership -------------------------------------------------------------------------
@@ -187,6 +201,22 @@ class FFNEngine:
         n = lib.ls_engine_last_plan(self.handle, il, ffi.NULL, 0)
         out = np.empty(n, dtype=np.int32)
         lib.ls_engine_last_plan(self.handle, il, ffi.cast("int32_t *", out.ctypes.data), n)
+        return out
+
+    def last_candidates(self, il: int) -> np.ndarray:
+        """Candidates of layer il's last exact-input (cascade) op: blocks whose gate/up were computed."""
+        n = lib.ls_engine_last_candidates(self.handle, il, ffi.NULL, 0)
+        out = np.empty(n, dtype=np.int32)
+        lib.ls_engine_last_candidates(self.handle, il, ffi.cast("int32_t *", out.ctypes.data), n)
+        return out
+
+    def sketch_scores(self, il: int, x: np.ndarray) -> np.ndarray:
+        """The sketch's score of every block of layer il for FFN input x [n_embd]."""
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+        n = self.layer_info(il)["n_blocks"]
+        out = np.empty(n, dtype=np.float32)
+        check(lib.ls_engine_sketch_scores(self.handle, il, ffi.cast("const float *", x.ctypes.data),
+                                          ffi.cast("float *", out.ctypes.data), n))
         return out
 
     def resident(self, il: int) -> np.ndarray:

@@ -84,11 +84,13 @@ class Llama(llama_cpp.Llama):
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
                  sparsity: float | None = None, n_stages: int | None = None, n_io_threads: int | None = None,
-                 hot_fraction: float | None = None, verify_checksums: bool = True, **kwargs):
+                 hot_fraction: float | None = None, verify_checksums: bool = True,
+                 candidate_ratio: float | None = None, cache_bias: float | None = None, **kwargs):
         self._engine = None
         # every parameter checked before anything is opened (ParameterError names the bad one)
         p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity, n_stages=n_stages,
-                                 n_io_threads=n_io_threads, hot_fraction=hot_fraction)
+                                 n_io_threads=n_io_threads, hot_fraction=hot_fraction,
+                                 candidate_ratio=candidate_ratio, cache_bias=cache_bias)
         mode = p["mode"]
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
@@ -103,20 +105,29 @@ class Llama(llama_cpp.Llama):
         # every file the model is made of: inside the directory, regular, intact (block files
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
-        predictor_paths = block_rank = None
+        predictor_paths = block_rank = sketch_paths = None
         if mode != "dense":
             ready, why = m.sparse_modes(path)
-            if not ready:   # (powerinfer2's calibration frequencies are checked where they are read)
-                raise ValueError(f"mode={mode!r} needs the model's predictors, and {model_path} has none usable "
-                                 f"({why}): convert with predictors (`leanstream convert SRC {model_path} --force`) "
-                                 f"or use mode='dense'")
-            predictor_paths = [m.resolve(path, f) for f in m.predictor_files()]
-            block_rank = self._block_rank(path)
+            if mode not in ready and (mode != "powerinfer2" or not m.predictor_files()):
+                # (powerinfer2's calibration frequencies are checked where they are read)
+                need = "a sketch or predictors" if mode == "leanstream" else "predictors"
+                raise ValueError(f"mode={mode!r} needs {need}, and {model_path} has none usable ({why}): convert "
+                                 f"again (`leanstream convert SRC {model_path} --force"
+                                 f"{'' if mode == 'leanstream' else ' --predictors quick'}`) or use mode='dense'")
+            if m.predictor_files():
+                predictor_paths = [m.resolve(path, f) for f in m.predictor_files()]
+                block_rank = self._block_rank(path)
+            if mode == "leanstream" and m.sketch_files():
+                sketch_paths = [m.resolve(path, f) for f in m.sketch_files()]
+            if p["candidate_ratio"] is None and m.sketch is not None and m.sketch.candidate_ratio:
+                p["candidate_ratio"] = m.sketch.candidate_ratio
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
                                  n_io_threads=p["n_io_threads"], sparsity=p["sparsity"], n_stages=p["n_stages"],
                                  predictor_paths=predictor_paths, hot_fraction=p["hot_fraction"],
-                                 block_rank=block_rank, verify_checksums=verify_checksums)
+                                 block_rank=block_rank, verify_checksums=verify_checksums,
+                                 sketch_paths=sketch_paths, candidate_ratio=p["candidate_ratio"],
+                                 cache_bias=p["cache_bias"])
         self._check_layers_match_manifest()
         self.mode, self.sparsity = mode, self._engine.sparsity
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)

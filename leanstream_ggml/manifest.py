@@ -13,6 +13,7 @@ Layout of a model directory::
     manifest.json      this contract; written last by the converter (its presence = complete)
     base.gguf          the source GGUF without ffn_gate/ffn_up/ffn_down (+ leanstream.* keys)
     ffn/blk.<il>.bin   one block file per layer (format: native/include/leanstream.h)
+    sketch/blk.<il>.lssk  (optional, ``sketch``) low-bit gate/up rows: leanstream's exact-input scorer
     predictor/ ...     (optional, described by the ``predictor`` field)
 
 Integrity: block files carry their own checksums (a CRC-32C per block and of their tables);
@@ -155,6 +156,45 @@ class PredictorInfo:
 
 
 @dataclass
+class SketchInfo:
+    """leanstream mode's exact-input scorer: a low-bit copy of every gate/up row (converter's
+    sketch stage; file format in native/src/sketch.c), and the quality calibration of the sparse
+    decode on the converter's own text (``quality``: [{"sparsity", "ppl_ratio", "agreement"}], the
+    table ``quality=`` chooses the sparsity from; empty if not calibrated)."""
+    files: list[str]            # one per layer, in layer order: "sketch/blk.<il>.lssk"
+    type: str                   # row format: "ls2" (leanstream_ggml/sketch.py)
+    weight: str                 # "one" (score |h|) or "down_norm" (score |h| * ||down column||)
+    bytes: int                  # total size of the files
+    candidate_ratio: float | None = None    # the ratio the calibration used (None: engine default)
+    quality: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SketchInfo:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: expected an object or null")
+        files = _get(d, "files", list, where)
+        if not all(isinstance(f, str) for f in files):
+            raise ManifestError(f"{where}: files must be a list of paths")
+        weight = _get(d, "weight", str, where)
+        if weight not in ("one", "down_norm"):
+            raise ManifestError(f"{where}: weight must be 'one' or 'down_norm', got {weight!r}")
+        ratio = d.get("candidate_ratio")
+        if ratio is not None and (not _type_ok(ratio, float) or not ratio >= 1.0):
+            raise ManifestError(f"{where}: candidate_ratio must be a number >= 1 or null")
+        quality = d.get("quality", [])
+        if not isinstance(quality, list) or not all(
+                isinstance(q, dict) and all(_type_ok(q.get(k), float) for k in ("sparsity", "ppl_ratio"))
+                for q in quality):
+            raise ManifestError(f"{where}: quality must be a list of {{sparsity, ppl_ratio, ...}} objects")
+        return cls(files=list(files), type=_get(d, "type", str, where), weight=weight,
+                   bytes=_get(d, "bytes", int, where),
+                   candidate_ratio=None if ratio is None else float(ratio), quality=list(quality))
+
+
+@dataclass
 class Manifest:
     source: SourceInfo
     architecture: str
@@ -167,6 +207,7 @@ class Manifest:
     totals: Totals
     base: BaseInfo
     predictor: PredictorInfo | None = None    # the sparse modes' predictors, if trained
+    sketch: SketchInfo | None = None          # leanstream's exact-input scorer, if written
     checksums: dict[str, str] = field(default_factory=dict)  # relative path -> "crc32:<hex>" (save)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -184,12 +225,16 @@ class Manifest:
         """Relative paths of the predictor files, one per layer ([] if none)."""
         return list(self.predictor.files) if self.predictor else []
 
+    def sketch_files(self) -> list[str]:
+        """Relative paths of the sketch files, one per layer ([] if none)."""
+        return list(self.sketch.files) if self.sketch else []
+
     def block_freq_file(self) -> str | None:
         return self.predictor.block_freq if self.predictor else None
 
     def checksummed_files(self) -> list[str]:
         """Every file the manifest names except the block files (which carry their own)."""
-        out = [self.base.file] + self.predictor_files()
+        out = [self.base.file] + self.predictor_files() + self.sketch_files()
         if self.block_freq_file():
             out.append(self.block_freq_file())
         return out
@@ -206,12 +251,18 @@ class Manifest:
         need one predictor file per layer; powerinfer2 also the calibration block frequencies
         (leanstream pins them when present)."""
         d = Path(model_dir)
+        sketch = self.sketch_files()
+        sketch_ok = bool(sketch) and all((d / f).is_file() for f in sketch)
+        with_sketch = ["leanstream"] if sketch_ok else []
         files = self.predictor_files()
         if not files:
-            return [], "no predictors (the converter's predictor stage did not run)"
+            if sketch_ok:
+                return with_sketch, ("oneshot, dejavu+ and powerinfer2 need predictors "
+                                     "(convert with --predictors quick or full)")
+            return [], "no sketch and no predictors (convert again without --sketch none)"
         missing = [f for f in files if not (d / f).is_file()]
         if missing:
-            return [], f"predictor file {missing[0]} is missing"
+            return with_sketch, f"predictor file {missing[0]} is missing"
         freq = self.block_freq_file()
         if freq and (d / freq).is_file():
             return ["leanstream", "oneshot", "dejavu+", "powerinfer2"], None
@@ -234,6 +285,8 @@ class Manifest:
             "base": asdict(self.base),
             "predictor": None if self.predictor is None else self.predictor.to_dict(),
         }
+        if self.sketch is not None:
+            d["sketch"] = self.sketch.to_dict()
         if self.checksums:
             d["checksums"] = dict(self.checksums)
         d.update(self.extra)
@@ -272,6 +325,7 @@ class Manifest:
             base=_dc(BaseInfo, _get(d, "base", dict, where), f"{where}: base"),
             predictor=None if d.get("predictor") is None else
             PredictorInfo.from_dict(d["predictor"], f"{where}: predictor"),
+            sketch=None if d.get("sketch") is None else SketchInfo.from_dict(d["sketch"], f"{where}: sketch"),
             checksums=d.get("checksums", {}),
             format=fmt,
             format_version=ver,
@@ -338,6 +392,16 @@ class Manifest:
             for key in ("block_freq", "summary"):
                 if getattr(self.predictor, key) is not None:
                     _check_rel(getattr(self.predictor, key), f"predictor.{key}", bad)
+        if self.sketch is not None:
+            files = self.sketch.files
+            if len(files) != self.n_layer:
+                bad(f"sketch.files must list one file per layer ({self.n_layer}), it lists {len(files)}")
+            for i, f in enumerate(files):
+                _check_rel(f, f"sketch.files[{i}]", bad)
+            if len(set(files)) != len(files):
+                bad("sketch.files names a file twice")
+            if self.sketch.type != "ls2":
+                bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
         if not 0.0 <= self.totals.padding_waste < 1.0:
             bad(f"totals.padding_waste {self.totals.padding_waste} must be in [0, 1)")
 
@@ -381,7 +445,7 @@ def file_checksum(path: Path) -> str:
 
 
 _KNOWN_KEYS = {"format", "format_version", "source", "architecture", "n_layer", "n_embd", "n_ff",
-               "activation", "block", "layers", "totals", "base", "predictor", "checksums"}
+               "activation", "block", "layers", "totals", "base", "predictor", "sketch", "checksums"}
 
 
 def _check_rel(rel: Any, what: str, bad) -> None:

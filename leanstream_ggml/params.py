@@ -114,7 +114,7 @@ def mode(value) -> str:
 
 
 def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_stages=None,
-                  n_io_threads=None, hot_fraction=None) -> dict:
+                  n_io_threads=None, hot_fraction=None, candidate_ratio=None, cache_bias=None) -> dict:
     """Validated, normalized engine parameters (raises ParameterError naming the bad one).
     None stays None (the engine's default)."""
     def opt(value, check):
@@ -127,4 +127,13 @@ def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_s
         "n_stages": opt(n_stages, lambda v: _int_in(v, "n_stages", 1, MAX_N_STAGES)),
         "n_io_threads": opt(n_io_threads, lambda v: _int_in(v, "n_io_threads", 1, MAX_N_IO_THREADS)),
         "hot_fraction": opt(hot_fraction, lambda v: _real_in(v, "hot_fraction", 0.0, 1.0, hi_open=False)),
+        "candidate_ratio": opt(candidate_ratio, lambda v: _real_in(v, "candidate_ratio", 1.0, 1000.0, hi_open=False)),
+        "cache_bias": opt(cache_bias, lambda v: _cache_bias(v)),
     }
+
+
+def _cache_bias(v) -> float:
+    f = _real_in(v, "cache_bias", 0.0, 1.0, hi_open=False)
+    if f == 0.0:
+        raise ParameterError("cache_bias", "must be in (0, 1], got 0")
+    return f

@@ -28,3 +28,13 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prose() -> str:
     return (DATA / "prose.txt").read_text()
+
+
+@pytest.fixture(scope="session")
+def smollm2_sketch_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    """SmolLM2 converted the default way: block files + the 2-bit sketch (leanstream mode)."""
+    from converters.stages import convert_model
+
+    out = tmp_path_factory.mktemp("smollm2-sketch") / "smollm2.lsm"
+    convert_model(smollm2_gguf, out, progress=False)
+    return out

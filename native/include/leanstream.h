@@ -76,10 +76,11 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 3
+#define LS_ABI_VERSION 4
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
+#define LS_SKETCH_LS2 1     // sketch row format: 2-bit codes, one f16 scale per 32 values (src/sketch.c)
 
 typedef int32_t ls_status;
 enum {
@@ -148,6 +149,15 @@ typedef struct ls_engine_params {
                                     // layer after layer (higher = more often needed), or NULL; the
                                     // hot set is the top of this ranking (required by powerinfer2)
     int32_t        verify_checksums; // 1 (default): check every block's CRC-32C after each read, before use
+    // exact-input selection (mode leanstream, layers with a sketch): per decoded token the sketch
+    // scores every block from the layer's own input, the top candidate_ratio x kept blocks get
+    // their gate/up rows computed exactly, and only the kept blocks with the largest exact |h|
+    // get their down columns computed
+    const char * const * sketch_paths; // [n_layers] sketch file per layer (NULL entries: none), or NULL
+    float          candidate_ratio; // candidates / kept blocks, >= 1; -1 (default): LS_DEFAULT_CANDIDATE_RATIO
+    float          cache_bias;      // (0, 1]: sketch scores of blocks not in the cache are multiplied by
+                                    // this before the candidates are chosen (prefer resident blocks among
+                                    // near-equal scores); 1 (default): off
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);   // the only source of defaults
@@ -191,6 +201,13 @@ LS_API ls_status   ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int
 // (at most cap are written). For tests and traces.
 LS_API int32_t     ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap);
 
+// The candidates of layer il's last cascade op (gate/up computed), in plan order; returns how many.
+LS_API int32_t     ls_engine_last_candidates(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap);
+
+// score[n_blocks] = the sketch's scores of layer il's blocks for FFN input x [n_embd] (one
+// thread; what the cascade op computes first). LS_ERR_UNSUPPORTED if the layer has no sketch.
+LS_API ls_status   ls_engine_sketch_scores(ls_engine * e, int32_t il, const float * x, float * score, int32_t n_blocks);
+
 // resident[b] = 1 if block b of layer il is in the weight cache now (loaded or loading).
 LS_API ls_status   ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident, int32_t n_blocks);
 
@@ -215,10 +232,11 @@ LS_API ls_status   ls_engine_layer_info(const ls_engine * e, int32_t il, ls_laye
 typedef struct ls_stats {
     uint64_t op_calls;         // FFN op executions
     uint64_t tokens;           // token rows processed
-    uint64_t blocks_computed;
+    uint64_t blocks_computed;  // blocks computed with (cascade: the candidates)
     uint64_t blocks_read;      // blocks read from disk (cache misses)
     uint64_t bytes_read;
-    uint64_t bytes_computed;   // block payload bytes of computed blocks
+    uint64_t bytes_computed;   // weight bytes computed with: whole blocks, or (cascade) the gate/up
+                               // rows of every candidate + the down columns of the kept ones
     uint64_t bytes_unused;     // bytes read but evicted before ever being computed
     uint64_t reads_issued;     // read syscalls (after merging adjacent blocks)
     uint64_t io_stall_ns;      // compute threads waiting for blocks (summed over threads)
@@ -231,6 +249,13 @@ typedef struct ls_stats {
     uint64_t direct_io;        // 1 if block reads bypass the page cache (O_DIRECT)
     uint64_t hot_blocks;       // blocks kept resident for good: the hot set (dense: the pinned prefix)
     uint64_t checksum_ns;      // time verifying block checksums (summed over compute threads)
+    // exact-input selection (bytes_computed counts gate/up of every candidate + down of the kept)
+    uint64_t blocks_candidates; // blocks whose gate/up rows were computed as candidates
+    uint64_t down_skipped;     // candidates whose down columns were not computed
+    uint64_t spec_hits;        // kept blocks that the layer-ahead prediction had prefetched
+    uint64_t spec_selected;    // kept blocks of ops that had a prefetch (recall = hits / selected)
+    uint64_t scorer_ns;        // wall time scoring the sketch (thread 0's view)
+    uint64_t resident_bytes;   // sketches + predictors held in RAM (part of memory_budget)
 } ls_stats;
 
 // il = -1: totals over all layers.

@@ -22,6 +22,11 @@ ls_status ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size) {
     return st;
 }
 
+static uint64_t predictor_bytes(const ls_predictor * p) {
+    ls_predictor_info pi;
+    return p && ls_predictor_get_info(p, &pi) == LS_OK ? pi.size_bytes : 0;
+}
+
 // One layer: its block file, then the planner's per-block scratch.
 static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char * path) {
     L->e = e;
@@ -35,7 +40,12 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
     if (L->stage_mark) memset(L->stage_mark, 0xFF, (size_t) in->n_blocks);
     L->in_prefetch = calloc((size_t) in->n_blocks, 1);
     L->last_plan   = malloc((size_t) in->n_blocks * sizeof(int32_t));
-    if (!L->prio || !L->prefetch || !L->order || !L->stage_mark || !L->in_prefetch || !L->last_plan) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    L->last_cand   = malloc((size_t) in->n_blocks * sizeof(int32_t));
+    L->spec        = calloc((size_t) in->n_blocks, 1);
+    if (!L->prio || !L->prefetch || !L->order || !L->stage_mark || !L->in_prefetch || !L->last_plan || !L->last_cand || !L->spec) {
+        ls_set_error("out of memory");
+        return LS_ERR_NOMEM;
+    }
 
     return LS_OK;
 }
@@ -85,6 +95,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     e->policy = ls_mode_policy_of(rp.mode);
     e->params.block_paths = NULL; // not owned
     e->params.predictor_paths = NULL;
+    e->params.sketch_paths = NULL;
     e->params.block_rank = NULL;
     e->direct_io = true;
     pthread_mutex_init(&e->mu, NULL);
@@ -94,7 +105,9 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (!e->layers) { free(e); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     for (int32_t il = 0; il < p->n_layers; il++) e->layers[il].fd = -1;
 
-    uint64_t stride = 0, total_bytes = 0;
+    uint64_t stride = 0, total_bytes = 0, resident = 0;   // resident: sketches + predictors
+    size_t xs_bytes = 0;
+    int64_t max_rows = 0;
     int32_t total_blocks = 0, max_layer_blocks = 0, max_working_set = 0;
     for (int32_t il = 0; il < p->n_layers && st == LS_OK; il++) {
         if (!p->block_paths[il]) { ls_set_error("block path of layer %d is NULL", il); st = LS_ERR_ARG; break; }
@@ -121,7 +134,17 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
                 st = LS_ERR_FORMAT;
             }
             if (st != LS_OK) break;
+            resident += predictor_bytes(e->layers[il].pred);
         }
+        if (p->sketch_paths && p->sketch_paths[il] && e->policy->exact_select) {
+            ls_layer * L = &e->layers[il];
+            st = ls_sketch_load(p->sketch_paths[il], L, &L->sketch);
+            if (st != LS_OK) break;
+            resident += L->sketch->bytes;
+            const size_t xb = ls_sketch_xq_bytes(L->sketch, in->n_embd);
+            if (xb > xs_bytes) xs_bytes = xb;
+        }
+        if ((int64_t) in->n_blocks * in->neurons_per_block > max_rows) max_rows = (int64_t) in->n_blocks * in->neurons_per_block;
         if (in->block_stride > stride) stride = in->block_stride;
         total_blocks += in->n_blocks;
         total_bytes += (uint64_t) in->n_blocks * in->block_stride;
@@ -132,11 +155,19 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (st == LS_OK) {
         // budget -> slots. Unlimited (0) or a budget covering everything: one slot per block,
         // read once and kept. Dense mode pins a whole layer while it computes.
+        // The budget covers the sketches and predictors too: the slots get what they leave.
         int64_t n_slots = total_blocks;
-        if (p->memory_budget > 0 && p->memory_budget < (uint64_t) total_blocks * stride) {
-            n_slots = (int64_t) (p->memory_budget / stride);
+        e->resident_bytes = resident;
+        if (p->memory_budget > 0 && p->memory_budget < (uint64_t) total_blocks * stride + resident) {
+            n_slots = p->memory_budget > resident ? (int64_t) ((p->memory_budget - resident) / stride) : 0;
         }
-        if (n_slots < max_working_set) {
+        if (n_slots < max_working_set && resident > 0 && p->memory_budget > 0) {
+            ls_set_error("memory budget %llu bytes is too small: the sketches and predictors take %llu bytes and one "
+                         "layer's working set is %d blocks x %llu bytes = %llu bytes more",
+                         (unsigned long long) p->memory_budget, (unsigned long long) resident, max_working_set,
+                         (unsigned long long) stride, (unsigned long long) max_working_set * stride);
+            st = LS_ERR_BUDGET;
+        } else if (n_slots < max_working_set) {
             ls_set_error("memory budget %llu bytes is too small: one layer's working set is %d blocks "
                          "x %llu bytes = %llu bytes (%s); the whole FFN is %llu bytes",
                          (unsigned long long) p->memory_budget, max_working_set,
@@ -154,7 +185,15 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             P->scratch  = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
             P->scratch2 = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
             P->x_ref    = malloc(sizeof(float) * (size_t) e->layers[0].info.n_embd);
-            if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
+            P->score    = malloc(sizeof(float) * (size_t) max_layer_blocks);
+            P->hscore   = malloc(sizeof(float) * (size_t) max_layer_blocks);
+            P->sel      = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
+            P->hval     = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
+            P->xs       = malloc(xs_bytes > 0 ? xs_bytes : 1);
+            if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref || !P->score || !P->hscore || !P->sel || !P->hval || !P->xs) {
+                ls_set_error("out of memory");
+                st = LS_ERR_NOMEM;
+            }
         }
     }
     if (st == LS_OK && !e->policy->sparse && !e->cache.never_evicts) {
@@ -200,6 +239,8 @@ void ls_engine_free(ls_engine * e) {
         free(L->prio); free(L->prefetch); free(L->order); free(L->stage_mark); free(L->in_prefetch); free(L->last_plan);
         free(L->hot); free(L->hot_pinned);
         if (L->pred) ls_predictor_free(L->pred);
+        ls_sketch_free(L->sketch);
+        free(L->last_cand); free(L->spec);
     }
     free(e->layers);
     ls_cache_free(&e->cache);
@@ -207,6 +248,7 @@ void ls_engine_free(ls_engine * e) {
     free(e->plan.scratch);
     free(e->plan.scratch2);
     free(e->plan.x_ref);
+    free(e->plan.score); free(e->plan.hscore); free(e->plan.sel); free(e->plan.hval); free(e->plan.xs);
     free(e->plan.xq);
     free(e->plan.acc);
     free(e->plan.work);
@@ -242,6 +284,11 @@ static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
     s->blocks_prefetched += atomic_load(&l->blocks_prefetched);
     s->refinements     += atomic_load(&l->refinements);
     s->checksum_ns     += atomic_load(&l->checksum_ns);
+    s->blocks_candidates += atomic_load(&l->blocks_candidates);
+    s->down_skipped    += atomic_load(&l->down_skipped);
+    s->spec_hits       += atomic_load(&l->spec_hits);
+    s->spec_selected   += atomic_load(&l->spec_selected);
+    s->scorer_ns       += atomic_load(&l->scorer_ns);
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
@@ -272,6 +319,12 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     out->cache_capacity = (uint64_t) e->cache.n_slots * e->cache.stride;
     out->direct_io = e->direct_io ? 1 : 0;
     out->hot_blocks = (uint64_t) e->n_hot;
+    if (il >= 0) {
+        const ls_layer * L = &e->layers[il];
+        out->resident_bytes = (L->sketch ? L->sketch->bytes : 0) + predictor_bytes(L->pred);
+    } else {
+        out->resident_bytes = e->resident_bytes;
+    }
     return LS_OK;
 }
 
@@ -287,6 +340,8 @@ void ls_engine_reset_stats(ls_engine * e) {
         atomic_store(&l->predictor_ns, 0);
         atomic_store(&l->blocks_prefetched, 0); atomic_store(&l->refinements, 0);
         atomic_store(&l->checksum_ns, 0);
+        atomic_store(&l->blocks_candidates, 0); atomic_store(&l->down_skipped, 0);
+        atomic_store(&l->spec_hits, 0); atomic_store(&l->spec_selected, 0); atomic_store(&l->scorer_ns, 0);
     }
 }
 
@@ -334,6 +389,31 @@ int32_t ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, i
     if (blocks) memcpy(blocks, L->last_plan, sizeof(int32_t) * (size_t) (n < cap ? n : cap));
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     return n;
+}
+
+int32_t ls_engine_last_candidates(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap) {
+    if (!e || il < 0 || il >= e->n_layers) return 0;
+    const ls_layer * L = &e->layers[il];
+    pthread_mutex_lock((pthread_mutex_t *) &e->mu);
+    int32_t n = L->n_last_cand;
+    if (blocks) memcpy(blocks, L->last_cand, sizeof(int32_t) * (size_t) (n < cap ? n : cap));
+    pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
+    return n;
+}
+
+ls_status ls_engine_sketch_scores(ls_engine * e, int32_t il, const float * x, float * score, int32_t n_blocks) {
+    if (!e || !x || !score || il < 0 || il >= e->n_layers || n_blocks != e->layers[il].info.n_blocks) {
+        ls_set_error("ls_engine_sketch_scores: bad arguments");
+        return LS_ERR_ARG;
+    }
+    const ls_layer * L = &e->layers[il];
+    if (!L->sketch) { ls_set_error("layer %d has no sketch", il); return LS_ERR_UNSUPPORTED; }
+    void * xq = malloc(ls_sketch_xq_bytes(L->sketch, L->info.n_embd));
+    if (!xq) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    ls_sketch_quantize_x(L->sketch, x, xq, L->info.n_embd);
+    ls_sketch_score(L->sketch, xq, L->info.n_embd, e->params.activation, L->info.neurons_per_block, 0, n_blocks, score);
+    free(xq);
+    return LS_OK;
 }
 
 ls_status ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident, int32_t n_blocks) {

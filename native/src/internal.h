@@ -35,11 +35,25 @@ typedef struct ls_mode_policy {
     float   hot_fraction;  // default share of the slots pinned for the calibration-hot blocks;
                            // 0: the mode pins no hot set (params.hot_fraction is ignored)
     bool    hot_required;  // the mode is meaningless without a calibration ranking
+    bool    exact_select;  // decode selects from the layer's own input where the layer has a sketch:
+                           // sketch scores -> candidates -> exact h -> down for the exact top set
 } ls_mode_policy;
+
+// A layer's resident sketch of its gate/up rows (sketch.c; format there).
+typedef struct ls_sketch {
+    int32_t         type;          // LS_SKETCH_LS2
+    int64_t         n_rows;        // n_blocks * k, block file slot order
+    uint64_t        row_bytes;
+    const uint8_t * gate, * up;    // [n_rows][row_bytes] each
+    const float *   weight;        // [n_rows] 1 or ||down column||; 0 for padding slots
+    uint8_t *       mem;           // the whole file
+    size_t          bytes;
+} ls_sketch;
 typedef struct ls_layer_stats {
     _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
                      bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
-                     refinements, checksum_ns;
+                     refinements, checksum_ns, blocks_candidates, down_skipped, spec_hits, spec_selected,
+                     scorer_ns;
 } ls_layer_stats;
 
 struct ls_predictor;
@@ -70,6 +84,11 @@ typedef struct ls_layer {
     uint8_t *          in_prefetch;     // [n_blocks] 1: in prefetch[] (holds a prefetch pin)
     int32_t *          last_plan;       // [n_blocks] blocks computed by the last op, in order
     int32_t            n_last_plan;
+    // exact-input selection (sketch.c, schedule.c)
+    ls_sketch *        sketch;          // NULL: none (the layer selects by its predictor)
+    uint8_t *          spec;            // [n_blocks] 1: prefetched for this op (speculation recall)
+    int32_t *          last_cand;       // [n_blocks] candidates of the last cascade op (gate/up computed)
+    int32_t            n_last_cand;
     ls_layer_stats     stats;
 } ls_layer;
 
@@ -129,6 +148,14 @@ typedef struct ls_plan {
     int32_t    n_acquired;      // plan entries [0, n_acquired) hold a pin (chunked dense prefill)
     bool       sparse;          // decode with a predicted subset
     bool       refine;          // re-predict layer il+1 after each stage (leanstream mode)
+    bool       cascade;         // exact-input selection: blocks[0, n) are the candidates, sel[0, n_sel)
+                                // the entries whose down columns are computed
+    float *    score;           // [max n_blocks] sketch score of every block of the layer
+    float *    hval;            // [max n_blocks * k] h of candidate entry i, neuron j at i*k + j
+    float *    hscore;          // [max n_blocks] sum |h| (* weight) of candidate entry i
+    int32_t *  sel;             // [max n_blocks] selected candidate entries, ascending
+    int32_t    n_sel;
+    uint8_t *  xs;              // x quantized for the sketch rows' vec_dot
     const float * x_res;        // residual entering this FFN, [n_embd] (sparse decode), or NULL
     float *    x_ref;           // [n_embd] refinement input scratch
     int32_t *  scratch, * scratch2; // [max n_blocks] each
@@ -159,13 +186,15 @@ struct ls_engine {
     char             err_msg[LS_MAX_ERRMSG];
     bool             direct_io;      // O_DIRECT active on the block files
     int32_t          n_hot;          // blocks marked hot (kept resident once loaded)
+    uint64_t         resident_bytes; // sketches + predictors (taken from the memory budget)
 };
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
-//   op.c         the op (plan, compute, reduce), ls_ffn_eval -> schedule.c engine.c kernels.c checksum.c cache.c util.c
+//   op.c         the op (plan, compute, reduce), ls_ffn_eval -> schedule.c engine.c sketch.c kernels.c checksum.c cache.c util.c
 //   schedule.c   selection, stages, prefetch, refinement     -> cache.c io.c predictor.c mode.c util.c
-//   engine.c     lifetime, budget -> slots, counters          -> blockfile.c cache.c io.c predictor.c mode.c util.c
+//   engine.c     lifetime, budget -> slots, counters          -> blockfile.c sketch.c cache.c io.c predictor.c mode.c util.c
+//   sketch.c     resident gate/up sketch, exact-input scores   -> kernels.c checksum.c util.c
 //   io.c         O_DIRECT read workers                        -> cache.c util.c
 //   cache.c      budgeted slots, eviction                     -> util.c
 //   blockfile.c  block file header, permutation, descriptor   -> checksum.c util.c
@@ -176,6 +205,7 @@ struct ls_engine {
 //   util.c       errors, clock, spin, barrier, safe open       (leaf)
 
 #define LS_DEFAULT_SPARSITY 0.5f
+#define LS_DEFAULT_CANDIDATE_RATIO 1.5f
 
 // util.c
 void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -190,6 +220,8 @@ void        ls_cpu_relax(unsigned * spins);
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode
 ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
+// candidates of a cascade op: ceil(candidate_ratio * kept), at most n_blocks
+int32_t     ls_candidate_blocks(int32_t n_blocks, float sparsity, float candidate_ratio);
 int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
 // hot[il][b] = 1 for the n_hot best-ranked blocks of all layers (rank: layer after layer)
 ls_status   ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
@@ -223,9 +255,22 @@ int32_t     ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int
 
 // schedule.c (thread 0, under e->mu)
 ls_status   ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const float * x_res);
+// exact-input selection: is it what this op does; candidates from P->score; the final set from P->hscore
+bool        ls_sched_cascade(const ls_engine * e, const ls_layer * L, int64_t n_tokens);
+ls_status   ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res);
+void        ls_sched_select_final(ls_engine * e);
 ls_status   ls_sched_stage_begin(ls_engine * e, int32_t s);
 void        ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial);
 void        ls_sched_finish(ls_engine * e, bool * all_ready);
+
+// sketch.c
+ls_status   ls_sketch_load(const char * path, const ls_layer * L, ls_sketch ** out);
+void        ls_sketch_free(ls_sketch * k);
+size_t      ls_sketch_xq_bytes(const ls_sketch * k, int64_t n_embd);
+void        ls_sketch_quantize_x(const ls_sketch * k, const float * x, void * xq, int64_t n_embd);
+// score[b] for blocks [b0, b1) of input xq (quantized by ls_sketch_quantize_x)
+void        ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32_t act, int32_t kk,
+                            int32_t b0, int32_t b1, float * score);
 
 // kernels.c: y += h * column, for the down projection (Q8_0 columns fused; others dequantized)
 typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;

@@ -12,12 +12,14 @@
 // What each mode does per decoded token (prefill is dense in every mode). The baselines live in
 // the engine so that ablations compare like with like.
 static const ls_mode_policy MODES[] = {
-    //                      sparse prefetch refine staged keep   eviction           hot   hot_required
-    [LS_MODE_DENSE]       = { false, false, false, false, true,  LS_CACHE_LRU,      0.0f, false },
-    [LS_MODE_ONESHOT]     = { true,  true,  false, false, false, LS_CACHE_LRU,      0.0f, false }, // DejaVu: no weight cache
-    [LS_MODE_DEJAVU_PLUS] = { true,  true,  false, false, true,  LS_CACHE_LRU,      0.0f, false }, // DejaVu + LRU cache
-    [LS_MODE_POWERINFER2] = { true,  true,  false, false, true,  LS_CACHE_LRU,      0.5f, true  }, // hot set pinned + LRU
-    [LS_MODE_LEANSTREAM]  = { true,  true,  true,  true,  true,  LS_CACHE_PRIORITY, 0.5f, false }, // + refinement, stages
+    //                      sparse prefetch refine staged keep   eviction           hot   hot_req exact_select
+    [LS_MODE_DENSE]       = { false, false, false, false, true,  LS_CACHE_LRU,      0.0f, false, false },
+    [LS_MODE_ONESHOT]     = { true,  true,  false, false, false, LS_CACHE_LRU,      0.0f, false, false }, // DejaVu: no weight cache
+    [LS_MODE_DEJAVU_PLUS] = { true,  true,  false, false, true,  LS_CACHE_LRU,      0.0f, false, false }, // DejaVu + LRU cache
+    [LS_MODE_POWERINFER2] = { true,  true,  false, false, true,  LS_CACHE_LRU,      0.5f, true,  false }, // hot set pinned + LRU
+    // + stages and refinement of the prefetch; where the layer has a sketch, the final selection
+    // comes from its own input (speculation only prefetches)
+    [LS_MODE_LEANSTREAM]  = { true,  true,  true,  true,  true,  LS_CACHE_PRIORITY, 0.5f, false, true  },
 };
 
 const ls_mode_policy * ls_mode_policy_of(int32_t mode) {
@@ -38,6 +40,8 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->cache_policy   = -1;          // the mode's eviction
     p->hot_fraction   = -1.0;        // the mode's share of the budget pinned for the hot set
     p->verify_checksums = 1;         // every block checked against its CRC-32C before first use
+    p->candidate_ratio  = -1.0f;     // LS_DEFAULT_CANDIDATE_RATIO
+    p->cache_bias       = 1.0f;      // off
 }
 
 ls_status ls_params_resolve(ls_engine_params * p) {
@@ -51,6 +55,9 @@ ls_status ls_params_resolve(ls_engine_params * p) {
     if (!(p->hot_fraction >= 0.0 && p->hot_fraction <= 1.0)) { ls_set_error("hot_fraction must be in [0, 1], got %g", (double) p->hot_fraction); return LS_ERR_ARG; }
     if (p->n_stages < 1 || p->n_stages > LS_MAX_STAGES) { ls_set_error("n_stages must be in [1, %d], got %d", LS_MAX_STAGES, p->n_stages); return LS_ERR_ARG; }
     if (p->n_io_threads < 1 || p->n_io_threads > LS_MAX_IO_THREADS) { ls_set_error("n_io_threads must be in [1, %d], got %d", LS_MAX_IO_THREADS, p->n_io_threads); return LS_ERR_ARG; }
+    if (p->candidate_ratio == -1.0f) p->candidate_ratio = LS_DEFAULT_CANDIDATE_RATIO;
+    if (!(p->candidate_ratio >= 1.0f && p->candidate_ratio <= 1000.0f)) { ls_set_error("candidate_ratio must be >= 1, got %g", (double) p->candidate_ratio); return LS_ERR_ARG; }
+    if (!(p->cache_bias > 0.0f && p->cache_bias <= 1.0f)) { ls_set_error("cache_bias must be in (0, 1], got %g", (double) p->cache_bias); return LS_ERR_ARG; }
     if (p->max_read_bytes < 4096) { ls_set_error("max_read_bytes must be >= 4096, got %u", p->max_read_bytes); return LS_ERR_ARG; }
     return LS_OK;
 }
@@ -59,6 +66,12 @@ int32_t ls_kept_blocks(int32_t n_blocks, float sparsity) {
     if (n_blocks <= 0) return 0;
     int32_t n = (int32_t) ((1.0 - (double) sparsity) * n_blocks + 0.5);   // round half up
     return n < 1 ? 1 : n > n_blocks ? n_blocks : n;
+}
+
+int32_t ls_candidate_blocks(int32_t n_blocks, float sparsity, float candidate_ratio) {
+    const int32_t kept = ls_kept_blocks(n_blocks, sparsity);
+    const double n = ceil((double) candidate_ratio * kept - 1e-9);
+    return n >= n_blocks ? n_blocks : n < kept ? kept : (int32_t) n;
 }
 
 // Blocks of all layers by descending calibration rank, ties by (layer, block) order.

@@ -184,6 +184,122 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);
 }
 
+// ---- exact-input selection (cascade), decode only --------------------------------------------
+//
+//   score      every thread scores its slice of the layer's blocks on the resident sketch
+//   plan       thread 0: the top candidate_ratio x kept blocks by score are pinned / read
+//   gate/up    every thread computes h exactly for its share of the candidates (ggml vec_dot)
+//   select     thread 0: the kept blocks are the candidates with the largest sum |h|
+//   down       every thread accumulates h * down column for its share of the kept blocks
+
+static void cascade_gate_up(ls_engine * e, int ith, int nth) {
+    ls_plan * P = &e->plan;
+    ls_layer * L = P->L;
+    const ls_layer_info * in = &L->info;
+    const int64_t n_embd = in->n_embd, k = in->neurons_per_block;
+    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
+    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
+    const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd);
+    const uint8_t * xg = P->xq;
+    const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + rg;
+    const int32_t act = e->params.activation;
+    const float * w = L->sketch->weight;
+    uint64_t stall_ns = 0;
+    for (int32_t r = ith * LS_RUN; r < P->n; r += nth * LS_RUN)
+    for (int32_t i = r; i < r + LS_RUN && i < P->n; i++) {
+        const int32_t b = P->blocks[i];
+        float * hb = P->hval + (size_t) i * k;
+        P->hscore[i] = -1.0f;   // never kept if it cannot be computed
+        for (int64_t j = 0; j < k; j++) hb[j] = 0.0f;
+        if (!wait_ready(L, b, &stall_ns)) {
+            ls_engine_record_error(e, LS_ERR_IO, "%s: layer %d block %d could not be loaded (see the first error)",
+                                   L->path, L->il, b);
+            continue;
+        }
+        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
+        if (e->params.verify_checksums && !atomic_load_explicit(&L->verified[b], memory_order_relaxed) &&
+            !ls_block_verify(e, L, b, blk)) continue;
+        const uint8_t * gate = blk;
+        const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
+        float sc = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            if (L->perm[(size_t) b * k + j] < 0) continue;
+            float g, u;
+            tg->vec_dot(n_embd, &g, 0, gate + j * L->gate_row_bytes, 0, xg, 0, 1);
+            tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu, 0, 1);
+            hb[j] = ls_act(act, g) * u;
+            sc += fabsf(hb[j]) * w[(size_t) b * k + j];
+        }
+        P->hscore[i] = sc;
+    }
+    atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
+}
+
+static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * work) {
+    const ls_plan * P = &e->plan;
+    ls_layer * L = P->L;
+    const ls_layer_info * in = &L->info;
+    const int64_t n_embd = in->n_embd, k = in->neurons_per_block, tile = tile_of(k);
+    const ggml_to_float_t down_to_float = in->down_type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(in->down_type)->to_float;
+    const bool direct = in->down_type == GGML_TYPE_Q8_0;
+    float * h = work, * cols = work + tile;
+    const ls_block_q8_0 * qcols[LS_TILE_MAX];
+    int n_staged = 0;
+    for (int32_t r = ith * LS_RUN; r < P->n_sel; r += nth * LS_RUN)
+    for (int32_t q = r; q < r + LS_RUN && q < P->n_sel; q++) {
+        const int32_t i = P->sel[q], b = P->blocks[i];
+        if (P->hscore[i] < 0.0f) continue;   // not loaded (error recorded)
+        if (n_staged + k > tile) {
+            flush(acc, h, cols, qcols, n_staged, 1, n_embd, direct);
+            n_staged = 0;
+        }
+        const uint8_t * down = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]) +
+                               (size_t) k * (L->gate_row_bytes + L->up_row_bytes);
+        for (int64_t j = 0; j < k; j++) {
+            if (L->perm[(size_t) b * k + j] < 0) continue;
+            h[n_staged] = P->hval[(size_t) i * k + j];
+            const uint8_t * col = down + j * L->down_col_bytes;
+            if (direct) { qcols[n_staged++] = (const ls_block_q8_0 *) col; continue; }
+            float * cj = cols + (size_t) n_staged * n_embd;
+            if (down_to_float) down_to_float(col, cj, n_embd);
+            else memcpy(cj, col, sizeof(float) * (size_t) n_embd);
+            n_staged++;
+        }
+    }
+    flush(acc, h, cols, qcols, n_staged, 1, n_embd, direct);
+}
+
+static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, float * acc, float * work) {
+    ls_plan * P = &e->plan;
+    ls_layer * L = P->L;
+    const int32_t nb = L->info.n_blocks;
+    const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
+    ls_sketch_score(L->sketch, P->xs, L->info.n_embd, e->params.activation, L->info.neurons_per_block,
+                    (int32_t) ((int64_t) nb * ith / nth), (int32_t) ((int64_t) nb * (ith + 1) / nth), P->score);
+    ls_barrier_wait(&e->barrier, nth);
+    if (ith == 0) {
+        atomic_fetch_add(&L->stats.scorer_ns, ls_now_ns() - t0);
+        ls_status st = ls_sched_plan_cascade(e, L, x_res);
+        if (st != LS_OK) {
+            ls_engine_record_error(e, st, "layer %d: %s", L->il, st == LS_ERR_BUDGET ?
+                                   "memory budget too small for this layer's candidates" : "cannot plan the FFN op");
+            P->n = P->n_acquired;   // compute only what is pinned; the error is raised
+        }
+    }
+    ls_barrier_wait(&e->barrier, nth);
+    cascade_gate_up(e, ith, nth);
+    ls_barrier_wait(&e->barrier, nth);
+    if (ith == 0) ls_sched_select_final(e);
+    ls_barrier_wait(&e->barrier, nth);
+    cascade_down(e, ith, nth, acc, work);
+    if (ith == 0) {
+        const uint64_t gu = (uint64_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
+        const uint64_t dn = (uint64_t) L->info.neurons_per_block * L->down_col_bytes;
+        atomic_fetch_add(&L->stats.blocks_computed, (uint64_t) P->n);
+        atomic_fetch_add(&L->stats.bytes_computed, (uint64_t) P->n * gu + (uint64_t) P->n_sel * dn);
+    }
+}
+
 // The whole op for one thread; the same code serves the ggml graph and ls_ffn_eval.
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
 // FFN (sparse decode and prefetch use it; may be NULL); y: output [n_tokens, n_embd].
@@ -196,7 +312,8 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
         t0 = ls_now_ns();
         pthread_mutex_lock(&e->mu);
         ls_status st = grow_scratch(e, L, n_tokens, nth);
-        if (st == LS_OK) st = ls_sched_plan(e, L, n_tokens, x_res);
+        P->cascade = st == LS_OK && ls_sched_cascade(e, L, n_tokens);
+        if (st == LS_OK && !P->cascade) st = ls_sched_plan(e, L, n_tokens, x_res);
         if (st != LS_OK) {
             bool ignored;
             ls_sched_finish(e, &ignored);
@@ -217,12 +334,14 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
     float * acc = P->acc + (size_t) ith * per;
     memset(acc, 0, sizeof(float) * per);
     quantize_input(P, x, x_row_stride, ith, nth);
+    if (P->cascade && ith == 0) ls_sketch_quantize_x(L->sketch, x, P->xs, L->info.n_embd);
     ls_barrier_wait(&e->barrier, nth);
+    if (P->cascade) cascade_run(e, x_res, ith, nth, acc, P->work + (size_t) ith * P->work_per_thread);
 
     // stages: priority groups (sparse) or budget-sized chunks (dense); between two stages thread
     // 0 refines the next layer's prefetch from the partial output, or pins the next chunk
     const bool sync_stages = P->refine || (!P->sparse && P->n_stages > 1);
-    for (int32_t s = 0; s < P->n_stages; s++) {
+    for (int32_t s = 0; s < P->n_stages && !P->cascade; s++) {
         const int32_t lo = s == 0 ? 0 : P->stage_end[s - 1];
         compute_share(e, ith, nth, lo, P->stage_end[s], acc, P->work + (size_t) ith * P->work_per_thread);
         if (!sync_stages || s == P->n_stages - 1) continue;

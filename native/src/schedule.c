@@ -40,11 +40,22 @@ static int32_t n_kept(const ls_engine * e, const ls_layer * L) {
     return ls_kept_blocks(L->info.n_blocks, e->params.sparsity);
 }
 
+bool ls_sched_cascade(const ls_engine * e, const ls_layer * L, int64_t n_tokens) {
+    return n_tokens == 1 && e->policy->sparse && e->policy->exact_select && L->sketch != NULL;
+}
+
+// Blocks a sparse decode op pins: the candidates of a cascade, else the kept blocks.
+static int32_t n_wanted(const ls_engine * e, const ls_layer * L) {
+    if (e->policy->exact_select && L->sketch)
+        return ls_candidate_blocks(L->info.n_blocks, e->params.sparsity, e->params.candidate_ratio);
+    return n_kept(e, L);
+}
+
 // Top n_sel blocks of L by prio into out[0, n_sel), in n_stages groups of descending priority,
 // each group in file order. stage_end[s] receives the end of group s.
-static void select_stages(const ls_engine * e, ls_layer * L, const float * prio, int32_t * out,
+static void select_stages(ls_layer * L, const float * prio, int32_t n_sel, int32_t * out,
                           int32_t n_stages, int32_t * stage_end) {
-    const int32_t nb = L->info.n_blocks, n_sel = n_kept(e, L);
+    const int32_t nb = L->info.n_blocks;
     int32_t * idx = L->order;
     for (int32_t b = 0; b < nb; b++) idx[b] = b;
     select_top(idx, 0, nb, n_sel, prio);
@@ -126,11 +137,11 @@ static void release_blocks(ls_engine * e, ls_layer * L, const int32_t * blocks, 
 // prefetched. Budget permitting.
 static void prefetch_top(ls_engine * e, ls_layer * N) {
     ls_plan * P = &e->plan;
-    int32_t n_sel = n_kept(e, N);
+    int32_t n_sel = n_wanted(e, N);
     int32_t * want = P->scratch;
     int32_t ends[LS_MAX_STAGES];
     int32_t groups = e->params.n_stages < n_sel ? e->params.n_stages : n_sel;
-    select_stages(e, N, N->prio, want, groups, ends);
+    select_stages(N, N->prio, n_sel, want, groups, ends);
     int32_t n_new = 0;
     for (int32_t i = 0; i < n_sel; i++) {
         const int32_t b = want[i];
@@ -160,6 +171,8 @@ static void reprefetch(ls_engine * e, ls_layer * N) {
     prefetch_top(e, N);
 }
 
+static ls_status pin_plan(ls_engine * e, ls_layer * L, const float * x_res);
+
 // ---- the plan --------------------------------------------------------------------------------
 
 ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const float * x_res) {
@@ -168,6 +181,7 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
     P->n = 0;
     P->n_acquired = 0;
     P->x_res = x_res;
+    P->cascade = false;
     P->sparse = n_tokens == 1 && e->policy->sparse;
     P->refine = P->sparse && e->policy->refine && x_res && L->il + 1 < e->n_layers &&
                 e->layers[L->il + 1].pred;
@@ -206,10 +220,17 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
     const int32_t n_sel = n_kept(e, L);
     if (n_stages > n_sel) n_stages = n_sel;
     P->n_stages = n_stages;
-    select_stages(e, L, L->prio, P->blocks, n_stages, P->stage_end);
+    select_stages(L, L->prio, n_sel, P->blocks, n_stages, P->stage_end);
     P->n = n_sel;
     L->prio_ready = false;
+    return pin_plan(e, L, x_res);
+}
 
+// Pin the plan's blocks P->blocks[0, P->n) (prefetched ones change hands), then queue layer il+1's
+// prefetch from the layer-ahead input.
+static ls_status pin_plan(ls_engine * e, ls_layer * L, const float * x_res) {
+    ls_plan * P = &e->plan;
+    const int32_t n_sel = P->n;
     // prefetched blocks that were not selected are let go first, so their slots can be reused
     for (int32_t i = 0; i < n_sel; i++) L->in_prefetch[P->blocks[i]] |= 2;
     int32_t n_unsel = 0;
@@ -235,6 +256,63 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
         if (N->pred && run_predictor(e, N, x_res) == LS_OK) prefetch_top(e, N);
     }
     return LS_OK;
+}
+
+// ---- exact-input selection (cascade) -----------------------------------------------------------
+
+// Candidates: the top n_cand blocks by sketch score (P->score, non-resident ones scaled by
+// cache_bias), in file order; pinned and their reads queued like any plan.
+ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res) {
+    ls_plan * P = &e->plan;
+    const int32_t nb = L->info.n_blocks;
+    P->n = 0;
+    P->n_acquired = 0;
+    P->n_sel = 0;
+    P->x_res = x_res;
+    P->sparse = true;
+    P->refine = false;
+    P->cascade = true;
+    if (e->params.cache_bias < 1.0f) {
+        for (int32_t b = 0; b < nb; b++)
+            if (L->slot_of_block[b] < 0) P->score[b] *= e->params.cache_bias;
+    }
+    for (int32_t i = 0; i < L->n_prefetch; i++) L->spec[L->prefetch[i]] = 1;
+    const int32_t n_cand = n_wanted(e, L);
+    select_stages(L, P->score, n_cand, P->blocks, 1, P->stage_end);
+    P->n = n_cand;
+    P->n_stages = 1;
+    L->prio_ready = false;
+    return pin_plan(e, L, x_res);
+}
+
+// The kept set: the n_kept candidate entries with the largest exact sum |h| (P->hscore), in
+// plan order, into P->sel.
+void ls_sched_select_final(ls_engine * e) {
+    ls_plan * P = &e->plan;
+    ls_layer * L = P->L;
+    int32_t n_final = n_kept(e, L);
+    if (n_final > P->n) n_final = P->n;
+    int32_t * idx = P->scratch;
+    for (int32_t i = 0; i < P->n; i++) idx[i] = i;
+    select_top(idx, 0, P->n, n_final, P->hscore);
+    uint8_t * mark = L->stage_mark;   // 0xFF between calls; P->n <= n_blocks
+    for (int32_t i = 0; i < n_final; i++) mark[idx[i]] = 0;
+    int32_t n = 0, hits = 0;
+    for (int32_t i = 0; i < P->n; i++) {
+        if (mark[i] == 0xFF) continue;
+        mark[i] = 0xFF;
+        P->sel[n++] = i;
+        hits += L->spec[P->blocks[i]];
+    }
+    P->n_sel = n;
+    bool any_spec = false;
+    for (int32_t b = 0; b < L->info.n_blocks; b++) { any_spec |= L->spec[b] != 0; L->spec[b] = 0; }
+    if (any_spec) {
+        atomic_fetch_add(&L->stats.spec_hits, (uint64_t) hits);
+        atomic_fetch_add(&L->stats.spec_selected, (uint64_t) n);
+    }
+    atomic_fetch_add(&L->stats.blocks_candidates, (uint64_t) P->n);
+    atomic_fetch_add(&L->stats.down_skipped, (uint64_t) (P->n - n));
 }
 
 ls_status ls_sched_stage_begin(ls_engine * e, int32_t s) {
@@ -271,8 +349,15 @@ void ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial) {
 void ls_sched_finish(ls_engine * e, bool * all_ready) {
     ls_plan * P = &e->plan;
     ls_layer * L = P->L;
-    if (P->n > 0) memcpy(L->last_plan, P->blocks, sizeof(int32_t) * (size_t) P->n);
-    L->n_last_plan = P->n > 0 ? P->n : 0;
+    if (P->cascade) {   // last_plan: the kept blocks; last_cand: every candidate
+        for (int32_t i = 0; i < P->n_sel; i++) L->last_plan[i] = P->blocks[P->sel[i]];
+        L->n_last_plan = P->n_sel;
+        if (P->n > 0) memcpy(L->last_cand, P->blocks, sizeof(int32_t) * (size_t) P->n);
+        L->n_last_cand = P->n > 0 ? P->n : 0;
+    } else {
+        if (P->n > 0) memcpy(L->last_plan, P->blocks, sizeof(int32_t) * (size_t) P->n);
+        L->n_last_plan = P->n > 0 ? P->n : 0;
+    }
     *all_ready = true;
     for (int32_t i = 0; i < P->n; i++) {
         if (atomic_load_explicit(&L->state[P->blocks[i]], memory_order_acquire) != LS_BLK_READY) *all_ready = false;

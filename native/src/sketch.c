@@ -1,0 +1,208 @@
+// sketch.c — the exact-input scorer: a resident 2-bit copy ("sketch") of every gate and up row
+// of a layer, scored against the layer's own FFN input (docs/design.md §12).
+//
+//   score(block b) = sum over its neurons j of |act(g~_j) * u~_j| * weight_j
+//   g~_j = sketch gate row . x,  u~_j = sketch up row . x
+//
+// Row format LS2 (2.5 bits per value; n_embd a multiple of 64), row_bytes = n_embd * 5 / 16:
+//   f16 d[n_embd / 32]            one scale per group of 32 values
+//   u8  codes[n_embd / 4]         per chunk of 64 values (16 bytes), byte j holds the codes of
+//                                 values j, j+16, j+32, j+48 of the chunk in bits 0-1, 2-3, 4-5, 6-7
+//   value = (code - 1.5) * d      (4 symmetric levels; the converter picks d per group by least squares)
+// x is quantized per group of 32 to int8 with a float scale (like ggml's Q8_0), so a dot product
+// is d * dx * (sum code * x8 - 1.5 * sum x8): unsigned x signed byte products (AVX2 maddubs).
+//
+// Sketch file format (version 1), `sketch/blk.<il>.lssk`, little-endian:
+//
+//   offset  size  field
+//   0       8     magic "LSSKETCH"
+//   8       4     u32 version (= 1)
+//   12      4     u32 layer index il
+//   16      8     u64 n_embd
+//   24      8     u64 n_rows                (= n_blocks * k of the layer's block file: slot order)
+//   32      4     i32 type                  (= LS_SKETCH_LS2 = 1)
+//   36      4     u32 k                     (neurons per block, as the block file)
+//   40      8     u64 row_bytes             (= n_embd * 5 / 16)
+//   48      8     u64 gate_offset           (= 4096: n_rows gate rows)
+//   56      8     u64 up_offset             (n_rows up rows)
+//   64      8     u64 norm_offset           (f32 weight[n_rows]: 1, or ||down column|| of the slot)
+//   72      8     u64 file_size             (= norm_offset + 4 * n_rows)
+//   80      4     u32 data_crc              CRC-32C of [gate_offset, file_size)
+//   84      4     u32 meta_crc              CRC-32C of [0, 4096) with this field read as 0
+//   88..4095      zero
+// Padding slots (perm = -1) hold zero rows and weight 0. The whole file is read into RAM and
+// checked once, when the engine is created.
+
+#include "internal.h"
+
+#include <immintrin.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define SKETCH_MAGIC "LSSKETCH"
+#define SKETCH_HEADER 4096
+
+static uint64_t rd64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static uint32_t rd32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+ls_status ls_sketch_load(const char * path, const ls_layer * L, ls_sketch ** out) {
+    *out = NULL;
+    int fd;
+    struct stat st;
+    ls_status s = ls_open_regular(path, &fd, &st);
+    if (s != LS_OK) return s;
+    uint8_t * mem = NULL;
+    ls_sketch * k = NULL;
+    const ls_layer_info * in = &L->info;
+    if ((uint64_t) st.st_size < SKETCH_HEADER) { ls_set_error("%s: too short for a sketch file", path); s = LS_ERR_FORMAT; goto fail; }
+    mem = malloc((size_t) st.st_size);
+    if (!mem) { ls_set_error("%s: out of memory (%lld bytes)", path, (long long) st.st_size); s = LS_ERR_NOMEM; goto fail; }
+    for (size_t got = 0; got < (size_t) st.st_size;) {
+        ssize_t r = pread(fd, mem + got, (size_t) st.st_size - got, (off_t) got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) { ls_set_error("%s: read failed: %s", path, r < 0 ? strerror(errno) : "short file"); s = LS_ERR_IO; goto fail; }
+        got += (size_t) r;
+    }
+    if (memcmp(mem, SKETCH_MAGIC, 8) != 0) { ls_set_error("%s: bad magic (not a LeanStream sketch file)", path); s = LS_ERR_FORMAT; goto fail; }
+    if (rd32(mem + 8) != 1) { ls_set_error("%s: sketch file version %u, expected 1 (re-run `leanstream convert`)", path, rd32(mem + 8)); s = LS_ERR_FORMAT; goto fail; }
+    {
+        uint8_t hdr[SKETCH_HEADER];
+        memcpy(hdr, mem, SKETCH_HEADER);
+        memset(hdr + 84, 0, 4);
+        if (ls_crc32c(0, hdr, SKETCH_HEADER) != rd32(mem + 84)) { ls_set_error("%s: header checksum mismatch (corrupt file)", path); s = LS_ERR_CORRUPT; goto fail; }
+    }
+    const uint32_t il = rd32(mem + 12);
+    const uint64_t n_embd = rd64(mem + 16), n_rows = rd64(mem + 24), row_bytes = rd64(mem + 40);
+    const int32_t type = (int32_t) rd32(mem + 32);
+    const uint32_t kk = rd32(mem + 36);
+    const uint64_t go = rd64(mem + 48), uo = rd64(mem + 56), no = rd64(mem + 64), fs = rd64(mem + 72);
+    if ((int32_t) il != L->il || n_embd != (uint64_t) in->n_embd || kk != (uint32_t) in->neurons_per_block ||
+        n_rows != (uint64_t) in->n_blocks * kk) {
+        ls_set_error("%s: sketch of layer %u (n_embd %llu, %llu rows, k %u) does not match layer %d's block file "
+                     "(n_embd %lld, %d blocks of k %d)", path, il, (unsigned long long) n_embd, (unsigned long long) n_rows,
+                     kk, L->il, (long long) in->n_embd, in->n_blocks, in->neurons_per_block);
+        s = LS_ERR_FORMAT;
+        goto fail;
+    }
+    if (type != LS_SKETCH_LS2 || n_embd % 64 != 0 || row_bytes != n_embd * 5 / 16) {
+        ls_set_error("%s: unsupported sketch row type %d or row size %llu", path, type, (unsigned long long) row_bytes);
+        s = LS_ERR_FORMAT;
+        goto fail;
+    }
+    if (go != SKETCH_HEADER || uo != go + n_rows * row_bytes || no != uo + n_rows * row_bytes || fs != no + 4 * n_rows ||
+        fs != (uint64_t) st.st_size) {
+        ls_set_error("%s: inconsistent sizes (file %lld bytes, header says %llu): truncated or corrupt", path,
+                     (long long) st.st_size, (unsigned long long) fs);
+        s = LS_ERR_FORMAT;
+        goto fail;
+    }
+    if (ls_crc32c(0, mem + go, fs - go) != rd32(mem + 80)) { ls_set_error("%s: data checksum mismatch (corrupt file)", path); s = LS_ERR_CORRUPT; goto fail; }
+    k = calloc(1, sizeof(*k));
+    if (!k) { ls_set_error("out of memory"); s = LS_ERR_NOMEM; goto fail; }
+    k->type = type;
+    k->n_rows = (int64_t) n_rows;
+    k->row_bytes = row_bytes;
+    k->mem = mem;
+    k->bytes = (size_t) st.st_size;
+    k->gate = mem + go;
+    k->up = mem + uo;
+    k->weight = (const float *) (mem + no);
+    close(fd);
+    *out = k;
+    return LS_OK;
+fail:
+    free(mem);
+    close(fd);
+    return s;
+}
+
+void ls_sketch_free(ls_sketch * k) {
+    if (!k) return;
+    free(k->mem);
+    free(k);
+}
+
+// x quantized for LS2 dot products: int8 x8[n], then per group of 32: float dx, float 1.5*dx*sum(x8)
+size_t ls_sketch_xq_bytes(const ls_sketch * k, int64_t n_embd) {
+    (void) k;
+    return (size_t) n_embd + (size_t) n_embd / 32 * 2 * sizeof(float) + 64;
+}
+
+void ls_sketch_quantize_x(const ls_sketch * k, const float * x, void * xq, int64_t n_embd) {
+    (void) k;
+    int8_t * x8 = xq;
+    float * dx = (float *) ((uint8_t *) xq + n_embd), * xo = dx + n_embd / 32;
+    for (int64_t g = 0; g < n_embd / 32; g++) {
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[g * 32 + i]));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = (int) lrintf(x[g * 32 + i] * id);
+            x8[g * 32 + i] = (int8_t) v;
+            sum += v;
+        }
+        dx[g] = d;
+        xo[g] = 1.5f * d * (float) sum;
+    }
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// row . x for one LS2 row (n a multiple of 64)
+static float ls2_dot(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n) {
+    const uint16_t * d = (const uint16_t *) row;
+    const uint8_t * q = row + n / 32 * 2;
+    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    const __m256i sh01 = _mm256_setr_epi64x(0, 0, 2, 2), sh23 = _mm256_setr_epi64x(4, 4, 6, 6);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < n / 32; g += 2) {
+        const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (q + g * 8)));
+        const __m256i u0 = _mm256_and_si256(_mm256_srlv_epi64(c, sh01), m3);
+        const __m256i u1 = _mm256_and_si256(_mm256_srlv_epi64(c, sh23), m3);
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *) (x8 + g * 32))), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *) (x8 + g * 32 + 32))), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(_cvtsh_ss(d[g + 1]) * dx[g + 1]), acc1);
+    }
+    float off = 0.0f;
+    int64_t g = 0;
+    __m256 o = _mm256_setzero_ps();
+    for (; g + 8 <= n / 32; g += 8) {
+        o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (d + g))), _mm256_loadu_ps(xo + g), o);
+    }
+    for (; g < n / 32; g++) off += _cvtsh_ss(d[g]) * xo[g];
+    return hsum8(_mm256_add_ps(acc0, acc1)) - (off + hsum8(o));
+}
+
+void ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32_t act, int32_t kk,
+                     int32_t b0, int32_t b1, float * score) {
+    const int8_t * x8 = xq;
+    const float * dx = (const float *) ((const uint8_t *) xq + n_embd), * xo = dx + n_embd / 32;
+    for (int32_t b = b0; b < b1; b++) {
+        float s = 0.0f;
+        for (int32_t j = 0; j < kk; j++) {
+            const int64_t r = (int64_t) b * kk + j;
+            const float w = k->weight[r];
+            if (w == 0.0f) continue;   // padding slot
+            if (r + 4 < k->n_rows) {
+                __builtin_prefetch(k->gate + (size_t) (r + 4) * k->row_bytes);
+                __builtin_prefetch(k->up + (size_t) (r + 4) * k->row_bytes);
+            }
+            const float g = ls2_dot(k->gate + (size_t) r * k->row_bytes, x8, dx, xo, n_embd);
+            const float u = ls2_dot(k->up + (size_t) r * k->row_bytes, x8, dx, xo, n_embd);
+            s += fabsf(ls_act(act, g) * u) * w;
+        }
+        score[b] = s;
+    }
+}
