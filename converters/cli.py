@@ -78,7 +78,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         m = convert_model(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet,
-                          predictors=args.predictors, sketch=args.sketch, profile_dir=args.profile_dir)
+                          predictors=args.predictors, sketch=args.sketch, calibrate=args.calibrate,
+                          profile_dir=args.profile_dir)
     except ConvertError as e:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
@@ -182,6 +183,9 @@ def register(subparsers) -> None:
     p.add_argument("--sketch", choices=["ls2", "none"], default="ls2",
                    help="write the 2-bit gate/up sketch leanstream mode selects from each layer's own input "
                         "with (default ls2; none: dense mode only, unless predictors are trained)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="with the sketch: measure what each sparsity costs on the model's own answers (the "
+                        "table quality='ppl+5%%' chooses from; about a minute for a 1.5B model)")
     p.add_argument("--predictors", choices=["none", "quick", "full"], default="none",
                    help="also profile the model and train layer-ahead predictors: the baselines' (oneshot, "
                         "dejavu+, powerinfer2) selection and leanstream's prefetch (default none; quick: "

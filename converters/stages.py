@@ -8,6 +8,7 @@
     train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
     write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
     sketch    (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
+    calibrate (with the sketch) perplexity cost of each sparsity on the model's own text
     manifest  manifest.json, written once, last: its presence marks a complete model directory
 
 The default (a q2_K sketch, no predictors) trains nothing: leanstream mode selects from each
@@ -63,8 +64,14 @@ class _State:
     def done(self, stage: str) -> bool:
         return (self.dir / f"{stage}.done").exists()
 
-    def mark(self, stage: str) -> None:
-        atomic_write_json(self.dir / f"{stage}.done", {"stage": stage})
+    def mark(self, stage: str, result: Any = None) -> None:
+        atomic_write_json(self.dir / f"{stage}.done", {"stage": stage, "result": result})
+
+    def result(self, stage: str) -> Any:
+        try:
+            return json.loads((self.dir / f"{stage}.done").read_text()).get("result")
+        except (OSError, ValueError):
+            return None
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -126,15 +133,16 @@ def _calibration_id(calibration) -> Any:
 
 def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
                   force: bool = False, progress: bool = True, permutation=None,
-                  predictors: str = "none", sketch: str = DEFAULT_SKETCH, profile_dir: str | os.PathLike | None = None, calibration=None,
+                  predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
                   log: Callable[..., None] | None = None) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
 
     predictors: "full" (profile the model on its own answers to the bundled prompts, or on
     ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
-    training) or "none" (default: no training). sketch: the sketch rows' ggml type ("q2_K",
-    default) or "none" (with predictors "none" too: dense mode only, seconds). profile_dir: keep the activation profile
+    training) or "none" (default: no training). sketch: the sketch row format ("ls2", default)
+    or "none" (with predictors "none" too: dense mode only, seconds). calibrate: measure what
+    each sparsity costs on the model's own text (the quality= table; with the sketch). profile_dir: keep the activation profile
     there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
     Other arguments: see ``converters.convert``. Raises ConvertError.
@@ -150,7 +158,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     check_out_dir_apart(Path(src), out)
     try:
         return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation,
-                              predictors=predictors, sketch=sketch, profile_dir=profile_dir, calibration=calibration,
+                              predictors=predictors, sketch=sketch, calibrate=calibrate, profile_dir=profile_dir, calibration=calibration,
                               hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log)
     except OSError as e:
         remove_partials(out)
@@ -163,7 +171,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
         raise
 
 
-def _convert_model(src, out: Path, *, k, align, force, progress, permutation, predictors, sketch, profile_dir, calibration,
+def _convert_model(src, out: Path, *, k, align, force, progress, permutation, predictors, sketch, calibrate, profile_dir, calibration,
                    hash_config, profile_kwargs, n_threads, log) -> mf.Manifest:
     # read: the source, its hash and the block geometry
     source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
@@ -179,7 +187,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     if sketch != "none":
         from .sketch import DEFAULT_WEIGHT
 
-        params["sketch"] = {"type": sketch, "weight": DEFAULT_WEIGHT}
+        params["sketch"] = {"type": sketch, "weight": DEFAULT_WEIGHT, "calibrate": bool(calibrate)}
     if predictors != "none":
         from .train.pipeline import training_settings
 
@@ -188,7 +196,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("profile", "train", "write", "sketch") if state.done(s)]
+        done = [s for s in ("profile", "train", "write", "sketch", "calibrate") if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
 
@@ -212,9 +220,22 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
                                      progress=progress)
         state.mark("sketch")
 
-    # manifest: once, last
     m = make_manifest(source, out, entries, totals, predictor)
     m.sketch = sketch_info
+
+    # calibrate: what each sparsity costs on the model's own text (quality="ppl+5%" reads it)
+    if sketch_info is not None and calibrate:
+        if state.done("calibrate"):
+            sketch_info.quality = state.result("calibrate") or []
+        else:
+            from .calibrate import calibrate as run_calibration
+
+            m.record_checksums(out)      # the model runs before its manifest exists
+            sketch_info.quality = run_calibration(source.path, out, m, n_threads=n_threads, progress=progress,
+                                                  log=log)
+            state.mark("calibrate", sketch_info.quality)
+
+    # manifest: once, last
     fsync_dir(out)
     mf.save(m, out)
     state.remove()

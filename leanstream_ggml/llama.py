@@ -61,13 +61,22 @@ class Llama(llama_cpp.Llama):
         model_path: a directory written by ``leanstream convert``.
         memory_budget: bytes of FFN weights kept in RAM (int, or "512MiB"/"1.5GB"); None = all.
         mode: "dense" (every neuron: reproduces stock llama.cpp), or a sparse decode mode that
-            computes only the top (1 - sparsity) of each layer's neuron blocks, chosen by the
-            model's predictors: "leanstream" (priority-ordered stages, prefetch of the next layer
-            refined from partial results, calibration-hot blocks pinned like powerinfer2's and
-            priority eviction for the rest), "oneshot" (DejaVu: one layer-ahead prediction, no
+            computes only the top (1 - sparsity) of each layer's neuron blocks: "leanstream"
+            (with the converter's sketch, the default conversion: chosen from each layer's own
+            input — sketch scores pick candidates, their exact gate/up values pick the blocks whose
+            down columns are computed; without one, by the predictors in priority-ordered stages
+            refined from partial results; the predictors, if trained, prefetch the next layer), "oneshot" (DejaVu: one layer-ahead prediction, no
             weight cache), "dejavu+" (oneshot + LRU cache), "powerinfer2" (hot blocks pinned +
-            LRU). Prefill is always dense.
+            LRU); these three need predictors. Prefill is always dense. Default: "dense", or
+            "leanstream" when quality= is given.
         sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
+        quality: instead of sparsity, the perplexity the user accepts to lose, e.g. "ppl+5%":
+            leanstream mode (implied) at the largest sparsity whose cost the converter measured
+            within that on the model's own text (``leanstream info`` shows the table).
+        candidate_ratio: leanstream mode with a sketch: blocks whose gate/up rows are computed
+            exactly per token, as a multiple of the kept blocks (default 1.5).
+        cache_bias: leanstream mode with a sketch, (0, 1]: scores of blocks not in the cache are
+            multiplied by this before the candidates are chosen (default 1: off).
         n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
             with the quick predictors 8 stages measured worse, see README).
         n_io_threads: I/O worker threads (reads in flight, 1..256, default 16).
@@ -82,11 +91,19 @@ class Llama(llama_cpp.Llama):
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
-    def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str = "dense",
-                 sparsity: float | None = None, n_stages: int | None = None, n_io_threads: int | None = None,
-                 hot_fraction: float | None = None, verify_checksums: bool = True,
-                 candidate_ratio: float | None = None, cache_bias: float | None = None, **kwargs):
+    def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str | None = None,
+                 sparsity: float | None = None, quality: str | None = None, n_stages: int | None = None,
+                 n_io_threads: int | None = None, hot_fraction: float | None = None, verify_checksums: bool = True,
+                 candidate_ratio: float | None = None, cache_bias: float | None = None, _manifest=None, **kwargs):
         self._engine = None
+        if quality is not None:
+            if sparsity is not None:
+                raise params.ParameterError("quality", "give quality= or sparsity=, not both")
+            max_ratio = params.quality(quality)
+            if mode not in (None, "leanstream"):
+                raise params.ParameterError("quality", f"chooses leanstream mode's sparsity; mode={mode!r} was given")
+            mode = "leanstream"
+        mode = mode or "dense"
         # every parameter checked before anything is opened (ParameterError names the bad one)
         p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity, n_stages=n_stages,
                                  n_io_threads=n_io_threads, hot_fraction=hot_fraction,
@@ -99,7 +116,8 @@ class Llama(llama_cpp.Llama):
                              f"then load the directory {path.with_suffix('.lsm')}")
         if not path.is_dir():
             raise ValueError(f"model directory does not exist: {model_path}")
-        self.manifest = manifest_mod.load(path)
+        # _manifest: the converter's calibration runs the model before its manifest is written
+        self.manifest = _manifest if _manifest is not None else manifest_mod.load(path)
         self.model_dir = path
         m = self.manifest
         # every file the model is made of: inside the directory, regular, intact (block files
@@ -121,6 +139,11 @@ class Llama(llama_cpp.Llama):
                 sketch_paths = [m.resolve(path, f) for f in m.sketch_files()]
             if p["candidate_ratio"] is None and m.sketch is not None and m.sketch.candidate_ratio:
                 p["candidate_ratio"] = m.sketch.candidate_ratio
+            if quality is not None:
+                if not sketch_paths or not m.sketch.quality:
+                    raise ValueError(f"quality={quality!r} needs the converter's calibration of {model_path} "
+                                     f"(convert again with the sketch), or give sparsity=")
+                p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
                                  n_io_threads=p["n_io_threads"], sparsity=p["sparsity"], n_stages=p["n_stages"],

@@ -113,6 +113,40 @@ def mode(value) -> str:
     return value
 
 
+_QUALITY_RE = re.compile(r"^\s*ppl\s*\+\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$", re.IGNORECASE)
+
+
+def quality(value) -> float:
+    """"ppl+5%" -> 1.05: the largest perplexity ratio vs stock the user accepts."""
+    m = _QUALITY_RE.match(value) if isinstance(value, str) else None
+    if not m:
+        raise ParameterError("quality", f"expected a perplexity budget like 'ppl+5%', got {value!r}")
+    pct = float(m.group(1))
+    if not 0.0 <= pct <= 1000.0:
+        raise ParameterError("quality", f"the percentage must be in [0, 1000], got {value!r}")
+    return 1.0 + pct / 100.0
+
+
+def sparsity_for_quality(table: list[dict], max_ppl_ratio: float) -> float:
+    """The largest sparsity whose calibrated perplexity ratio (the converter's table: [{"sparsity",
+    "ppl_ratio"}]) stays within max_ppl_ratio, linearly interpolated between calibrated points
+    (sparsity 0 costs nothing). The curve is made monotone first (calibration noise)."""
+    pts = [(0.0, 1.0)] + sorted((float(q["sparsity"]), float(q["ppl_ratio"])) for q in table)
+    mono, worst = [], 1.0
+    for s, r in pts:
+        worst = max(worst, r)
+        mono.append((s, worst))
+    best = 0.0
+    for (s0, r0), (s1, r1) in zip(mono, mono[1:]):
+        if r1 <= max_ppl_ratio:
+            best = s1
+            continue
+        if r0 <= max_ppl_ratio < r1:
+            best = s0 + (s1 - s0) * (max_ppl_ratio - r0) / (r1 - r0)
+        break
+    return round(best, 3)
+
+
 def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_stages=None,
                   n_io_threads=None, hot_fraction=None, candidate_ratio=None, cache_bias=None) -> dict:
     """Validated, normalized engine parameters (raises ParameterError naming the bad one).

@@ -32,7 +32,7 @@ import functools
 import sys
 from pathlib import Path
 
-LEANSTREAM_OPTIONS = ("memory_budget", "mode", "sparsity", "n_stages", "n_io_threads", "hot_fraction")
+LEANSTREAM_OPTIONS = ("memory_budget", "mode", "sparsity", "quality", "n_stages", "n_io_threads", "hot_fraction")
 
 
 def _server_modules():
@@ -154,7 +154,7 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
 
     server_settings / model_settings: their ``ServerSettings`` / ``ModelSettings`` (default:
     their defaults; ``model_settings.model`` is set to model_dir). leanstream_options: any of
-    memory_budget, mode, sparsity, n_stages, n_io_threads, hot_fraction.
+    memory_budget, mode, sparsity, quality, n_stages, n_io_threads, hot_fraction.
     """
     server_app, server_model = _server_modules()
     from fastapi import Depends
@@ -214,9 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory from `leanstream convert`, or a converted known model name")
     g = p.add_argument_group("leanstream")
     g.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    g.add_argument("--mode", default="dense", choices=["dense", "leanstream", "oneshot", "dejavu+", "powerinfer2"],
-                   help="dense: every neuron (exact); the others compute only the predicted top blocks")
+    g.add_argument("--mode", default=None, choices=["dense", "leanstream", "oneshot", "dejavu+", "powerinfer2"],
+                   help="dense (default): every neuron (exact); the others compute only the selected blocks")
     g.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes")
+    g.add_argument("--quality", default=None,
+                   help="e.g. ppl+5%%: leanstream mode at the largest sparsity the converter measured within it")
     g.add_argument("--n-stages", type=int, default=4, help="compute stages (refinement points) per layer")
     g.add_argument("--n-io-threads", type=int, default=16, help="I/O workers (reads in flight)")
     g.add_argument("--hot-fraction", type=float, default=0.5, help="share of the budget pinned for hot blocks")

@@ -60,8 +60,9 @@ def test_info_shows_predictor_and_sparse_mode_readiness(tiny_gguf, tmp_path):
     assert r.returncode == 0, r.stderr
     assert _field(r.stdout, "predictor") == "none"
     sparse = _field(r.stdout, "sparse modes")
-    assert sparse.startswith("not ready: no predictors")
+    assert sparse.startswith("not ready: no sketch and no predictors")
     assert "leanstream convert tiny model.gguf" in sparse
+    assert _field(r.stdout, "sketch") == "none"
 
     pytest.importorskip("torch", reason="predictor files are made with torch (convert extra)")
     from pred_synth import write_random_predictors

@@ -177,3 +177,42 @@ def test_decode_quality_smollm2(smollm2_sketch_dir, smollm2_gguf):
         stock.close()
     assert r["ppl_ratio"] < 1.15 and r["top1_agreement"] > 0.8, r
     assert st["blocks_candidates"] > 0 and st["down_skipped"] > 0
+
+
+# ---- quality= ------------------------------------------------------------------------------------
+
+def test_sparsity_for_quality_interpolates_a_monotone_curve():
+    from leanstream_ggml import params
+
+    table = [{"sparsity": 0.3, "ppl_ratio": 1.01}, {"sparsity": 0.5, "ppl_ratio": 1.05},
+             {"sparsity": 0.4, "ppl_ratio": 1.03}, {"sparsity": 0.6, "ppl_ratio": 1.04},   # noise: not monotone
+             {"sparsity": 0.7, "ppl_ratio": 1.25}]
+    assert params.sparsity_for_quality(table, 1.03) == 0.4
+    assert params.sparsity_for_quality(table, 1.04) == 0.45
+    assert params.sparsity_for_quality(table, 1.05) == 0.6        # 0.6 is as good as 0.5 after the monotone fix
+    assert params.sparsity_for_quality(table, 1.005) == 0.15      # between sparsity 0 (x1) and the first point
+    assert params.sparsity_for_quality(table, 2.0) == 0.7
+    assert params.quality("ppl+5%") == 1.05 and params.quality(" PPL + 0.5 % ") == 1.005
+    for bad in ("5%", "ppl-5%", "ppl+x%", 5, None):
+        with pytest.raises(params.ParameterError, match="quality"):
+            params.quality(bad)
+
+
+def test_quality_chooses_the_calibrated_sparsity(smollm2_sketch_dir):
+    from leanstream_ggml import Llama, params
+
+    m = mf.load(smollm2_sketch_dir)
+    table = m.sketch.quality
+    assert [q["sparsity"] for q in table] == [0.3, 0.4, 0.5, 0.6, 0.7]
+    assert all(0.9 < q["ppl_ratio"] < 10 and 0 < q["agreement"] <= 1 for q in table)
+    assert table[-1]["ppl_ratio"] > table[0]["ppl_ratio"]       # more sparsity costs more
+    llm = Llama(str(smollm2_sketch_dir), quality="ppl+8%", n_ctx=64, verbose=False)
+    try:
+        assert llm.mode == "leanstream"
+        assert llm.sparsity == pytest.approx(params.sparsity_for_quality(table, 1.08), abs=1e-6)
+    finally:
+        llm.close()
+    with pytest.raises(params.ParameterError, match="not both"):
+        Llama(str(smollm2_sketch_dir), quality="ppl+8%", sparsity=0.5)
+    with pytest.raises(params.ParameterError, match="mode='powerinfer2'"):
+        Llama(str(smollm2_sketch_dir), quality="ppl+8%", mode="powerinfer2")

@@ -148,7 +148,10 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
         if (in->block_stride > stride) stride = in->block_stride;
         total_blocks += in->n_blocks;
         total_bytes += (uint64_t) in->n_blocks * in->block_stride;
-        const int32_t ws = e->policy->sparse ? ls_kept_blocks(in->n_blocks, e->params.sparsity) : in->n_blocks;
+        // the blocks one op pins: a sparse decode's kept blocks, a cascade's candidates, dense: all
+        const int32_t ws = !e->policy->sparse ? in->n_blocks :
+                           e->layers[il].sketch ? ls_candidate_blocks(in->n_blocks, e->params.sparsity, e->params.candidate_ratio) :
+                           ls_kept_blocks(in->n_blocks, e->params.sparsity);
         if (ws > max_working_set) max_working_set = ws;
         if (in->n_blocks > max_layer_blocks) max_layer_blocks = in->n_blocks;
     }
