@@ -80,7 +80,8 @@ def main() -> int:
     ap.add_argument("--mode", nargs="+", default=["leanstream"])
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5])
     ap.add_argument("--ratio", type=float, nargs="+", default=[1.5])
-    ap.add_argument("--cache-bias", type=float, default=None)
+    ap.add_argument("--cache-bias", type=float, nargs="+", default=[None])
+    ap.add_argument("--memory-budget", default=None, help="FFN budget (default: all; quality only)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
@@ -97,14 +98,17 @@ def main() -> int:
     sink = open(a.out, "a") if a.out else None
     for mode in a.mode:
         for s in a.sparsity:
-            for ratio in (a.ratio if mode == "leanstream" and m.sketch else [None]):
+            for ratio, bias in [(r, b) for r in (a.ratio if mode == "leanstream" and m.sketch else [None])
+                                for b in a.cache_bias]:
                 kw = dict(mode=mode, n_ctx=a.ctx, n_batch=a.ctx, n_threads=a.threads, logits_all=True, verbose=False)
                 if mode != "dense":
                     kw["sparsity"] = s
                 if ratio is not None:
                     kw["candidate_ratio"] = ratio
-                if a.cache_bias is not None:
-                    kw["cache_bias"] = a.cache_bias
+                if bias is not None:
+                    kw["cache_bias"] = bias
+                if a.memory_budget:
+                    kw["memory_budget"] = a.memory_budget
                 llm = Llama(a.model, **kw)
                 t0 = time.perf_counter()
                 st = {}
@@ -113,7 +117,8 @@ def main() -> int:
                 resident = llm.stats()["resident_bytes"]
                 row.update({
                     "model": Path(a.model).name, "mode": mode, "sparsity": s if mode != "dense" else 0.0,
-                    "candidate_ratio": ratio,
+                    "candidate_ratio": ratio, "cache_bias": bias, "memory_budget": a.memory_budget,
+                    "bytes_read_fraction": st["bytes_read"] / dec_tokens / dense_bytes,
                     "method": ("sketch->candidates->exact h->down" if ratio is not None else
                                "dense" if mode == "dense" else "layer-ahead predictor"),
                     "bytes_fraction": st["bytes_computed"] / dec_tokens / dense_bytes,

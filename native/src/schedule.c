@@ -231,6 +231,12 @@ ls_status ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const flo
 static ls_status pin_plan(ls_engine * e, ls_layer * L, const float * x_res) {
     ls_plan * P = &e->plan;
     const int32_t n_sel = P->n;
+    if (L->pinned_forever) {
+        // every block resident for good (a budget that holds the whole FFN, after the first
+        // prefill): nothing to pin, read or prefetch
+        P->n_acquired = 0;
+        return LS_OK;
+    }
     // prefetched blocks that were not selected are let go first, so their slots can be reused
     for (int32_t i = 0; i < n_sel; i++) L->in_prefetch[P->blocks[i]] |= 2;
     int32_t n_unsel = 0;
@@ -253,7 +259,7 @@ static ls_status pin_plan(ls_engine * e, ls_layer * L, const float * x_res) {
     // load ahead: layer il+1's top set from the layer-ahead input x_il
     if (e->policy->prefetch && x_res && L->il + 1 < e->n_layers) {
         ls_layer * N = &e->layers[L->il + 1];
-        if (N->pred && run_predictor(e, N, x_res) == LS_OK) prefetch_top(e, N);
+        if (N->pred && !N->pinned_forever && run_predictor(e, N, x_res) == LS_OK) prefetch_top(e, N);
     }
     return LS_OK;
 }
