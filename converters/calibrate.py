@@ -1,13 +1,11 @@
 """The calibrate stage: how much perplexity leanstream mode's sparse decode costs at each
 sparsity, measured on the model's own text, so that ``quality="ppl+5%"`` can choose the sparsity.
 
-The text is the source model's own answers (stock llama-cpp-python on the source GGUF, sampled at
-temperature 1 with a fixed seed) to a few of the bundled calibration prompts — never the held-out
-evaluation text. Greedy answers would be too easy: every token is the model's own first choice,
-and a sparse model that keeps that choice looks free (Qwen2.5-1.5B at s = 0.7: x1.02 on its greedy
-answers, x1.13 on held-out prose). The second half of
-each window is decoded token by token (sparse decode is sparse only there) with the converted
-model in leanstream mode, and compared with stock's logits over the same window.
+The text is the converter's own: `converters/data/calibration.txt` (three short essays on
+bridges, printing and the sky, written for this purpose; never the held-out evaluation text), or
+the user's ``calibration`` text. The model's own answers were tried first and hide the cost:
+greedy ones by construction (every token is the model's first choice: Qwen2.5-1.5B at s = 0.7
+x1.02, against x1.13 on held-out prose), sampled ones still (x1.06).
 """
 
 from __future__ import annotations
@@ -21,32 +19,17 @@ from leanstream_ggml import manifest as mf
 
 SPARSITIES = (0.3, 0.4, 0.5, 0.6, 0.7)
 N_CTX = 256          # one window: 128 tokens of context, 127 scored
-N_PROMPTS = 3        # windows: answers long enough to fill one, in the bundled prompts' order
-SEED = 1234
+N_WINDOWS = 3
+TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 
 
-def _own_text_windows(src: Path, n_threads: int) -> list[list[int]]:
-    import llama_cpp
+def _windows(llm, text: str) -> list[list[int]]:
+    from leanstream_ggml.harness.perplexity import tokenize_for_perplexity, windows
 
-    from .prompts import PROMPTS
-
-    stock = llama_cpp.Llama(str(src), n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, seed=SEED, verbose=False)
-    out = []
-    try:
-        for prompt in PROMPTS:
-            if len(out) == N_PROMPTS:
-                break
-            toks = stock.tokenize(prompt.encode(), add_bos=True)
-            stock.reset()
-            for t in stock.generate(toks, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-                toks.append(t)
-                if len(toks) >= N_CTX or t == stock.token_eos():
-                    break
-            if len(toks) >= N_CTX:
-                out.append(toks[:N_CTX])
-    finally:
-        stock.close()
-    return out
+    tokens, add_bos = tokenize_for_perplexity(llm, text)
+    if len(tokens) < N_CTX:
+        return []
+    return windows(tokens, N_CTX, add_bos, llm.token_bos(), N_WINDOWS)
 
 
 def _logits(llm, w: list[int], decode: bool) -> np.ndarray:
@@ -56,24 +39,24 @@ def _logits(llm, w: list[int], decode: bool) -> np.ndarray:
     return log_softmax(window_logits(llm, w, decode=decode)[pos])
 
 
-def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, n_threads: int = 2, progress: bool = True,
-              log=print) -> list[dict]:
-    """[{"sparsity", "ppl_ratio", "agreement"}] of leanstream mode vs stock on the model's own text."""
+def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_threads: int = 2,
+              progress: bool = True, log=print) -> list[dict]:
+    """[{"sparsity", "ppl_ratio", "agreement"}] of leanstream mode vs stock on the calibration text."""
     import llama_cpp
     from tqdm import tqdm
 
     from leanstream_ggml import Llama
 
-    ws = _own_text_windows(src, n_threads)
-    if not ws:
-        log("calibrate: the model's answers were too short to score; no quality table (use sparsity=)")
-        return []
     kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, logits_all=True, verbose=False)
     stock = llama_cpp.Llama(str(src), **kw)
     try:
+        ws = _windows(stock, Path(text_path or TEXT).read_text(encoding="utf-8"))
         refs = [_logits(stock, w, decode=False) for w in ws]
     finally:
         stock.close()
+    if not ws:
+        log("calibrate: the calibration text is shorter than one window; no quality table (use sparsity=)")
+        return []
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
         llm = Llama(str(out), mode="leanstream", sparsity=s, _manifest=manifest, **kw)

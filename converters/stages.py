@@ -187,7 +187,8 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     if sketch != "none":
         from .sketch import DEFAULT_WEIGHT
 
-        params["sketch"] = {"type": sketch, "weight": DEFAULT_WEIGHT, "calibrate": bool(calibrate)}
+        params["sketch"] = {"type": sketch, "weight": DEFAULT_WEIGHT, "calibrate": bool(calibrate),
+                            "calibration": _calibration_id(calibration) if calibrate else None}
     if predictors != "none":
         from .train.pipeline import training_settings
 
@@ -231,8 +232,8 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
             from .calibrate import calibrate as run_calibration
 
             m.record_checksums(out)      # the model runs before its manifest exists
-            sketch_info.quality = run_calibration(source.path, out, m, n_threads=n_threads, progress=progress,
-                                                  log=log)
+            sketch_info.quality = run_calibration(source.path, out, m, text_path=calibration, n_threads=n_threads,
+                                                  progress=progress, log=log)
             state.mark("calibrate", sketch_info.quality)
 
     # manifest: once, last
