@@ -358,7 +358,7 @@ def _threads() -> int:
     ({"hot_fraction": -1}, "hot_fraction"), ({"hot_fraction": 5}, "hot_fraction"),
     ({"hot_fraction": float("nan")}, "hot_fraction"), ({"sparsity": -0.1}, "sparsity"),
     ({"sparsity": 1.0}, "sparsity"), ({"n_stages": 0}, "n_stages"), ({"n_stages": 65}, "n_stages"),
-    ({"mode": "turbo"}, "mode"), ({"mode": None}, "mode"),
+    ({"mode": "turbo"}, "mode"), ({"quality": "fast"}, "quality"),
 ])
 def test_llama_parameters_are_validated_and_named(pristine, kw, name):
     from leanstream_ggml import Llama
