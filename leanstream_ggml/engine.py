@@ -78,6 +78,7 @@ class FFNEngine:
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
         self._handle = None
+        self._keep_alive = []   # cffi buffers the engine's parameters point into
         self.n_layers = len(block_paths)
         self._paths = [ffi.new("char[]", str(p).encode()) for p in block_paths]
         self._path_array = ffi.new("const char *[]", self._paths)
@@ -101,18 +102,8 @@ class FFNEngine:
             if cache_policy not in CACHE_POLICIES:
                 raise ValueError(f"unknown cache policy {cache_policy!r} ({' or '.join(CACHE_POLICIES)})")
             p.cache_policy = CACHE_POLICIES[cache_policy]
-        if predictor_paths is not None:
-            if len(predictor_paths) != self.n_layers:
-                raise ValueError(f"{len(predictor_paths)} predictor paths for {self.n_layers} layers")
-            self._pred = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in predictor_paths]
-            self._pred_array = ffi.new("const char *[]", self._pred)
-            p.predictor_paths = self._pred_array
-        if sketch_paths is not None:
-            if len(sketch_paths) != self.n_layers:
-                raise ValueError(f"{len(sketch_paths)} sketch paths for {self.n_layers} layers")
-            self._sk = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in sketch_paths]
-            self._sk_array = ffi.new("const char *[]", self._sk)
-            p.sketch_paths = self._sk_array
+        p.predictor_paths = self._layer_paths(predictor_paths, "predictor")
+        p.sketch_paths = self._layer_paths(sketch_paths, "sketch")
         if block_rank is not None:
             self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
             p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
@@ -128,6 +119,18 @@ class FFNEngine:
         self.n_stages, self.hot_fraction = int(got.n_stages), float(got.hot_fraction)
         self.candidate_ratio, self.cache_bias = float(got.candidate_ratio), float(got.cache_bias)
         self.cache_policy = {v: k for k, v in CACHE_POLICIES.items()}[got.cache_policy]
+
+    def _layer_paths(self, paths, what: str):
+        """A const char *[n_layers] for the engine (NULL entries: none), kept alive by self; NULL if
+        paths is None."""
+        if paths is None:
+            return ffi.NULL
+        if len(paths) != self.n_layers:
+            raise ValueError(f"{len(paths)} {what} paths for {self.n_layers} layers")
+        keep = [ffi.new("char[]", str(q).encode()) if q else ffi.NULL for q in paths]
+        arr = ffi.new("const char *[]", keep)
+        self._keep_alive += [keep, arr]
+        return arr
 
     # -- ownership -------------------------------------------------------------------------
     @property

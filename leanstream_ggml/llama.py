@@ -137,8 +137,6 @@ class Llama(llama_cpp.Llama):
                 block_rank = self._block_rank(path)
             if mode == "leanstream" and m.sketch_files():
                 sketch_paths = [m.resolve(path, f) for f in m.sketch_files()]
-            if p["candidate_ratio"] is None and m.sketch is not None and m.sketch.candidate_ratio:
-                p["candidate_ratio"] = m.sketch.candidate_ratio
             if quality is not None:
                 if not sketch_paths or not m.sketch.quality:
                     raise ValueError(f"quality={quality!r} needs the converter's calibration of {model_path} "

@@ -136,9 +136,7 @@ class PredictorInfo:
     def from_dict(cls, d: Any, where: str) -> PredictorInfo:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: expected an object or null")
-        files = _get(d, "files", list, where)
-        if not all(isinstance(f, str) for f in files):
-            raise ManifestError(f"{where}: files must be a list of paths")
+        files = _paths(d, "files", where)
         opt = {}
         for key in ("block_freq", "summary"):
             v = d.get(key)
@@ -151,7 +149,7 @@ class PredictorInfo:
         fmt = d.get("format", "lspred")
         if fmt != "lspred":
             raise ManifestError(f"{where}: unknown predictor format {fmt!r}")
-        return cls(files=list(files), version=_get(d, "version", int, where), bytes=_get(d, "bytes", int, where),
+        return cls(files=files, version=_get(d, "version", int, where), bytes=_get(d, "bytes", int, where),
                    config=config, format=fmt, **opt)
 
 
@@ -165,7 +163,6 @@ class SketchInfo:
     type: str                   # row format: "ls2" (leanstream_ggml/sketch.py)
     weight: str                 # "one" (score |h|) or "down_norm" (score |h| * ||down column||)
     bytes: int                  # total size of the files
-    candidate_ratio: float | None = None    # the ratio the calibration used (None: engine default)
     quality: list[dict[str, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,23 +172,17 @@ class SketchInfo:
     def from_dict(cls, d: Any, where: str) -> SketchInfo:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: expected an object or null")
-        files = _get(d, "files", list, where)
-        if not all(isinstance(f, str) for f in files):
-            raise ManifestError(f"{where}: files must be a list of paths")
+        files = _paths(d, "files", where)
         weight = _get(d, "weight", str, where)
         if weight not in ("one", "down_norm"):
             raise ManifestError(f"{where}: weight must be 'one' or 'down_norm', got {weight!r}")
-        ratio = d.get("candidate_ratio")
-        if ratio is not None and (not _type_ok(ratio, float) or not ratio >= 1.0):
-            raise ManifestError(f"{where}: candidate_ratio must be a number >= 1 or null")
         quality = d.get("quality", [])
         if not isinstance(quality, list) or not all(
                 isinstance(q, dict) and all(_type_ok(q.get(k), float) for k in ("sparsity", "ppl_ratio"))
                 for q in quality):
             raise ManifestError(f"{where}: quality must be a list of {{sparsity, ppl_ratio, ...}} objects")
-        return cls(files=list(files), type=_get(d, "type", str, where), weight=weight,
-                   bytes=_get(d, "bytes", int, where),
-                   candidate_ratio=None if ratio is None else float(ratio), quality=list(quality))
+        return cls(files=files, type=_get(d, "type", str, where), weight=weight,
+                   bytes=_get(d, "bytes", int, where), quality=list(quality))
 
 
 @dataclass
@@ -483,6 +474,13 @@ def _open_regular(path: Path) -> int:
         os.close(fd)
         raise ManifestError(f"{path}: not a regular file")
     return fd
+
+
+def _paths(d: dict, key: str, where: str) -> list[str]:
+    files = _get(d, key, list, where)
+    if not all(isinstance(f, str) for f in files):
+        raise ManifestError(f"{where}: {key} must be a list of paths")
+    return list(files)
 
 
 def _type_ok(v: Any, typ: type) -> bool:

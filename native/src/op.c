@@ -83,6 +83,21 @@ static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
     return s == LS_BLK_READY;
 }
 
+// Block b's bytes once its read landed and its checksum was checked (first use after a read), or
+// NULL: a failed read or a corrupt block, reported with its cause when it happened; every op that
+// needs the block reports it again (with an unlimited budget it stays failed).
+static const uint8_t * ready_block(ls_engine * e, ls_layer * L, int32_t b, uint64_t * stall_ns) {
+    if (!wait_ready(L, b, stall_ns)) {
+        ls_engine_record_error(e, LS_ERR_IO, "%s: layer %d block %d could not be loaded (see the first error)",
+                               L->path, L->il, b);
+        return NULL;
+    }
+    const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
+    if (e->params.verify_checksums && !atomic_load_explicit(&L->verified[b], memory_order_relaxed) &&
+        !ls_block_verify(e, L, b, blk)) return NULL;
+    return blk;
+}
+
 static void flush(float * acc, const float * h, const float * cols, const ls_block_q8_0 * const * qcols,
                   int n_staged, int64_t T, int64_t n_embd, bool direct) {
     if (n_staged == 0) return;
@@ -130,16 +145,8 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             n_staged = 0;
         }
         const int32_t b = P->blocks[i];
-        if (!wait_ready(L, b, &stall_ns)) {
-            // a failed read or a corrupt block, reported with its cause when it happened; every
-            // op that needs the block reports it again (with an unlimited budget it stays failed)
-            ls_engine_record_error(e, LS_ERR_IO, "%s: layer %d block %d could not be loaded (see the first error)",
-                                   L->path, L->il, b);
-            continue;
-        }
-        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
-        if (e->params.verify_checksums && !atomic_load_explicit(&L->verified[b], memory_order_relaxed) &&
-            !ls_block_verify(e, L, b, blk)) continue;
+        const uint8_t * blk = ready_block(e, L, b, &stall_ns);
+        if (!blk) continue;
         if (i + LS_PREFETCH_AHEAD < hi) { // the block a few entries ahead, if it is there already
             const int32_t nb = P->blocks[i + LS_PREFETCH_AHEAD];
             const int32_t ns = L->slot_of_block[nb];
@@ -211,14 +218,8 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
         float * hb = P->hval + (size_t) i * k;
         P->hscore[i] = -1.0f;   // never kept if it cannot be computed
         for (int64_t j = 0; j < k; j++) hb[j] = 0.0f;
-        if (!wait_ready(L, b, &stall_ns)) {
-            ls_engine_record_error(e, LS_ERR_IO, "%s: layer %d block %d could not be loaded (see the first error)",
-                                   L->path, L->il, b);
-            continue;
-        }
-        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
-        if (e->params.verify_checksums && !atomic_load_explicit(&L->verified[b], memory_order_relaxed) &&
-            !ls_block_verify(e, L, b, blk)) continue;
+        const uint8_t * blk = ready_block(e, L, b, &stall_ns);
+        if (!blk) continue;
         const uint8_t * gate = blk;
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
         float sc = 0.0f;
