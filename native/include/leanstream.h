@@ -76,7 +76,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 4
+#define LS_ABI_VERSION 5
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -167,6 +167,10 @@ LS_API const char * ls_errmsg(void);
 // The engine's parameters with the mode's defaults resolved (path arrays and block_rank: NULL).
 LS_API ls_status   ls_engine_get_params(const ls_engine * e, ls_engine_params * out);  // message of the last failed call on this thread
 LS_API int32_t     ls_abi_version(void);
+// The instruction set the FFN kernels run with on this CPU: "avx512" or "avx2". Chosen once at the
+// first engine creation; ls_kernels_select() chooses again (LEANSTREAM_ISA=avx2 forces AVX2).
+LS_API const char * ls_kernel_isa(void);
+LS_API void        ls_kernels_select(void);
 
 // The last error from an I/O worker or the op (then cleared); LS_OK if none.
 LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size);

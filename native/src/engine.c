@@ -88,6 +88,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (st != LS_OK) return st;
     *out = NULL;
     ggml_cpu_init(); // fp16 tables for the CPU type traits (idempotent)
+    ls_kernels_init();
 
     ls_engine * e = calloc(1, sizeof(*e));
     if (!e) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }

@@ -258,6 +258,9 @@ ls_status   ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const f
 // exact-input selection: is it what this op does; candidates from P->score; the final set from P->hscore
 bool        ls_sched_cascade(const ls_engine * e, const ls_layer * L, int64_t n_tokens);
 ls_status   ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res);
+// A resident layer (pinned for good) whose gate/up rows cost no more bytes than its sketch plus
+// the candidates' rows: the cascade computes h for every block and skips the sketch.
+bool        ls_sched_cascade_all(const ls_engine * e, const ls_layer * L);
 void        ls_sched_select_final(ls_engine * e);
 ls_status   ls_sched_stage_begin(ls_engine * e, int32_t s);
 void        ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial);
@@ -280,6 +283,13 @@ void        ls_dequant_q8_0(float * out, const ls_block_q8_0 * col, int64_t n);
 void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
 // acc[t] += sum_j h[j][t] * cols[j] for T token rows (f32 columns staged in a tile)
 void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd);
+// gate and up of one neuron in one pass: *ra = a . x, *rb = b . x for Q4_K rows a, b (n values)
+// and the Q8_K activation x (ggml's vec_dot_q4_K_q8_K math, both rows sharing x's loads). While
+// it computes, it prefetches pf_lines cache lines per 256 values from pf on (pf_lines 0: none).
+void        ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                         const uint8_t * pf, int pf_lines);
+// picks the AVX2 or AVX-512 variants for this CPU, once (LEANSTREAM_ISA=avx2 forces AVX2)
+void        ls_kernels_init(void);
 
 // op.c: the whole op for one of nth threads (the graph node and ls_ffn_eval both run it).
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the

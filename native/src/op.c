@@ -22,7 +22,6 @@
 // neurons whose h values and dequantized down columns are staged together (cache tile)
 #define LS_TILE 32
 #define LS_RUN 16            // consecutive plan entries per thread turn
-#define LS_PREFETCH_AHEAD 2  // software prefetch distance, in blocks
 #define LS_TILE_MAX 256 // k above this is refused at load
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
@@ -112,6 +111,37 @@ static void flush(float * acc, const float * h, const float * cols, const ls_blo
     }
 }
 
+// gate . x and up . x of one neuron: Q4_K gate and up rows (the common GGUF case) in one fused
+// pass over x; any other types through ggml's vec_dot, row by row.
+static inline bool fused_gate_up(const ls_layer_info * in) {
+    return in->gate_type == GGML_TYPE_Q4_K && in->up_type == GGML_TYPE_Q4_K;
+}
+
+static inline void gate_up(const struct ggml_type_traits_cpu * tg, const struct ggml_type_traits_cpu * tu, bool fused,
+                           int64_t n_embd, const uint8_t * grow, const uint8_t * urow, const uint8_t * xg,
+                           const uint8_t * xu, float * g, float * u, const uint8_t * pf, int pf_lines) {
+    if (fused) {
+        ls_dot2_q4_K(n_embd, grow, urow, xg, g, u, pf, pf_lines);
+        return;
+    }
+    tg->vec_dot(n_embd, g, 0, grow, 0, xg, 0, 1);
+    tu->vec_dot(n_embd, u, 0, urow, 0, xu, 0, 1);
+}
+
+// This thread's plan entry after entry i of the run starting at r (runs of LS_RUN entries, every
+// nth run), or -1.
+static inline int32_t next_entry(int32_t i, int32_t r, int nth, int32_t hi) {
+    const int32_t n = i + 1 < r + LS_RUN ? i + 1 : r + nth * LS_RUN;
+    return n < hi ? n : -1;
+}
+
+// Block b's bytes if its read has landed, else NULL (for prefetching: never waits).
+static inline const uint8_t * landed(ls_engine * e, const ls_layer * L, int32_t b) {
+    const int32_t slot = L->slot_of_block[b];
+    if (slot < 0 || atomic_load_explicit(&L->state[b], memory_order_relaxed) != LS_BLK_READY) return NULL;
+    return ls_cache_slot_ptr(&e->cache, slot);
+}
+
 // One thread's share: plan entries ith, ith+nth, ... accumulated into acc [n_tokens, n_embd].
 static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t hi, float * acc, float * work) {
     const ls_plan * P = &e->plan;
@@ -125,6 +155,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
     const int32_t act = e->params.activation;
+    const bool fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
     const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
 
@@ -147,13 +178,15 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         const int32_t b = P->blocks[i];
         const uint8_t * blk = ready_block(e, L, b, &stall_ns);
         if (!blk) continue;
-        if (i + LS_PREFETCH_AHEAD < hi) { // the block a few entries ahead, if it is there already
-            const int32_t nb = P->blocks[i + LS_PREFETCH_AHEAD];
-            const int32_t ns = L->slot_of_block[nb];
-            if (ns >= 0 && atomic_load_explicit(&L->state[nb], memory_order_relaxed) == LS_BLK_READY) {
-                const uint8_t * q = ls_cache_slot_ptr(&e->cache, ns);
-                for (uint64_t off = 0; off < in->block_payload; off += 64) __builtin_prefetch(q + off, 0, 0);
-            }
+        // the next block this thread computes is fetched into cache while this one computes
+        const int32_t ni = next_entry(i, r, nth, hi);
+        const uint8_t * nxt = ni >= 0 ? landed(e, L, P->blocks[ni]) : NULL;
+        int pf_lines = 0;   // per super-block of the fused kernel
+        if (nxt && fused) {
+            const int64_t calls = k * (n_embd / 256);
+            pf_lines = (int) (((int64_t) (in->block_payload + 63) / 64 + calls - 1) / calls);
+        } else if (nxt) {
+            for (uint64_t off = 0; off < in->block_payload; off += 64) __builtin_prefetch(nxt + off, 0, 3);
         }
         const uint8_t * gate = blk;
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
@@ -163,8 +196,9 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             float * hj = h + (size_t) n_staged * T;
             for (int64_t t = 0; t < T; t++) {
                 float g, u;
-                tg->vec_dot(n_embd, &g, 0, gate + j * L->gate_row_bytes, 0, xg + (size_t) t * rg, 0, 1);
-                tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu + (size_t) t * ru, 0, 1);
+                gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
+                        xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
+                        t == 0 && pf_lines ? nxt + (size_t) (j * (n_embd / 256) * pf_lines * 64) : NULL, t == 0 ? pf_lines : 0);
                 hj[t] = ls_act(act, g) * u;
             }
             const uint8_t * col = down + j * L->down_col_bytes;
@@ -210,6 +244,7 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + rg;
     const int32_t act = e->params.activation;
+    const bool fused = fused_gate_up(in);
     const float * w = L->sketch->weight;
     uint64_t stall_ns = 0;
     for (int32_t r = ith * LS_RUN; r < P->n; r += nth * LS_RUN)
@@ -222,12 +257,19 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
         if (!blk) continue;
         const uint8_t * gate = blk;
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
+        // the gate/up rows of this thread's next candidate are fetched while this one computes
+        const int32_t ni = next_entry(i, r, nth, P->n);
+        const uint8_t * nxt = ni >= 0 ? landed(e, L, P->blocks[ni]) : NULL;
+        const int pf_lines = nxt && fused ? (int) (((L->gate_row_bytes + L->up_row_bytes) / 64 + n_embd / 256 - 1) / (n_embd / 256)) : 0;
+        if (nxt && !fused) {
+            for (uint64_t off = 0; off < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes); off += 64) __builtin_prefetch(nxt + off, 0, 3);
+        }
         float sc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
             float g, u;
-            tg->vec_dot(n_embd, &g, 0, gate + j * L->gate_row_bytes, 0, xg, 0, 1);
-            tu->vec_dot(n_embd, &u, 0, up + j * L->up_row_bytes, 0, xu, 0, 1);
+            gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, &g, &u,
+                    pf_lines ? nxt + (size_t) (j * (n_embd / 256) * pf_lines * 64) : NULL, pf_lines);
             hb[j] = ls_act(act, g) * u;
             sc += fabsf(hb[j]) * w[(size_t) b * k + j];
         }
@@ -260,6 +302,7 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
             if (L->perm[(size_t) b * k + j] < 0) continue;
             h[n_staged] = P->hval[(size_t) i * k + j];
             const uint8_t * col = down + j * L->down_col_bytes;
+            for (uint64_t off = 0; off < L->down_col_bytes; off += 64) __builtin_prefetch(col + off, 0, 3);
             if (direct) { qcols[n_staged++] = (const ls_block_q8_0 *) col; continue; }
             float * cj = cols + (size_t) n_staged * n_embd;
             if (down_to_float) down_to_float(col, cj, n_embd);
@@ -275,8 +318,10 @@ static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, fl
     ls_layer * L = P->L;
     const int32_t nb = L->info.n_blocks;
     const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
-    ls_sketch_score(L->sketch, P->xs, L->info.n_embd, e->params.activation, L->info.neurons_per_block,
-                    (int32_t) ((int64_t) nb * ith / nth), (int32_t) ((int64_t) nb * (ith + 1) / nth), P->score);
+    if (!ls_sched_cascade_all(e, L)) {   // (pinned_forever only changes under e->mu, held by thread 0)
+        ls_sketch_score(L->sketch, P->xs, L->info.n_embd, e->params.activation, L->info.neurons_per_block,
+                        (int32_t) ((int64_t) nb * ith / nth), (int32_t) ((int64_t) nb * (ith + 1) / nth), P->score);
+    }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
         atomic_fetch_add(&L->stats.scorer_ns, ls_now_ns() - t0);

@@ -268,6 +268,13 @@ static ls_status pin_plan(ls_engine * e, ls_layer * L, const float * x_res) {
 
 // Candidates: the top n_cand blocks by sketch score (P->score, non-resident ones scaled by
 // cache_bias), in file order; pinned and their reads queued like any plan.
+bool ls_sched_cascade_all(const ls_engine * e, const ls_layer * L) {
+    if (!L->pinned_forever) return false;
+    const uint64_t gu = (uint64_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
+    const uint64_t sketch = L->sketch->bytes;
+    return (uint64_t) L->info.n_blocks * gu <= sketch + (uint64_t) n_wanted(e, L) * gu;
+}
+
 ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res) {
     ls_plan * P = &e->plan;
     const int32_t nb = L->info.n_blocks;
@@ -283,6 +290,16 @@ ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res
             if (L->slot_of_block[b] < 0) P->score[b] *= e->params.cache_bias;
     }
     for (int32_t i = 0; i < L->n_prefetch; i++) L->spec[L->prefetch[i]] = 1;
+    if (ls_sched_cascade_all(e, L)) {
+        // the whole layer is resident for good and its gate/up rows cost less than the sketch
+        // plus the candidates' rows: every block is a candidate (no scores were computed)
+        for (int32_t b = 0; b < nb; b++) P->blocks[b] = b;
+        P->n = nb;
+        P->stage_end[0] = nb;
+        P->n_stages = 1;
+        L->prio_ready = false;
+        return pin_plan(e, L, x_res);
+    }
     const int32_t n_cand = n_wanted(e, L);
     select_stages(L, P->score, n_cand, P->blocks, 1, P->stage_end);
     P->n = n_cand;
