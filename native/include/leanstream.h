@@ -171,6 +171,9 @@ LS_API int32_t     ls_abi_version(void);
 // first engine creation; ls_kernels_select() chooses again (LEANSTREAM_ISA=avx2 forces AVX2).
 LS_API const char * ls_kernel_isa(void);
 LS_API void        ls_kernels_select(void);
+// Reads n bytes at p with n_threads threads (AVX2 loads) and returns their xor fold: the plain
+// memory-read speed the kernel benchmark compares the FFN kernels with.
+LS_API uint64_t    ls_memory_read(const void * p, size_t n, int32_t n_threads);
 
 // The last error from an I/O worker or the op (then cleared); LS_OK if none.
 LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size);

@@ -288,6 +288,13 @@ void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n
 // it computes, it prefetches pf_lines cache lines per 256 values from pf on (pf_lines 0: none).
 void        ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
                          const uint8_t * pf, int pf_lines);
+// the same for Q4_1 rows and the Q8_1 activation (ggml's vec_dot_q4_1_q8_1 math); pf_lines per 32 values
+void        ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                         const uint8_t * pf, int pf_lines);
+// the same for nt token rows of x (x_stride bytes apart): ra[t], rb[t] (prefill; rows unpacked once
+// per 4 tokens)
+void        ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nt,
+                           float * ra, float * rb);
 // picks the AVX2 or AVX-512 variants for this CPU, once (LEANSTREAM_ISA=avx2 forces AVX2)
 void        ls_kernels_init(void);
 

@@ -208,6 +208,118 @@ static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const vo
     *rb = hsum256(acc_b) - hsum128(min_b);
 }
 
+// ---- gate and up of one neuron in one pass: Q4_1 rows x Q8_1 activation -------------------------
+//
+// Q4_1 block (32 values): f16 d, f16 m, 16 bytes of nibbles (low: values 0..15, high: 16..31);
+// value = d*q + m. Q8_1: f16 d, f16 s = d * sum(q), 32 int8.
+//   row . x = sum_blocks (d * dx) * sum_i q4_i q8_i + m * s
+// as ggml's vec_dot_q4_1_q8_1 computes it (the integer sums exact, f32 sums in another order).
+
+typedef struct { uint16_t d, m; uint8_t qs[16]; } ls_block_q4_1;
+typedef struct { uint16_t d, s; int8_t qs[32]; } ls_block_q8_1;
+
+static inline __m256i q4_1_nibbles(const uint8_t * qs, __m256i m4) {
+    const __m128i q = _mm_loadu_si128((const __m128i *) qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+}
+
+static void dot2_q4_1_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+                           const uint8_t * pf, int pf_lines) {
+    const ls_block_q4_1 * a = va, * b = vb;
+    const ls_block_q8_1 * x = vx;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
+    float min_a = 0.0f, min_b = 0.0f;
+    for (int64_t i = 0; i < n / 32; i++) {
+        for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
+        const __m256i y = _mm256_loadu_si256((const __m256i *) x[i].qs);
+        const float dx = f16_to_f32(x[i].d), sx = f16_to_f32(x[i].s);
+        const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_1_nibbles(a[i].qs, m4), y), ones);
+        const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_1_nibbles(b[i].qs, m4), y), ones);
+        acc_a = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(a[i].d) * dx), _mm256_cvtepi32_ps(pa), acc_a);
+        acc_b = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(b[i].d) * dx), _mm256_cvtepi32_ps(pb), acc_b);
+        min_a += f16_to_f32(a[i].m) * sx;
+        min_b += f16_to_f32(b[i].m) * sx;
+    }
+    *ra = hsum256(acc_a) + min_a;
+    *rb = hsum256(acc_b) + min_b;
+}
+
+void ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                  const uint8_t * pf, int pf_lines) {
+    dot2_q4_1_avx2(n, a, b, x, ra, rb, pf, pf_lines);
+}
+
+// The same two rows against 4 token rows of x at once (prefill): the rows' nibbles and scales are
+// unpacked once per super-block and used for every token. x[t] starts at x + t * x_stride.
+static void dot2x4_q4_K_avx2(int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
+                             float * ra, float * rb) {
+    const ls_block_q4_K * a = va, * b = vb;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const ls_block_q8_K * x0p = vx;
+    const ls_block_q8_K * x1p = (const ls_block_q8_K *) ((const uint8_t *) vx + x_stride);
+    const ls_block_q8_K * x2p = (const ls_block_q8_K *) ((const uint8_t *) vx + 2 * x_stride);
+    const ls_block_q8_K * x3p = (const ls_block_q8_K *) ((const uint8_t *) vx + 3 * x_stride);
+    const ls_block_q8_K * xp[4] = { x0p, x1p, x2p, x3p };
+    float fa[4] = { 0 }, fb[4] = { 0 };
+    __m256i sc[2][8] __attribute__((aligned(32)));   // per-sub-block scale broadcasts, rows a and b
+    for (int64_t i = 0; i < n / 256; i++) {
+        uint32_t ua[4], ub[4];
+        q4_K_scales(a[i].scales, ua);
+        q4_K_scales(b[i].scales, ub);
+        const __m256i sca = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) ua)));
+        const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) ub)));
+        for (int w = 0; w < 8; w++) {
+            const __m256i m = _mm256_load_si256((const __m256i *) WORD_BCAST[w]);
+            sc[0][w] = _mm256_shuffle_epi8(sca, m);
+            sc[1][w] = _mm256_shuffle_epi8(scb, m);
+        }
+        __m256i ia0 = _mm256_setzero_si256(), ia1 = ia0, ia2 = ia0, ia3 = ia0;
+        __m256i ib0 = ia0, ib1 = ia0, ib2 = ia0, ib3 = ia0;
+        for (int c = 0; c < 4; c++) {
+            const __m256i qa = _mm256_loadu_si256((const __m256i *) (a[i].qs + 32 * c));
+            const __m256i qb = _mm256_loadu_si256((const __m256i *) (b[i].qs + 32 * c));
+            const __m256i la = _mm256_and_si256(qa, m4), ha = _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4);
+            const __m256i lb = _mm256_and_si256(qb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+#define LS_TOKEN(T, IA, IB) do {                                                                          \
+                const __m256i y0 = _mm256_loadu_si256((const __m256i *) (xp[T][i].qs + 64 * c));          \
+                const __m256i y1 = _mm256_loadu_si256((const __m256i *) (xp[T][i].qs + 64 * c + 32));     \
+                IA = _mm256_add_epi32(IA, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(la, y0), sc[0][2 * c]), \
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(ha, y1), sc[0][2 * c + 1]))); \
+                IB = _mm256_add_epi32(IB, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lb, y0), sc[1][2 * c]), \
+                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hb, y1), sc[1][2 * c + 1]))); \
+            } while (0)
+            LS_TOKEN(0, ia0, ib0);
+            LS_TOKEN(1, ia1, ib1);
+            LS_TOKEN(2, ia2, ib2);
+            LS_TOKEN(3, ia3, ib3);
+#undef LS_TOKEN
+        }
+        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
+        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
+        const __m128i mna = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) (ua + 2)));
+        const __m128i mnb = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) (ub + 2)));
+        const __m256i ia[4] = { ia0, ia1, ia2, ia3 }, ib[4] = { ib0, ib1, ib2, ib3 };
+        for (int t = 0; t < 4; t++) {
+            const ls_block_q8_K * x = xp[t] + i;
+            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x->bsums),
+                                               _mm_loadu_si128((const __m128i *) (x->bsums + 8)));
+            const float dx = x->d;
+            // per super-block sums in f32, like the single-token kernel's lanes summed at the end
+            fa[t] += dx * da * hsum256(_mm256_cvtepi32_ps(ia[t])) - dx * ma * hsum128(_mm_cvtepi32_ps(_mm_madd_epi16(mna, bsp)));
+            fb[t] += dx * db * hsum256(_mm256_cvtepi32_ps(ib[t])) - dx * mb * hsum128(_mm_cvtepi32_ps(_mm_madd_epi16(mnb, bsp)));
+        }
+    }
+    for (int t = 0; t < 4; t++) { ra[t] = fa[t]; rb[t] = fb[t]; }
+}
+
+void ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nt, float * ra, float * rb) {
+    int t0 = 0;
+    for (; t0 + 4 <= nt; t0 += 4) dot2x4_q4_K_avx2(n, a, b, (const uint8_t *) x + (size_t) t0 * x_stride, x_stride, ra + t0, rb + t0);
+    for (; t0 < nt; t0++) dot2_q4_K_avx2(n, a, b, (const uint8_t *) x + (size_t) t0 * x_stride, ra + t0, rb + t0, NULL, 0);
+}
+
 // 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half)
 __attribute__((target("avx512f,avx512bw")))
 static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
@@ -343,15 +455,123 @@ void ls_kernels_init(void) {
     pthread_once(&once, ls_kernels_select);
 }
 
+// ---- start-up self-check of the AVX-512 variants --------------------------------------------------
+//
+// Before the AVX-512 variants are used they must give the AVX2 variants' results (up to f32
+// summation order) on fixed pseudo-random inputs; on a mismatch the AVX2 ones stay, and
+// ls_kernel_isa() says why. Cheap (microseconds) and done once per process.
+
+static uint32_t lcg(uint32_t * s) { *s = *s * 1664525u + 1013904223u; return *s >> 8; }
+
+static bool close_enough(const float * a, const float * b, int n) {
+    float m = 0.0f, e = 0.0f;
+    for (int i = 0; i < n; i++) {
+        m = fmaxf(m, fabsf(a[i]));
+        e = fmaxf(e, fabsf(a[i] - b[i]));
+    }
+    return e <= 1e-4f * m + 1e-6f;
+}
+
+static bool avx512_agrees(void) {
+    enum { N = 512, M = 11, T = 5 };
+    static ls_block_q4_K a[N / 256], b[N / 256];
+    static ls_block_q8_K x[N / 256];
+    static ls_block_q8_0 cols[M][N / 32];
+    static float h[M * T], tile_cols[M * N], acc1[T * N], acc2[T * N];
+    uint32_t s = 12345u;
+    for (int i = 0; i < N / 256; i++) {
+        a[i].d = b[i].d = 0x2e66;      // f16 ~0.1
+        a[i].dmin = b[i].dmin = 0x2a66;
+        for (int j = 0; j < 12; j++) { a[i].scales[j] = (uint8_t) lcg(&s); b[i].scales[j] = (uint8_t) lcg(&s); }
+        for (int j = 0; j < 128; j++) { a[i].qs[j] = (uint8_t) lcg(&s); b[i].qs[j] = (uint8_t) lcg(&s); }
+        x[i].d = 0.01f;
+        for (int j = 0; j < 256; j++) x[i].qs[j] = (int8_t) (lcg(&s) % 255 - 127);
+        for (int j = 0; j < 16; j++) {
+            int sum = 0;
+            for (int q = 0; q < 16; q++) sum += x[i].qs[16 * j + q];
+            x[i].bsums[j] = (int16_t) sum;
+        }
+    }
+    float r1[2], r2[2];
+    dot2_q4_K_avx2(N, a, b, x, &r1[0], &r1[1], NULL, 0);
+    dot2_q4_K_avx512(N, a, b, x, &r2[0], &r2[1], NULL, 0);
+    if (!close_enough(r1, r2, 2)) return false;
+    const ls_block_q8_0 * cp[M];
+    for (int j = 0; j < M; j++) {
+        cp[j] = cols[j];
+        for (int q = 0; q < N / 32; q++) {
+            cols[j][q].d = 0x2e66;
+            for (int v = 0; v < 32; v++) cols[j][q].qs[v] = (int8_t) (lcg(&s) % 255 - 127);
+        }
+    }
+    for (int i = 0; i < M * T; i++) h[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
+    for (int i = 0; i < M * N; i++) tile_cols[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
+    memset(acc1, 0, sizeof(acc1));
+    memset(acc2, 0, sizeof(acc2));
+    axpy_q8_0_multi_avx2(acc1, h, cp, M, N);
+    axpy_q8_0_multi_avx512(acc2, h, cp, M, N);
+    if (!close_enough(acc1, acc2, N)) return false;
+    memset(acc1, 0, sizeof(acc1));
+    memset(acc2, 0, sizeof(acc2));
+    axpy_tile_avx2(acc1, h, tile_cols, M, T, N);
+    axpy_tile_avx512(acc2, h, tile_cols, M, T, N);
+    return close_enough(acc1, acc2, T * N);
+}
+
 void ls_kernels_select(void) {
     const char * want = getenv("LEANSTREAM_ISA");
     __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        !(want && strcmp(want, "avx2") == 0);
+    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  !(want && strcmp(want, "avx2") == 0);
+    isa_name = "avx2";
+    if (avx512 && !avx512_agrees()) {
+        avx512 = false;
+        isa_name = "avx2 (the AVX-512 kernels failed their start-up check)";
+    }
     axpy_q8_0_impl = avx512 ? axpy_q8_0_multi_avx512 : axpy_q8_0_multi_avx2;
     dot2_q4_K_impl = avx512 ? dot2_q4_K_avx512 : dot2_q4_K_avx2;
     axpy_tile_impl = avx512 ? axpy_tile_avx512 : axpy_tile_avx2;
-    isa_name = avx512 ? "avx512" : "avx2";
+    if (avx512) isa_name = "avx512";
+}
+
+// ---- the memory-read baseline the kernel benchmark compares against -----------------------------
+
+typedef struct { const uint8_t * p; size_t n; uint64_t fold; } read_arg;
+
+static void * read_share(void * v) {
+    read_arg * a = v;
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+    size_t i = 0;
+    for (; i + 64 <= a->n; i += 64) {
+        s0 = _mm256_xor_si256(s0, _mm256_loadu_si256((const __m256i *) (a->p + i)));
+        s1 = _mm256_xor_si256(s1, _mm256_loadu_si256((const __m256i *) (a->p + i + 32)));
+    }
+    s0 = _mm256_xor_si256(s0, s1);
+    uint64_t f = (uint64_t) _mm256_extract_epi64(s0, 0) ^ (uint64_t) _mm256_extract_epi64(s0, 1) ^
+                 (uint64_t) _mm256_extract_epi64(s0, 2) ^ (uint64_t) _mm256_extract_epi64(s0, 3);
+    for (; i < a->n; i++) f ^= a->p[i];
+    a->fold = f;
+    return NULL;
+}
+
+uint64_t ls_memory_read(const void * p, size_t n, int32_t n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > 64) n_threads = 64;
+    read_arg args[64];
+    pthread_t th[64];
+    for (int i = 0; i < n_threads; i++) {
+        const size_t lo = n * (size_t) i / (size_t) n_threads, hi = n * (size_t) (i + 1) / (size_t) n_threads;
+        args[i] = (read_arg) { (const uint8_t *) p + lo, hi - lo, 0 };
+    }
+    int started = 1;
+    for (int i = 1; i < n_threads; i++, started++) {
+        if (pthread_create(&th[i], NULL, read_share, &args[i]) != 0) break;
+    }
+    read_share(&args[0]);
+    uint64_t f = args[0].fold;
+    for (int i = 1; i < started; i++) { pthread_join(th[i], NULL); f ^= args[i].fold; }
+    for (int i = started; i < n_threads; i++) { read_share(&args[i]); f ^= args[i].fold; }
+    return f;
 }
 
 const char * ls_kernel_isa(void) { return isa_name; }

@@ -48,7 +48,7 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
-    P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 64;
+    P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 2 * (size_t) n_tokens + 64;
     if (!grow((void **) &P->xq, &P->xq_cap, xq, 1) ||
         !grow((void **) &P->acc, &P->acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
         !grow((void **) &P->work, &P->work_cap, (size_t) nth * P->work_per_thread, sizeof(float))) {
@@ -111,17 +111,27 @@ static void flush(float * acc, const float * h, const float * cols, const ls_blo
     }
 }
 
-// gate . x and up . x of one neuron: Q4_K gate and up rows (the common GGUF case) in one fused
-// pass over x; any other types through ggml's vec_dot, row by row.
-static inline bool fused_gate_up(const ls_layer_info * in) {
-    return in->gate_type == GGML_TYPE_Q4_K && in->up_type == GGML_TYPE_Q4_K;
+// gate . x and up . x of one neuron: Q4_K or Q4_1 gate and up rows (the common GGUF cases) in one
+// fused pass over x; any other types through ggml's vec_dot, row by row.
+enum { LS_FUSED_NONE = 0, LS_FUSED_Q4_K = 1, LS_FUSED_Q4_1 = 2 };
+
+static inline int fused_gate_up(const ls_layer_info * in) {
+    if (in->gate_type != in->up_type) return LS_FUSED_NONE;
+    return in->gate_type == GGML_TYPE_Q4_K ? LS_FUSED_Q4_K : in->gate_type == GGML_TYPE_Q4_1 ? LS_FUSED_Q4_1 : LS_FUSED_NONE;
 }
 
-static inline void gate_up(const struct ggml_type_traits_cpu * tg, const struct ggml_type_traits_cpu * tu, bool fused,
+// values per step of the fused kernel: it prefetches pf_lines cache lines per step
+static inline int64_t fused_unit(int fused) { return fused == LS_FUSED_Q4_K ? 256 : 32; }
+
+static inline void gate_up(const struct ggml_type_traits_cpu * tg, const struct ggml_type_traits_cpu * tu, int fused,
                            int64_t n_embd, const uint8_t * grow, const uint8_t * urow, const uint8_t * xg,
                            const uint8_t * xu, float * g, float * u, const uint8_t * pf, int pf_lines) {
-    if (fused) {
+    if (fused == LS_FUSED_Q4_K) {
         ls_dot2_q4_K(n_embd, grow, urow, xg, g, u, pf, pf_lines);
+        return;
+    }
+    if (fused == LS_FUSED_Q4_1) {
+        ls_dot2_q4_1(n_embd, grow, urow, xg, g, u, pf, pf_lines);
         return;
     }
     tg->vec_dot(n_embd, g, 0, grow, 0, xg, 0, 1);
@@ -155,13 +165,14 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
     const int32_t act = e->params.activation;
-    const bool fused = fused_gate_up(in);
+    const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
     const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
 
     const int64_t tile = tile_of(k);
     float * h    = work;                          // [tile][T]      act(g)*u per staged neuron
     float * cols = work + (size_t) tile * T;      // [tile][n_embd] dequantized down columns
+    float * gu_tmp = cols + (size_t) tile * n_embd; // [2][T] gate and up values of one neuron
     const ls_block_q8_0 * qcols[LS_TILE_MAX]; // direct mode: staged int8 columns
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
@@ -181,9 +192,9 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         // the next block this thread computes is fetched into cache while this one computes
         const int32_t ni = next_entry(i, r, nth, hi);
         const uint8_t * nxt = ni >= 0 ? landed(e, L, P->blocks[ni]) : NULL;
-        int pf_lines = 0;   // per super-block of the fused kernel
+        int pf_lines = 0;   // per step of the fused kernel
         if (nxt && fused) {
-            const int64_t calls = k * (n_embd / 256);
+            const int64_t calls = k * (n_embd / fused_unit(fused));
             pf_lines = (int) (((int64_t) (in->block_payload + 63) / 64 + calls - 1) / calls);
         } else if (nxt) {
             for (uint64_t off = 0; off < in->block_payload; off += 64) __builtin_prefetch(nxt + off, 0, 3);
@@ -194,11 +205,16 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
             float * hj = h + (size_t) n_staged * T;
+            if (fused == LS_FUSED_Q4_K && T > 1) {   // prefill: every token against the rows, 4 tokens per pass
+                float * g = gu_tmp, * u = gu_tmp + T;
+                ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) T, g, u);
+                for (int64_t t = 0; t < T; t++) hj[t] = ls_act(act, g[t]) * u[t];
+            } else
             for (int64_t t = 0; t < T; t++) {
                 float g, u;
                 gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
                         xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
-                        t == 0 && pf_lines ? nxt + (size_t) (j * (n_embd / 256) * pf_lines * 64) : NULL, t == 0 ? pf_lines : 0);
+                        t == 0 && pf_lines ? nxt + (size_t) (j * (n_embd / fused_unit(fused)) * pf_lines * 64) : NULL, t == 0 ? pf_lines : 0);
                 hj[t] = ls_act(act, g) * u;
             }
             const uint8_t * col = down + j * L->down_col_bytes;
@@ -244,7 +260,7 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + rg;
     const int32_t act = e->params.activation;
-    const bool fused = fused_gate_up(in);
+    const int fused = fused_gate_up(in);
     const float * w = L->sketch->weight;
     uint64_t stall_ns = 0;
     for (int32_t r = ith * LS_RUN; r < P->n; r += nth * LS_RUN)
@@ -260,7 +276,8 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
         // the gate/up rows of this thread's next candidate are fetched while this one computes
         const int32_t ni = next_entry(i, r, nth, P->n);
         const uint8_t * nxt = ni >= 0 ? landed(e, L, P->blocks[ni]) : NULL;
-        const int pf_lines = nxt && fused ? (int) (((L->gate_row_bytes + L->up_row_bytes) / 64 + n_embd / 256 - 1) / (n_embd / 256)) : 0;
+        const int64_t steps = n_embd / fused_unit(fused);
+        const int pf_lines = nxt && fused ? (int) (((L->gate_row_bytes + L->up_row_bytes) / 64 + steps - 1) / steps) : 0;
         if (nxt && !fused) {
             for (uint64_t off = 0; off < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes); off += 64) __builtin_prefetch(nxt + off, 0, 3);
         }
@@ -269,7 +286,7 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
             float g, u;
             gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, &g, &u,
-                    pf_lines ? nxt + (size_t) (j * (n_embd / 256) * pf_lines * 64) : NULL, pf_lines);
+                    pf_lines ? nxt + (size_t) (j * steps * pf_lines * 64) : NULL, pf_lines);
             hb[j] = ls_act(act, g) * u;
             sc += fabsf(hb[j]) * w[(size_t) b * k + j];
         }
