@@ -194,6 +194,17 @@ class FFNEngine:
                               ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads))
         return y
 
+    def eval_layers(self, il0: int, n_layers: int, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        """Layers il0 .. il0 + n_layers - 1 one after another on the same threads, each on x
+        (benchmarks: a decode token through the FFNs, no thread start per layer); the last output."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 1:
+            x = x[None, :]
+        y = np.empty_like(x)
+        check(lib.ls_ffn_eval_layers(self.handle, il0, n_layers, ffi.cast("const float *", x.ctypes.data), ffi.NULL,
+                                     ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads))
+        return y
+
     def set_priorities(self, il: int, prio: np.ndarray) -> None:
         """Priorities of layer il's blocks for its next decode op (oracle / external scheduler)."""
         prio = np.ascontiguousarray(prio, dtype=np.float32)

@@ -119,6 +119,34 @@ def test_cascade_op_matches_reference(smollm2_sketch_dir, sparsity, ratio):
             assert st["blocks_candidates"] == n_cand and st["down_skipped"] == n_cand - n_kept
 
 
+def test_resident_layer_selects_from_every_block(smollm2_sketch_dir):
+    """Once a prefill has made the whole layer resident for good (unlimited budget), computing every
+    gate/up row costs fewer bytes than the sketch plus 1.5x the kept blocks' rows: the cascade skips
+    the sketch, and the kept set is the exact-|h| top over the whole layer."""
+    d = smollm2_sketch_dir
+    m = mf.load(d)
+    il = 3
+    w = ref.load_layer(m.resolve(d, m.layers[il].file))
+    with _engine(d, sparsity=0.5) as eng:
+        info = eng.layer_info(il)
+        nb = info["n_blocks"]
+        n_kept = int(lib.ls_kept_blocks(nb, 0.5))
+        eng.eval_layer(il, _inputs(m.n_embd, 8, seed=3), n_threads=2)   # prefill: the whole layer is read
+        for x in _inputs(m.n_embd, 2, seed=11):
+            eng.reset_stats()
+            y = eng.eval_layer(il, x, n_threads=2, x_res=x)
+            cand, kept = eng.last_candidates(il), eng.last_plan(il)
+            assert len(cand) == nb and len(kept) == n_kept
+            st = eng.stats(il)
+            assert st["scorer_ns"] < 10**6 and st["blocks_candidates"] == nb
+            xr = ref.round_like_ggml(x, w.gate_type).astype(np.float64)
+            hb = np.abs(ref.act(w.gate.astype(np.float64) @ xr, m.activation) * (w.up.astype(np.float64) @ xr))[w.perm]
+            rest = np.setdiff1d(np.arange(nb), kept)
+            assert hb[kept].min() >= hb[rest].max() - 1e-3 * hb.max()
+            want = ref.ffn_reference(w, x, activation=m.activation, neurons=w.perm[kept])[0]
+            np.testing.assert_allclose(y[0], want, rtol=0, atol=2e-3 * float(np.abs(want).max()))
+
+
 def _down_col_bytes(t: str, n_embd: int) -> int:
     return {"q8_0": n_embd // 32 * 34, "f16": 2 * n_embd, "f32": 4 * n_embd}[t]
 

@@ -191,6 +191,11 @@ LS_API struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml
 // feed to the predictors (the graph op finds it in llama.cpp's graph).
 LS_API ls_status   ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
                                int64_t n_tokens, int32_t n_threads);
+// Layers il0 .. il0 + n_layers - 1 one after another on the same threads (benchmarks: one decode
+// token through the FFNs without a thread start per layer), each on the same x; y receives each
+// layer's output in turn (the last one's remains).
+LS_API ls_status   ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const float * x,
+                                      const float * x_res, float * y, int64_t n_tokens, int32_t n_threads);
 
 // How many of a layer's n_blocks a sparse op computes at this sparsity (round half up, at least
 // one): the one definition, which the converter's training uses through the binding too.

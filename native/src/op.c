@@ -460,7 +460,7 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
 
 typedef struct eval_arg {
     ls_engine * e;
-    ls_layer * L;
+    int32_t il0, n_layers;
     const float * x;
     const float * x_res;
     float * y;
@@ -474,20 +474,30 @@ static void * eval_thread(void * p) {
     unsigned spins = 0;
     int go;
     while ((go = atomic_load_explicit(a->go, memory_order_acquire)) == 0) ls_cpu_relax(&spins);
-    if (go > 0) ls_op_run(a->e, a->L, a->x, sizeof(float) * (size_t) a->L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
+    if (go <= 0) return NULL;
+    for (int32_t il = a->il0; il < a->il0 + a->n_layers; il++) {   // one op after another, as in a graph
+        ls_layer * L = &a->e->layers[il];
+        ls_op_run(a->e, L, a->x, sizeof(float) * (size_t) L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
+    }
     return NULL;
 }
 
-ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
-                      int64_t n_tokens, int32_t n_threads) {
-    if (!e || !x || !y || n_tokens <= 0 || il < 0 || il >= e->n_layers) { ls_set_error("ls_ffn_eval: bad arguments"); return LS_ERR_ARG; }
+ls_status ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const float * x, const float * x_res,
+                             float * y, int64_t n_tokens, int32_t n_threads) {
+    if (!e || !x || !y || n_tokens <= 0 || n_layers <= 0 || il0 < 0 || il0 + n_layers > e->n_layers) {
+        ls_set_error("ls_ffn_eval: bad arguments");
+        return LS_ERR_ARG;
+    }
+    for (int32_t il = il0 + 1; il < il0 + n_layers; il++) {
+        if (e->layers[il].info.n_embd != e->layers[il0].info.n_embd) { ls_set_error("ls_ffn_eval_layers: layers of different widths"); return LS_ERR_ARG; }
+    }
     if (n_threads <= 0) n_threads = 1;
     if (n_threads > 64) n_threads = 64;
     eval_arg args[64];
     pthread_t th[64];
     _Atomic int go = 0;
     for (int i = 0; i < n_threads; i++) {
-        args[i] = (eval_arg) { e, &e->layers[il], x, x_res, y, n_tokens, i, n_threads, &go };
+        args[i] = (eval_arg) { e, il0, n_layers, x, x_res, y, n_tokens, i, n_threads, &go };
     }
     int started = 1;
     for (int i = 1; i < n_threads; i++, started++) {
@@ -501,4 +511,9 @@ ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * 
     ls_status st = ls_engine_take_error(e, msg, sizeof(msg));
     if (st != LS_OK) ls_set_error("%s", msg);
     return st;
+}
+
+ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
+                      int64_t n_tokens, int32_t n_threads) {
+    return ls_ffn_eval_layers(e, il, 1, x, x_res, y, n_tokens, n_threads);
 }
