@@ -177,7 +177,7 @@ class FFNEngine:
         check(lib.ls_engine_layer_info(self.handle, il, info))
         return {f: getattr(info, f) for f in ("n_embd", "n_ff", "neurons_per_block", "n_blocks", "gate_type",
                                               "up_type", "down_type", "block_stride", "block_payload",
-                                              "data_offset")}
+                                              "data_offset", "split_layout")}
 
     def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1, x_res: np.ndarray | None = None) -> np.ndarray:
         """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op. x_res

@@ -18,7 +18,7 @@ from converters import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml._native import ffi, lib
 from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.reference import ffn_reference, load_layer
+from leanstream_ggml.reference import act, ffn_reference, load_layer, round_like_ggml
 
 N_EMBD, N_FF = 512, 768   # down rows are n_ff values long: Q6_K needs multiples of 256
 
@@ -68,11 +68,50 @@ def test_kernels_match_reference(layer, isa, n_tokens):
     w = load_layer(path)
     rtol = 5e-3 if case == "q4_1" else 1e-3   # Q8_1's f16 block sums (see test_op)
     x = np.random.default_rng(n_tokens).standard_normal((n_tokens, N_EMBD)).astype(np.float32)
-    with FFNEngine([path]) as e:
-        y = e.eval_layer(0, x, n_threads=2)
     want = ffn_reference(w, x)
-    err = np.abs(y - want).max()
-    assert err <= rtol * np.abs(want).max() + 1e-5, f"{isa}: max err {err}"
+    with FFNEngine([path]) as e:
+        # the first call reads the blocks and, the whole layer being resident for good, rewrites
+        # it in the split layout; the second computes on that layout
+        for _ in range(2):   # reading the blocks, then on the resident layer
+            y = e.eval_layer(0, x, n_threads=2)
+            err = np.abs(y - want).max()
+            assert err <= rtol * np.abs(want).max() + 1e-5, f"{isa}: max err {err}"
+        assert e.layer_info(0)["split_layout"] == 0   # dense reads every part: no split
+
+
+@pytest.fixture(scope="module")
+def sketched(tmp_path_factory):
+    """A Q4_K layer converted with the sketch (leanstream mode), no calibration."""
+    from converters.stages import convert_model
+
+    d = tmp_path_factory.mktemp("ks")
+    write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=CASES["q4_K"], seed=6)
+    m = convert_model(d / "m.gguf", d / "lsm", calibrate=False, progress=False)
+    return m.resolve(d / "lsm", m.layers[0].file), m.resolve(d / "lsm", m.sketch_files()[0])
+
+
+def test_split_layout_cascade_matches_reference(sketched, isa):
+    """Once a prefill has made the layer resident for good, leanstream rewrites it in the split
+    layout (all gate/up rows apart from all down columns) and selects from every block: the output
+    is the FFN over the blocks with the largest exact |h|, on either layout."""
+    path, sketch = sketched
+    w = load_layer(path)
+    rng = np.random.default_rng(4)
+    with FFNEngine([path], mode="leanstream", sketch_paths=[sketch], sparsity=0.5) as e:
+        e.eval_layer(0, rng.standard_normal((4, N_EMBD)).astype(np.float32), n_threads=2)   # prefill
+        assert e.layer_info(0)["split_layout"] == 1
+        nb = e.layer_info(0)["n_blocks"]
+        for _ in range(2):
+            x = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+            y = e.eval_layer(0, x, n_threads=2, x_res=x)
+            kept = e.last_plan(0)
+            assert len(e.last_candidates(0)) == nb and len(kept) == int(lib.ls_kept_blocks(nb, 0.5))
+            want = ffn_reference(w, x, neurons=w.perm[kept])
+            assert np.abs(y - want).max() <= 2e-3 * np.abs(want).max() + 1e-5, isa
+            xr = round_like_ggml(x[0], w.gate_type).astype(np.float64)
+            h = np.abs(act(w.gate.astype(np.float64) @ xr, "silu") * (w.up.astype(np.float64) @ xr))[w.perm]
+            rest = np.setdiff1d(np.arange(nb), kept)
+            assert h[kept].min() >= h[rest].max() - 1e-3 * h.max()
 
 
 @pytest.mark.parametrize("n,threads", [(64 * 1024, 1), (3 * 64 * 1000, 3), (1000, 2)])

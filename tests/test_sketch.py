@@ -132,6 +132,7 @@ def test_resident_layer_selects_from_every_block(smollm2_sketch_dir):
         nb = info["n_blocks"]
         n_kept = int(lib.ls_kept_blocks(nb, 0.5))
         eng.eval_layer(il, _inputs(m.n_embd, 8, seed=3), n_threads=2)   # prefill: the whole layer is read
+        assert eng.layer_info(il)["split_layout"] == 1   # and rewritten: gate/up rows apart from down columns
         for x in _inputs(m.n_embd, 2, seed=11):
             eng.reset_stats()
             y = eng.eval_layer(il, x, n_threads=2, x_res=x)

@@ -235,6 +235,8 @@ typedef struct ls_layer_info {
     uint64_t block_stride;       // bytes per block on disk and in RAM (aligned)
     uint64_t block_payload;      // bytes of real data per block (stride - padding)
     uint64_t data_offset;        // file offset of block 0
+    int32_t  split_layout;       // 1: resident for good and rewritten with all gate/up rows apart
+                                 // from all down columns (a sparse op streams only what it uses)
 } ls_layer_info;
 
 LS_API ls_status   ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * out);

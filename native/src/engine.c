@@ -193,8 +193,11 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             P->hscore   = malloc(sizeof(float) * (size_t) max_layer_blocks);
             P->sel      = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
             P->hval     = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
+            P->dh       = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
+            P->dcols    = malloc(sizeof(void *) * (size_t) (max_rows > 0 ? max_rows : 1));
             P->xs       = malloc(xs_bytes > 0 ? xs_bytes : 1);
-            if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref || !P->score || !P->hscore || !P->sel || !P->hval || !P->xs) {
+            if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref || !P->score || !P->hscore || !P->sel || !P->hval ||
+                !P->dh || !P->dcols || !P->xs) {
                 ls_set_error("out of memory");
                 st = LS_ERR_NOMEM;
             }
@@ -245,6 +248,7 @@ void ls_engine_free(ls_engine * e) {
         if (L->pred) ls_predictor_free(L->pred);
         ls_sketch_free(L->sketch);
         free(L->last_cand); free(L->spec);
+        free(L->gu_ptr); free(L->dn_ptr);
     }
     free(e->layers);
     ls_cache_free(&e->cache);
@@ -252,7 +256,7 @@ void ls_engine_free(ls_engine * e) {
     free(e->plan.scratch);
     free(e->plan.scratch2);
     free(e->plan.x_ref);
-    free(e->plan.score); free(e->plan.hscore); free(e->plan.sel); free(e->plan.hval); free(e->plan.xs);
+    free(e->plan.score); free(e->plan.hscore); free(e->plan.sel); free(e->plan.hval); free(e->plan.xs); free(e->plan.dh); free(e->plan.dcols);
     free(e->plan.xq);
     free(e->plan.acc);
     free(e->plan.work);
@@ -270,6 +274,7 @@ ls_status ls_engine_get_params(const ls_engine * e, ls_engine_params * out) {
 ls_status ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * out) {
     if (!e || !out || il < 0 || il >= e->n_layers) { ls_set_error("layer %d out of range", il); return LS_ERR_ARG; }
     *out = e->layers[il].info;
+    out->split_layout = e->layers[il].gu_ptr != NULL;
     return LS_OK;
 }
 

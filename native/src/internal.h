@@ -71,6 +71,10 @@ typedef struct ls_layer {
     int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
     _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
     bool               pinned_forever;  // every block resident in a cache that never evicts
+    // split layout (resident.c): once pinned for good, the layer's slots are rewritten so that the
+    // gate/up rows of all its blocks sit together and the down columns together; NULL: not split
+    const uint8_t **   gu_ptr;          // [n_blocks] gate rows then up rows of block b
+    const uint8_t **   dn_ptr;          // [n_blocks] down columns of block b
     // sparse decode
     struct ls_predictor * pred;         // priorities of this layer's blocks (NULL: none)
     float *            prio;            // [n_blocks] priorities for the next op, valid if prio_ready
@@ -153,6 +157,8 @@ typedef struct ls_plan {
     float *    score;           // [max n_blocks] sketch score of every block of the layer
     float *    hval;            // [max n_blocks * k] h of candidate entry i, neuron j at i*k + j
     float *    hscore;          // [max n_blocks] sum |h| (* weight) of candidate entry i
+    float *    dh;              // [max n_blocks * k] h of the kept neurons, by kept entry (down pass)
+    const void ** dcols;        // [max n_blocks * k] their down columns
     int32_t *  sel;             // [max n_blocks] selected candidate entries, ascending
     int32_t    n_sel;
     uint8_t *  xs;              // x quantized for the sketch rows' vec_dot
@@ -303,6 +309,17 @@ void        ls_kernels_init(void);
 // FFN, [n_embd] (sparse decode; may be NULL); y: output [n_tokens, n_embd].
 void        ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
                       float * y, int64_t n_tokens, int ith, int nth);
+
+// resident.c: rewrite a layer that just became pinned for good into the split layout (gate/up
+// parts together, down parts together, in its own slots), so that a sparse op streams only the
+// parts it computes. Leaves the layer as it was when its slots cannot hold the split.
+void        ls_layer_split(ls_engine * e, ls_layer * L);
+static inline const uint8_t * ls_block_gu(const ls_layer * L, const uint8_t * blk, int32_t b) {
+    return L->gu_ptr ? L->gu_ptr[b] : blk;
+}
+static inline const uint8_t * ls_block_dn(const ls_layer * L, const uint8_t * blk, int32_t b) {
+    return L->dn_ptr ? L->dn_ptr[b] : blk + (size_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
+}
 
 // checksum.c: before its first use after a read, block b (its bytes at blk) is checked against
 // its CRC-32C by the compute thread about to use it; false (and the block FAILED, the error

@@ -49,7 +49,11 @@ static void axpy_q8_0_multi_avx2(float * restrict acc, const float * h, const ls
     for (; j0 + 8 <= m; j0 += 8) {
         const ls_block_q8_0 * const * c = cols + j0;
         const __m256 h8 = _mm256_loadu_ps(h + j0);
+        // the next group's columns are fetched while this one computes (up to 8 of them)
+        const ls_block_q8_0 * const * nx = cols + j0 + 8;
+        const int n_next = m - j0 - 8 < 8 ? m - j0 - 8 : 8;
         for (int64_t b = 0; b < n / 32; b++) {
+            for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
             __m128i d16 = _mm_cvtsi32_si128(c[0][b].d);
             d16 = _mm_insert_epi16(d16, c[1][b].d, 1);
             d16 = _mm_insert_epi16(d16, c[2][b].d, 2);
@@ -97,7 +101,10 @@ static void axpy_q8_0_multi_avx512(float * restrict acc, const float * h, const 
         const ls_block_q8_0 * c[8];
         float hj[8];
         for (int j = 0; j < mj; j++) { c[j] = cols[j0 + j]; hj[j] = h[j0 + j]; }
+        const ls_block_q8_0 * const * nx = cols + j0 + 8;
+        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
         for (int64_t b = 0; b < n / 32; b++) {
+            for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
             float * a = acc + b * 32;
             __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
             for (int j = 0; j < mj; j++) {
@@ -135,6 +142,18 @@ static inline void q4_K_scales(const uint8_t * p, uint32_t u[4]) {
     u[0] &= lo6;
 }
 
+// The same unpacking in SIMD, for the AVX2 kernels: a 16-byte load from the 12 scale bytes (the 4
+// bytes after them are the block's nibbles, ignored) -> bytes 0..7 scales, 8..15 mins.
+static inline __m128i q4_K_scales_simd(const uint8_t * p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *) p);               // u0 u1 u2 (junk)
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));      // u0 u2 u1 u2
+    const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 0, 0));      // u0 u0 u0 u1
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_set_epi32(4, 0, 0, 0)),
+                                     _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_set_epi32(0x30303030, 0, 0x30303030, 0));
+    return _mm_or_si128(lo, hi);
+}
+
 static inline int32_t q4_K_min_sum(const uint8_t * mins, const int32_t * bs) {
     int32_t s = 0;
     for (int j = 0; j < 8; j++) s += (int32_t) mins[j] * bs[j];
@@ -170,19 +189,17 @@ static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const vo
     __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
     __m128 min_a = _mm_setzero_ps(), min_b = _mm_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
-        uint32_t ua[4], ub[4];
-        q4_K_scales(a[i].scales, ua);
-        q4_K_scales(b[i].scales, ub);
-        // the 8 scales as int16 in both lanes (broadcast per sub-block by shuffles); the mins
-        // against the sums of x's sub-blocks (pairs of bsums)
         // the caller's prefetch stream: pf_lines cache lines per super-block, spread over the work
         for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        const __m256i sca = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) ua)));
-        const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) ub)));
+        // the 8 scales as int16 in both lanes (broadcast per sub-block by shuffles); the mins
+        // against the sums of x's sub-blocks (pairs of bsums)
+        const __m128i ua = q4_K_scales_simd(a[i].scales), ub = q4_K_scales_simd(b[i].scales);
+        const __m256i sca = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(ua));
+        const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(ub));
         const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[i].bsums),
                                            _mm_loadu_si128((const __m128i *) (x[i].bsums + 8)));
-        const __m128i mna = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) (ua + 2))), bsp);
-        const __m128i mnb = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) (ub + 2))), bsp);
+        const __m128i mna = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(ua, 8)), bsp);
+        const __m128i mnb = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(ub, 8)), bsp);
         __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             const __m256i x0 = _mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c));

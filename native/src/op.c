@@ -145,11 +145,16 @@ static inline int32_t next_entry(int32_t i, int32_t r, int nth, int32_t hi) {
     return n < hi ? n : -1;
 }
 
-// Block b's bytes if its read has landed, else NULL (for prefetching: never waits).
+// Block b's gate/up rows (its whole payload unless the layer is split) if its read has landed,
+// else NULL (for prefetching: never waits).
 static inline const uint8_t * landed(ls_engine * e, const ls_layer * L, int32_t b) {
     const int32_t slot = L->slot_of_block[b];
     if (slot < 0 || atomic_load_explicit(&L->state[b], memory_order_relaxed) != LS_BLK_READY) return NULL;
-    return ls_cache_slot_ptr(&e->cache, slot);
+    return ls_block_gu(L, ls_cache_slot_ptr(&e->cache, slot), b);
+}
+
+static inline void prefetch_bytes(const uint8_t * p, uint64_t n) {
+    for (uint64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 // One thread's share: plan entries ith, ith+nth, ... accumulated into acc [n_tokens, n_embd].
@@ -192,16 +197,19 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         // the next block this thread computes is fetched into cache while this one computes
         const int32_t ni = next_entry(i, r, nth, hi);
         const uint8_t * nxt = ni >= 0 ? landed(e, L, P->blocks[ni]) : NULL;
+        // (a split layer: its gate/up rows; the down columns are fetched when staged)
+        const uint64_t pf_bytes = L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload;
         int pf_lines = 0;   // per step of the fused kernel
         if (nxt && fused) {
             const int64_t calls = k * (n_embd / fused_unit(fused));
-            pf_lines = (int) (((int64_t) (in->block_payload + 63) / 64 + calls - 1) / calls);
+            pf_lines = (int) (((int64_t) (pf_bytes + 63) / 64 + calls - 1) / calls);
         } else if (nxt) {
-            for (uint64_t off = 0; off < in->block_payload; off += 64) __builtin_prefetch(nxt + off, 0, 3);
+            prefetch_bytes(nxt, pf_bytes);
         }
-        const uint8_t * gate = blk;
+        const uint8_t * gate = ls_block_gu(L, blk, b);
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
-        const uint8_t * down = up + (size_t) k * L->up_row_bytes;
+        const uint8_t * down = ls_block_dn(L, blk, b);
+        if (L->dn_ptr) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
             float * hj = h + (size_t) n_staged * T;
@@ -271,16 +279,14 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
         for (int64_t j = 0; j < k; j++) hb[j] = 0.0f;
         const uint8_t * blk = ready_block(e, L, b, &stall_ns);
         if (!blk) continue;
-        const uint8_t * gate = blk;
+        const uint8_t * gate = ls_block_gu(L, blk, b);
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
         // the gate/up rows of this thread's next candidate are fetched while this one computes
         const int32_t ni = next_entry(i, r, nth, P->n);
         const uint8_t * nxt = ni >= 0 ? landed(e, L, P->blocks[ni]) : NULL;
         const int64_t steps = n_embd / fused_unit(fused);
         const int pf_lines = nxt && fused ? (int) (((L->gate_row_bytes + L->up_row_bytes) / 64 + steps - 1) / steps) : 0;
-        if (nxt && !fused) {
-            for (uint64_t off = 0; off < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes); off += 64) __builtin_prefetch(nxt + off, 0, 3);
-        }
+        if (nxt && !fused) prefetch_bytes(nxt, (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes));
         float sc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
@@ -305,6 +311,28 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
     float * h = work, * cols = work + tile;
     const ls_block_q8_0 * qcols[LS_TILE_MAX];
     int n_staged = 0;
+    if (direct) {
+        // Q8_0 columns: this thread's share of the kept entries (a contiguous range, in plan
+        // order) as one list, accumulated in one call that fetches each group of 8 columns while
+        // it computes the one before
+        const int32_t q0 = (int32_t) ((int64_t) P->n_sel * ith / nth), q1 = (int32_t) ((int64_t) P->n_sel * (ith + 1) / nth);
+        float * dh = P->dh + (size_t) q0 * k;
+        const ls_block_q8_0 ** dc = (const ls_block_q8_0 **) (P->dcols + (size_t) q0 * k);
+        int m = 0;
+        for (int32_t q = q0; q < q1; q++) {
+            const int32_t i = P->sel[q], b = P->blocks[i];
+            if (P->hscore[i] < 0.0f) continue;   // not loaded (error recorded)
+            const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
+            for (int64_t j = 0; j < k; j++) {
+                if (L->perm[(size_t) b * k + j] < 0) continue;
+                dh[m] = P->hval[(size_t) i * k + j];
+                dc[m++] = (const ls_block_q8_0 *) (down + j * L->down_col_bytes);
+            }
+        }
+        for (int j = 0; j < m && j < 8; j++) prefetch_bytes((const uint8_t *) dc[j], L->down_col_bytes);
+        if (m) ls_axpy_q8_0_multi(acc, dh, dc, m, n_embd);
+        return;
+    }
     for (int32_t r = ith * LS_RUN; r < P->n_sel; r += nth * LS_RUN)
     for (int32_t q = r; q < r + LS_RUN && q < P->n_sel; q++) {
         const int32_t i = P->sel[q], b = P->blocks[i];
@@ -313,14 +341,12 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
             flush(acc, h, cols, qcols, n_staged, 1, n_embd, direct);
             n_staged = 0;
         }
-        const uint8_t * down = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]) +
-                               (size_t) k * (L->gate_row_bytes + L->up_row_bytes);
+        const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
             h[n_staged] = P->hval[(size_t) i * k + j];
             const uint8_t * col = down + j * L->down_col_bytes;
-            for (uint64_t off = 0; off < L->down_col_bytes; off += 64) __builtin_prefetch(col + off, 0, 3);
-            if (direct) { qcols[n_staged++] = (const ls_block_q8_0 *) col; continue; }
+            prefetch_bytes(col, L->down_col_bytes);
             float * cj = cols + (size_t) n_staged * n_embd;
             if (down_to_float) down_to_float(col, cj, n_embd);
             else memcpy(cj, col, sizeof(float) * (size_t) n_embd);
@@ -447,7 +473,10 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
     if (ith == 0) {
         bool all_ready;
         ls_sched_finish(e, &all_ready);
-        if (e->cache.never_evicts && all_ready && !P->sparse && P->n == L->info.n_blocks) L->pinned_forever = true;
+        if (e->cache.never_evicts && all_ready && !P->sparse && P->n == L->info.n_blocks && !L->pinned_forever) {
+            L->pinned_forever = true;
+            ls_layer_split(e, L);
+        }
         atomic_fetch_add(&L->stats.op_calls, 1);
         atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
         atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
