@@ -62,7 +62,7 @@ def test_isa_is_reported():
         pytest.fail(f"the AVX-512 kernels disagree with the AVX2 ones on this CPU: {name}")
 
 
-@pytest.mark.parametrize("n_tokens", [1, 2, 9])
+@pytest.mark.parametrize("n_tokens", [1, 2, 9, 70])   # 70: two prefill token chunks (64 + 6)
 def test_kernels_match_reference(layer, isa, n_tokens):
     case, path = layer
     w = load_layer(path)

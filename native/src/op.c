@@ -22,6 +22,7 @@
 // neurons whose h values and dequantized down columns are staged together (cache tile)
 #define LS_TILE 32
 #define LS_RUN 16            // consecutive plan entries per thread turn
+#define LS_TOKEN_CHUNK 64    // prefill tokens per pass over a thread's blocks
 #define LS_TILE_MAX 256 // k above this is refused at load
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
@@ -167,20 +168,28 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
     const ggml_to_float_t down_to_float = in->down_type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(in->down_type)->to_float;
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
-    const uint8_t * xg = P->xq;
-    const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
+    const uint8_t * xg0 = P->xq;
+    const uint8_t * xu0 = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
     const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
 
     const int64_t tile = tile_of(k);
-    float * h    = work;                          // [tile][T]      act(g)*u per staged neuron
+    float * h    = work;                          // [tile][Tc]     act(g)*u per staged neuron
     float * cols = work + (size_t) tile * T;      // [tile][n_embd] dequantized down columns
-    float * gu_tmp = cols + (size_t) tile * n_embd; // [2][T] gate and up values of one neuron
+    float * gu_tmp = cols + (size_t) tile * n_embd; // [2][Tc] gate and up values of one neuron
     const ls_block_q8_0 * qcols[LS_TILE_MAX]; // direct mode: staged int8 columns
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
+
+    // prefill: the tokens in chunks of LS_TOKEN_CHUNK, each through all of this thread's blocks, so
+    // that the chunk's output rows stay in cache while every staged tile adds to them (a tile
+    // touching all T rows moved the whole [T][n_embd] output through memory per 32 neurons)
+    for (int64_t t0 = 0; t0 < T; t0 += LS_TOKEN_CHUNK) {
+    const int64_t Tc = T - t0 < LS_TOKEN_CHUNK ? T - t0 : LS_TOKEN_CHUNK;
+    const uint8_t * xg = xg0 + (size_t) t0 * rg, * xu = xu0 + (size_t) t0 * ru;
+    float * acc_c = acc + (size_t) t0 * n_embd;
 
     // this thread's entries: runs of LS_RUN consecutive plan entries, every nth run — sequential
     // enough for the memory prefetchers, interleaved enough that both threads start on the
@@ -188,7 +197,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     for (int32_t r = lo + ith * LS_RUN; r < hi; r += nth * LS_RUN)
     for (int32_t i = r; i < r + LS_RUN && i < hi; i++) {
         if (n_staged + k > tile) {
-            flush(acc, h, cols, qcols, n_staged, T, n_embd, direct);
+            flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
             n_staged = 0;
         }
         const int32_t b = P->blocks[i];
@@ -212,13 +221,13 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         if (L->dn_ptr) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
-            float * hj = h + (size_t) n_staged * T;
-            if (fused == LS_FUSED_Q4_K && T > 1) {   // prefill: every token against the rows, 4 tokens per pass
-                float * g = gu_tmp, * u = gu_tmp + T;
-                ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) T, g, u);
-                for (int64_t t = 0; t < T; t++) hj[t] = ls_act(act, g[t]) * u[t];
+            float * hj = h + (size_t) n_staged * Tc;
+            if (fused == LS_FUSED_Q4_K && Tc > 1) {   // prefill: every token against the rows, 4 tokens per pass
+                float * g = gu_tmp, * u = gu_tmp + Tc;
+                ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) Tc, g, u);
+                for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
             } else
-            for (int64_t t = 0; t < T; t++) {
+            for (int64_t t = 0; t < Tc; t++) {
                 float g, u;
                 gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
                         xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
@@ -240,10 +249,14 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             }
             n_staged++;
         }
-        n_computed++;
-        bytes_computed += in->block_payload;
+        if (t0 == 0) {
+            n_computed++;
+            bytes_computed += in->block_payload;
+        }
     }
-    flush(acc, h, cols, qcols, n_staged, T, n_embd, direct);
+    flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
+    n_staged = 0;
+    }
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
     atomic_fetch_add(&L->stats.blocks_computed, n_computed);
     atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);
