@@ -1,6 +1,9 @@
 """Quality / bytes frontier of sparse decode, decode-scored on held-out text (prints JSON lines).
 
-For every (mode, sparsity, candidate_ratio) the model is opened at a 100 % budget (quality only),
+For every (mode, sparsity, candidate_ratio) the model is opened at a 100 % budget (quality only;
+at that budget leanstream's layers become resident after the first prefill and select from the
+exact h of every block, "method" says so; --memory-budget below the FFN's size measures the
+sketch's candidates),
 the second half of each window is decoded token by token, and compared with stock
 llama-cpp-python on the source GGUF over the same windows (reference logits computed once):
 perplexity ratio, top-1 agreement, mean KL, and from the engine's counters the fraction of dense
@@ -94,6 +97,7 @@ def main() -> int:
     text = Path(a.text).read_text(encoding="utf-8")
     m = manifest.load(a.model)
     dense_bytes = sum(e.n_blocks * e.block_payload for e in m.layers)   # per token, dense mode
+    n_blocks = sum(e.n_blocks for e in m.layers)
     refs = reference_windows(a.reference, text, a.ctx, a.chunks, a.threads)
     sink = open(a.out, "a") if a.out else None
     for mode in a.mode:
@@ -119,7 +123,9 @@ def main() -> int:
                     "model": Path(a.model).name, "mode": mode, "sparsity": s if mode != "dense" else 0.0,
                     "candidate_ratio": ratio, "cache_bias": bias, "memory_budget": a.memory_budget,
                     "bytes_read_fraction": st["bytes_read"] / dec_tokens / dense_bytes,
-                    "method": ("sketch->candidates->exact h->down" if ratio is not None else
+                    "method": ("resident layers: exact h of every block->down"
+                               if ratio is not None and st["blocks_candidates"] >= n_blocks * dec_tokens else
+                               "sketch->candidates->exact h->down" if ratio is not None else
                                "dense" if mode == "dense" else "layer-ahead predictor"),
                     "bytes_fraction": st["bytes_computed"] / dec_tokens / dense_bytes,
                     "resident_MB": resident / 1e6,
