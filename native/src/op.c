@@ -374,13 +374,14 @@ static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, fl
     ls_layer * L = P->L;
     const int32_t nb = L->info.n_blocks;
     const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
-    if (!ls_sched_cascade_all(e, L)) {   // (pinned_forever only changes under e->mu, held by thread 0)
+    const bool scored = !ls_sched_cascade_all(e, L);   // (pinned_forever changes only under e->mu, held by thread 0)
+    if (scored) {
         ls_sketch_score(L->sketch, P->xs, L->info.n_embd, e->params.activation, L->info.neurons_per_block,
                         (int32_t) ((int64_t) nb * ith / nth), (int32_t) ((int64_t) nb * (ith + 1) / nth), P->score);
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
-        atomic_fetch_add(&L->stats.scorer_ns, ls_now_ns() - t0);
+        if (scored) atomic_fetch_add(&L->stats.scorer_ns, ls_now_ns() - t0);
         ls_status st = ls_sched_plan_cascade(e, L, x_res);
         if (st != LS_OK) {
             ls_engine_record_error(e, st, "layer %d: %s", L->il, st == LS_ERR_BUDGET ?
