@@ -39,6 +39,22 @@ def _logits(llm, w: list[int], decode: bool) -> np.ndarray:
     return log_softmax(window_logits(llm, w, decode=decode)[pos])
 
 
+def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
+    """A memory budget one block short of the whole FFN (plus what the sketch takes). With a budget
+    that holds everything, layers become resident for good after the first prefill and select
+    from the exact h of every block, which is better than the sketch's candidates that every
+    smaller budget uses; one block short, every op selects through the sketch, so the table
+    holds for any budget."""
+    llm = Llama(str(out), mode="leanstream", _manifest=manifest, **kw)
+    try:
+        eng = llm._engine
+        st = eng.stats()
+        stride = max(eng.layer_info(il)["block_stride"] for il in range(eng.n_layers))
+        return int(st["cache_capacity"] + st["resident_bytes"] - stride)
+    finally:
+        llm.close()
+
+
 def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_threads: int = 2,
               progress: bool = True, log=print) -> list[dict]:
     """[{"sparsity", "ppl_ratio", "agreement"}] of leanstream mode vs stock on the calibration text."""
@@ -57,9 +73,10 @@ def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_
     if not ws:
         log("calibrate: the calibration text is shorter than one window; no quality table (use sparsity=)")
         return []
+    budget = _sketch_budget(Llama, out, manifest, kw)
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
-        llm = Llama(str(out), mode="leanstream", sparsity=s, _manifest=manifest, **kw)
+        llm = Llama(str(out), mode="leanstream", sparsity=s, memory_budget=budget, _manifest=manifest, **kw)
         try:
             nll_t, nll_r, agree = [], [], []
             for w, lr in zip(ws, refs):

@@ -148,6 +148,33 @@ def test_resident_layer_selects_from_every_block(smollm2_sketch_dir):
             np.testing.assert_allclose(y[0], want, rtol=0, atol=2e-3 * float(np.abs(want).max()))
 
 
+def test_calibration_budget_selects_through_the_sketch(smollm2_sketch_dir):
+    """The converter calibrates quality= one block short of the whole FFN, so its table is the
+    sketch's candidates (what every budget below the FFN's size gets), not the better exact
+    selection of layers resident for good."""
+    from converters.calibrate import _sketch_budget
+    from leanstream_ggml import Llama
+
+    d = smollm2_sketch_dir
+    m = mf.load(d)
+    kw = dict(n_ctx=64, n_batch=64, n_threads=2, verbose=False)
+    budget = _sketch_budget(Llama, d, m, kw)
+    llm = Llama(str(d), mode="leanstream", sparsity=0.5, memory_budget=budget, **kw)
+    try:
+        toks = llm.tokenize(b"The bridge was built of stone and iron over the river")
+        llm.eval(toks[:8])
+        eng = llm._engine
+        eng.reset_stats()
+        for t in toks[8:12]:
+            llm.eval([t])
+        st = eng.stats()
+        nb = sum(L.n_blocks for L in m.layers)
+        assert 0 < st["blocks_candidates"] < 4 * nb and st["scorer_ns"] > 0
+        assert all(eng.layer_info(il)["split_layout"] == 0 for il in range(m.n_layer))
+    finally:
+        llm.close()
+
+
 def _down_col_bytes(t: str, n_embd: int) -> int:
     return {"q8_0": n_embd // 32 * 34, "f16": 2 * n_embd, "f32": 4 * n_embd}[t]
 
