@@ -79,6 +79,20 @@ def test_kernels_match_reference(layer, isa, n_tokens):
         assert e.layer_info(0)["split_layout"] == 0   # dense reads every part: no split
 
 
+def test_prefill_tile_covers_widths_not_a_multiple_of_its_block(tmp_path, isa):
+    """The prefill down projection keeps 4 tokens x 16 (AVX2) or 32 (AVX-512) outputs in
+    registers; a width that is not a multiple of that (F16 down columns of 72 values here) and a
+    token count that is not a multiple of 4 are finished by the plain loop."""
+    write_tiny_model(tmp_path / "m.gguf", arch="llama", n_layer=1, n_embd=72, n_ff=96, n_head=2, n_head_kv=2,
+                     types={"ffn": "F16"}, seed=8)
+    path = convert(tmp_path / "m.gguf", tmp_path / "lsm", progress=False).layer_path(tmp_path / "lsm", 0)
+    x = np.random.default_rng(3).standard_normal((11, 72)).astype(np.float32)
+    want = ffn_reference(load_layer(path), x)
+    with FFNEngine([path]) as e:
+        y = e.eval_layer(0, x, n_threads=2)
+    assert np.abs(y - want).max() <= 1e-3 * np.abs(want).max() + 1e-5, isa
+
+
 @pytest.fixture(scope="module")
 def sketched(tmp_path_factory):
     """A Q4_K layer converted with the sketch (leanstream mode), no calibration."""

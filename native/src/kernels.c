@@ -387,13 +387,28 @@ static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const 
 // ---- prefill down projection: acc[t] += sum_j h[j][t] * cols[j] over a staged tile ---------------
 //
 // Register-blocked: 4 token rows x 16 (AVX2) or 32 (AVX-512) output values stay in registers
-// while every staged column adds to them; acc is loaded and stored once per tile.
+// while every staged column adds to them; acc is loaded and stored once per tile. What the blocks
+// leave (the last T % 4 rows, the last n_embd % width values) goes through tile_rest.
+
+// acc[t][c] += sum_j h[j][t] * cols[j][c] for t in [t0, T) over every c, and for t < t0 over c >= c0
+static void tile_rest(float * restrict acc, const float * restrict h, const float * restrict cols,
+                      int n_staged, int64_t T, int64_t n_embd, int64_t t0, int64_t c0) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t from = t < t0 ? c0 : 0;
+        float * restrict at = acc + (size_t) t * n_embd;
+        for (int j = 0; j < n_staged; j++) {
+            const float hv = h[(size_t) j * T + t];
+            const float * restrict cj = cols + (size_t) j * n_embd;
+            for (int64_t c = from; c < n_embd; c++) at[c] += hv * cj[c];
+        }
+    }
+}
 
 static void axpy_tile_avx2(float * restrict acc, const float * restrict h, const float * restrict cols,
                            int n_staged, int64_t T, int64_t n_embd) {
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) {
-        for (int64_t c = 0; c + 16 <= n_embd; c += 16) {
+    const int64_t t_end = T - T % 4, c_end = n_embd - n_embd % 16;
+    for (int64_t t = 0; t < t_end; t += 4) {
+        for (int64_t c = 0; c < c_end; c += 16) {
             __m256 v[4][2];
             for (int r = 0; r < 4; r++) {
                 v[r][0] = _mm256_loadu_ps(acc + (size_t) (t + r) * n_embd + c);
@@ -415,22 +430,15 @@ static void axpy_tile_avx2(float * restrict acc, const float * restrict h, const
             }
         }
     }
-    for (; t < T; t++) { // the last rows, one at a time
-        float * restrict at = acc + (size_t) t * n_embd;
-        for (int j = 0; j < n_staged; j++) {
-            const float hv = h[(size_t) j * T + t];
-            const float * restrict cj = cols + (size_t) j * n_embd;
-            for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
-        }
-    }
+    tile_rest(acc, h, cols, n_staged, T, n_embd, t_end, c_end);
 }
 
 __attribute__((target("avx512f")))
 static void axpy_tile_avx512(float * restrict acc, const float * restrict h, const float * restrict cols,
                              int n_staged, int64_t T, int64_t n_embd) {
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) {
-        for (int64_t c = 0; c + 32 <= n_embd; c += 32) {
+    const int64_t t_end = T - T % 4, c_end = n_embd - n_embd % 32;
+    for (int64_t t = 0; t < t_end; t += 4) {
+        for (int64_t c = 0; c < c_end; c += 32) {
             __m512 v[4][2];
             for (int r = 0; r < 4; r++) {
                 v[r][0] = _mm512_loadu_ps(acc + (size_t) (t + r) * n_embd + c);
@@ -452,14 +460,7 @@ static void axpy_tile_avx512(float * restrict acc, const float * restrict h, con
             }
         }
     }
-    for (; t < T; t++) {
-        float * restrict at = acc + (size_t) t * n_embd;
-        for (int j = 0; j < n_staged; j++) {
-            const float hv = h[(size_t) j * T + t];
-            const float * restrict cj = cols + (size_t) j * n_embd;
-            for (int64_t c = 0; c < n_embd; c++) at[c] += hv * cj[c];
-        }
-    }
+    tile_rest(acc, h, cols, n_staged, T, n_embd, t_end, c_end);
 }
 
 static axpy_q8_0_fn axpy_q8_0_impl = axpy_q8_0_multi_avx2;
