@@ -182,6 +182,12 @@ class FFNEngine:
     def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1, x_res: np.ndarray | None = None) -> np.ndarray:
         """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op. x_res
         [n_embd]: the residual entering the FFN (what sparse modes feed their predictors)."""
+        return self.eval_layers(il, 1, x, n_threads, x_res)
+
+    def eval_layers(self, il0: int, n_layers: int, x: np.ndarray, n_threads: int = 1,
+                    x_res: np.ndarray | None = None) -> np.ndarray:
+        """Layers il0 .. il0 + n_layers - 1 one after another on the same threads, each on x
+        (benchmarks: a decode token through the FFNs, no thread start per layer); the last output."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim == 1:
             x = x[None, :]
@@ -190,18 +196,7 @@ class FFNEngine:
         if x_res is not None:
             x_res = np.ascontiguousarray(x_res, dtype=np.float32).reshape(-1)
             res = ffi.cast("const float *", x_res.ctypes.data)
-        check(lib.ls_ffn_eval(self.handle, il, ffi.cast("const float *", x.ctypes.data), res,
-                              ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads))
-        return y
-
-    def eval_layers(self, il0: int, n_layers: int, x: np.ndarray, n_threads: int = 1) -> np.ndarray:
-        """Layers il0 .. il0 + n_layers - 1 one after another on the same threads, each on x
-        (benchmarks: a decode token through the FFNs, no thread start per layer); the last output."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim == 1:
-            x = x[None, :]
-        y = np.empty_like(x)
-        check(lib.ls_ffn_eval_layers(self.handle, il0, n_layers, ffi.cast("const float *", x.ctypes.data), ffi.NULL,
+        check(lib.ls_ffn_eval_layers(self.handle, il0, n_layers, ffi.cast("const float *", x.ctypes.data), res,
                                      ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads))
         return y
 

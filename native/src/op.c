@@ -158,7 +158,21 @@ static inline void prefetch_bytes(const uint8_t * p, uint64_t n) {
     for (uint64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
-// One thread's share: plan entries ith, ith+nth, ... accumulated into acc [n_tokens, n_embd].
+// The next block's first `bytes` (nxt; NULL: nothing to fetch) are fetched while this block
+// computes: spread over the fused kernel's steps (returns the lines per step; neuron j of the
+// block fetches from nxt_for(nxt, j, ...)), or at once when the kernel is ggml's (returns 0).
+static inline int prefetch_next(const uint8_t * nxt, uint64_t bytes, int fused, int64_t k, int64_t n_embd) {
+    if (!nxt) return 0;
+    if (!fused) { prefetch_bytes(nxt, bytes); return 0; }
+    const int64_t steps = k * (n_embd / fused_unit(fused));
+    return (int) (((int64_t) (bytes + 63) / 64 + steps - 1) / steps);
+}
+
+static inline const uint8_t * nxt_for(const uint8_t * nxt, int pf_lines, int64_t j, int fused, int64_t n_embd) {
+    return pf_lines ? nxt + (size_t) (j * (n_embd / fused_unit(fused)) * pf_lines * 64) : NULL;
+}
+
+// One thread's share of plan entries [lo, hi) (share_lo), accumulated into acc [n_tokens, n_embd].
 static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t hi, float * acc, float * work) {
     const ls_plan * P = &e->plan;
     ls_layer * L = P->L;
@@ -203,18 +217,12 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         // the next block this thread computes is fetched into cache while this one computes
         const uint8_t * nxt = i + 1 < s1 ? landed(e, L, P->blocks[i + 1]) : NULL;
         // (a split layer: its gate/up rows; the down columns are fetched when staged)
-        const uint64_t pf_bytes = L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload;
-        int pf_lines = 0;   // per step of the fused kernel
-        if (nxt && fused) {
-            const int64_t calls = k * (n_embd / fused_unit(fused));
-            pf_lines = (int) (((int64_t) (pf_bytes + 63) / 64 + calls - 1) / calls);
-        } else if (nxt) {
-            prefetch_bytes(nxt, pf_bytes);
-        }
+        const int pf_lines = prefetch_next(nxt, L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload,
+                                           fused, k, n_embd);
         const uint8_t * gate = ls_block_gu(L, blk, b);
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
         const uint8_t * down = ls_block_dn(L, blk, b);
-        if (L->dn_ptr) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);
+        if (L->dn_ptr && direct) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);   // staged, read at the flush
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
             float * hj = h + (size_t) n_staged * Tc;
@@ -227,7 +235,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
                 float g, u;
                 gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
                         xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
-                        t == 0 && pf_lines ? nxt + (size_t) (j * (n_embd / fused_unit(fused)) * pf_lines * 64) : NULL, t == 0 ? pf_lines : 0);
+                        t == 0 ? nxt_for(nxt, pf_lines, j, fused, n_embd) : NULL, t == 0 ? pf_lines : 0);
                 hj[t] = ls_act(act, g) * u;
             }
             const uint8_t * col = down + j * L->down_col_bytes;
@@ -292,15 +300,13 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
         // the gate/up rows of this thread's next candidate are fetched while this one computes
         const uint8_t * nxt = i + 1 < s1 ? landed(e, L, P->blocks[i + 1]) : NULL;
-        const int64_t steps = n_embd / fused_unit(fused);
-        const int pf_lines = nxt && fused ? (int) (((L->gate_row_bytes + L->up_row_bytes) / 64 + steps - 1) / steps) : 0;
-        if (nxt && !fused) prefetch_bytes(nxt, (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes));
+        const int pf_lines = prefetch_next(nxt, (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes), fused, k, n_embd);
         float sc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
             float g, u;
             gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, &g, &u,
-                    pf_lines ? nxt + (size_t) (j * steps * pf_lines * 64) : NULL, pf_lines);
+                    nxt_for(nxt, pf_lines, j, fused, n_embd), pf_lines);
             hb[j] = ls_act(act, g) * u;
             sc += fabsf(hb[j]) * w[(size_t) b * k + j];
         }
@@ -353,7 +359,6 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
             if (L->perm[(size_t) b * k + j] < 0) continue;
             h[n_staged] = P->hval[(size_t) i * k + j];
             const uint8_t * col = down + j * L->down_col_bytes;
-            prefetch_bytes(col, L->down_col_bytes);
             float * cj = cols + (size_t) n_staged * n_embd;
             if (down_to_float) down_to_float(col, cj, n_embd);
             else memcpy(cj, col, sizeof(float) * (size_t) n_embd);

@@ -266,8 +266,6 @@ static ls_status pin_plan(ls_engine * e, ls_layer * L, const float * x_res) {
 
 // ---- exact-input selection (cascade) -----------------------------------------------------------
 
-// Candidates: the top n_cand blocks by sketch score (P->score, non-resident ones scaled by
-// cache_bias), in file order; pinned and their reads queued like any plan.
 bool ls_sched_cascade_all(const ls_engine * e, const ls_layer * L) {
     if (!L->pinned_forever) return false;
     const uint64_t gu = (uint64_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
@@ -275,6 +273,9 @@ bool ls_sched_cascade_all(const ls_engine * e, const ls_layer * L) {
     return (uint64_t) L->info.n_blocks * gu <= sketch + (uint64_t) n_wanted(e, L) * gu;
 }
 
+// Candidates: the top n_cand blocks by sketch score (P->score, non-resident ones scaled by
+// cache_bias), in file order; pinned and their reads queued like any plan. A resident layer that
+// skips the sketch (ls_sched_cascade_all): every block, nothing to pin.
 ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res) {
     ls_plan * P = &e->plan;
     const int32_t nb = L->info.n_blocks;
