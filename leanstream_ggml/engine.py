@@ -30,7 +30,8 @@ def parse_bytes(value: int | float | str | None) -> int:
 STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
                "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
                "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks", "checksum_ns",
-               "blocks_candidates", "down_skipped", "spec_hits", "spec_selected", "scorer_ns", "resident_bytes"]
+               "blocks_candidates", "down_skipped", "spec_hits", "spec_selected", "scorer_ns", "resident_bytes",
+               "bytes_bridged", "io_cpu_ns", "io_per_io_ns", "io_bandwidth", "bridge_bytes"]
 
 
 def derived_stats(raw: dict) -> dict:
@@ -48,6 +49,10 @@ def derived_stats(raw: dict) -> dict:
     d["bytes_computed_per_token"] = raw["bytes_computed"] / raw["tokens"] if raw["tokens"] else 0.0
     # speculation: share of the kept blocks that the layer-ahead prediction had prefetched
     d["spec_recall"] = raw["spec_hits"] / raw["spec_selected"] if raw["spec_selected"] else None
+    # read planning: mean bytes per read, reads per token, I/O worker CPU per read
+    d["mean_read_bytes"] = raw["bytes_read"] / raw["reads_issued"] if raw["reads_issued"] else 0.0
+    d["reads_per_token"] = raw["reads_issued"] / raw["tokens"] if raw["tokens"] else 0.0
+    d["io_cpu_us_per_read"] = raw["io_cpu_ns"] / 1e3 / raw["reads_issued"] if raw["reads_issued"] else 0.0
     return d
 
 
@@ -55,6 +60,11 @@ def kept_blocks(n_blocks: int, sparsity: float) -> int:
     """How many of a layer's n_blocks a sparse op computes at this sparsity: the engine's own
     rule (ls_kept_blocks), which the converter's training uses too."""
     return int(lib.ls_kept_blocks(int(n_blocks), float(sparsity)))
+
+
+def candidate_blocks(n_blocks: int, sparsity: float, candidate_ratio: float) -> int:
+    """Candidates of leanstream's exact-input selection (ls_candidate_blocks)."""
+    return int(lib.ls_candidate_blocks(int(n_blocks), float(sparsity), float(candidate_ratio)))
 
 
 class FFNEngine:
@@ -72,7 +82,8 @@ class FFNEngine:
                  predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0,
                  hot_fraction: float | None = None, block_rank: np.ndarray | None = None,
                  verify_checksums: bool = True, sketch_paths: Sequence[str | Path | None] | None = None,
-                 candidate_ratio: float | None = None, cache_bias: float | None = None):
+                 candidate_ratio: float | None = None, cache_bias: float | None = None,
+                 bridge_bytes: int | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if activation not in ACTIVATIONS:
@@ -95,7 +106,8 @@ class FFNEngine:
         p.verify_checksums = 1 if verify_checksums else 0
         for name, value in (("n_io_threads", n_io_threads), ("max_read_bytes", max_read_bytes),
                             ("sparsity", sparsity), ("n_stages", n_stages), ("hot_fraction", hot_fraction),
-                            ("candidate_ratio", candidate_ratio), ("cache_bias", cache_bias)):
+                            ("candidate_ratio", candidate_ratio), ("cache_bias", cache_bias),
+                            ("bridge_bytes", bridge_bytes)):
             if value is not None:
                 setattr(p, name, value)
         if cache_policy is not None:

@@ -148,7 +148,8 @@ def sparsity_for_quality(table: list[dict], max_ppl_ratio: float) -> float:
 
 
 def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_stages=None,
-                  n_io_threads=None, hot_fraction=None, candidate_ratio=None, cache_bias=None) -> dict:
+                  n_io_threads=None, hot_fraction=None, candidate_ratio=None, cache_bias=None,
+                  bridge_bytes=None) -> dict:
     """Validated, normalized engine parameters (raises ParameterError naming the bad one).
     None stays None (the engine's default)."""
     def opt(value, check):
@@ -163,6 +164,7 @@ def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_s
         "hot_fraction": opt(hot_fraction, lambda v: _real_in(v, "hot_fraction", 0.0, 1.0, hi_open=False)),
         "candidate_ratio": opt(candidate_ratio, lambda v: _real_in(v, "candidate_ratio", 1.0, 1000.0, hi_open=False)),
         "cache_bias": opt(cache_bias, lambda v: _cache_bias(v)),
+        "bridge_bytes": opt(bridge_bytes, lambda v: _int_in(v, "bridge_bytes", 0, 1 << 30)),
     }
 
 

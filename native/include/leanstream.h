@@ -76,7 +76,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 5
+#define LS_ABI_VERSION 6
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -144,7 +144,8 @@ typedef struct ls_engine_params {
     uint32_t       test_io_queue_cap; // test hook: read queue capacity (0: 3 layers' blocks); when
                                       // full, the submitting thread reads synchronously
     double         hot_fraction;    // share of the cache's slots pinned for the hot set in the modes
-                                    // that pin one, [0, 1]; -1 (default): the mode's (0.5)
+                                    // that pin one, [0, 1]; -1 (default): the mode's (0.5; leanstream
+                                    // without predictors 0.9: it prefetches nothing)
     const float *  block_rank;      // [sum of n_blocks over layers] calibration rank of every block,
                                     // layer after layer (higher = more often needed), or NULL; the
                                     // hot set is the top of this ranking (required by powerinfer2)
@@ -158,6 +159,10 @@ typedef struct ls_engine_params {
     float          cache_bias;      // (0, 1]: sketch scores of blocks not in the cache are multiplied by
                                     // this before the candidates are chosen (prefer resident blocks among
                                     // near-equal scores); 1 (default): off
+    int64_t        bridge_bytes;    // read planning: a read goes on through a gap of unselected blocks up to
+                                    // this many bytes (read and dropped) rather than start another I/O;
+                                    // -1 (default): the per-I/O cost x bandwidth measured on the block files
+                                    // at start (sparse modes under a budget; else 0); 0: never
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);   // the only source of defaults
@@ -200,6 +205,8 @@ LS_API ls_status   ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_laye
 // How many of a layer's n_blocks a sparse op computes at this sparsity (round half up, at least
 // one): the one definition, which the converter's training uses through the binding too.
 LS_API int32_t     ls_kept_blocks(int32_t n_blocks, float sparsity);
+// Candidates of leanstream's exact-input selection: ceil(candidate_ratio x kept), at most n_blocks.
+LS_API int32_t     ls_candidate_blocks(int32_t n_blocks, float sparsity, float candidate_ratio);
 
 // Priorities of layer il's blocks for its next decode op ([n_blocks], higher first), replacing
 // the predictor's for that op: an oracle for tests and ablations, or an external scheduler.
@@ -270,6 +277,12 @@ typedef struct ls_stats {
     uint64_t spec_selected;    // kept blocks of ops that had a prefetch (recall = hits / selected)
     uint64_t scorer_ns;        // wall time scoring the sketch (thread 0's view)
     uint64_t resident_bytes;   // sketches + predictors held in RAM (part of memory_budget)
+    // read planning (engine-wide except bytes_bridged)
+    uint64_t bytes_bridged;    // bytes read through gaps between selected blocks and dropped (in bytes_read)
+    uint64_t io_cpu_ns;        // CPU time of the I/O workers (summed over threads)
+    uint64_t io_per_io_ns;     // disk model: time of one more small read at full queue depth (0: not probed)
+    uint64_t io_bandwidth;     // disk model: bytes/s of large reads (0: not probed)
+    uint64_t bridge_bytes;     // the largest gap a read goes through, in use
 } ls_stats;
 
 // il = -1: totals over all layers.

@@ -220,6 +220,8 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
     if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
     if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us, p->test_io_queue_cap);
+    // the disk model: only a sparse mode under a budget reads blocks with gaps between them
+    if (st == LS_OK) st = ls_io_plan_model(e, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts);
     if (st != LS_OK) {
         char saved[LS_MAX_ERRMSG];
         snprintf(saved, sizeof(saved), "%s", ls_errmsg());
@@ -298,6 +300,7 @@ static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
     s->spec_hits       += atomic_load(&l->spec_hits);
     s->spec_selected   += atomic_load(&l->spec_selected);
     s->scorer_ns       += atomic_load(&l->scorer_ns);
+    s->bytes_bridged   += atomic_load(&l->bytes_bridged);
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
@@ -327,6 +330,10 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     out->cache_capacity = (uint64_t) e->cache.n_slots * e->cache.stride;
     out->direct_io = e->direct_io ? 1 : 0;
+    out->io_cpu_ns = atomic_load(&e->io.cpu_ns);
+    out->io_per_io_ns = e->io.per_io_ns;
+    out->io_bandwidth = e->io.bandwidth;
+    out->bridge_bytes = e->io.bridge_bytes;
     out->hot_blocks = (uint64_t) e->n_hot;
     if (il >= 0) {
         const ls_layer * L = &e->layers[il];
@@ -351,7 +358,9 @@ void ls_engine_reset_stats(ls_engine * e) {
         atomic_store(&l->checksum_ns, 0);
         atomic_store(&l->blocks_candidates, 0); atomic_store(&l->down_skipped, 0);
         atomic_store(&l->spec_hits, 0); atomic_store(&l->spec_selected, 0); atomic_store(&l->scorer_ns, 0);
+        atomic_store(&l->bytes_bridged, 0);
     }
+    atomic_store(&e->io.cpu_ns, 0);
 }
 
 ls_status ls_engine_set_priorities(ls_engine * e, int32_t il, const float * prio, int32_t n_blocks) {

@@ -53,7 +53,7 @@ typedef struct ls_layer_stats {
     _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
                      bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
                      refinements, checksum_ns, blocks_candidates, down_skipped, spec_hits, spec_selected,
-                     scorer_ns;
+                     scorer_ns, bytes_bridged;
 } ls_layer_stats;
 
 struct ls_predictor;
@@ -96,12 +96,16 @@ typedef struct ls_layer {
     ls_layer_stats     stats;
 } ls_layer;
 
-// A read of adjacent blocks [first, first+n) of one layer into (possibly scattered) slots.
+// One read of a contiguous range of one layer's file: blocks into their (scattered) cache slots,
+// and the unselected blocks between them (a bridged gap: cheaper to read than another I/O, see
+// io.c) into the engine's bridge buffer, where they are dropped.
 #define LS_MAX_IOV 64
 typedef struct ls_read {
     ls_layer *   L;
-    int32_t      first, n;
+    int32_t      n_iov, n_blocks;
     uint64_t     offset;
+    uint64_t     bridged;            // bytes of iovecs that go to the bridge buffer
+    int32_t      block[LS_MAX_IOV];  // the block iov[i] receives; -1: a bridged gap
     struct iovec iov[LS_MAX_IOV];
 } ls_read;
 
@@ -114,6 +118,11 @@ typedef struct ls_io {
     int             cap, head, count;
     bool            stop;
     uint32_t        delay_us;   // test hook
+    uint8_t *       bridge;     // bridged gaps land here (every read shares it: nobody reads it)
+    uint64_t        bridge_bytes; // largest gap a read goes through (0: none)
+    uint64_t        per_io_ns;  // the disk model (io_probe): time of one small read at full depth
+    uint64_t        bandwidth;  // bytes/s of large reads
+    _Atomic uint64_t cpu_ns;    // CPU time of the I/O workers (summed)
 } ls_io;
 
 // Budgeted weight cache: fixed-size slots, LRU list of unpinned resident slots.
@@ -212,6 +221,7 @@ struct ls_engine {
 
 #define LS_DEFAULT_SPARSITY 0.5f
 #define LS_DEFAULT_CANDIDATE_RATIO 1.5f
+#define LS_SKETCH_HOT_FRACTION 0.9    // leanstream without predictors: the hot set's share of the cache
 
 // util.c
 void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -226,8 +236,6 @@ void        ls_cpu_relax(unsigned * spins);
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode
 ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
-// candidates of a cascade op: ceil(candidate_ratio * kept), at most n_blocks
-int32_t     ls_candidate_blocks(int32_t n_blocks, float sparsity, float candidate_ratio);
 int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
 // hot[il][b] = 1 for the n_hot best-ranked blocks of all layers (rank: layer after layer)
 ls_status   ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
@@ -253,8 +261,11 @@ int32_t     ls_cache_available(const ls_cache * c); // slots free or evictable
 // io.c
 ls_status   ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us, uint32_t queue_cap);
 void        ls_io_stop(ls_engine * e);
-// Queue reads for the given blocks (state LOADING, slots acquired), merging runs of
-// adjacent blocks up to max_read_bytes; queue order = priority order.
+// The disk model: per-I/O time and bandwidth measured on the block files (probe = true), and
+// from them the largest gap a read bridges (params.bridge_bytes < 0), or the bridge given.
+ls_status   ls_io_plan_model(ls_engine * e, bool probe);
+// Queue reads for the given blocks (state LOADING, slots acquired, in file order within runs),
+// merging blocks whose gap costs less than another I/O, up to max_read_bytes per read.
 void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
 // Take layer L's reads that no worker has started out of the queue; their blocks go to out[].
 int32_t     ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int32_t cap);
