@@ -1,7 +1,7 @@
 """`leanstream convert` and `leanstream info`.
 
     leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
-                       [--sketch ls2|none] [--predictors none|quick|full]
+                       [--sketch ls2|none] [--predictors none|quick|full] [--order coact|freq|none]
     leanstream info [DIR]
 
 Without IN, convert uses the default model (SmolLM2-135M-Instruct, fetched into the model cache);
@@ -78,7 +78,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         m = convert_model(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet,
-                          predictors=args.predictors, sketch=args.sketch, calibrate=args.calibrate,
+                          predictors=args.predictors, sketch=args.sketch, calibrate=args.calibrate, order=args.order,
                           profile_dir=args.profile_dir)
     except ConvertError as e:
         print(f"leanstream convert: {e}", file=sys.stderr)
@@ -165,7 +165,7 @@ def register(subparsers) -> None:
         "convert", help="convert a GGUF model into a LeanStream model directory",
         description="Rewrite a GGUF's FFN into neuron block files streamed with O_DIRECT (the rest of "
                     "the model goes to base.gguf) and write the 2-bit sketch leanstream mode selects "
-                    "neurons with (no training: minutes); predictors are trained on request. Stages: read, "
+                    "neurons with (no training: minutes); predictors are trained on request. Stages: read, order, "
                     "profile, train, write, sketch, manifest; restartable: re-run the same command after "
                     "an interruption and it resumes where it stopped.")
     p.add_argument("model", nargs="?", default=None,
@@ -183,6 +183,9 @@ def register(subparsers) -> None:
     p.add_argument("--sketch", choices=["ls2", "none"], default="ls2",
                    help="write the 2-bit gate/up sketch leanstream mode selects from each layer's own input "
                         "with (default ls2; none: dense mode only, unless predictors are trained)")
+    p.add_argument("--order", choices=["coact", "freq", "none"], default="coact",
+                   help="on-disk order of each layer's neurons for the sparse modes: neurons read together "
+                        "placed together (coact, default), most often read first (freq), or as in the GGUF (none)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                    help="with the sketch: measure what each sparsity costs on the model's own answers (the "
                         "table quality='ppl+5%%' chooses from; about a minute for a 1.5B model)")

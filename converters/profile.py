@@ -39,6 +39,10 @@ _NAME = re.compile(rb"^(ffn_inp|ffn_norm|ffn_swiglu)-(\d+)$")
 GGML_TYPE_F32 = 0
 
 
+class UnsupportedProfile(RuntimeError):
+    """llama.cpp's graph for this architecture does not name the tensors the profile captures."""
+
+
 class _GgmlTensor(ctypes.Structure):
     """ctypes mirror of struct ggml_tensor (ggml.h of the vendored llama.cpp)."""
     _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
@@ -143,7 +147,7 @@ class Profiler:
         got = self.cap.data
         missing = [(k, il) for k in KINDS for il in range(self.n_layer) if (k, il) not in got]
         if missing:
-            raise RuntimeError(f"cb_eval did not deliver {missing[:3]}... (architecture not supported?)")
+            raise UnsupportedProfile(f"cb_eval did not deliver {missing[:3]}... (architecture not supported?)")
         return got
 
     def close(self):

@@ -18,6 +18,7 @@ from leanstream_ggml import sketch as skf
 from leanstream_ggml.fileio import atomic_writer, fsync_dir
 
 SKETCH_DIR = "sketch"
+BLOCK_FREQ_NAME = "block_freq.npy"
 DEFAULT_TYPE = "ls2"
 TYPES = ("ls2",)          # what --sketch accepts ("none": no sketch)
 WEIGHTS = ("one", "down_norm")
@@ -56,8 +57,9 @@ def _complete(path: Path, il: int, n_rows: int) -> bool:
 
 
 def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: str = DEFAULT_WEIGHT,
-                   progress: bool = True) -> mf.SketchInfo:
-    """Write one sketch file per layer (a complete one from an interrupted run is kept)."""
+                   progress: bool = True, block_freq: np.ndarray | None = None) -> mf.SketchInfo:
+    """Write one sketch file per layer (a complete one from an interrupted run is kept), and
+    block_freq (f32 [n_layer, n_blocks], the order stage's calibration frequencies) if given."""
     from tqdm import tqdm
 
     if type_name not in TYPES:
@@ -80,5 +82,10 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
                 f.write(data)
         files.append(rel)
         total += path.stat().st_size
+    freq_rel = None
+    if block_freq is not None:
+        freq_rel = f"{SKETCH_DIR}/{BLOCK_FREQ_NAME}"
+        with atomic_writer(out / freq_rel, durable=False) as f:
+            np.save(f, np.ascontiguousarray(block_freq, dtype=np.float32), allow_pickle=False)
     fsync_dir(out / SKETCH_DIR)
-    return mf.SketchInfo(files=files, type=type_name, weight=weight, bytes=total)
+    return mf.SketchInfo(files=files, type=type_name, weight=weight, bytes=total, block_freq=freq_rel)

@@ -4,6 +4,8 @@
     m = convert_model("model.gguf", "model.lsm")                        # -> Manifest
 
     read      open and check the source, its sha256, the block geometry (k, align, neuron order)
+    order     (with the sketch, k = 1) how often each neuron is read on the calibration text, and
+              neurons read together placed together on disk (converters/order.py) -> <work>/order.npz
     profile   (with predictors) llama.cpp's activations on calibration text    -> <work>/profile/
     train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
     write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
@@ -35,6 +37,7 @@ from typing import Any, Callable
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 
+from .order import DEFAULT_METHOD as DEFAULT_ORDER, METHODS as ORDER_METHODS
 from .sketch import DEFAULT_TYPE as DEFAULT_SKETCH, SKETCH_DIR, write_sketches
 from .convert_gguf import (BASE_NAME, FFN_DIR, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest,
                            read_source, remove_partials, write_model)
@@ -135,7 +138,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
                   force: bool = False, progress: bool = True, permutation=None,
                   predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
-                  log: Callable[..., None] | None = None) -> mf.Manifest:
+                  order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
 
     predictors: "full" (profile the model on its own answers to the bundled prompts, or on
@@ -145,19 +148,23 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     each sparsity costs on the model's own text (the quality= table; with the sketch). profile_dir: keep the activation profile
     there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
+    order: on-disk neuron order of the sparse modes, "coact" (default), "freq" or "none" (GGUF
+    order); only with one neuron per block, no ``permutation`` and a sketch.
     Other arguments: see ``converters.convert``. Raises ConvertError.
     """
     if predictors not in PREDICTOR_CHOICES:
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
     from .sketch import TYPES as SKETCH_TYPES
 
+    if order not in ORDER_METHODS:
+        raise ConvertError(f"order must be one of {', '.join(ORDER_METHODS)}, got {order!r}")
     if sketch != "none" and sketch not in SKETCH_TYPES:
         raise ConvertError(f"sketch must be one of {', '.join(SKETCH_TYPES)} or none, got {sketch!r}")
     log = log or (lambda *a: print(*a, file=sys.stderr))
     out = Path(out_dir)
     check_out_dir_apart(Path(src), out)
     try:
-        return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation,
+        return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation, order=order,
                               predictors=predictors, sketch=sketch, calibrate=calibrate, profile_dir=profile_dir, calibration=calibration,
                               hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log)
     except OSError as e:
@@ -171,7 +178,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
         raise
 
 
-def _convert_model(src, out: Path, *, k, align, force, progress, permutation, predictors, sketch, calibrate, profile_dir, calibration,
+def _convert_model(src, out: Path, *, k, align, force, progress, permutation, order, predictors, sketch, calibrate, profile_dir, calibration,
                    hash_config, profile_kwargs, n_threads, log) -> mf.Manifest:
     # read: the source, its hash and the block geometry
     source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
@@ -194,12 +201,22 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
 
         params["predictors"] = training_settings(predictors, hash_config=hash_config, profile_kwargs=profile_kwargs,
                                                  calibration=_calibration_id(calibration))
+    # the order stage (the neuron order, and the hot set's ranking for leanstream without
+    # predictors): one neuron per block, no given order, a sketch
+    profile_order = k == 1 and permutation is None and sketch != "none"
+    if profile_order:
+        params["order"] = {"method": order, "calibration": _calibration_id(calibration)}
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("profile", "train", "write", "sketch", "calibrate") if state.done(s)]
+        done = [s for s in ("order", "profile", "train", "write", "sketch", "calibrate") if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
+
+    # order: neurons read together placed together (before anything is written in slot order)
+    block_freq = None
+    if profile_order:
+        source.orders, block_freq = _neuron_orders(source, state, order, calibration, n_threads, progress, log)
 
     predictor = None
     if predictors != "none":
@@ -218,7 +235,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     sketch_info = None
     if sketch != "none":
         sketch_info = write_sketches(source, out, type_name=sketch, weight=params["sketch"]["weight"],
-                                     progress=progress)
+                                     progress=progress, block_freq=block_freq)
         state.mark("sketch")
 
     m = make_manifest(source, out, entries, totals, predictor)
@@ -243,6 +260,34 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, pr
     if progress and kept and not resume:
         log(f"kept {kept} of {m.n_layer} block files already complete")
     return m
+
+
+def _neuron_orders(source, state: _State, method: str, calibration, n_threads: int, progress: bool, log):
+    """The order stage (converters/order.py); its result is kept in OUT/.convert/ for a resume."""
+    import numpy as np
+
+    from leanstream_ggml.engine import candidate_blocks
+
+    from .calibrate import TEXT
+    from .order import CANDIDATE_RATIO, SPARSITY, UnsupportedProfile, neuron_orders
+
+    path = state.dir / "order.npz"
+    if state.done("order"):
+        with np.load(path) as z:
+            return [z[f"l{il}"] for il in range(source.model.n_layer)], z["freq"] if "freq" in z else None
+    try:
+        orders, freq = neuron_orders(source.path, calibration or TEXT, method=method,
+                                     n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
+                                     n_threads=n_threads, progress=progress, log=log)
+    except UnsupportedProfile as e:
+        # (gemma3 names its FFN tensors differently) the model keeps GGUF order and no hot-set ranking
+        log(f"order: {e}; neurons stay in GGUF order")
+        orders, freq = source.orders, None
+    tmp = state.dir / "order.partial.npz"
+    np.savez(tmp, **({} if freq is None else {"freq": freq}), **{f"l{il}": o for il, o in enumerate(orders)})
+    tmp.replace(path)
+    state.mark("order")
+    return orders, freq
 
 
 def _blocks_of_layer(source):

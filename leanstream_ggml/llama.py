@@ -80,8 +80,12 @@ class Llama(llama_cpp.Llama):
         n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
             with the quick predictors 8 stages measured worse, see README).
         n_io_threads: I/O worker threads (reads in flight, 1..256, default 16).
+        bridge_bytes: read planning of the sparse modes: a read goes on through a gap of up to
+            this many bytes of unselected blocks (read and dropped) rather than start another
+            I/O; default: per-I/O time x bandwidth, measured on the block files at start; 0: never.
         hot_fraction: "powerinfer2" and "leanstream": share of the budget pinned for the blocks
-            most often active in calibration (default 0.5; 0 pins nothing).
+            most often active in calibration (default 0.5; leanstream without predictors 0.9;
+            0 pins nothing).
         verify_checksums: check every block's CRC-32C as it is read (default True; a mismatch
             raises LeanstreamError naming the file, layer and block). The other files of the
             model directory are checked against the manifest's checksums when it is opened.
@@ -94,7 +98,8 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str | None = None,
                  sparsity: float | None = None, quality: str | None = None, n_stages: int | None = None,
                  n_io_threads: int | None = None, hot_fraction: float | None = None, verify_checksums: bool = True,
-                 candidate_ratio: float | None = None, cache_bias: float | None = None, _manifest=None, **kwargs):
+                 candidate_ratio: float | None = None, cache_bias: float | None = None,
+                 bridge_bytes: int | None = None, _manifest=None, **kwargs):
         self._engine = None
         if quality is not None:
             if sparsity is not None:
@@ -107,7 +112,8 @@ class Llama(llama_cpp.Llama):
         # every parameter checked before anything is opened (ParameterError names the bad one)
         p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity, n_stages=n_stages,
                                  n_io_threads=n_io_threads, hot_fraction=hot_fraction,
-                                 candidate_ratio=candidate_ratio, cache_bias=cache_bias)
+                                 candidate_ratio=candidate_ratio, cache_bias=cache_bias,
+                                 bridge_bytes=bridge_bytes)
         mode = p["mode"]
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
@@ -134,6 +140,7 @@ class Llama(llama_cpp.Llama):
                                  f"{'' if mode == 'leanstream' else ' --predictors quick'}`) or use mode='dense'")
             if m.predictor_files():
                 predictor_paths = [m.resolve(path, f) for f in m.predictor_files()]
+            if m.predictor_files() or mode == "leanstream":
                 block_rank = self._block_rank(path)
             if mode == "leanstream" and m.sketch_files():
                 sketch_paths = [m.resolve(path, f) for f in m.sketch_files()]
@@ -148,7 +155,7 @@ class Llama(llama_cpp.Llama):
                                  predictor_paths=predictor_paths, hot_fraction=p["hot_fraction"],
                                  block_rank=block_rank, verify_checksums=verify_checksums,
                                  sketch_paths=sketch_paths, candidate_ratio=p["candidate_ratio"],
-                                 cache_bias=p["cache_bias"])
+                                 cache_bias=p["cache_bias"], bridge_bytes=p["bridge_bytes"])
         self._check_layers_match_manifest()
         self.mode, self.sparsity = mode, self._engine.sparsity
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
@@ -180,10 +187,13 @@ class Llama(llama_cpp.Llama):
                     f"(file: {have}, manifest: {want}); re-run `leanstream convert` with --force")
 
     def _block_rank(self, path: Path):
-        """The calibration frequencies of every block (predictor/block_freq.npy, [n_layer,
-        n_blocks] f32), checked, or None: the engine pins the best-ranked ones (the hot set of
-        powerinfer2 and leanstream). The predictors' per-block prior is most of what they know
-        (README: predictors), so the blocks a static hot set holds are hit by almost every token."""
+        """The calibration frequencies of every block (predictor/block_freq.npy, or without
+        predictors the order stage's sketch/block_freq.npy: [n_layer, n_blocks] f32), checked, or
+        None: the engine pins the best-ranked ones (the hot set of powerinfer2 and leanstream).
+        The predictors' per-block prior is most of what they know (README: predictors), so the
+        blocks a static hot set holds are hit by almost every token; without a hot set, a budget
+        below one token's reads is a cyclic scan that LRU evicts just before reuse (measured: no
+        cache hit at all on Qwen2.5-1.5B at 35 and 50 % budgets)."""
         import numpy as np
 
         m = self.manifest

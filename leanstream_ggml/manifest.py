@@ -164,6 +164,8 @@ class SketchInfo:
     weight: str                 # "one" (score |h|) or "down_norm" (score |h| * ||down column||)
     bytes: int                  # total size of the files
     quality: list[dict[str, float]] = field(default_factory=list)
+    block_freq: str | None = None  # "sketch/block_freq.npy": f32 [n_layer, n_blocks], how often each block
+                                   # was a candidate on the calibration text (the hot set's ranking)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,8 +183,11 @@ class SketchInfo:
                 isinstance(q, dict) and all(_type_ok(q.get(k), float) for k in ("sparsity", "ppl_ratio"))
                 for q in quality):
             raise ManifestError(f"{where}: quality must be a list of {{sparsity, ppl_ratio, ...}} objects")
+        freq = d.get("block_freq")
+        if freq is not None and not isinstance(freq, str):
+            raise ManifestError(f"{where}: block_freq must be a path or null")
         return cls(files=files, type=_get(d, "type", str, where), weight=weight,
-                   bytes=_get(d, "bytes", int, where), quality=list(quality))
+                   bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq)
 
 
 @dataclass
@@ -221,13 +226,17 @@ class Manifest:
         return list(self.sketch.files) if self.sketch else []
 
     def block_freq_file(self) -> str | None:
-        return self.predictor.block_freq if self.predictor else None
+        """The hot set's ranking: the predictors' calibration frequencies, else the sketch's."""
+        if self.predictor and self.predictor.block_freq:
+            return self.predictor.block_freq
+        return self.sketch.block_freq if self.sketch else None
 
     def checksummed_files(self) -> list[str]:
         """Every file the manifest names except the block files (which carry their own)."""
         out = [self.base.file] + self.predictor_files() + self.sketch_files()
-        if self.block_freq_file():
-            out.append(self.block_freq_file())
+        for info in (self.predictor, self.sketch):
+            if info is not None and info.block_freq:
+                out.append(info.block_freq)
         return out
 
     @staticmethod
@@ -391,6 +400,8 @@ class Manifest:
                 _check_rel(f, f"sketch.files[{i}]", bad)
             if len(set(files)) != len(files):
                 bad("sketch.files names a file twice")
+            if self.sketch.block_freq is not None:
+                _check_rel(self.sketch.block_freq, "sketch.block_freq", bad)
             if self.sketch.type != "ls2":
                 bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
         if not 0.0 <= self.totals.padding_waste < 1.0:
