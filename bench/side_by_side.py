@@ -31,7 +31,7 @@ where the weights are read from, not what is computed (dense streaming is checke
 below; a quantization's output does not depend on the page cache), so it holds at every limit. A LeanStream run under limit L gets ``memory_budget = L - reserve`` for its FFN weight
 cache, and no budget without a limit. The reserve (non-FFN weights, KV cache, compute buffers,
 Python) is measured: the same mode's charged peak (cgroup) without a limit minus the bytes its
-cache held, plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
+cache and its resident sketch/predictors held, plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
 
 Prints one JSON document; writes it to --out and the plot (decode tok/s vs memory limit, one
 line per system: the paper's Fig. 8) to --plot. Where cgroups are not writable it says so in the
@@ -115,10 +115,14 @@ def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | Non
     if fixed is not None:
         return fixed, "--reserve"
     if unlimited_run is not None:
-        cache = (unlimited_run.get("engine_total") or {}).get("cache_bytes")
+        eng = unlimited_run.get("engine_total") or {}
+        cache = eng.get("cache_bytes")
         peak, what = (charged_peak, "cgroup peak") if charged_peak else (unlimited_run.get("peak_rss_bytes"), "peak RSS")
         if cache is not None and peak:
-            return max(peak - int(cache), 0) + RESERVE_MARGIN, f"measured: unlimited {what} - cache_bytes + 32 MiB"
+            # memory_budget covers the cache and what the engine keeps resident (sketch, predictors)
+            held = int(cache) + int(eng.get("resident_bytes") or 0)
+            return (max(peak - held, 0) + RESERVE_MARGIN,
+                    f"measured: unlimited {what} - (cache_bytes + resident_bytes) + 32 MiB")
     from leanstream_ggml import manifest
 
     return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
