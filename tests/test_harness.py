@@ -356,6 +356,10 @@ def test_choose_reserve_from_an_unlimited_run(tmp_path):
     r, how = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}},
                                          charged_peak=450)
     assert r == 250 + side_by_side.RESERVE_MARGIN and "cgroup peak" in how
+    # the budget covers the resident sketch/predictors too: they are not part of the reserve
+    r, _ = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500,
+                                                        "engine_total": {"cache_bytes": 200, "resident_bytes": 120}})
+    assert r == 180 + side_by_side.RESERVE_MARGIN
 
 
 def test_private_copies(tmp_path):
