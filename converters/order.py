@@ -28,10 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .profile import UnsupportedProfile  # noqa: F401  (raised by profile_read_sets)
-
 METHODS = ("coact", "freq", "none")
-SPARSITY, CANDIDATE_RATIO = 0.5, 1.5   # leanstream mode's defaults (tests/test_order.py checks)
+SPARSITY, CANDIDATE_RATIO = 0.5, 1.5   # leanstream mode's defaults (tests/test_read_planning.py checks)
 DEFAULT_METHOD = "coact"
 N_CTX = 512            # tokens per profiled chunk (the first SKIP of each are not kept)
 SKIP = 16
@@ -126,8 +124,9 @@ def neuron_orders(src, text_path: str | Path, *, method: str, n_read_of, n_threa
         o = order_from_sets(m, method)
         orders.append(o)
         freqs.append(m.mean(axis=0, dtype=np.float64)[o].astype(np.float32))
-        before += runs(m, np.arange(m.shape[1]))
-        after += runs(m, o)
+        if progress:   # (the log line's figures only)
+            before += runs(m, np.arange(m.shape[1]))
+            after += runs(m, o)
     if progress and sets:
         log(f"order: {len(sets[0])} calibration tokens; runs of read neurons per token "
             f"{before:.0f} in GGUF order, {after:.0f} in {method} order (before read bridging)")

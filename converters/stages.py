@@ -269,7 +269,8 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
     from leanstream_ggml.engine import candidate_blocks
 
     from .calibrate import TEXT
-    from .order import CANDIDATE_RATIO, SPARSITY, UnsupportedProfile, neuron_orders
+    from .order import CANDIDATE_RATIO, SPARSITY, neuron_orders
+    from .profile import UnsupportedProfile
 
     path = state.dir / "order.npz"
     if state.done("order"):

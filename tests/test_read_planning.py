@@ -172,8 +172,6 @@ def test_converted_files_follow_the_order(smollm2_sketch_dir):
 def test_leanstream_pins_the_calibration_hot_set(smollm2_sketch_dir):
     """Without predictors, the order stage's calibration frequencies rank the hot set: a budget
     below one token's reads is otherwise a cyclic scan that LRU evicts just before reuse."""
-    import numpy as np
-
     from leanstream_ggml import Llama
 
     d = smollm2_sketch_dir
