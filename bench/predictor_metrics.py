@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def latency_us(path, repeats: int = 2000) -> float:
+    from converters.train.export import NativePredictor
     from leanstream_ggml._native import ffi
-    from leanstream_ggml.predictor import NativePredictor
 
     with NativePredictor(path) as c:
         x = ffi.new("float[]", np.random.default_rng(0).standard_normal(c.n_embd).astype(np.float32).tolist())
@@ -41,10 +41,9 @@ def latency_us(path, repeats: int = 2000) -> float:
 
 
 def check_exact(path) -> bool:
-    from leanstream_ggml import predictor as P
-    from leanstream_ggml.predictor import NativePredictor
+    from converters.train.export import NativePredictor, read_predictor
 
-    hdr, params = P.read_predictor(path)
+    hdr, params = read_predictor(path)
     x = np.random.default_rng(1).standard_normal((64, hdr["n_embd"])).astype(np.float32) * 3
     try:
         from converters.train.hashing import infer_params
@@ -56,7 +55,9 @@ def check_exact(path) -> bool:
 
 
 def one_model(model_dir: Path) -> dict:
-    s = json.loads((model_dir / "predictor" / "predictor.json").read_text())
+    from leanstream_ggml import manifest as mf
+
+    s = json.loads((model_dir / mf.PREDICTOR_SUMMARY).read_text())
     files = [model_dir / f for f in s["files"]]
     exact = all(check_exact(f) for f in files[:3])
     lat = [latency_us(f) for f in files[:: max(1, len(files) // 4)]]

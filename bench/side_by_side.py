@@ -147,7 +147,7 @@ def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None) -> Path
     log(f"converting {gguf} -> {out}")
     import converters
 
-    converters.convert(gguf, out)
+    converters.convert(gguf, out, sketch="none")
     return out
 
 

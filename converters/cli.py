@@ -35,8 +35,9 @@ def _fmt_bytes(n: float) -> str:
 
 def _usable(d: Path) -> bool:
     """A model directory this version can run: manifest, checksums and block file headers."""
-    from leanstream_ggml import blockfile
     from leanstream_ggml.manifest import ManifestError, load
+
+    from . import blockfile
 
     try:
         m = load(d)
@@ -68,18 +69,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"{out}: converted by another version of leanstream-ggml or damaged; converting it again",
                   file=sys.stderr)
             args.force = True
-    if args.predictors != "none":
+    if args.predictors not in (None, "none"):
         try:
             import torch  # noqa: F401
         except ImportError:
             print("leanstream convert: training the predictors needs torch (pip install 'leanstream-ggml[convert]'); "
                   "or convert with --predictors none for dense mode only", file=sys.stderr)
             return 1
+    # the options given, and for the others convert_model's defaults (the only place they are set)
+    given = {name: getattr(args, name) for name in _CONVERT_OPTIONS if getattr(args, name) is not None}
     t0 = time.perf_counter()
     try:
-        m = convert_model(src, out, k=args.k, align=args.align, force=args.force, progress=not args.quiet,
-                          predictors=args.predictors, sketch=args.sketch, calibrate=args.calibrate, order=args.order,
-                          profile_dir=args.profile_dir)
+        m = convert_model(src, out, force=args.force, progress=not args.quiet, **given)
     except ConvertError as e:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
@@ -87,7 +88,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
           f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}"
-          + (f"; {args.sketch} sketch ({_fmt_bytes(m.sketch.bytes)}, leanstream mode ready)" if m.sketch else "")
+          + (f"; {m.sketch.type} sketch ({_fmt_bytes(m.sketch.bytes)}, leanstream mode ready)" if m.sketch else "")
           + (f"; {m.n_layer} predictors ({_fmt_bytes(m.predictor.bytes)})" if m.predictor else ""))
     return 0
 
@@ -160,6 +161,10 @@ def _sparse_line(m, d: Path) -> str:
     return f"not ready: {why}; dense only. For leanstream mode convert the source again: {hint}"
 
 
+# convert options passed to convert_model only when given (their parsers' default is None)
+_CONVERT_OPTIONS = ("k", "align", "profile_dir", "sketch", "order", "calibrate", "predictors")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert a GGUF model into a LeanStream model directory",
@@ -172,7 +177,7 @@ def register(subparsers) -> None:
                    help="GGUF file or known model name (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("out_dir", nargs="?", default=None,
                    help="output directory (default: next to the model, with suffix .lsm)")
-    p.add_argument("--k", type=int, default=1, help="neurons per block (default 1)")
+    p.add_argument("--k", type=int, default=None, help="neurons per block (default 1)")
     p.add_argument("--align", type=int, default=None,
                    help="block alignment in bytes (default: logical block size of the output device, >= 512)")
     p.add_argument("--force", action="store_true", help="overwrite an existing conversion in OUT_DIR")
@@ -180,16 +185,16 @@ def register(subparsers) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="keep the activation profile here (reused if complete, resumable; default: inside "
                         "OUT_DIR/.convert/, removed when the conversion is complete)")
-    p.add_argument("--sketch", choices=["ls2", "none"], default="ls2",
+    p.add_argument("--sketch", choices=["ls2", "none"], default=None,
                    help="write the 2-bit gate/up sketch leanstream mode selects from each layer's own input "
                         "with (default ls2; none: dense mode only, unless predictors are trained)")
-    p.add_argument("--order", choices=["coact", "freq", "none"], default="coact",
+    p.add_argument("--order", choices=["coact", "freq", "none"], default=None,
                    help="on-disk order of each layer's neurons for the sparse modes: neurons read together "
                         "placed together (coact, default), most often read first (freq), or as in the GGUF (none)")
-    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                    help="with the sketch: measure what each sparsity costs on the model's own answers (the "
                         "table quality='ppl+5%%' chooses from; about a minute for a 1.5B model)")
-    p.add_argument("--predictors", choices=["none", "quick", "full"], default="none",
+    p.add_argument("--predictors", choices=["none", "quick", "full"], default=None,
                    help="also profile the model and train layer-ahead predictors: the baselines' (oneshot, "
                         "dejavu+, powerinfer2) selection and leanstream's prefetch (default none; quick: "
                         "CI-sized; full: about an hour on 2 cores for a 1.5B model)")

@@ -1,7 +1,4 @@
-"""The read and write stages of the converter (the driver is ``stages.py``).
-
-    from converters import convert
-    manifest = convert("model.gguf", "model.lsm", k=1)     # dense-only conversion
+"""The read and write stages of the converter (the driver is ``stages.py``: ``converters.convert``).
 
 Reads the source with gguf-py (memory-mapped, read-only; the source is never modified) and writes
 
@@ -9,11 +6,11 @@ Reads the source with gguf-py (memory-mapped, read-only; the source is never mod
                                leanstream.ffn_external = true (the patched llama.cpp then treats
                                ffn_gate/ffn_up/ffn_down as optional), leanstream.format_version,
                                leanstream.source_sha256
-    OUT_DIR/ffn/blk.<il>.bin   per layer: neuron blocks (format: native/include/leanstream.h,
-                               leanstream_ggml/blockfile.py)
+    OUT_DIR/ffn/blk.<il>.bin   per layer: neuron blocks (format: docs/formats.md; converters/blockfile.py)
 
 Every file is written under a temporary name and renamed; a block file already complete from an
-interrupted run is kept. The manifest (written last, by the driver) is built by ``make_manifest``.
+interrupted run is kept. The manifest (written last, by the driver) is built by ``make_manifest``
+and written by ``save_manifest``.
 """
 
 from __future__ import annotations
@@ -24,19 +21,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from leanstream_ggml import manifest as mf
+from leanstream_ggml.checksum import crc32c_rows
 
-from leanstream_ggml import blockfile
-from leanstream_ggml.fileio import PARTIAL, atomic_writer, fsync_dir, sha256_file
-
+from . import blockfile
+from .fileio import PARTIAL, atomic_write_text, atomic_writer, fsync_dir, sha256_file
 from .validate import check_tensors
 
-BASE_NAME = "base.gguf"
-FFN_DIR = "ffn"
 # gated FFN down(act(gate x) * up x), by architecture: the activation its llama.cpp graph uses
 ACTIVATION_OF_ARCH = mf.ARCH_ACTIVATION   # the contract's table (leanstream_ggml/manifest.py)
 SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
@@ -290,7 +285,7 @@ def pack_blocks(gate_rows: np.ndarray, up_rows: np.ndarray, down_cols: np.ndarra
 
 
 def _write_layer(path: Path, h: blockfile.BlockHeader, slots: np.ndarray, blocks: np.ndarray) -> None:
-    h, meta = blockfile.pack_meta(h, slots, blockfile.block_checksums(blocks))
+    h, meta = blockfile.pack_meta(h, slots, crc32c_rows(blocks))
     with atomic_writer(path, durable=False) as f:          # the folder is synced once, after all layers
         f.write(meta)                                         # header, perm and checksum tables
         f.write(memoryview(blocks).cast("B"))
@@ -399,7 +394,7 @@ def check_out_dir_apart(src: Path, out: Path) -> None:
 
 def remove_partials(out: Path) -> None:
     """Files left half-written by a failed conversion (disk full, interrupted, ...)."""
-    for d in (out, out / FFN_DIR):
+    for d in (out, out / mf.FFN_DIR):
         try:
             for p in d.glob("*" + PARTIAL):
                 p.unlink(missing_ok=True)
@@ -489,8 +484,8 @@ def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[li
 
     model, k, align = source.model, source.k, source.align
     n_embd, n_ff = model.n_embd, model.n_ff
-    (out / FFN_DIR).mkdir(exist_ok=True)
-    base = out / BASE_NAME
+    (out / mf.FFN_DIR).mkdir(exist_ok=True)
+    base = out / mf.BASE_NAME
     if not base.exists():
         write_base(model, base, source.sha256)
     entries, kept = [], 0
@@ -507,7 +502,7 @@ def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[li
             align=align, gate_row_bytes=gate_rows.shape[1], up_row_bytes=up_rows.shape[1],
             down_col_bytes=col_bytes)
         slots = source.slots(il)
-        rel = f"{FFN_DIR}/blk.{il}.bin"
+        rel = mf.BLOCK_FILE.format(il=il)
         path = out / rel
         if _layer_done(path, h, slots):
             kept += 1
@@ -526,7 +521,7 @@ def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[li
         region += h.n_blocks * h.block_stride
         pad += h.n_blocks * h.block_stride - n_ff * (h.gate_row_bytes + h.up_row_bytes + h.down_col_bytes)
         on_disk += h.file_size
-    fsync_dir(out / FFN_DIR)                 # the renames above are durable before the manifest
+    fsync_dir(out / mf.FFN_DIR)              # the renames above are durable before the manifest
     totals = mf.Totals(ffn_bytes_source=ffn_src, ffn_bytes_on_disk=on_disk, padding_bytes=pad,
                        padding_waste=pad / region)
     return entries, totals, kept
@@ -540,24 +535,16 @@ def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], total
         architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,
         activation=ACTIVATION_OF_ARCH[model.arch], block=mf.BlockGeometry(k=source.k, align=source.align),
         layers=entries,
-        totals=totals, base=mf.BaseInfo(file=BASE_NAME, size=(out / BASE_NAME).stat().st_size),
+        totals=totals, base=mf.BaseInfo(file=mf.BASE_NAME, size=(out / mf.BASE_NAME).stat().st_size),
         predictor=predictor)
 
 
-def convert(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
-            force: bool = False, progress: bool = True,
-            permutation: Sequence[int] | Sequence[Sequence[int]] | Mapping[int, Sequence[int]] | None = None,
-            ) -> mf.Manifest:
-    """Convert GGUF ``src`` into the model directory ``out_dir`` for dense mode (no predictors);
-    returns its Manifest. The staged pipeline with predictors is ``converters.stages.convert_model``.
+def save_manifest(manifest: mf.Manifest, model_dir: str | os.PathLike) -> Path:
+    """Write ``manifest.json`` atomically (temporary name, fsync, rename), after recording the
+    checksums of the files it names (base.gguf, sketch and predictor files) as they are now."""
+    manifest.validate()
+    manifest.record_checksums(model_dir)
+    path = Path(model_dir) / mf.MANIFEST_NAME
+    atomic_write_text(path, manifest.to_json())
+    return path
 
-    k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of
-    the device holding out_dir, at least 512). force: overwrite a directory holding another or a
-    complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
-    identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
-    when the source ffn_down is quantized (see ``down_columns`` for why). Raises ConvertError.
-    """
-    from .stages import convert_model
-
-    return convert_model(src, out_dir, k=k, align=align, force=force, progress=progress,
-                         permutation=permutation, predictors="none", sketch="none")

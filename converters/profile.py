@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from leanstream_ggml.fileio import atomic_write_json, atomic_writer
-
 from ._faults import kill_point
+from .fileio import atomic_write_json, atomic_writer
 
 KINDS = {"ffn_inp": "x", "ffn_norm": "xn", "ffn_swiglu": "a"}
 _NAME = re.compile(rb"^(ffn_inp|ffn_norm|ffn_swiglu)-(\d+)$")

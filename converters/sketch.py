@@ -1,29 +1,157 @@
 """The sketch stage: a low-bit copy of every layer's gate and up rows (leanstream mode's
-exact-input scorer), written to ``sketch/blk.<il>.lssk`` in the block files' slot order.
+exact-input scorer), written to ``sketch/blk.<il>.lssk`` in the block files' slot order; and the
+sketch file (format version 1) and its LS2 rows, as the converter writes and reads them back.
+The format is specified in docs/formats.md; the engine reads the files itself (native/src/sketch.c).
 
-No training: the rows are dequantized with gguf-py and re-quantized to the 2-bit LS2 rows
-(leanstream_ggml/sketch.py), so a conversion is ready for sparse decode in the time it takes to
-read the FFN once. Resumable per layer: a complete file
+No training: the rows are dequantized with gguf-py and re-quantized to 2-bit LS2 rows (4
+symmetric levels, one f16 scale per 32 values, 2.5 bits per value), so a conversion is ready for
+sparse decode in the time it takes to read the FFN once. Resumable per layer: a complete file
 from an interrupted run is kept.
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from leanstream_ggml import manifest as mf
-from leanstream_ggml import sketch as skf
-from leanstream_ggml.fileio import atomic_writer, fsync_dir
+from leanstream_ggml.checksum import crc32c
 
-SKETCH_DIR = "sketch"
-BLOCK_FREQ_NAME = "block_freq.npy"
+from .fileio import atomic_writer, fsync_dir
+
 DEFAULT_TYPE = "ls2"
 TYPES = ("ls2",)          # what --sketch accepts ("none": no sketch)
 WEIGHTS = ("one", "down_norm")
 DEFAULT_WEIGHT = "one"    # ranking by |h| alone measured as good or better (docs/design.md §12)
 
+# ---- the sketch file (docs/formats.md) -----------------------------------------------------------
+
+LS2 = 1               # LS_SKETCH_LS2: the row format
+MAGIC = b"LSSKETCH"
+VERSION = 1
+HEADER_BYTES = 4096
+_FMT = "<8sIIQQiIQQQQQII"     # magic .. meta_crc, 88 bytes
+assert struct.calcsize(_FMT) == 88
+META_CRC_OFFSET = 84
+
+
+class SketchFileError(ValueError):
+    pass
+
+
+@dataclass
+class SketchHeader:
+    magic: bytes
+    version: int
+    il: int
+    n_embd: int
+    n_rows: int          # n_blocks * k (block file slot order)
+    type: int            # the row format (LS2)
+    k: int
+    row_bytes: int
+    gate_offset: int     # 4096
+    up_offset: int
+    norm_offset: int     # f32 weight[n_rows]
+    file_size: int
+    data_crc: int = 0    # CRC-32C of [gate_offset, file_size)
+    meta_crc: int = 0    # CRC-32C of [0, 4096) with this field zero
+
+    def pack(self) -> bytes:
+        return struct.pack(_FMT, *astuple(self)).ljust(HEADER_BYTES, b"\0")
+
+    @classmethod
+    def unpack(cls, buf: bytes, where: str = "sketch file") -> SketchHeader:
+        if len(buf) < HEADER_BYTES:
+            raise SketchFileError(f"{where}: too short for a sketch file header")
+        h = cls(*struct.unpack_from(_FMT, buf))
+        if h.magic != MAGIC:
+            raise SketchFileError(f"{where}: bad magic {h.magic!r} (not a LeanStream sketch file)")
+        if h.version != VERSION:
+            raise SketchFileError(f"{where}: sketch file version {h.version}, expected {VERSION}")
+        zeroed = bytearray(buf[:HEADER_BYTES])
+        zeroed[META_CRC_OFFSET:META_CRC_OFFSET + 4] = b"\0\0\0\0"
+        if crc32c(bytes(zeroed)) != h.meta_crc:
+            raise SketchFileError(f"{where}: header checksum mismatch (corrupt file)")
+        return h
+
+
+def make_file(il: int, n_embd: int, k: int, type_id: int, gate: np.ndarray, up: np.ndarray,
+              weight: np.ndarray) -> bytes:
+    """The bytes of a sketch file: gate/up uint8 [n_rows, row_bytes] (quantized rows in slot
+    order, zero rows for padding slots), weight f32 [n_rows]."""
+    n_rows, row_bytes = gate.shape
+    assert up.shape == gate.shape and weight.shape == (n_rows,)
+    body = gate.tobytes() + up.tobytes() + np.asarray(weight, dtype="<f4").tobytes()
+    go = HEADER_BYTES
+    uo = go + n_rows * row_bytes
+    no = uo + n_rows * row_bytes
+    h = SketchHeader(MAGIC, VERSION, il, n_embd, n_rows, type_id, k, row_bytes, go, uo, no, no + 4 * n_rows,
+                     data_crc=crc32c(body))
+    h.meta_crc = crc32c(h.pack())
+    return h.pack() + body
+
+
+def read(path) -> tuple[SketchHeader, np.ndarray, np.ndarray, np.ndarray]:
+    """(header, gate rows uint8 [n_rows, row_bytes], up rows, weight f32 [n_rows]), checked."""
+    data = open(path, "rb").read()
+    h = SketchHeader.unpack(data, str(path))
+    if len(data) != h.file_size or h.norm_offset + 4 * h.n_rows != h.file_size:
+        raise SketchFileError(f"{path}: {len(data)} bytes, header says {h.file_size}: truncated or corrupt")
+    if crc32c(data[h.gate_offset:]) != h.data_crc:
+        raise SketchFileError(f"{path}: data checksum mismatch (corrupt file)")
+    rb, n = h.row_bytes, h.n_rows
+    gate = np.frombuffer(data, np.uint8, n * rb, h.gate_offset).reshape(n, rb)
+    up = np.frombuffer(data, np.uint8, n * rb, h.up_offset).reshape(n, rb)
+    weight = np.frombuffer(data, "<f4", n, h.norm_offset)
+    return h, gate, up, weight
+
+
+# ---- LS2 rows ------------------------------------------------------------------------------------
+
+_SCALE_TRIALS = np.linspace(0.35, 1.0, 27, dtype=np.float32)   # d = f * max|w| / 1.5
+
+
+def row_bytes(n_embd: int) -> int:
+    return n_embd * 5 // 16
+
+
+def _codes(w: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Nearest level (code - 1.5) * d for every value: code = clip(floor(w / d + 2), 0, 3)."""
+    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d > 0)
+    return np.clip(np.floor(w * inv + 2.0), 0, 3).astype(np.uint8)
+
+
+def quantize_rows(w: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """uint8 [n_rows, row_bytes] LS2 rows of f32 w [n_rows, n_embd] (n_embd a multiple of 64).
+    Each group of 32 values takes the scale, among a grid of trials, with the least squared error."""
+    w = np.asarray(w, np.float32)
+    n_rows, n = w.shape
+    if n % 64:
+        raise ValueError(f"LS2 sketch rows need n_embd a multiple of 64, got {n}")
+    out = np.empty((n_rows, row_bytes(n)), np.uint8)
+    for r0 in range(0, n_rows, chunk):
+        g = w[r0:r0 + chunk].reshape(-1, n // 32, 32)                   # [r, G, 32]
+        amax = np.abs(g).max(-1, keepdims=True) / 1.5
+        best_err = np.full(amax.shape, np.inf, np.float32)
+        best_d = np.zeros_like(amax)
+        for f in _SCALE_TRIALS:
+            d = (amax * f).astype(np.float16).astype(np.float32)
+            v = (_codes(g, d).astype(np.float32) - 1.5) * d
+            err = ((g - v) ** 2).sum(-1, keepdims=True)
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_d = np.where(better, d, best_d)
+        u = _codes(g, best_d).reshape(len(g), n // 64, 4, 16)            # [r, chunk, quarter, j]
+        packed = u[:, :, 0] | (u[:, :, 1] << 2) | (u[:, :, 2] << 4) | (u[:, :, 3] << 6)
+        out[r0:r0 + len(g), : n // 16] = best_d.reshape(len(g), -1).astype("<f2").view(np.uint8)
+        out[r0:r0 + len(g), n // 16:] = packed.reshape(len(g), -1)
+    return out
+
+
+# ---- the stage -----------------------------------------------------------------------------------
 
 def _dequantized_rows(t, n_rows: int) -> np.ndarray:
     import gguf
@@ -38,22 +166,22 @@ def _layer_sketch(layer, slots: np.ndarray, n_embd: int, n_ff: int, k: int, weig
     for t in (layer.gate, layer.up):
         rows = _dequantized_rows(t, n_ff)[idx]         # f32 [n_rows, n_embd], slot order
         rows[pad] = 0.0
-        parts.append(skf.quantize_rows(rows))
+        parts.append(quantize_rows(rows))
     if weight == "down_norm":
         down = _dequantized_rows(layer.down, n_embd)   # [n_embd, n_ff]
         w = np.linalg.norm(down, axis=0)[idx].astype(np.float32)
     else:
         w = np.ones(len(slots), dtype=np.float32)
     w[pad] = 0.0
-    return skf.make_file(layer.il, n_embd, k, skf.LS2, parts[0], parts[1], w)
+    return make_file(layer.il, n_embd, k, LS2, parts[0], parts[1], w)
 
 
 def _complete(path: Path, il: int, n_rows: int) -> bool:
     try:
-        h, *_ = skf.read(path)
+        h, *_ = read(path)
     except (OSError, ValueError):
         return False
-    return h.il == il and h.n_rows == n_rows and h.type == skf.LS2
+    return h.il == il and h.n_rows == n_rows and h.type == LS2
 
 
 def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: str = DEFAULT_WEIGHT,
@@ -70,10 +198,10 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
     if model.n_embd % 64:
         raise ValueError(f"the {type_name} sketch needs n_embd a multiple of 64, this model has {model.n_embd}; "
                          f"convert with --sketch none (dense mode) or with predictors")
-    (out / SKETCH_DIR).mkdir(exist_ok=True)
+    (out / mf.SKETCH_DIR).mkdir(exist_ok=True)
     files, total = [], 0
     for layer in tqdm(model.layers, desc=f"writing {type_name} sketches", unit="layer", disable=not progress):
-        rel = f"{SKETCH_DIR}/blk.{layer.il}.lssk"
+        rel = mf.SKETCH_FILE.format(il=layer.il)
         path = out / rel
         slots = source.slots(layer.il)
         if not _complete(path, layer.il, len(slots)):
@@ -84,8 +212,8 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
         total += path.stat().st_size
     freq_rel = None
     if block_freq is not None:
-        freq_rel = f"{SKETCH_DIR}/{BLOCK_FREQ_NAME}"
+        freq_rel = mf.SKETCH_BLOCK_FREQ
         with atomic_writer(out / freq_rel, durable=False) as f:
             np.save(f, np.ascontiguousarray(block_freq, dtype=np.float32), allow_pickle=False)
-    fsync_dir(out / SKETCH_DIR)
+    fsync_dir(out / mf.SKETCH_DIR)
     return mf.SketchInfo(files=files, type=type_name, weight=weight, bytes=total, block_freq=freq_rel)

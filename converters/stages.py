@@ -1,7 +1,7 @@
 """The converter: GGUF -> model directory, as a pipeline of restartable stages.
 
-    from converters.stages import convert_model
-    m = convert_model("model.gguf", "model.lsm")                        # -> Manifest
+    from converters import convert                 # = converters.stages.convert_model
+    m = convert("model.gguf", "model.lsm")         # -> Manifest; what `leanstream convert` runs
 
     read      open and check the source, its sha256, the block geometry (k, align, neuron order)
     order     (with the sketch, k = 1) how often each neuron is read on the calibration text, and
@@ -35,16 +35,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from leanstream_ggml import manifest as mf
-from leanstream_ggml.fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 
+from .convert_gguf import (PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest, read_source,
+                           remove_partials, save_manifest, write_model)
+from .fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 from .order import DEFAULT_METHOD as DEFAULT_ORDER, METHODS as ORDER_METHODS
-from .sketch import DEFAULT_TYPE as DEFAULT_SKETCH, SKETCH_DIR, write_sketches
-from .convert_gguf import (BASE_NAME, FFN_DIR, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest,
-                           read_source, remove_partials, write_model)
+from .sketch import DEFAULT_TYPE as DEFAULT_SKETCH, write_sketches
 
-STATE_DIR = ".convert"
+STATE_DIR = ".convert"     # the converter's own state while a conversion is unfinished
 STATE_NAME = "state.json"
-PREDICTOR_DIR = "predictor"
 PREDICTOR_CHOICES = ("full", "quick", "none")
 
 
@@ -85,13 +84,12 @@ def _clean_outputs(out: Path) -> None:
     never looks complete while it is being rewritten."""
     (out / mf.MANIFEST_NAME).unlink(missing_ok=True)
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
-    shutil.rmtree(out / PREDICTOR_DIR, ignore_errors=True)
-    shutil.rmtree(out / SKETCH_DIR, ignore_errors=True)
-    for name in (BASE_NAME, BASE_NAME + PARTIAL, mf.MANIFEST_NAME + PARTIAL, ".convert-state.json"):
+    shutil.rmtree(out / mf.PREDICTOR_DIR, ignore_errors=True)
+    shutil.rmtree(out / mf.SKETCH_DIR, ignore_errors=True)
+    for name in (mf.BASE_NAME, mf.BASE_NAME + PARTIAL, mf.MANIFEST_NAME + PARTIAL, ".convert-state.json"):
         (out / name).unlink(missing_ok=True)
-    ffn = out / FFN_DIR
-    if ffn.is_dir():
-        for p in ffn.glob("blk.*.bin*"):
+    if (out / mf.FFN_DIR).is_dir():
+        for p in out.glob(mf.BLOCK_FILE.format(il="*") + "*"):
             p.unlink()
 
 
@@ -121,7 +119,7 @@ def _prepare_out_dir(out: Path, params: dict, force: bool) -> bool:
             resume = True
     if not resume:
         state.start(params)
-    for folder in (out, out / FFN_DIR, out / PREDICTOR_DIR, out / SKETCH_DIR):
+    for folder in (out, out / mf.FFN_DIR, out / mf.PREDICTOR_DIR, out / mf.SKETCH_DIR):
         if folder.is_dir():
             for p in folder.glob("*" + PARTIAL):
                 p.unlink()   # left by an interrupted write
@@ -139,8 +137,14 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
                   predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
                   order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None) -> mf.Manifest:
-    """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest.
+    """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest. The
+    defaults are `leanstream convert`'s (converters/cli.py passes only what its user gives).
 
+    k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of
+    the device holding out_dir, at least 512). force: overwrite a directory holding another or a
+    complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
+    identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
+    when the source ffn_down is quantized (see ``convert_gguf.down_columns`` for why).
     predictors: "full" (profile the model on its own answers to the bundled prompts, or on
     ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
     training) or "none" (default: no training). sketch: the sketch row format ("ls2", default)
@@ -149,8 +153,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
     order: on-disk neuron order of the sparse modes, "coact" (default), "freq" or "none" (GGUF
-    order); only with one neuron per block, no ``permutation`` and a sketch.
-    Other arguments: see ``converters.convert``. Raises ConvertError.
+    order); only with one neuron per block, no ``permutation`` and a sketch. Raises ConvertError.
     """
     if predictors not in PREDICTOR_CHOICES:
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
@@ -255,7 +258,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
 
     # manifest: once, last
     fsync_dir(out)
-    mf.save(m, out)
+    save_manifest(m, out)
     state.remove()
     if progress and kept and not resume:
         log(f"kept {kept} of {m.n_layer} block files already complete")

@@ -1,7 +1,7 @@
 """Checksums of a model directory (standard library and numpy only; never the native library).
 
 - CRC-32C (Castagnoli) of every neuron block and of each block file's tables: the format is in
-  native/include/leanstream.h; the engine verifies blocks on every read with SSE4.2
+  docs/formats.md; the engine verifies blocks on every read with SSE4.2
   (native/src/checksum.c). ``crc32c`` here is the byte-at-a-time reference the tests compare
   the C code to; ``crc32c_rows`` computes one CRC per row of a uint8 matrix with numpy, fast
   enough for the converter (it runs across all rows at once).

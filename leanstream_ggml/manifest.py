@@ -8,23 +8,31 @@ only. Importing it costs nothing: standard library only (no gguf, numpy, torch o
     m.layer_path("model.lsm", 3)              # .../ffn/blk.3.bin
     m.layers[3].block_stride                  # bytes of one block of k neurons on disk
 
-Layout of a model directory::
+Layout of a model directory (every name is spelled here, in the constants below, and nowhere
+else; the file formats are in docs/formats.md)::
 
-    manifest.json      this contract; written last by the converter (its presence = complete)
-    base.gguf          the source GGUF without ffn_gate/ffn_up/ffn_down (+ leanstream.* keys)
-    ffn/blk.<il>.bin   one block file per layer (format: native/include/leanstream.h)
-    sketch/blk.<il>.lssk  (optional, ``sketch``) low-bit gate/up rows: leanstream's exact-input scorer
-    predictor/ ...     (optional, described by the ``predictor`` field)
+    MANIFEST_NAME         manifest.json              this contract; written last (its presence = complete)
+    BASE_NAME             base.gguf                  the source without its FFN tensors (+ leanstream.* keys)
+    BLOCK_FILE            ffn/blk.<il>.bin           one block file per layer
+    SKETCH_FILE           sketch/blk.<il>.lssk       (``sketch``) leanstream's exact-input scorer
+    SKETCH_BLOCK_FREQ     sketch/block_freq.npy      (``sketch.block_freq``) the order stage's block ranking
+    PREDICTOR_FILE        predictor/blk.<il>.lspred  (``predictor``) one predictor per layer
+    PREDICTOR_BLOCK_FREQ  predictor/block_freq.npy   (``predictor.block_freq``) the training's block ranking
+    PREDICTOR_SUMMARY     predictor/predictor.json   (``predictor.summary``) training settings and metrics
+
+The sketch and predictor files are optional. The runtime finds every file through the paths the
+manifest records; the names above are what the converter writes.
 
 Integrity: block files carry their own checksums (a CRC-32C per block and of their tables);
-every other file the manifest names (base.gguf, predictor files) has its zlib CRC-32 in
-``checksums`` ({relative path: "crc32:<8 hex digits>"}), recorded by ``save`` from the files as
-they are when the manifest is written. ``check_checksums`` verifies them (the runtime does so
-when it opens a model). Every path is relative and must resolve, symlinks followed, to a regular
-file inside the model directory (``resolve``).
+base.gguf, the sketch and predictor files and the block frequencies (``checksummed_files``)
+have their zlib CRC-32 in ``checksums`` ({relative path: "crc32:<8 hex digits>"}), recorded by
+``record_checksums`` (the converter calls it when it writes the manifest) from the files as they
+are then. ``check_checksums`` verifies them (the runtime does so when it opens a model). Every
+path is relative and must resolve, symlinks followed, to a regular file inside the model
+directory (``resolve``).
 
 Sizes are bytes. Type names are ggml's (``ggml_type_name``: "f32", "f16", "q4_0", "q4_K", ...);
-``ggml_type_id`` maps them to ``enum ggml_type``.
+``GGML_TYPE_IDS`` maps them to ``enum ggml_type``.
 
 Totals: ``ffn_bytes_source`` = bytes of the three FFN tensors in the source GGUF;
 ``ffn_bytes_on_disk`` = sum of the block files' sizes (headers included);
@@ -44,13 +52,25 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .fileio import atomic_write_text
-
 FORMAT = "leanstream-model"
 FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20
-HEADER_BYTES = 4096  # block file header; perm table starts here (leanstream.h)
+HEADER_BYTES = 4096  # block file header; perm table starts here (docs/formats.md)
+
+# ---- the model directory's files: their names, relative to the directory ('/'-separated, as the
+# manifest records them); per-layer names take .format(il=<layer index>)
+MANIFEST_NAME = "manifest.json"
+BASE_NAME = "base.gguf"
+FFN_DIR = "ffn"
+SKETCH_DIR = "sketch"
+PREDICTOR_DIR = "predictor"
+BLOCK_FILE = FFN_DIR + "/blk.{il}.bin"
+SKETCH_FILE = SKETCH_DIR + "/blk.{il}.lssk"
+PREDICTOR_FILE = PREDICTOR_DIR + "/blk.{il}.lspred"
+BLOCK_FREQ_NAME = "block_freq.npy"
+SKETCH_BLOCK_FREQ = SKETCH_DIR + "/" + BLOCK_FREQ_NAME
+PREDICTOR_BLOCK_FREQ = PREDICTOR_DIR + "/" + BLOCK_FREQ_NAME
+PREDICTOR_SUMMARY = PREDICTOR_DIR + "/predictor.json"
 
 # enum ggml_type values of ggml's type names (ggml.h); only what a model directory may hold
 GGML_TYPE_IDS = {
@@ -67,13 +87,6 @@ ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
 
 class ManifestError(ValueError):
     """A model directory is missing, incomplete, malformed or of another format version."""
-
-
-def ggml_type_id(name: str) -> int:
-    try:
-        return GGML_TYPE_IDS[name]
-    except KeyError:
-        raise ManifestError(f"unknown ggml type name {name!r}") from None
 
 
 @dataclass
@@ -121,7 +134,7 @@ class BaseInfo:
 class PredictorInfo:
     """The sparse modes' predictors (written by the converter's train stage)."""
     files: list[str]            # one per layer, in layer order: "predictor/blk.<il>.lspred"
-    version: int                # predictor file format version (leanstream_ggml/predictor.py)
+    version: int                # predictor file format version (docs/formats.md)
     bytes: int                  # total size of the files
     block_freq: str | None = None  # "predictor/block_freq.npy": f32 [n_layer, n_blocks], how often each
                                    # block was in the calibration top half (the hot set's ranking)
@@ -156,11 +169,11 @@ class PredictorInfo:
 @dataclass
 class SketchInfo:
     """leanstream mode's exact-input scorer: a low-bit copy of every gate/up row (converter's
-    sketch stage; file format in native/src/sketch.c), and the quality calibration of the sparse
+    sketch stage; file format in docs/formats.md), and the quality calibration of the sparse
     decode on the converter's own text (``quality``: [{"sparsity", "ppl_ratio", "agreement"}], the
     table ``quality=`` chooses the sparsity from; empty if not calibrated)."""
     files: list[str]            # one per layer, in layer order: "sketch/blk.<il>.lssk"
-    type: str                   # row format: "ls2" (leanstream_ggml/sketch.py)
+    type: str                   # row format: "ls2" (docs/formats.md)
     weight: str                 # "one" (score |h|) or "down_norm" (score |h| * ||down column||)
     bytes: int                  # total size of the files
     quality: list[dict[str, float]] = field(default_factory=list)
@@ -190,6 +203,22 @@ class SketchInfo:
                    bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq)
 
 
+class ModeFilesError(ValueError):
+    """A sparse mode cannot run on this model directory: ``reason`` says what it lacks."""
+
+    def __init__(self, mode: str, reason: str, fix: str):
+        super().__init__(f"mode={mode!r} {reason}: {fix}")
+        self.mode, self.reason = mode, reason
+
+
+@dataclass(frozen=True)
+class ModeFiles:
+    """What one sparse mode reads from a model directory (relative paths; empty: not used)."""
+    sketches: list[str]
+    predictors: list[str]
+    block_freq: str | None
+
+
 @dataclass
 class Manifest:
     source: SourceInfo
@@ -204,7 +233,7 @@ class Manifest:
     base: BaseInfo
     predictor: PredictorInfo | None = None    # the sparse modes' predictors, if trained
     sketch: SketchInfo | None = None          # leanstream's exact-input scorer, if written
-    checksums: dict[str, str] = field(default_factory=dict)  # relative path -> "crc32:<hex>" (save)
+    checksums: dict[str, str] = field(default_factory=dict)  # relative path -> "crc32:<hex>" (record_checksums)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
     # top-level keys this version does not know, kept so a rewrite does not drop them
@@ -246,27 +275,51 @@ class Manifest:
         return resolve_inside(model_dir, rel)
 
     # ---- what the sparse modes need -------------------------------------------------------
-    def sparse_modes(self, model_dir: str | os.PathLike) -> tuple[list[str], str | None]:
-        """(sparse modes this directory can run, why the others cannot or None). The modes
-        need one predictor file per layer; powerinfer2 also the calibration block frequencies
-        (leanstream pins them when present)."""
+    def mode_files(self, model_dir: str | os.PathLike, uses: frozenset[str], mode: str) -> ModeFiles:
+        """The files of this directory a sparse mode reads, given what it uses (the engine's mode
+        table, ``_native.mode_uses(mode)``): its sketch and predictor files where it uses them and
+        all are present, the block frequencies where it ranks a hot set and they are present.
+        ModeFilesError (a ValueError) saying what is missing and how to get it when the mode has
+        none of the selectors it uses, or lacks a ranking it needs."""
         d = Path(model_dir)
-        sketch = self.sketch_files()
-        sketch_ok = bool(sketch) and all((d / f).is_file() for f in sketch)
-        with_sketch = ["leanstream"] if sketch_ok else []
-        files = self.predictor_files()
-        if not files:
-            if sketch_ok:
-                return with_sketch, ("oneshot, dejavu+ and powerinfer2 need predictors "
-                                     "(convert with --predictors quick or full)")
+
+        def present(files: list[str]) -> bool:
+            return bool(files) and all((d / f).is_file() for f in files)
+
+        sketches = self.sketch_files() if "sketch" in uses and present(self.sketch_files()) else []
+        predictors = self.predictor_files() if "predictors" in uses and present(self.predictor_files()) else []
+        freq = self.block_freq_file() if "rank" in uses else None
+        freq = freq if freq and (d / freq).is_file() else None
+        if not sketches and not predictors:
+            missing = next((f for f in self.predictor_files() if not (d / f).is_file()), None)
+            reason = (f"needs predictors (predictor file {missing} is missing)" if missing else
+                      "needs a sketch or predictors" if "sketch" in uses else "needs predictors")
+            fix = "" if "sketch" in uses else " --predictors quick"
+            raise ModeFilesError(mode, reason, f"convert again (`leanstream convert SRC {d} --force{fix}`) or use "
+                                               f"mode='dense'")
+        if "needs_rank" in uses and not freq:
+            raise ModeFilesError(mode, "needs the calibration block frequencies",
+                                 "convert again with --predictors quick")
+        return ModeFiles(sketches=sketches, predictors=predictors, block_freq=freq)
+
+    def sparse_modes(self, model_dir: str | os.PathLike) -> tuple[list[str], str | None]:
+        """(sparse modes this directory can run, in the engine's order; why the others cannot, or
+        None)."""
+        from ._native import MODES, mode_uses   # the engine's mode table (lazy: this module stays light)
+
+        ready, why = [], {}
+        for mode in MODES:
+            uses = mode_uses(mode)
+            if not uses:
+                continue   # dense
+            try:
+                self.mode_files(model_dir, uses, mode)
+                ready.append(mode)
+            except ModeFilesError as e:
+                why.setdefault(e.reason, []).append(mode)
+        if not ready and not self.sketch_files() and not self.predictor_files():
             return [], "no sketch and no predictors (convert again without --sketch none)"
-        missing = [f for f in files if not (d / f).is_file()]
-        if missing:
-            return with_sketch, f"predictor file {missing[0]} is missing"
-        freq = self.block_freq_file()
-        if freq and (d / freq).is_file():
-            return ["leanstream", "oneshot", "dejavu+", "powerinfer2"], None
-        return ["leanstream", "oneshot", "dejavu+"], "powerinfer2 needs the calibration block frequencies"
+        return ready, "; ".join(f"{', '.join(modes)}: {reason}" for reason, modes in why.items()) or None
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -574,12 +627,3 @@ def load(model_dir: str | os.PathLike, *, check_files: bool = True) -> Manifest:
         m.check_files(d)
     return m
 
-
-def save(manifest: Manifest, model_dir: str | os.PathLike) -> Path:
-    """Write ``manifest.json`` atomically (temporary name, fsync, rename), after recording the
-    checksums of the files it names (base.gguf, predictor files) as they are now."""
-    manifest.validate()
-    manifest.record_checksums(model_dir)
-    path = Path(model_dir) / MANIFEST_NAME
-    atomic_write_text(path, manifest.to_json())
-    return path

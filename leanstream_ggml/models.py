@@ -131,10 +131,12 @@ def lsm_dir(name: str) -> Path:
 def converted_model_dir(model: str, command: str) -> Path:
     """A converted model directory from a path or a known model name; a ValueError whose message
     is the exact command to run when the argument is a plain GGUF or an unconverted name."""
+    from .manifest import MANIFEST_NAME
+
     p = Path(model)
     if model in RECIPES and not p.exists():
         out = lsm_dir(model)
-        if (out / "manifest.json").is_file():
+        if (out / MANIFEST_NAME).is_file():
             return out
         raise ValueError(f"{model} is not converted yet; convert it first:\n"
                          f"    leanstream convert {model}\n"

@@ -21,6 +21,7 @@ N_GEN = 4
 def make_model_dir(root: str | Path, *, predictors: bool = True) -> Path:
     """root/tiny.gguf and its conversion root/model.lsm (with predictors if torch is there)."""
     from converters import convert
+    from converters.convert_gguf import save_manifest
     from gguf_synth import write_tiny_model
     from leanstream_ggml import manifest
 
@@ -29,7 +30,7 @@ def make_model_dir(root: str | Path, *, predictors: bool = True) -> Path:
     src = root / "tiny.gguf"
     write_tiny_model(src, arch="llama", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF, types={"ffn": "Q4_0"}, seed=7)
     out = root / "model.lsm"
-    convert(src, out, k=K, align=512, progress=False)
+    convert(src, out, k=K, align=512, progress=False, sketch="none")
     if predictors and HAVE_TORCH:
         from pred_synth import write_random_predictors
 
@@ -39,7 +40,7 @@ def make_model_dir(root: str | Path, *, predictors: bool = True) -> Path:
         freq = np.random.default_rng(1).random((N_LAYER, n_blocks)).astype(np.float32)
         np.save(out / "predictor" / "block_freq.npy", freq)
         m.predictor.block_freq = "predictor/block_freq.npy"
-        manifest.save(m, out)
+        save_manifest(m, out)
     return out
 
 

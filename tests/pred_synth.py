@@ -14,6 +14,7 @@ def write_random_predictors(model_dir, *, n_pca: int = 32, seed: int = 0, update
     import torch
 
     from leanstream_ggml import manifest
+    from converters.convert_gguf import save_manifest
     from converters.train.export import write_predictor
     from converters.train.hashing import HashConfig, HashingPredictor
 
@@ -34,5 +35,5 @@ def write_random_predictors(model_dir, *, n_pca: int = 32, seed: int = 0, update
     if update_manifest:
         m.predictor = manifest.PredictorInfo(files=files, version=2, bytes=sum((model_dir / f).stat().st_size for f in files),
                                              config={"note": "random (untrained) predictors for tests"})
-        manifest.save(m, model_dir)
+        save_manifest(m, model_dir)
     return [model_dir / f for f in files], models

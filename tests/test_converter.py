@@ -19,9 +19,9 @@ from gguf import GGMLQuantizationType as T
 from gguf_synth import write_tiny_model
 
 import converters
-from leanstream_ggml import blockfile
+from converters import blockfile
 from converters import convert_gguf as cg
-from converters.convert_gguf import ConvertError, convert
+from converters import ConvertError, convert
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.checksum import crc32c
 
@@ -96,7 +96,7 @@ def q8_0_bound(cols):
 def test_round_trip(models, tmp_path, case):
     src = models[case]
     before = sha256(src)
-    m = convert(src, tmp_path / "out", progress=False)
+    m = convert(src, tmp_path / "out", progress=False, sketch="none")
     assert sha256(src) == before, "the source must never be modified"
     reader = gguf.GGUFReader(src)
     for il in range(m.n_layer):
@@ -120,7 +120,7 @@ def test_round_trip(models, tmp_path, case):
 
 def test_header_fields(models, tmp_path):
     src = models["qwen2-kquants"]
-    m = convert(src, tmp_path / "out", k=2, align=4096, progress=False)
+    m = convert(src, tmp_path / "out", k=2, align=4096, progress=False, sketch="none")
     reader = gguf.GGUFReader(src)
     tensors = {t.name: t for t in reader.tensors}
     for il, e in enumerate(m.layers):
@@ -151,7 +151,7 @@ def test_header_fields(models, tmp_path):
         meta[120:124] = bytes(4)
         assert h.meta_crc == crc32c(meta)
         # manifest type names are ggml's and map back to the header's enum values
-        assert mf.ggml_type_id(e.gate_type) == h.gate_type and mf.ggml_type_id(e.down_type) == h.down_type
+        assert mf.GGML_TYPE_IDS[e.gate_type] == h.gate_type and mf.GGML_TYPE_IDS[e.down_type] == h.down_type
 
 
 def test_permutation_k3_with_padding(tmp_path):
@@ -159,7 +159,7 @@ def test_permutation_k3_with_padding(tmp_path):
     write_tiny_model(src, n_layer=2, n_embd=64, n_ff=128, types={"ffn": "Q4_0"}, seed=3)
     rng = np.random.default_rng(0)
     perms = {il: rng.permutation(128) for il in range(2)}
-    m = convert(src, tmp_path / "out", k=3, permutation=perms, progress=False)
+    m = convert(src, tmp_path / "out", k=3, permutation=perms, progress=False, sketch="none")
     reader = gguf.GGUFReader(src)
     tensors = {t.name: t for t in reader.tensors}
     assert m.layers[0].n_blocks == 43                        # ceil(128 / 3): one padding slot
@@ -188,7 +188,7 @@ def test_permutation_k3_with_padding(tmp_path):
 
 def test_bad_permutation(models, tmp_path):
     with pytest.raises(ConvertError, match="not a permutation"):
-        convert(models["llama-f16"], tmp_path / "o", permutation=[0] * 96, progress=False)
+        convert(models["llama-f16"], tmp_path / "o", permutation=[0] * 96, progress=False, sketch="none")
 
 
 # ---- base.gguf ---------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def test_bad_permutation(models, tmp_path):
 def test_base_gguf(tmp_path):
     src = tmp_path / "m.gguf"
     write_tiny_model(src, arch="qwen2", n_layer=2, types={"ffn": "Q8_0"}, alignment=64, seed=5)
-    m = convert(src, tmp_path / "out", progress=False)
+    m = convert(src, tmp_path / "out", progress=False, sketch="none")
     a, b = gguf.GGUFReader(src), gguf.GGUFReader(tmp_path / "out" / "base.gguf")
     assert b.alignment == a.alignment == 64
     assert b.data_offset % 64 == 0 and all(t.data_offset % 64 == 0 for t in b.tensors)
@@ -239,7 +239,7 @@ def test_interrupted_then_resumed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cg, "_write_layer", crash_after_layer_1)
     with pytest.raises(KeyboardInterrupt):
-        convert(src, out, k=2, progress=False)
+        convert(src, out, k=2, progress=False, sketch="none")
     assert written == [0, 1]
     assert not (out / "manifest.json").exists(), "manifest must be written last"
     assert (out / ".convert" / "state.json").exists() and (out / "base.gguf").exists()
@@ -250,11 +250,11 @@ def test_interrupted_then_resumed(tmp_path, monkeypatch):
 
     # a different parameter set must not resume into it
     with pytest.raises(ConvertError, match="other parameters"):
-        convert(src, out, k=3, progress=False)
+        convert(src, out, k=3, progress=False, sketch="none")
 
     written.clear()
     monkeypatch.setattr(cg, "_write_layer", lambda *a: (real(*a), written.append(a[1].il)))
-    m = convert(src, out, k=2, progress=False)
+    m = convert(src, out, k=2, progress=False, sketch="none")
     assert written == [2, 3], "finished layers must be skipped"
     assert {il: os.stat(out / f"ffn/blk.{il}.bin").st_ino for il in (0, 1)} == done
     assert not (out / ".convert").exists()
@@ -262,15 +262,15 @@ def test_interrupted_then_resumed(tmp_path, monkeypatch):
     assert mf.load(out) == m
     # a complete directory is refused without force, rewritten with it
     with pytest.raises(ConvertError, match="already holds a converted model"):
-        convert(src, out, k=2, progress=False)
+        convert(src, out, k=2, progress=False, sketch="none")
     written.clear()
-    convert(src, out, k=2, force=True, progress=False)
+    convert(src, out, k=2, force=True, progress=False, sketch="none")
     assert written == [0, 1, 2, 3]
 
 
 def test_resume_rewrites_a_corrupt_layer(models, tmp_path, monkeypatch):
     src, out = models["llama-f16"], tmp_path / "out"
-    convert(src, out, progress=False)
+    convert(src, out, progress=False, sketch="none")
     (out / "manifest.json").unlink()
     (out / ".convert").mkdir()
     (out / ".convert" / "state.json").write_text(json.dumps({
@@ -283,7 +283,7 @@ def test_resume_rewrites_a_corrupt_layer(models, tmp_path, monkeypatch):
     written = []
     real = cg._write_layer
     monkeypatch.setattr(cg, "_write_layer", lambda *a: (real(*a), written.append(a[1].il)))
-    m = convert(src, out, progress=False)
+    m = convert(src, out, progress=False, sketch="none")
     assert written == [1]
     mf.load(out)
     assert m.layers[1].file_size == (out / "ffn/blk.1.bin").stat().st_size
@@ -294,8 +294,8 @@ def test_non_empty_dir(models, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     with pytest.raises(ConvertError, match="not empty"):
-        convert(models["llama-f16"], out, progress=False)
-    convert(models["llama-f16"], out, force=True, progress=False)
+        convert(models["llama-f16"], out, progress=False, sketch="none")
+    convert(models["llama-f16"], out, force=True, progress=False, sketch="none")
     assert (out / "notes.txt").read_text() == "mine", "--force only replaces the converter's own files"
     mf.load(out)
 
@@ -306,12 +306,12 @@ def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_text("hello, I am not a model\n")
     with pytest.raises(ConvertError, match="not a GGUF"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
     p.write_bytes(b"")
     with pytest.raises(ConvertError, match="not a GGUF"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
     with pytest.raises(ConvertError, match="no such file"):
-        convert(tmp_path / "missing.gguf", tmp_path / "o", progress=False)
+        convert(tmp_path / "missing.gguf", tmp_path / "o", progress=False, sketch="none")
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.999, 0.02, 30])
@@ -321,7 +321,7 @@ def test_truncated(models, tmp_path, keep):
     p = tmp_path / "t.gguf"
     p.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
     with pytest.raises(ConvertError, match="truncated"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
     assert not (tmp_path / "o" / "manifest.json").exists()
 
 
@@ -329,14 +329,14 @@ def test_moe_refused(tmp_path):
     p = tmp_path / "moe.gguf"
     write_tiny_model(p, moe_experts=4)
     with pytest.raises(ConvertError, match="mixture-of-experts"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
 def test_non_gated_refused(tmp_path):
     p = tmp_path / "ng.gguf"
     write_tiny_model(p, gated=False)
     with pytest.raises(ConvertError, match="non-gated"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
 def test_unsupported_arch(tmp_path):
@@ -350,27 +350,27 @@ def test_unsupported_arch(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ConvertError, match="unsupported architecture 'gpt2'"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
 def test_unsupported_quant_type(tmp_path):
     p = tmp_path / "q51.gguf"
     write_tiny_model(p, types={"gate": "Q5_1", "up": "Q4_0", "down": "Q4_0"})
     with pytest.raises(ConvertError, match="Q5_1; supported types"):
-        convert(p, tmp_path / "o", progress=False)
+        convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
 def test_missing_ffn_tensors(models, tmp_path):
-    convert(models["llama-f16"], tmp_path / "a", progress=False)
+    convert(models["llama-f16"], tmp_path / "a", progress=False, sketch="none")
     with pytest.raises(ConvertError, match="missing FFN tensors"):
-        convert(tmp_path / "a" / "base.gguf", tmp_path / "b", progress=False)
+        convert(tmp_path / "a" / "base.gguf", tmp_path / "b", progress=False, sketch="none")
 
 
 def test_bad_k_and_align(models, tmp_path):
     with pytest.raises(ConvertError, match="k"):
-        convert(models["llama-f16"], tmp_path / "o", k=0, progress=False)
+        convert(models["llama-f16"], tmp_path / "o", k=0, progress=False, sketch="none")
     with pytest.raises(ConvertError, match="power of two"):
-        convert(models["llama-f16"], tmp_path / "o", align=1000, progress=False)
+        convert(models["llama-f16"], tmp_path / "o", align=1000, progress=False, sketch="none")
 
 
 def test_device_align(tmp_path):
@@ -419,7 +419,7 @@ def test_llama_cpp_loads_source_and_base(tmp_path, arch):
         pytest.skip("llama-cpp-python is not the patched build (python -m leanstream_ggml.build)")
     src = tmp_path / "m.gguf"
     write_tiny_model(src, arch=arch, n_embd=256, n_ff=256, types={"gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"})
-    convert(src, tmp_path / "out", progress=False)
+    convert(src, tmp_path / "out", progress=False, sketch="none")
     for path in (src, tmp_path / "out" / "base.gguf"):
         llm = llama_cpp.Llama(str(path), n_ctx=32, n_threads=1, verbose=False)
         try:
@@ -438,7 +438,7 @@ def test_smollm2(tmp_path):
     from leanstream_ggml import models
 
     src = models.fetch("smollm2-135m-instruct", progress=False)
-    m = convert(src, tmp_path / "smol.lsm", progress=False)
+    m = convert(src, tmp_path / "smol.lsm", progress=False, sketch="none")
     assert (m.architecture, m.n_layer, m.n_embd, m.n_ff) == ("llama", 30, 576, 1536)
     assert m.source.sha256 == models.SMOLLM2.sha256
     assert {(e.gate_type, e.up_type, e.down_type) for e in m.layers} == {("q4_1", "q4_1", "q8_0")}
@@ -507,13 +507,13 @@ def test_usable_model_dir_check(models, tmp_path):
     from converters.cli import _usable
 
     out = tmp_path / "m.lsm"
-    convert(models["llama-f16"], out, progress=False)
+    convert(models["llama-f16"], out, progress=False, sketch="none")
     assert _usable(out)
     m = json.loads((out / "manifest.json").read_text())
     m.pop("checksums")                       # as written by an older leanstream-ggml
     (out / "manifest.json").write_text(json.dumps(m))
     assert not _usable(out)
-    convert(models["llama-f16"], out, progress=False, force=True)
+    convert(models["llama-f16"], out, progress=False, sketch="none", force=True)
     with open(out / "ffn" / "blk.0.bin", "r+b") as f:   # a version-1 block file header
         f.seek(8)
         f.write((1).to_bytes(4, "little"))

@@ -31,7 +31,7 @@ import pytest
 from converters import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.reference import act, ffn_reference, load_layer
+from reference import act, ffn_reference, load_layer
 
 
 def test_gelu_reference_follows_ggmls_f16_table():
@@ -51,7 +51,7 @@ def test_gelu_reference_follows_ggmls_f16_table():
 def test_gelu_op_matches_reference(tmp_path, types, n_tokens):
     src = tmp_path / "tiny.gguf"
     write_tiny_model(src, arch="llama", n_layer=2, n_embd=256, n_ff=512, types=types, seed=4)
-    m = convert(src, tmp_path / "lsm", progress=False)
+    m = convert(src, tmp_path / "lsm", progress=False, sketch="none")
     paths = [m.layer_path(tmp_path / "lsm", il) for il in range(2)]
     x = np.random.default_rng(1).standard_normal((n_tokens, 256)).astype(np.float32) * 3
     with FFNEngine(paths, activation="gelu") as e, FFNEngine(paths, activation="silu") as e_silu:

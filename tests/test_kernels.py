@@ -18,7 +18,7 @@ from converters import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml._native import ffi, lib
 from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.reference import act, ffn_reference, load_layer, round_like_ggml
+from reference import act, ffn_reference, load_layer, round_like_ggml
 
 N_EMBD, N_FF = 512, 768   # down rows are n_ff values long: Q6_K needs multiples of 256
 
@@ -32,7 +32,7 @@ CASES = {
 def layer(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("k")
     write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=CASES[request.param], seed=5)
-    m = convert(d / "m.gguf", d / "lsm", progress=False)
+    m = convert(d / "m.gguf", d / "lsm", progress=False, sketch="none")
     return request.param, m.layer_path(d / "lsm", 0)
 
 
@@ -85,7 +85,7 @@ def test_prefill_tile_covers_widths_not_a_multiple_of_its_block(tmp_path, isa):
     token count that is not a multiple of 4 are finished by the plain loop."""
     write_tiny_model(tmp_path / "m.gguf", arch="llama", n_layer=1, n_embd=72, n_ff=96, n_head=2, n_head_kv=2,
                      types={"ffn": "F16"}, seed=8)
-    path = convert(tmp_path / "m.gguf", tmp_path / "lsm", progress=False).layer_path(tmp_path / "lsm", 0)
+    path = convert(tmp_path / "m.gguf", tmp_path / "lsm", progress=False, sketch="none").layer_path(tmp_path / "lsm", 0)
     x = np.random.default_rng(3).standard_normal((11, 72)).astype(np.float32)
     want = ffn_reference(load_layer(path), x)
     with FFNEngine([path]) as e:

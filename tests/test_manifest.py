@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from converters.convert_gguf import save_manifest
 from leanstream_ggml import manifest as mf
 
 
@@ -51,7 +52,7 @@ def test_load_valid(tmp_path):
     assert m.n_layer == 2 and m.block.k == 1 and m.layers[1].il == 1 and m.predictor is None
     assert m.layer_path(tmp_path, 1) == tmp_path / "ffn" / "blk.1.bin"
     assert m.base_path(tmp_path) == tmp_path / "base.gguf"
-    assert mf.ggml_type_id(m.layers[0].up_type) == 12
+    assert mf.GGML_TYPE_IDS[m.layers[0].up_type] == 12
 
 
 def test_json_round_trip_keeps_unknown_keys(tmp_path):
@@ -67,7 +68,7 @@ def test_json_round_trip_keeps_unknown_keys(tmp_path):
     (tmp_path / "predictor").mkdir()
     for f in d["predictor"]["files"]:
         (tmp_path / f).write_bytes(b"p")
-    mf.save(m, tmp_path)                                     # records the files' checksums
+    save_manifest(m, tmp_path)                               # records the files' checksums
     assert set(m.checksums) == {"base.gguf", *d["predictor"]["files"]}
     assert mf.load(tmp_path, check_files=False) == m
     assert not list(tmp_path.glob("*.partial"))
@@ -154,7 +155,7 @@ def test_save_validates(tmp_path):
     bad = copy.deepcopy(m)
     bad.layers[0].n_blocks = 3
     with pytest.raises(mf.ManifestError):
-        mf.save(bad, tmp_path)
+        save_manifest(bad, tmp_path)
     assert not (tmp_path / "manifest.json").exists()
 
 

@@ -10,14 +10,13 @@ torch = pytest.importorskip("torch", reason="predictor training needs torch (pip
 torch.set_num_threads(2)
 
 from converters.train import export as E  # noqa: E402
-from leanstream_ggml import predictor as P  # noqa: E402
 from converters.train import hashing as H  # noqa: E402
 from converters.train import metrics as M  # noqa: E402
 
 
 def _native():
     try:
-        from leanstream_ggml.predictor import NativePredictor
+        from converters.train.export import NativePredictor
         from leanstream_ggml import _native  # noqa: F401
     except ImportError as e:  # library not built
         pytest.skip(f"libleanstream not available: {e}")
@@ -63,7 +62,7 @@ def test_c_equals_torch_random(cfg):
     assert np.array_equal(out.view(np.uint32), ref.view(np.uint32))
     assert np.array_equal(one.view(np.uint32), ref[3].view(np.uint32))
     # the runtime's numpy reference (what the torch-free tests compare the C to) is the same function
-    from leanstream_ggml.predictor import reference_eval
+    from reference import reference_eval
     num = reference_eval(m.export_params(), xs, tau=cfg.tau, n_tables=cfg.n_tables)
     assert np.array_equal(num.view(np.uint32), ref.view(np.uint32))
 
@@ -75,7 +74,7 @@ def test_export_matches_the_trained_model(tmp_path):
     params = m.export_params()
     path = tmp_path / "blk.7.lspred"
     E.write_predictor(path, params, tau=cfg.tau, n_tables=cfg.n_tables, layer=7)
-    _, back = P.read_predictor(path)
+    _, back = E.read_predictor(path)
     assert np.array_equal(H.infer_params(back, cfg.tau, cfg.n_tables, x).numpy(), m.infer(x).numpy())
     assert np.array_equal(H.unpack_signs(params["head_w"], 128),
                           np.where(m.head_w.detach().numpy() >= 0, 1.0, -1.0))
@@ -196,7 +195,7 @@ def test_pipeline_tiny_c_equals_torch_on_real_inputs(tmp_path):
     assert len(s["files"]) == 2 and s["bytes"] > 0
     assert set(s["refinement"]) == {"hashing", "mlp", "oracle"}
     x = ProfileData(tmp_path / "prof").layer("x", 0)
-    hdr, params = P.read_predictor(predictor_path(tmp_path / "model", 1))
+    hdr, params = E.read_predictor(predictor_path(tmp_path / "model", 1))
     ref = H.infer_params(params, hdr["tau"], hdr["n_tables"], x).numpy()
     with NativePredictor(predictor_path(tmp_path / "model", 1)) as c:
         assert np.array_equal(c(x).view(np.uint32), ref.view(np.uint32))
@@ -213,7 +212,7 @@ def test_build_predictors_quick_default_calibration(tmp_path):
     state.mkdir(parents=True)
     entry = build_predictors(path, tmp_path / "model", state_dir=state, quick=True, progress=False, cfg=cfg,
                              profile_kwargs=dict(n_prompts=2, max_tokens=24), log=lambda *a: None)
-    assert entry.format == "lspred" and entry.version == P.FILE_VERSION
+    assert entry.format == "lspred" and entry.version == E.FILE_VERSION
     assert entry.files == ["predictor/blk.0.lspred", "predictor/blk.1.lspred"]
     assert all((tmp_path / "model" / f).exists() for f in entry.files)
     assert (state / "profile.done").exists() and (state / "train.done").exists()

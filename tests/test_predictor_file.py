@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from converters.train import export as E
-from leanstream_ggml import predictor as P
+from converters.train.export import NativePredictor
 from leanstream_ggml._native import LeanstreamError, ffi, lib
-from leanstream_ggml.predictor import NativePredictor
+from reference import reference_eval
 
 
 def random_params(n_embd, n_blocks, *, L, tau, n_bits, M, skip=None, n_pca=None, seed=0) -> dict:
@@ -55,7 +55,7 @@ def _inputs(n_embd, seed=1):
 def test_c_equals_numpy_reference(cfg):
     params = random_params(72, 50, **cfg)
     x = _inputs(72)
-    ref = P.reference_eval(params, x, tau=cfg["tau"], n_tables=cfg["M"])
+    ref = reference_eval(params, x, tau=cfg["tau"], n_tables=cfg["M"])
     assert ref.dtype == np.float32 and ref.shape == (len(x), 50)
     assert len(np.unique(ref.round(4))) > 10      # not a degenerate predictor
     with NativePredictor(E.serialize(params, tau=cfg["tau"], n_tables=cfg["M"])) as c:
@@ -69,8 +69,8 @@ def test_round_trip_and_version_1(tmp_path):
     path = tmp_path / "blk.7.lspred"
     size = E.write_predictor(path, params, tau=cfg["tau"], n_tables=cfg["M"], layer=7)
     assert path.stat().st_size == size and size % 64 == 0
-    hdr, back = P.read_predictor(path)
-    assert hdr["layer"] == 7 and hdr["n_blocks"] == 33 and hdr["n_bits"] == 128 and hdr["version"] == P.FILE_VERSION
+    hdr, back = E.read_predictor(path)
+    assert hdr["layer"] == 7 and hdr["n_blocks"] == 33 and hdr["n_bits"] == 128 and hdr["version"] == E.FILE_VERSION
     for key in ("in_mean", "pca_q", "hp1_bias", "head_w", "head_c"):
         assert np.array_equal(back[key], params[key])
     for a, b in zip(back["tables"] + back["hp"] + back["thr"], params["tables"] + params["hp"] + params["thr"]):
@@ -78,14 +78,14 @@ def test_round_trip_and_version_1(tmp_path):
     x = _inputs(40)
     with NativePredictor(path) as c:
         assert c.info["layer"] == 7 and c.info["size_bytes"] == size
-        assert np.array_equal(c(x), P.reference_eval(back, x, tau=cfg["tau"], n_tables=cfg["M"]))
+        assert np.array_equal(c(x), reference_eval(back, x, tau=cfg["tau"], n_tables=cfg["M"]))
     # version 1 files (before the skip weight existed) are read with one skip vote
     data = path.read_bytes()
     v1 = data[:8] + struct.pack("<I", 1) + data[12:60] + b"\0" * 4 + data[64:]
-    hdr1, back1 = P.parse(v1)
+    hdr1, back1 = E.parse(v1)
     assert hdr1["version"] == 1 and back1["skip_weight"] == 1
-    ref1 = P.reference_eval(back1, x, tau=cfg["tau"], n_tables=cfg["M"])
-    assert not np.array_equal(ref1, P.reference_eval(back, x, tau=cfg["tau"], n_tables=cfg["M"]))
+    ref1 = reference_eval(back1, x, tau=cfg["tau"], n_tables=cfg["M"])
+    assert not np.array_equal(ref1, reference_eval(back, x, tau=cfg["tau"], n_tables=cfg["M"]))
     with NativePredictor(v1) as c:
         assert np.array_equal(c(x).view(np.uint32), ref1.view(np.uint32))
 
@@ -110,8 +110,8 @@ def _bad_files(data: bytes):
 def test_bad_files_rejected(tmp_path):
     data = E.serialize(random_params(16, 8, **CONFIGS[0]), tau=1, n_tables=1)
     for what, bad in _bad_files(data):
-        with pytest.raises(P.PredictorFormatError):
-            P.parse(bad)
+        with pytest.raises(E.PredictorFormatError):
+            E.parse(bad)
         with pytest.raises(LeanstreamError) as ei:
             NativePredictor(bad)
         assert ei.value.status == lib.LS_ERR_FORMAT, what

@@ -9,7 +9,7 @@ import pytest
 
 from converters import order as od
 from leanstream_ggml import manifest as mf
-from leanstream_ggml import reference as ref
+import reference as ref
 from leanstream_ggml.engine import FFNEngine, candidate_blocks
 
 LS_MAX_IOV = 64

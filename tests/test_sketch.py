@@ -10,9 +10,9 @@ import shutil
 import numpy as np
 import pytest
 
+import reference as ref
+from converters import sketch as skf
 from leanstream_ggml import manifest as mf
-from leanstream_ggml import reference as ref
-from leanstream_ggml import sketch as skf
 from leanstream_ggml._native import LeanstreamError, lib
 from leanstream_ggml.engine import FFNEngine
 
@@ -39,7 +39,7 @@ def test_ls2_rows_roundtrip_and_error():
     w[3] = 0.0                                      # an all-zero row stays zero
     rows = skf.quantize_rows(w)
     assert rows.shape == (50, skf.row_bytes(192)) == (50, 60)
-    v = skf.dequantize_rows(rows, 192)
+    v = ref.dequantize_rows(rows, 192)
     assert np.all(v[3] == 0.0)
     g = w.reshape(50, -1, 32)
     # every value lies within half a level of its group's scale ... or is clipped at the outer level
@@ -77,7 +77,7 @@ def test_scorer_matches_numpy_reference(smollm2_sketch_dir):
         for il, x in zip((0, 13, m.n_layer - 1), _inputs(m.n_embd, 3)):
             got = eng.sketch_scores(il, x)
             _, g, u, w = skf.read(m.resolve(d, m.sketch_files()[il]))
-            want = skf.reference_scores(g, u, w, x, m.block.k, lambda z: ref.act(z, m.activation))
+            want = ref.reference_scores(g, u, w, x, m.block.k, lambda z: ref.act(z, m.activation))
             np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5 * float(np.abs(want).max()))
 
 

@@ -51,8 +51,10 @@ def _profile(args) -> int:
 def _train(args) -> int:
     import numpy as np
 
-    from leanstream_ggml import blockfile, manifest
+    from leanstream_ggml import manifest
 
+    from .. import blockfile
+    from ..convert_gguf import save_manifest
     from . import hashing as H
     from .pipeline import train_from_profile
 
@@ -77,7 +79,7 @@ def _train(args) -> int:
     if m is not None and len(s.get("files", [])) == m.n_layer:
         # point the manifest at the new predictors (what the runtime loads)
         m.predictor = manifest.PredictorInfo(files=s["files"], version=s["version"], bytes=s["bytes"],
-                                             block_freq=s.get("block_freq"), summary="predictor/predictor.json",
+                                             block_freq=s.get("block_freq"), summary=manifest.PREDICTOR_SUMMARY,
                                              config=s["config"])
-        manifest.save(m, args.out)
+        save_manifest(m, args.out)
     return 0

@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from leanstream_ggml.predictor import unpack_signs  # noqa: F401  (the format's bit order, defined once)
+from .export import unpack_signs  # noqa: F401  (the format's bit order, defined once)
 
 
 @dataclass

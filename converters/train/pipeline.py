@@ -29,18 +29,18 @@ from pathlib import Path
 
 import numpy as np
 
-from leanstream_ggml.fileio import atomic_write_json, atomic_writer
-from leanstream_ggml.predictor import FILE_VERSION
+from leanstream_ggml import manifest as mf
 
 from .._faults import kill_point
+from ..fileio import atomic_write_json, atomic_writer
 from . import metrics as M
+from .export import FILE_VERSION
 
 K_STAGES = 8
-PRED_SUBDIR = "predictor"
 
 
 def predictor_path(model_dir, il: int) -> Path:
-    return Path(model_dir) / PRED_SUBDIR / f"blk.{il}.lspred"
+    return Path(model_dir) / mf.PREDICTOR_FILE.format(il=il)
 
 
 class DownWeights:
@@ -102,16 +102,16 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
 
     from . import hashing as H
     from .mlp import MLPPredictor
-    from leanstream_ggml.predictor import NativePredictor
     from ..profile import ProfileData
+    from .export import NativePredictor
 
     torch.set_num_threads(n_threads)
     cfg = cfg or H.HashConfig()
     data = ProfileData(profile_dir)
     down = DownWeights(gguf_path)
     n_layer, n_embd = data.n_layer, data.n_embd
-    out_dir = Path(model_dir) / PRED_SUBDIR
-    out_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(model_dir)
+    (model_dir / mf.PREDICTOR_DIR).mkdir(parents=True, exist_ok=True)
     T = data.n_tokens
     n_train = int(T * (1 - holdout))
     ev = np.arange(n_train, T)
@@ -195,14 +195,14 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         losses = H.train_model(model, x_pool, imp[:n_train], steps=cfg.steps, batch=cfg.batch, lr=cfg.lr,
                                seed=cfg.seed + il, hashing=True, target_rows=rows, targets=targets)
         params = model.export_params()
-        path = out_dir / f"blk.{il}.lspred"
+        path = predictor_path(model_dir, il)
         from .export import write_predictor
 
         size = write_predictor(path, params, tau=cfg.tau, n_tables=cfg.n_tables, layer=il)
         t_layer = time.time() - t0
         t_train += t_layer
         sizes.append(size)
-        summary["files"] = sorted(set(summary["files"]) | {f"{PRED_SUBDIR}/{path.name}"},
+        summary["files"] = sorted(set(summary["files"]) | {mf.PREDICTOR_FILE.format(il=il)},
                                   key=lambda f: int(f.split(".")[-2]))
 
         mlp = None
@@ -254,7 +254,7 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
         if "mlp" in one:
             msg += f" mlp {one['mlp']['0.8']['recall_top10']:.3f}"
         log(msg)
-        _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)   # partial, per layer
+        _write_summary(model_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)   # partial, per layer
         # keep layer il's arrays for layer il+1: its input rows and its one-shot predictions
         prev = {"il": il, "x": x_own, "a": a_own, "w_down": down(il) if il + 1 < n_layer else None,
                 "pred_h": pred_h, "pred_m": pred_m}
@@ -266,10 +266,10 @@ def train_from_profile(profile_dir, gguf_path, model_dir, *, blocks_of_layer=Non
             kill_point("train-layer")
 
     if block_freq and len(block_freq) == n_layer and len({len(v) for v in block_freq.values()}) == 1:
-        with atomic_writer(out_dir / "block_freq.npy", durable=False) as f:
+        with atomic_writer(model_dir / mf.PREDICTOR_BLOCK_FREQ, durable=False) as f:
             np.save(f, np.stack([block_freq[il] for il in range(n_layer)]))
-        summary["block_freq"] = f"{PRED_SUBDIR}/block_freq.npy"
-    _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)
+        summary["block_freq"] = mf.PREDICTOR_BLOCK_FREQ
+    _write_summary(model_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves)
     return summary
 
 
@@ -309,7 +309,7 @@ class _TrainResume:
         atomic_write_json(self.dir / "train-state.json", {"key": self.key, "curves": curves, **state}, indent=None)
 
 
-def _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves):
+def _write_summary(model_dir: Path, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp, curves):
     summary["bytes"] = int(sum(sizes))
     summary["bytes_per_layer"] = int(np.mean(sizes)) if sizes else 0
     summary["train_seconds"] = round(t_train, 1)
@@ -318,7 +318,7 @@ def _write_summary(out_dir, summary, sizes, mlp_sizes, t_train, t_mlp, train_mlp
         summary["mlp_train_seconds"] = round(t_mlp, 1)
     summary["oneshot_mean"] = _mean_oneshot(summary["layers"])
     summary["refinement"] = _mean_curves(curves)
-    atomic_write_json(out_dir / "predictor.json", summary, durable=False)
+    atomic_write_json(model_dir / mf.PREDICTOR_SUMMARY, summary, durable=False)
 
 
 def _mean_oneshot(layers: dict) -> dict:
@@ -399,7 +399,7 @@ def build_predictors(src_gguf, model_dir, *, state_dir, blocks_of_layer=None, qu
         cfg = H.HashConfig(**(QUICK_HASH if quick else FULL_HASH))
     elif isinstance(cfg, dict):
         cfg = H.HashConfig(**cfg)
-    summary_path = Path(model_dir) / PRED_SUBDIR / "predictor.json"
+    summary_path = Path(model_dir) / mf.PREDICTOR_SUMMARY
     if not (state_dir / "train.done").exists():
         summary = train_from_profile(work, src_gguf, model_dir, blocks_of_layer=blocks_of_layer, cfg=cfg,
                                      train_mlp=(not quick) if train_mlp is None else train_mlp,
@@ -415,5 +415,5 @@ def build_predictors(src_gguf, model_dir, *, state_dir, blocks_of_layer=None, qu
     if profile_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     return PredictorInfo(files=summary["files"], version=summary["version"], bytes=summary["bytes"],
-                         block_freq=summary.get("block_freq"), summary=f"{PRED_SUBDIR}/predictor.json",
+                         block_freq=summary.get("block_freq"), summary=mf.PREDICTOR_SUMMARY,
                          config=summary["config"])

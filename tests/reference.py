@@ -1,12 +1,17 @@
-"""numpy reference of the native FFN op — the oracle of the tests.
+"""numpy references of the native code — the tests' oracles (file formats: docs/formats.md).
 
-Reads a layer's block file back into dense matrices (gguf-py dequantization) and computes
+    import reference as ref       # from a test in tests/ (pytest puts tests/ on sys.path)
+
+The FFN op: reads a layer's block file back into dense matrices (gguf-py dequantization) and computes
 
     y[t] = sum_n act(gate_n . x~[t]) * (up_n . x~[t]) * down_n
 
 in float64, where x~ is x rounded the way ggml rounds a matmul's activations before its
 quantized dot products (the weight type's vec_dot_type: Q8_0/Q8_1 per 32 values, Q8_K per 256,
 F16), so the only differences left to the native op are f32 summation order.
+
+The sketch scorer (``reference_scores``, native/src/sketch.c) and the predictor evaluator
+(``reference_eval``, native/src/predictor.c), computed with numpy.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from leanstream_ggml import blockfile
+from converters import blockfile
+from converters.train.export import unpack_signs
 
 
 @dataclass
@@ -103,3 +109,77 @@ def ffn_reference(w: LayerWeights, x: np.ndarray, *, activation: str = "silu",
     sel = slice(None) if neurons is None else np.asarray(neurons)
     h = act(xg @ w.gate[sel].T.astype(np.float64), activation) * (xu @ w.up[sel].T.astype(np.float64))
     return h @ w.down[sel].astype(np.float64)
+
+
+# ---- the sketch scorer (LS2 rows) ------------------------------------------------------------------
+
+def dequantize_rows(rows: np.ndarray, n_embd: int) -> np.ndarray:
+    """f32 [n_rows, n_embd] values of LS2 rows."""
+    rows = np.asarray(rows, np.uint8)
+    d = rows[:, : n_embd // 16].copy().view("<f2").astype(np.float32)        # [r, G]
+    c = rows[:, n_embd // 16:].reshape(len(rows), n_embd // 64, 16)
+    u = np.stack([(c >> s) & 3 for s in (0, 2, 4, 6)], axis=2)              # [r, chunk, quarter, j]
+    v = u.reshape(len(rows), n_embd // 32, 32).astype(np.float32) - 1.5
+    return (v * d[:, :, None]).reshape(len(rows), n_embd)
+
+
+def round_x(x: np.ndarray) -> np.ndarray:
+    """x [n_embd] as the scorer sees it: int8 per group of 32 with scale max|x| / 127."""
+    b = np.asarray(x, np.float32).reshape(-1, 32)
+    d = np.abs(b).max(-1, keepdims=True) / np.float32(127.0)
+    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d > 0)
+    return (np.rint(b * inv) * d).reshape(-1)
+
+
+def reference_scores(gate_rows: np.ndarray, up_rows: np.ndarray, weight: np.ndarray, x: np.ndarray,
+                     k: int, act) -> np.ndarray:
+    """Score of every block: sum over its k slots of |act(g~) * u~| * weight (float64), the numpy
+    reference of the native scorer. act: the activation (``act``)."""
+    n = np.asarray(x).size
+    xr = round_x(x).astype(np.float64)
+    g = dequantize_rows(gate_rows, n).astype(np.float64) @ xr
+    u = dequantize_rows(up_rows, n).astype(np.float64) @ xr
+    s = np.abs(act(g) * u) * np.asarray(weight, np.float64)
+    return s.reshape(-1, k).sum(1)
+
+
+# ---- the predictor evaluator ----------------------------------------------------------------------
+
+def _quantize_act(v: np.ndarray):
+    """Symmetric per-vector int8 of rows v [N, D] f32: v ~ q * s, s = max|v| / 127 (1 if 0),
+    q rounded half to even (rintf in C)."""
+    m = np.abs(v).max(axis=1)
+    s = np.where(m > 0, m / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    q = np.clip(np.rint(v / s[:, None]), -127, 127).astype(np.float32)
+    return q, s
+
+
+def reference_eval(params: dict, x: np.ndarray, *, tau: int, n_tables: int) -> np.ndarray:
+    """The C evaluator's result, computed with numpy: x [N, n_embd] f32 -> priorities
+    [N, n_blocks] f32, bit for bit. Integer dot products are done in float64 (exact: every
+    partial sum < 2^53); every float step is one float32 IEEE operation in the C order."""
+    f32 = np.float32
+    x = np.asarray(x, dtype=f32).reshape(-1, params["in_mean"].shape[0])
+    u = (x - params["in_mean"]) * params["in_scale"]
+    q, s = _quantize_act(u)
+    dot = (q.astype(np.float64) @ params["pca_q"].astype(np.float64).T).astype(f32)
+    z = (dot * s[:, None]) * params["pca_scale"]
+    qz, sz = _quantize_act(z)
+    dot = (qz.astype(np.float64) @ params["hp1_q"].astype(np.float64).T).astype(f32)
+    a = ((dot * sz[:, None]) * params["hp1_scale"]) + params["hp1_bias"]
+    n_bits = params["tables"][0].shape[1] * 64
+    n = x.shape[0]
+    shifts = np.arange(tau)
+    y = None
+    for k, tab in enumerate(params["tables"]):
+        if k > 0:
+            dotk = y @ unpack_signs(params["hp"][k - 1], n_bits).T
+            a = dotk - params["thr"][k - 1].astype(np.float64)      # >= 0 <=> popdot >= thr
+        idx = ((a >= 0).reshape(n, -1, tau).astype(np.int64) << shifts).sum(-1)   # [N, M] bucket
+        t = unpack_signs(tab, n_bits).reshape(n_tables, 1 << tau, n_bits)
+        acc = sum(t[m][idx[:, m]] for m in range(n_tables))
+        if k > 0:
+            acc = acc + params.get("skip_weight", 1) * y
+        y = np.where(acc >= 0, 1.0, -1.0)
+    dot = (y @ unpack_signs(params["head_w"], n_bits).T).astype(f32)
+    return (dot * params["head_a"]) + params["head_c"]

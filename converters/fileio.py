@@ -1,5 +1,6 @@
 """Writing files so that a crash never leaves a half-written one under the final name, and
-hashing them. Standard library only; used by the converter and the runtime alike.
+hashing them. Standard library only; the converter's (the runtime reads model directories, it
+never writes one).
 
     atomic_write_bytes(path, data)          # temp name + fsync + rename (+ fsync of the folder)
     with atomic_writer(path) as f: ...      # the same for a file written piece by piece
