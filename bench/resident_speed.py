@@ -42,16 +42,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from leanstream_ggml import manifest as mf
-    from leanstream_ggml._native import ffi, lib
+    from leanstream_ggml._native import ffi, lib, mode_uses
     from leanstream_ggml.harness import bench
 
     man = mf.load(args.model_dir)
     systems = [("stock", args.gguf, {"system": "stock"})]
     for m in [m.strip() for m in args.modes.split(",") if m.strip()]:
         extra = None if m == "dense" else {"sparsity": args.sparsity}
-        if m not in ("dense", "leanstream") and man.predictor is None:
-            print(json.dumps({"skipped": m, "why": "the model directory has no predictors"}), flush=True)
-            continue
+        if m != "dense":
+            try:
+                man.mode_files(args.model_dir, mode_uses(m), m)
+            except ValueError as e:
+                print(json.dumps({"skipped": m, "why": str(e)}), flush=True)
+                continue
         systems.append((m if m == "dense" else f"{m} s={args.sparsity}", args.model_dir, {"mode": m, "extra": extra}))
 
     out = open(args.out, "a") if args.out else None

@@ -83,7 +83,6 @@ def main() -> int:
     ap.add_argument("--mode", nargs="+", default=["leanstream"])
     ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5])
     ap.add_argument("--ratio", type=float, nargs="+", default=[1.5])
-    ap.add_argument("--cache-bias", type=float, nargs="+", default=[None])
     ap.add_argument("--memory-budget", default=None, help="FFN budget (default: all; quality only)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
@@ -102,15 +101,12 @@ def main() -> int:
     sink = open(a.out, "a") if a.out else None
     for mode in a.mode:
         for s in a.sparsity:
-            for ratio, bias in [(r, b) for r in (a.ratio if mode == "leanstream" and m.sketch else [None])
-                                for b in a.cache_bias]:
+            for ratio in (a.ratio if mode == "leanstream" and m.sketch else [None]):
                 kw = dict(mode=mode, n_ctx=a.ctx, n_batch=a.ctx, n_threads=a.threads, logits_all=True, verbose=False)
                 if mode != "dense":
                     kw["sparsity"] = s
                 if ratio is not None:
                     kw["candidate_ratio"] = ratio
-                if bias is not None:
-                    kw["cache_bias"] = bias
                 if a.memory_budget:
                     kw["memory_budget"] = a.memory_budget
                 llm = Llama(a.model, **kw)
@@ -121,7 +117,7 @@ def main() -> int:
                 resident = llm.stats()["resident_bytes"]
                 row.update({
                     "model": Path(a.model).name, "mode": mode, "sparsity": s if mode != "dense" else 0.0,
-                    "candidate_ratio": ratio, "cache_bias": bias, "memory_budget": a.memory_budget,
+                    "candidate_ratio": ratio, "memory_budget": a.memory_budget,
                     "bytes_read_fraction": st["bytes_read"] / dec_tokens / dense_bytes,
                     "method": ("resident layers: exact h of every block->down"
                                if ratio is not None and st["blocks_candidates"] >= n_blocks * dec_tokens else

@@ -71,3 +71,25 @@ def check(status: int, what: str = "") -> None:
     if status != lib.LS_OK:
         msg = errmsg()
         raise LeanstreamError(status, f"{what}: {msg}" if what else msg)
+
+
+# ---- the mode table, as the engine defines it (native/src/mode.c) -------------------------------
+
+MODES: tuple[str, ...] = tuple(ffi.string(lib.ls_mode_name(i)).decode() for i in range(lib.LS_N_MODES))
+_USES = {"sketch": lib.LS_USES_SKETCH, "predictors": lib.LS_USES_PREDICTORS, "rank": lib.LS_USES_RANK,
+         "needs_rank": lib.LS_NEEDS_RANK}
+
+
+def mode_id(mode: str) -> int:
+    """The LS_MODE_* of a mode's name (ValueError for an unknown one)."""
+    try:
+        return MODES.index(mode)
+    except ValueError:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}") from None
+
+
+def mode_uses(mode: str) -> frozenset[str]:
+    """What a mode reads from a model directory: a subset of {"sketch", "predictors", "rank",
+    "needs_rank"} (ls_mode_uses; dense: nothing)."""
+    bits = lib.ls_mode_uses(mode_id(mode))
+    return frozenset(name for name, bit in _USES.items() if bits & bit)

@@ -90,8 +90,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         model_dir = converted_model_dir(args.model or DEFAULT_MODEL, "chat")
         t0 = time.perf_counter()
         llm = Llama(str(model_dir), memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity,
-                    quality=args.quality,
-                    n_stages=args.n_stages, n_ctx=args.n_ctx,
+                    quality=args.quality, n_ctx=args.n_ctx,
                     n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log)
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
@@ -135,7 +134,7 @@ def register(sub) -> None:
     p.add_argument("-p", "--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message")
     p.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    from .params import MODES
+    from ._native import MODES
 
     p.add_argument("--mode", default=None, choices=MODES,
                    help="dense: every neuron (exact, the default); leanstream: the blocks selected from each "
@@ -144,7 +143,6 @@ def register(sub) -> None:
     p.add_argument("--quality", default=None,
                    help="e.g. ppl+5%%: leanstream mode at the largest sparsity whose perplexity cost, measured "
                         "by the converter on the model's own text, stays within it")
-    p.add_argument("--n-stages", type=int, default=None, help="compute stages (refinement points) per layer, leanstream mode (default 4)")
     p.add_argument("-c", "--n-ctx", type=int, default=2048, help="context size (default: 2048)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama-cpp-python's)")
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")

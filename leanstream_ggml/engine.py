@@ -8,18 +8,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ._native import LeanstreamError, check, ffi, lib
+from ._native import LeanstreamError, check, ffi, lib, mode_id
 from .params import size_bytes
 
-MODES = {
-    "dense": lib.LS_MODE_DENSE,
-    "oneshot": lib.LS_MODE_ONESHOT,
-    "dejavu+": lib.LS_MODE_DEJAVU_PLUS,
-    "powerinfer2": lib.LS_MODE_POWERINFER2,
-    "leanstream": lib.LS_MODE_LEANSTREAM,
-}
 ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
-CACHE_POLICIES = {"lru": lib.LS_CACHE_LRU, "priority": lib.LS_CACHE_PRIORITY}
+
 
 def parse_bytes(value: int | float | str | None) -> int:
     """Bytes from 123, "512MiB", "1.5GB", "800 M". None, 0 and "unlimited" mean 0 (no limit).
@@ -27,11 +20,15 @@ def parse_bytes(value: int | float | str | None) -> int:
     return size_bytes(value, "memory_budget")
 
 
-STAT_FIELDS = ["op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "bytes_computed",
-               "bytes_unused", "reads_issued", "io_stall_ns", "op_ns", "predictor_ns", "cache_bytes",
-               "cache_capacity", "blocks_prefetched", "refinements", "direct_io", "hot_blocks", "checksum_ns",
-               "blocks_candidates", "down_skipped", "spec_hits", "spec_selected", "scorer_ns", "resident_bytes",
-               "bytes_bridged", "io_cpu_ns", "io_per_io_ns", "io_bandwidth", "bridge_bytes"]
+# The header declares the engine's parameters and counters once (ls_engine_params, ls_stats);
+# these lists are read from it.
+_PARAMS = [name for name, _ in ffi.typeof("ls_engine_params").fields]
+# set by FFNEngine's own arguments (paths, enums, the budget); the rest are plain numbers, passed
+# by name and left at the engine's default (ls_engine_params_init) when None
+_OWN_PARAMS = {"n_layers", "block_paths", "activation", "mode", "memory_budget", "predictor_paths",
+               "block_rank", "verify_checksums", "sketch_paths"}
+TUNABLE_PARAMS = tuple(name for name in _PARAMS if name not in _OWN_PARAMS)
+STAT_FIELDS = [name for name, _ in ffi.typeof("ls_stats").fields]
 
 
 def derived_stats(raw: dict) -> dict:
@@ -70,22 +67,22 @@ def candidate_blocks(n_blocks: int, sparsity: float, candidate_ratio: float) -> 
 class FFNEngine:
     """Streams and computes the FFN layers of one converted model directory.
 
-    Every parameter left at None takes the engine's default (ls_engine_params_init: the mode's
-    sparsity, eviction and hot set share, 4 stages, 16 I/O threads, 256 KiB reads)."""
+    ``**tunable``: the engine's numeric parameters by their ls_engine_params names
+    (TUNABLE_PARAMS: n_io_threads, max_read_bytes, sparsity, hot_fraction, candidate_ratio,
+    bridge_bytes); None or absent takes the engine's default (ls_engine_params_init and the mode
+    table). ``test_hooks``: {"io_delay_us", "io_queue_cap", "buffered_io"} for tests (ls_test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
-                 memory_budget: int | str | None = None, mode: str = "dense", n_io_threads: int | None = None,
-                 max_read_bytes: int | None = None, direct_io: bool = True, test_io_delay_us: int = 0,
-                 sparsity: float | None = None, n_stages: int | None = None, cache_policy: str | None = None,
-                 predictor_paths: Sequence[str | Path | None] | None = None, test_io_queue_cap: int = 0,
-                 hot_fraction: float | None = None, block_rank: np.ndarray | None = None,
-                 verify_checksums: bool = True, sketch_paths: Sequence[str | Path | None] | None = None,
-                 candidate_ratio: float | None = None, cache_bias: float | None = None,
-                 bridge_bytes: int | None = None):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+                 memory_budget: int | str | None = None, mode: str = "dense",
+                 predictor_paths: Sequence[str | Path | None] | None = None,
+                 sketch_paths: Sequence[str | Path | None] | None = None, block_rank: np.ndarray | None = None,
+                 verify_checksums: bool = True, test_hooks: dict | None = None, **tunable):
+        unknown = sorted(set(tunable) - set(TUNABLE_PARAMS))
+        if unknown:
+            raise TypeError(f"unknown engine parameter(s) {', '.join(unknown)}; the engine's are "
+                            f"{', '.join(TUNABLE_PARAMS)}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
         self._handle = None
@@ -98,39 +95,38 @@ class FFNEngine:
         p.n_layers = self.n_layers
         p.block_paths = self._path_array
         p.activation = ACTIVATIONS[activation]
-        p.mode = MODES[mode]
+        p.mode = mode_id(mode)
         p.memory_budget = parse_bytes(memory_budget)
-        p.use_direct_io = 1 if direct_io else 0
-        p.test_io_delay_us = test_io_delay_us
-        p.test_io_queue_cap = test_io_queue_cap
         p.verify_checksums = 1 if verify_checksums else 0
-        for name, value in (("n_io_threads", n_io_threads), ("max_read_bytes", max_read_bytes),
-                            ("sparsity", sparsity), ("n_stages", n_stages), ("hot_fraction", hot_fraction),
-                            ("candidate_ratio", candidate_ratio), ("cache_bias", cache_bias),
-                            ("bridge_bytes", bridge_bytes)):
+        for name, value in tunable.items():
             if value is not None:
                 setattr(p, name, value)
-        if cache_policy is not None:
-            if cache_policy not in CACHE_POLICIES:
-                raise ValueError(f"unknown cache policy {cache_policy!r} ({' or '.join(CACHE_POLICIES)})")
-            p.cache_policy = CACHE_POLICIES[cache_policy]
         p.predictor_paths = self._layer_paths(predictor_paths, "predictor")
         p.sketch_paths = self._layer_paths(sketch_paths, "sketch")
         if block_rank is not None:
             self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
             p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
+        hooks = dict(test_hooks or {})
+        bad = sorted(set(hooks) - {"io_delay_us", "io_queue_cap", "buffered_io"})
+        if bad:
+            raise TypeError(f"unknown test hook(s) {', '.join(bad)}")
         out = ffi.new("ls_engine **")
-        check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
+        lib.ls_test_hooks(int(hooks.get("io_delay_us", 0)), int(hooks.get("io_queue_cap", 0)),
+                          int(bool(hooks.get("buffered_io", False))))
+        try:
+            check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
+        finally:
+            lib.ls_test_hooks(0, 0, 0)
         self._handle = out[0]
         self.mode = mode
         self.memory_budget = p.memory_budget
-        # what the engine made of the defaults (the mode's sparsity, eviction, hot set share)
+        # what the engine made of the defaults (the mode's sparsity, hot set share, ...)
         got = ffi.new("ls_engine_params *")
         check(lib.ls_engine_get_params(self._handle, got))
-        self.sparsity = float(sparsity) if sparsity is not None else float(got.sparsity)
-        self.n_stages, self.hot_fraction = int(got.n_stages), float(got.hot_fraction)
-        self.candidate_ratio, self.cache_bias = float(got.candidate_ratio), float(got.cache_bias)
-        self.cache_policy = {v: k for k, v in CACHE_POLICIES.items()}[got.cache_policy]
+        self.params = {name: getattr(got, name) for name in TUNABLE_PARAMS}
+        given = tunable.get("sparsity")
+        self.sparsity = float(given) if given is not None else float(got.sparsity)
+        self.hot_fraction, self.candidate_ratio = float(got.hot_fraction), float(got.candidate_ratio)
 
     def _layer_paths(self, paths, what: str):
         """A const char *[n_layers] for the engine (NULL entries: none), kept alive by self; NULL if

@@ -15,6 +15,7 @@ import llama_cpp
 
 from . import manifest as manifest_mod
 from . import params
+from ._native import mode_uses
 from .engine import FFNEngine
 
 _lib = llama_cpp.llama_cpp._lib
@@ -64,8 +65,8 @@ class Llama(llama_cpp.Llama):
             computes only the top (1 - sparsity) of each layer's neuron blocks: "leanstream"
             (with the converter's sketch, the default conversion: chosen from each layer's own
             input — sketch scores pick candidates, their exact gate/up values pick the blocks whose
-            down columns are computed; without one, by the predictors in priority-ordered stages
-            refined from partial results; the predictors, if trained, prefetch the next layer), "oneshot" (DejaVu: one layer-ahead prediction, no
+            down columns are computed; without one, by the predictors; the predictors, if
+            trained, prefetch the next layer), "oneshot" (DejaVu: one layer-ahead prediction, no
             weight cache), "dejavu+" (oneshot + LRU cache), "powerinfer2" (hot blocks pinned +
             LRU); these three need predictors. Prefill is always dense. Default: "dense", or
             "leanstream" when quality= is given.
@@ -75,10 +76,6 @@ class Llama(llama_cpp.Llama):
             within that on the model's own text (``leanstream info`` shows the table).
         candidate_ratio: leanstream mode with a sketch: blocks whose gate/up rows are computed
             exactly per token, as a multiple of the kept blocks (default 1.5).
-        cache_bias: leanstream mode with a sketch, (0, 1]: scores of blocks not in the cache are
-            multiplied by this before the candidates are chosen (default 1: off).
-        n_stages: compute stages per layer = refinement points in "leanstream" mode (default 4:
-            with the quick predictors 8 stages measured worse, see README).
         n_io_threads: I/O worker threads (reads in flight, 1..256, default 16).
         bridge_bytes: read planning of the sparse modes: a read goes on through a gap of up to
             this many bytes of unselected blocks (read and dropped) rather than start another
@@ -96,10 +93,9 @@ class Llama(llama_cpp.Llama):
     """
 
     def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str | None = None,
-                 sparsity: float | None = None, quality: str | None = None, n_stages: int | None = None,
-                 n_io_threads: int | None = None, hot_fraction: float | None = None, verify_checksums: bool = True,
-                 candidate_ratio: float | None = None, cache_bias: float | None = None,
-                 bridge_bytes: int | None = None, _manifest=None, **kwargs):
+                 sparsity: float | None = None, quality: str | None = None, n_io_threads: int | None = None,
+                 hot_fraction: float | None = None, verify_checksums: bool = True,
+                 candidate_ratio: float | None = None, bridge_bytes: int | None = None, _manifest=None, **kwargs):
         self._engine = None
         if quality is not None:
             if sparsity is not None:
@@ -110,10 +106,9 @@ class Llama(llama_cpp.Llama):
             mode = "leanstream"
         mode = mode or "dense"
         # every parameter checked before anything is opened (ParameterError names the bad one)
-        p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity, n_stages=n_stages,
+        p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity,
                                  n_io_threads=n_io_threads, hot_fraction=hot_fraction,
-                                 candidate_ratio=candidate_ratio, cache_bias=cache_bias,
-                                 bridge_bytes=bridge_bytes)
+                                 candidate_ratio=candidate_ratio, bridge_bytes=bridge_bytes)
         mode = p["mode"]
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
@@ -131,19 +126,13 @@ class Llama(llama_cpp.Llama):
         m.check_checksums(path)
         predictor_paths = block_rank = sketch_paths = None
         if mode != "dense":
-            ready, why = m.sparse_modes(path)
-            if mode not in ready and (mode != "powerinfer2" or not m.predictor_files()):
-                # (powerinfer2's calibration frequencies are checked where they are read)
-                need = "a sketch or predictors" if mode == "leanstream" else "predictors"
-                raise ValueError(f"mode={mode!r} needs {need}, and {model_path} has none usable ({why}): convert "
-                                 f"again (`leanstream convert SRC {model_path} --force"
-                                 f"{'' if mode == 'leanstream' else ' --predictors quick'}`) or use mode='dense'")
-            if m.predictor_files():
-                predictor_paths = [m.resolve(path, f) for f in m.predictor_files()]
-            if m.predictor_files() or mode == "leanstream":
+            # the files the mode reads, as the engine's mode table says (ManifestError/ValueError
+            # naming what is missing)
+            files = m.mode_files(path, mode_uses(mode), mode)
+            predictor_paths = [m.resolve(path, f) for f in files.predictors] if files.predictors else None
+            sketch_paths = [m.resolve(path, f) for f in files.sketches] if files.sketches else None
+            if files.block_freq:
                 block_rank = self._block_rank(path)
-            if mode == "leanstream" and m.sketch_files():
-                sketch_paths = [m.resolve(path, f) for f in m.sketch_files()]
             if quality is not None:
                 if not sketch_paths or not m.sketch.quality:
                     raise ValueError(f"quality={quality!r} needs the converter's calibration of {model_path} "
@@ -151,11 +140,10 @@ class Llama(llama_cpp.Llama):
                 p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
-                                 n_io_threads=p["n_io_threads"], sparsity=p["sparsity"], n_stages=p["n_stages"],
-                                 predictor_paths=predictor_paths, hot_fraction=p["hot_fraction"],
-                                 block_rank=block_rank, verify_checksums=verify_checksums,
-                                 sketch_paths=sketch_paths, candidate_ratio=p["candidate_ratio"],
-                                 cache_bias=p["cache_bias"], bridge_bytes=p["bridge_bytes"])
+                                 predictor_paths=predictor_paths, block_rank=block_rank,
+                                 verify_checksums=verify_checksums, sketch_paths=sketch_paths,
+                                 **{k: p[k] for k in ("n_io_threads", "sparsity", "hot_fraction", "candidate_ratio",
+                                                      "bridge_bytes")})
         self._check_layers_match_manifest()
         self.mode, self.sparsity = mode, self._engine.sparsity
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)

@@ -6,8 +6,8 @@ checked and normalized here, and a bad one raises ``ParameterError`` naming the 
 native engine re-checks its inputs (it never trusts its caller), but messages for people come
 from here.
 
-    engine_params(memory_budget="512MiB", mode="leanstream", sparsity=None, n_stages=4)
-    -> {"memory_budget": 536870912, "mode": "leanstream", "sparsity": None, "n_stages": 4, ...}
+    engine_params(memory_budget="512MiB", mode="leanstream", sparsity=None, n_io_threads=8)
+    -> {"memory_budget": 536870912, "mode": "leanstream", "sparsity": None, "n_io_threads": 8, ...}
 
 A value left at None stays None: the engine's own default applies (ls_engine_params_init and the
 mode table in native/src/mode.c are the one place defaults are written).
@@ -19,9 +19,9 @@ import math
 import numbers
 import re
 
-MODES = ("dense", "leanstream", "oneshot", "dejavu+", "powerinfer2")
-MAX_N_IO_THREADS = 256          # LS_MAX_IO_THREADS
-MAX_N_STAGES = 64               # LS_MAX_STAGES
+from ._native import MODES, lib
+
+MAX_N_IO_THREADS = lib.LS_MAX_IO_THREADS
 MAX_BYTES = (1 << 63) - 1       # the engine's budget is a u64; anything near it is a typo
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -147,9 +147,8 @@ def sparsity_for_quality(table: list[dict], max_ppl_ratio: float) -> float:
     return round(best, 3)
 
 
-def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_stages=None,
-                  n_io_threads=None, hot_fraction=None, candidate_ratio=None, cache_bias=None,
-                  bridge_bytes=None) -> dict:
+def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_io_threads=None,
+                  hot_fraction=None, candidate_ratio=None, bridge_bytes=None) -> dict:
     """Validated, normalized engine parameters (raises ParameterError naming the bad one).
     None stays None (the engine's default)."""
     def opt(value, check):
@@ -159,17 +158,8 @@ def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_s
         "memory_budget": size_bytes(memory_budget, "memory_budget"),
         "mode": globals()["mode"](mode),
         "sparsity": opt(sparsity, lambda v: _real_in(v, "sparsity", 0.0, 1.0, hi_open=True)),
-        "n_stages": opt(n_stages, lambda v: _int_in(v, "n_stages", 1, MAX_N_STAGES)),
         "n_io_threads": opt(n_io_threads, lambda v: _int_in(v, "n_io_threads", 1, MAX_N_IO_THREADS)),
         "hot_fraction": opt(hot_fraction, lambda v: _real_in(v, "hot_fraction", 0.0, 1.0, hi_open=False)),
         "candidate_ratio": opt(candidate_ratio, lambda v: _real_in(v, "candidate_ratio", 1.0, 1000.0, hi_open=False)),
-        "cache_bias": opt(cache_bias, lambda v: _cache_bias(v)),
         "bridge_bytes": opt(bridge_bytes, lambda v: _int_in(v, "bridge_bytes", 0, 1 << 30)),
     }
-
-
-def _cache_bias(v) -> float:
-    f = _real_in(v, "cache_bias", 0.0, 1.0, hi_open=False)
-    if f == 0.0:
-        raise ParameterError("cache_bias", "must be in (0, 1], got 0")
-    return f

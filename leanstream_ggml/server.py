@@ -32,7 +32,10 @@ import functools
 import sys
 from pathlib import Path
 
-LEANSTREAM_OPTIONS = ("memory_budget", "mode", "sparsity", "quality", "n_stages", "n_io_threads", "hot_fraction")
+# Llama's engine options the server takes; only those the user gave are passed (the rest keep the
+# engine's own defaults)
+LEANSTREAM_OPTIONS = ("memory_budget", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
+                      "bridge_bytes")
 
 
 def _server_modules():
@@ -154,7 +157,8 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
 
     server_settings / model_settings: their ``ServerSettings`` / ``ModelSettings`` (default:
     their defaults; ``model_settings.model`` is set to model_dir). leanstream_options: any of
-    memory_budget, mode, sparsity, quality, n_stages, n_io_threads, hot_fraction.
+    LEANSTREAM_OPTIONS (memory_budget, mode, sparsity, quality, n_io_threads, hot_fraction, candidate_ratio,
+    bridge_bytes).
     """
     server_app, server_model = _server_modules()
     from fastapi import Depends
@@ -192,7 +196,7 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
         if llm is None:
             return {"model": str(model_dir), "loaded": False}
         return {"model": str(model_dir), "loaded": True, "mode": llm.mode, "sparsity": llm.sparsity,
-                "memory_budget": llm.engine.memory_budget, "stats": llm.stats()}
+                "memory_budget": llm.engine.memory_budget, "params": llm.engine.params, "stats": llm.stats()}
 
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest, CreateEmbeddingRequest
 
@@ -214,17 +218,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory from `leanstream convert`, or a converted known model name")
     g = p.add_argument_group("leanstream")
     g.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    g.add_argument("--mode", default=None, choices=["dense", "leanstream", "oneshot", "dejavu+", "powerinfer2"],
+    from ._native import MODES
+
+    g.add_argument("--mode", default=None, choices=MODES,
                    help="dense (default): every neuron (exact); the others compute only the selected blocks")
     g.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes")
     g.add_argument("--quality", default=None,
                    help="e.g. ppl+5%%: leanstream mode at the largest sparsity the converter measured within it")
-    g.add_argument("--n-stages", type=int, default=4, help="compute stages (refinement points) per layer")
-    g.add_argument("--n-io-threads", type=int, default=16, help="I/O workers (reads in flight)")
-    g.add_argument("--hot-fraction", type=float, default=0.5, help="share of the budget pinned for hot blocks")
+    g.add_argument("--n-io-threads", type=int, default=None, help="I/O workers (reads in flight; default 16)")
+    g.add_argument("--hot-fraction", type=float, default=None,
+                   help="share of the budget pinned for hot blocks (default: the mode's)")
+    g.add_argument("--candidate-ratio", type=float, default=None,
+                   help="leanstream with a sketch: candidates per kept block (default 1.5)")
+    g.add_argument("--bridge-bytes", type=int, default=None,
+                   help="largest gap of unselected blocks a read goes through (default: measured)")
     s = p.add_argument_group("llama-cpp-python server options (as `python -m llama_cpp.server`; --model = MODEL_DIR)")
     add_args_from_model(s, Settings)
     return p
+
+
+def leanstream_options(ns: argparse.Namespace) -> dict:
+    """The engine options the user gave on the command line (the others stay the engine's)."""
+    return {k: getattr(ns, k) for k in LEANSTREAM_OPTIONS if getattr(ns, k) is not None}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -251,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ns.model = str(model_dir)
         server_settings = parse_model_from_args(ServerSettings, ns)
         model_settings = parse_model_from_args(ModelSettings, ns)
-        options = {k: getattr(ns, k) for k in LEANSTREAM_OPTIONS}
+        options = leanstream_options(ns)
         app = create_app(model_dir, server_settings=server_settings, model_settings=model_settings, **options)
     except (ValueError, ManifestError, LeanstreamError) as e:
         print(f"leanstream serve: {e}", file=sys.stderr)

@@ -55,7 +55,7 @@ def test_info_shows_predictor_and_sparse_mode_readiness(tiny_gguf, tmp_path):
     from converters import convert
 
     d = tmp_path / "tiny.lsm"
-    convert(tiny_gguf, d, progress=False)
+    convert(tiny_gguf, d, progress=False, sketch="none")
     r = _cli("info", str(d), timeout=60)
     assert r.returncode == 0, r.stderr
     assert _field(r.stdout, "predictor") == "none"
@@ -71,7 +71,7 @@ def test_info_shows_predictor_and_sparse_mode_readiness(tiny_gguf, tmp_path):
     r = _cli("info", str(d), timeout=60)
     assert _field(r.stdout, "predictor").startswith("lspred v2, 2 layer files, ")
     sparse = _field(r.stdout, "sparse modes")
-    assert "ready: leanstream, oneshot, dejavu+" in sparse and "powerinfer2 needs" in sparse
+    assert "ready: oneshot, dejavu+, leanstream" in sparse and "powerinfer2: needs" in sparse
     (d / "predictor" / "blk.1.lspred").unlink()
     r = _cli("info", str(d), timeout=60)      # a file the manifest names is gone: one clear line
     assert r.returncode == 1 and "blk.1.lspred" in r.stderr and "Traceback" not in r.stderr

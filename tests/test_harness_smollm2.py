@@ -45,7 +45,7 @@ def smollm2_dir(smollm2, tmp_path_factory):
     import converters
 
     out = tmp_path_factory.mktemp("lsm") / "smollm2.lsm"
-    converters.convert(smollm2, out, progress=False)
+    converters.convert(smollm2, out, progress=False, sketch="none")
     return out
 
 
@@ -158,12 +158,12 @@ def test_sparse_mode_perplexity_is_scored_token_by_token(smollm2, smollm2_dir, t
     assert decoded["ppl_ratio"] > 1.2 and decoded["kl_mean"] > 5 * batch["kl_mean"], msg
 
     r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "perplexity", str(d), "--mode", "leanstream",
-                        "--sparsity", "0.5", "--n-stages", "2", "-c", str(n_ctx), "--chunks", "1", "-t", "2",
+                        "--sparsity", "0.5", "-c", str(n_ctx), "--chunks", "1", "-t", "2",
                         "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["decode_scored"] is True and out["sparsity"] == 0.5 and out["n_stages"] == 2
-    assert out["ppl"] > 1.2 * decoded["ppl_reference"]   # sparse there too (other K: another selection)
+    assert out["decode_scored"] is True and out["sparsity"] == 0.5
+    assert out["ppl"] > 1.2 * decoded["ppl_reference"]   # sparse there too
 
 
 def test_smaller_quant_made_with_llamas_quantizer(smollm2, tmp_path):

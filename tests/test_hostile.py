@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import llama_cpp
-from converters.convert_gguf import ConvertError, convert
+from converters import ConvertError, convert
+from converters.convert_gguf import save_manifest
 from gguf_synth import write_tiny_model
 from hostile_model import CTX, HAVE_TORCH, make_model_dir, run_model
 from leanstream_ggml import manifest as mf
@@ -95,7 +96,7 @@ def test_structurally_corrupt_gguf_is_refused(tmp_path, how):
     else:
         _retarget(src, "blk.0.ffn_gate.weight", dtype=gguf.GGMLQuantizationType.F32)
     with pytest.raises(ConvertError, match="corrupt GGUF .llama.cpp would refuse to load it.*data offset"):
-        convert(src, tmp_path / "out", progress=False)
+        convert(src, tmp_path / "out", progress=False, sketch="none")
     assert not (tmp_path / "out" / "manifest.json").exists()
     # stock llama.cpp refuses the same file: the converter's rule is the loader's
     with pytest.raises(ValueError):
@@ -111,14 +112,14 @@ def test_convert_refuses_an_output_dir_containing_the_source(model, tmp_path):
     digest = hashlib.sha256(base.read_bytes()).hexdigest()
     before = sorted(p.name for p in model.rglob("*"))
     with pytest.raises(ConvertError, match="contains the source"):
-        convert(base, model, force=True, progress=False)
+        convert(base, model, force=True, progress=False, sketch="none")
     r = cli("convert", base, model, "--force", "--predictors", "none", "--quiet")
     assert "contains the source" in one_line_error(r, "convert")
     nested = model / "sub"
     nested.mkdir()
     shutil.copy(base, nested / "src.gguf")
     with pytest.raises(ConvertError, match="contains the source"):
-        convert(nested / "src.gguf", model, force=True, progress=False)
+        convert(nested / "src.gguf", model, force=True, progress=False, sketch="none")
     shutil.rmtree(nested)
     assert hashlib.sha256(base.read_bytes()).hexdigest() == digest
     assert sorted(p.name for p in model.rglob("*")) == before
@@ -237,7 +238,7 @@ def test_activation_must_match_the_architecture(model):
 def test_predictor_of_another_layer_is_refused(model):
     m = mf.load(model)
     m.predictor.files = list(reversed(m.predictor.files))   # layer 1's listed for layer 0
-    mf.save(m, model)                                              # checksums re-recorded: consistent
+    save_manifest(m, model)                                        # checksums re-recorded: consistent
     with pytest.raises(LeanstreamError, match="predictor trained for layer 1, given for layer 0"):
         run_model(model, mode="leanstream")
 
@@ -250,7 +251,7 @@ def test_block_freq_of_the_wrong_shape_is_refused(model, bad):
     arr = {"shape": np.ones((m.n_layer, nb + 1), np.float32), "layers": np.ones((m.n_layer + 1, nb), np.float32),
            "dtype": np.ones((m.n_layer, nb), np.int32), "nan": np.full((m.n_layer, nb), np.nan, np.float32)}[bad]
     np.save(model / m.predictor.block_freq, arr)
-    mf.save(m, model)
+    save_manifest(m, model)
     with pytest.raises(mf.ManifestError, match="block frequencies must be finite floats of shape"):
         run_model(model, mode="leanstream")
 
@@ -336,7 +337,7 @@ def test_bad_manifest_is_one_line(model, what):
 @pytest.mark.parametrize("flag,value,name", [("--memory-budget", "lots", "memory_budget"),
                                              ("--memory-budget", "0.5", "memory_budget"),
                                              ("--sparsity", "1.5", "sparsity"), ("--sparsity", "nan", "sparsity"),
-                                             ("--mode", "turbo", "mode"), ("--n-stages", "0", "n_stages")])
+                                             ("--mode", "turbo", "mode")])
 def test_bench_and_perplexity_bad_parameters(pristine, command, flag, value, name):
     r = cli(command, pristine, flag, value)
     assert one_line_error(r, command).startswith(f"leanstream {command}: {name}:")
@@ -357,7 +358,8 @@ def _threads() -> int:
     ({"n_io_threads": -1}, "n_io_threads"), ({"n_io_threads": 2.0}, "n_io_threads"),
     ({"hot_fraction": -1}, "hot_fraction"), ({"hot_fraction": 5}, "hot_fraction"),
     ({"hot_fraction": float("nan")}, "hot_fraction"), ({"sparsity": -0.1}, "sparsity"),
-    ({"sparsity": 1.0}, "sparsity"), ({"n_stages": 0}, "n_stages"), ({"n_stages": 65}, "n_stages"),
+    ({"sparsity": 1.0}, "sparsity"), ({"candidate_ratio": 0.5}, "candidate_ratio"),
+    ({"bridge_bytes": -2}, "bridge_bytes"),
     ({"mode": "turbo"}, "mode"), ({"quality": "fast"}, "quality"),
 ])
 def test_llama_parameters_are_validated_and_named(pristine, kw, name):
@@ -373,8 +375,8 @@ def test_llama_parameters_are_validated_and_named(pristine, kw, name):
 def test_valid_parameter_forms(pristine):
     assert params.size_bytes("512MiB") == 512 << 20 and params.size_bytes(2e9) == 2_000_000_000
     assert params.size_bytes("unlimited") == params.size_bytes(None) == params.size_bytes(0) == 0
-    p = params.engine_params(mode="leanstream", n_stages=6)
-    assert p["sparsity"] is None and p["n_io_threads"] is None and p["n_stages"] == 6   # None: the engine's default
+    p = params.engine_params(mode="leanstream", n_io_threads=6)
+    assert p["sparsity"] is None and p["hot_fraction"] is None and p["n_io_threads"] == 6   # None: the engine's default
 
 
 def test_unknown_mode_prints_no_warning_at_exit(pristine):

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from leanstream_ggml import blockfile
+from converters import blockfile
 from hostile_model import BUDGET, CTX, PROMPT, make_model_dir, run_model
 from leanstream_ggml import manifest as mf
 from leanstream_ggml._native import LeanstreamError, ffi, lib
@@ -110,7 +110,7 @@ def test_corrupt_block_in_the_engine_every_read(model):
     h, lo, _ = _payload_range(path)
     _flip(path, [lo + 3 * h.block_stride + 10])        # block 3
     e = FFNEngine([model / le.file for le in m.layers], memory_budget=h.block_stride * (h.n_blocks + 8),
-                  direct_io=False)
+                  test_hooks={"buffered_io": True})
     x = np.ones((1, h.n_embd), np.float32)
     for _ in range(2):
         with pytest.raises(LeanstreamError, match="layer 0 block 3 is corrupt"):
@@ -150,7 +150,7 @@ def test_checksum_cost_is_counted_and_optional(pristine):
     paths = [pristine / le.file for le in m.layers]
     x = np.ones((1, m.n_embd), np.float32)
     for verify in (True, False):
-        e = FFNEngine(paths, verify_checksums=verify, direct_io=False)
+        e = FFNEngine(paths, verify_checksums=verify, test_hooks={"buffered_io": True})
         e.eval_layer(0, x)
         assert (e.stats()["checksum_ns"] > 0) == verify
         e.close()

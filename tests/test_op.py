@@ -1,7 +1,7 @@
 """The native streamed FFN op (dense mode) against the numpy reference over the same block files.
 
 Error bound: the reference rounds x exactly as ggml does before its quantized dot products
-(leanstream_ggml.reference.round_like_ggml) and computes in float64, so what is left is f32
+(tests/reference.py: round_like_ggml) and computes in float64, so what is left is f32
 summation order inside ggml's vec_dot kernels and in the down accumulation:
 |y - ref| <= 1e-3 * max|ref|. One exception: for Q4_1/Q5_1 weights ggml's Q8_1 activation blocks
 also carry their sum s = d*sum(q) rounded to f16, which multiplies the weights' per-block minimum;
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from converters import convert
-from leanstream_ggml import blockfile
+from converters import blockfile
 from gguf_synth import write_tiny_model
 from leanstream_ggml._native import LeanstreamError
 from leanstream_ggml.engine import FFNEngine, parse_bytes
-from leanstream_ggml.reference import ffn_reference, load_layer
+from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 2
 
@@ -34,7 +34,7 @@ def _model(tmp_path_factory, types: dict, k: int = 1, shuffle: bool = False):
     if shuffle:
         rng = np.random.default_rng(7)
         perm = {il: rng.permutation(N_FF) for il in range(N_LAYER)}
-    m = convert(src, d / "lsm", k=k, progress=False, permutation=perm)
+    m = convert(src, d / "lsm", k=k, progress=False, permutation=perm, sketch="none")
     return [m.layer_path(d / "lsm", il) for il in range(N_LAYER)]
 
 
@@ -96,7 +96,7 @@ def test_streamed_equals_cached_under_random_io_delays(shuffled_k3):
     x = _x(3)
     layer_bytes = load_layer(shuffled_k3[0]).perm.size // 3 * blockfile.read_header(shuffled_k3[0]).block_stride
     with FFNEngine(shuffled_k3) as cached, \
-            FFNEngine(shuffled_k3, memory_budget=layer_bytes, test_io_delay_us=300, n_io_threads=3,
+            FFNEngine(shuffled_k3, memory_budget=layer_bytes, test_hooks={"io_delay_us": 300}, n_io_threads=3,
                       max_read_bytes=8192) as streamed:
         for _ in range(2):
             for il in range(N_LAYER):

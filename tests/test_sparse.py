@@ -1,4 +1,4 @@
-"""Sparse decode in every mode: oracle priorities, predictors with refinement, prefetch, the
+"""Sparse decode in every mode: oracle priorities, predictors and their prefetch, the
 budget, chunked prefill, and I/O faults — each checked against the numpy reference over the
 neuron set the engine computed (same bound as tests/test_op.py)."""
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from converters import convert
-from leanstream_ggml import blockfile
+from converters import blockfile
 from gguf_synth import write_tiny_model
 from leanstream_ggml._native import LeanstreamError
 from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.reference import ffn_reference, load_layer
+from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER, K = 128, 384, 3, 2
 SPARSE_MODES = ["oneshot", "dejavu+", "powerinfer2", "leanstream"]
@@ -27,7 +27,7 @@ def model(tmp_path_factory):
     write_tiny_model(d / "tiny.gguf", arch="llama", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF,
                      types={"ffn": "Q8_0"}, seed=5)
     rng = np.random.default_rng(3)
-    m = convert(d / "tiny.gguf", d / "lsm", k=K, progress=False,
+    m = convert(d / "tiny.gguf", d / "lsm", k=K, progress=False, sketch="none",
                 permutation={il: rng.permutation(N_FF) for il in range(N_LAYER)})
     paths = [m.layer_path(d / "lsm", il) for il in range(N_LAYER)]
     weights = [load_layer(p) for p in paths]
@@ -68,7 +68,7 @@ def test_oracle_priorities_select_the_top_blocks(model, mode, sparsity):
     paths, weights, h = model
     rng = np.random.default_rng(11)
     # no calibration ranking here: the modes that pin a hot set pin none (hot_fraction 0)
-    with FFNEngine(paths, mode=mode, sparsity=sparsity, n_stages=4, hot_fraction=0.0) as e:
+    with FFNEngine(paths, mode=mode, sparsity=sparsity, hot_fraction=0.0) as e:
         for il in range(N_LAYER):
             prio = rng.permutation(h.n_blocks).astype(np.float32)  # distinct: one right answer
             e.set_priorities(il, prio)
@@ -77,22 +77,17 @@ def test_oracle_priorities_select_the_top_blocks(model, mode, sparsity):
             top = np.argsort(-prio)[:n_selected(h.n_blocks, sparsity)]
             plan = e.last_plan(il)
             assert sorted(plan) == sorted(top)
-            if mode == "leanstream":  # stages in descending priority
-                ends = [len(plan) * (i + 1) // 4 for i in range(4)]  # the engine's stage ends
-                groups = np.split(plan, ends[:-1])
-                stage_min = [prio[g].min() for g in groups]
-                stage_max = [prio[g].max() for g in groups]
-                assert all(stage_min[i] > stage_max[i + 1] for i in range(3))
+            assert list(plan) == sorted(plan)   # computed in file order (reads merge)
             _check(y, ffn_reference(weights[il], x, neurons=neurons_of(plan, weights[il])))
 
 
-def test_predictors_drive_selection_prefetch_and_refinement(model, predictors):
+def test_predictors_drive_selection_and_prefetch(model, predictors):
     torch = pytest.importorskip("torch")
     paths, weights, h = model
     pred_paths, pred_models = predictors
     s = 0.5
     n_sel = n_selected(h.n_blocks, s)
-    with FFNEngine(paths, mode="leanstream", sparsity=s, n_stages=4, predictor_paths=pred_paths) as e:
+    with FFNEngine(paths, mode="leanstream", sparsity=s, predictor_paths=pred_paths) as e:
         xs = [_x(10 + il) for il in range(N_LAYER)]
         for il in range(N_LAYER):
             y = e.eval_layer(il, xs[il], n_threads=2, x_res=xs[il][0])
@@ -107,8 +102,8 @@ def test_predictors_drive_selection_prefetch_and_refinement(model, predictors):
                 rest = np.setdiff1d(np.arange(h.n_blocks), plan)
                 assert prio[plan].min() >= cut >= prio[rest].max()
         st = e.stats()
-        assert st["refinements"] == (N_LAYER - 1) * 3   # after stages 1..K-1 of layers 0..n-2
-        assert st["blocks_prefetched"] > 0
+        # layers 1..n-1 were prefetched from the layer before (layer-ahead input), n_sel each
+        assert [e.stats(il)["blocks_prefetched"] for il in range(N_LAYER)] == [0] + [n_sel] * (N_LAYER - 1)
         assert st["predictor_ns"] > 0
 
 
@@ -121,8 +116,8 @@ def test_streamed_sparse_equals_cached_under_io_delays(model, predictors):
     # the last run's read queue holds 2 reads: submits overflow it and fall back to reading
     # synchronously on the planning thread, which must not change a bit either
     for budget, delay, qcap in [(None, 0, 0), (int(ws * 1.5), 400, 0), (int(ws * 1.5), 200, 2)]:
-        with FFNEngine(paths, mode="leanstream", sparsity=s, n_stages=4, predictor_paths=pred_paths,
-                       memory_budget=budget, test_io_delay_us=delay, n_io_threads=3, test_io_queue_cap=qcap) as e:
+        with FFNEngine(paths, mode="leanstream", sparsity=s, predictor_paths=pred_paths, memory_budget=budget,
+                       n_io_threads=3, test_hooks={"io_delay_us": delay, "io_queue_cap": qcap}) as e:
             ys = []
             for token in range(3):
                 for il in range(N_LAYER):
@@ -249,14 +244,13 @@ def test_sparse_read_error_then_recovery(model, tmp_path):
         assert np.array_equal(e.eval_layer(1, _x(1), x_res=_x(1)[0]), good)
 
 
-@pytest.mark.parametrize("policy", ["lru", "priority"])
-def test_eviction_policy(model, policy):
+def test_eviction_is_lru(model):
     """Layer 1 needs 8 slots held by layer 0: LRU evicts layer 0's least recently released blocks
-    (its top-priority ones, released first); PRIORITY evicts its lowest-priority ones."""
+    (its first ones in plan order, released first)."""
     paths, _, h = model
     n_sel = n_selected(h.n_blocks, 0.5)
     budget = (2 * n_sel - 8) * h.block_stride
-    with FFNEngine(paths, mode="dejavu+", sparsity=0.5, memory_budget=budget, cache_policy=policy) as e:
+    with FFNEngine(paths, mode="dejavu+", sparsity=0.5, memory_budget=budget) as e:
         p0 = np.arange(h.n_blocks, dtype=np.float32)[::-1].copy()  # block 0 most important
         e.set_priorities(0, p0)
         e.eval_layer(0, _x(0), x_res=_x(0)[0])
@@ -266,7 +260,4 @@ def test_eviction_policy(model, policy):
         kept = e.resident(0)
         evicted = [b for b in plan0 if not kept[b]]
         assert len(evicted) == 8
-        if policy == "lru":
-            assert sorted(evicted) == sorted(plan0[:8])
-        else:
-            assert max(p0[evicted]) < min(p0[plan0[:8]])  # the top blocks stayed
+        assert sorted(evicted) == sorted(plan0[:8])

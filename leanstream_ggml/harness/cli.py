@@ -36,7 +36,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="dense", help="leanstream engine mode (default: dense)")
     p.add_argument("--memory-budget", default=None, help="leanstream weight budget, e.g. 512MiB (default: none)")
     p.add_argument("--sparsity", type=float, default=None, help="sparse modes: fraction of blocks skipped (default 0.5)")
-    p.add_argument("--n-stages", type=int, default=None, help="leanstream mode: priority stages K (default 4)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: cores available)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch (= n_ubatch)")
     p.add_argument("--json", action="store_true", help="print one JSON document on one line")
@@ -72,24 +71,21 @@ def register(subparsers) -> None:
 
 
 def _engine_extra(args, system: str) -> dict:
-    """--sparsity / --n-stages as Llama keyword arguments (leanstream only)."""
+    """--sparsity as a Llama keyword argument (leanstream only)."""
     if system != "leanstream":
         return {}
-    out = {k: v for k, v in (("sparsity", args.sparsity), ("n_stages", args.n_stages)) if v is not None}
+    out = {"sparsity": args.sparsity} if args.sparsity is not None else {}
     if not args.verify_checksums:
         out["verify_checksums"] = False
     return out
 
 
 def _check_params(args) -> None:
-    """--memory-budget, --mode, --sparsity, --n-stages through the one validator (params.py):
+    """--memory-budget, --mode, --sparsity through the one validator (params.py):
     a bad value is one line naming it, before any model is opened."""
     from leanstream_ggml import params
 
-    kw = {"memory_budget": args.memory_budget, "mode": args.mode, "sparsity": args.sparsity}
-    if args.n_stages is not None:
-        kw["n_stages"] = args.n_stages
-    p = params.engine_params(**kw)
+    p = params.engine_params(memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity)
     args.memory_budget = p["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
 
 

@@ -18,45 +18,11 @@
 // error raised on a worker thread is kept and returned by the next ls_engine_take_error().
 // Shapes are written [ne0, ne1] as in ggml (ne0 contiguous).
 //
-// Block file format (version 2), one file per layer, `ffn/blk.<il>.bin`, little-endian:
-//
-//   offset  size  field
-//   0       8     magic "LSBLOCKS"
-//   8       4     u32 version (= LS_BLOCK_FILE_VERSION)
-//   12      4     u32 layer index il
-//   16      8     u64 n_embd
-//   24      8     u64 n_ff
-//   32      4     u32 neurons_per_block k
-//   36      4     u32 n_blocks              (= ceil(n_ff / k))
-//   40      4     i32 gate_type             (enum ggml_type of each gate row, as in the GGUF)
-//   44      4     i32 up_type               (likewise for up rows)
-//   48      4     i32 down_type             (type of the transposed down columns: Q8_0, F16 or F32)
-//   52      4     u32 align                 (O_DIRECT alignment: data_offset, block_stride multiples)
-//   56      8     u64 gate_row_bytes        (bytes of one gate row of n_embd values)
-//   64      8     u64 up_row_bytes
-//   72      8     u64 down_col_bytes        (bytes of one down column of n_embd values)
-//   80      8     u64 block_stride          (= roundup(k*(gate+up+down bytes), align))
-//   88      8     u64 perm_offset           (= 4096)
-//   96      8     u64 data_offset           (multiple of 4096)
-//   104     8     u64 file_size             (= data_offset + n_blocks*block_stride)
-//   112     8     u64 crc_offset            (= perm_offset + 4*n_blocks*k)             [version 2]
-//   120     4     u32 meta_crc              CRC-32C of bytes [0, data_offset), this field
-//                                           read as 0: header, perm and checksum tables [version 2]
-//   124..4095     zero
-//   perm_offset:  i32 perm[n_blocks*k]      neuron id of slot j of block b at perm[b*k+j];
-//                                           -1 marks a padding slot (only in the last block)
-//   crc_offset:   u32 block_crc[n_blocks]   CRC-32C (Castagnoli) of block b's block_stride
-//                                           bytes, padding included               [version 2]
-//   zeros up to data_offset
-//   data_offset + b*block_stride: block b =
-//       [k gate rows][k up rows][k down columns][zero padding to block_stride]
-//   padding slots hold zero bytes.
-//
-// Integrity: the engine checks meta_crc when it opens a file and, unless verify_checksums is
-// 0, every block's CRC once after each read, before the block is first computed with; a
-// mismatch is an LS_ERR_CORRUPT error naming the file, layer and block (the block is not used,
-// and is read again next time). Version 1 files (no checksums) are refused with a message to
-// re-run `leanstream convert`.
+// File formats (block files `ffn/blk.<il>.bin`, sketches, predictors): docs/formats.md. The
+// engine checks a block file's meta_crc when it opens it and, unless verify_checksums is 0, every
+// block's CRC-32C once after each read, before the block is first computed with; a mismatch is
+// an LS_ERR_CORRUPT error naming the file, layer and block (the block is not used, and is read
+// again next time).
 //
 // This header is read as-is by the Python binding (cffi cdef): everything between
 // LS_CDEF_BEGIN and LS_CDEF_END must stay plain C declarations (no macros but LS_API and
@@ -76,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 6
+#define LS_ABI_VERSION 7
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -97,26 +63,27 @@ enum {
 // Activation of the gated FFN: out = down · (act(gate · x) ⊙ (up · x)).
 enum { LS_ACT_SILU = 0, LS_ACT_GELU = 1 };
 
-// Weight cache eviction: least recently used, or the lowest predicted priority among the
-// LRU_WINDOW least recently used (blocks prefetched but not computed go first).
-enum { LS_CACHE_LRU = 0, LS_CACHE_PRIORITY = 1 };
-
 // Execution modes. Only LS_MODE_DENSE computes every neuron; the others compute the top
 // (1 - sparsity) blocks of each layer per decoded token (prefill is dense in every mode). What
-// each one does (prefetch, refinement, stages, weight cache, eviction, hot set) is one row of
-// the mode table in src/mode.c:
-//   dense        every block, streamed under the budget (exact)
-//   oneshot      DejaVu: one layer-ahead prediction per layer, no weight cache
-//   dejavu+      oneshot + LRU weight cache
-//   powerinfer2  calibration-hot blocks pinned (hot_fraction of the budget) + LRU for the rest
-//   leanstream   hot set + priority eviction + n_stages priority stages, the next layer's
-//                prefetch refined from partial results after every stage (paper Eq. 2)
+// each one does is one row of the mode table in src/mode.c, the only place it is written;
+// ls_mode_name() and ls_mode_uses() let callers ask it.
 enum {
     LS_MODE_DENSE       = 0,
     LS_MODE_ONESHOT     = 1,
     LS_MODE_DEJAVU_PLUS = 2,
     LS_MODE_POWERINFER2 = 3,
     LS_MODE_LEANSTREAM  = 4,
+    LS_N_MODES          = 5,
+};
+
+// What a mode reads from the model directory (bits of ls_mode_uses): a sparse mode runs where it
+// has at least one of the selectors it uses (sketch or predictors) for every layer, and the
+// block ranking where it is required.
+enum {
+    LS_USES_SKETCH     = 1,   // selects from the layer's own input through the resident sketch
+    LS_USES_PREDICTORS = 2,   // selects (without a sketch) or prefetches through the predictors
+    LS_USES_RANK       = 4,   // pins a hot set ranked by calibration frequency (block_rank)
+    LS_NEEDS_RANK      = 8,   // ... and is meaningless without it
 };
 
 // ---- engine -------------------------------------------------------------------------------
@@ -133,16 +100,10 @@ typedef struct ls_engine_params {
     uint64_t       memory_budget;   // bytes of FFN weights kept in RAM; 0 = unlimited (keep all)
     int32_t        n_io_threads;    // I/O worker threads (queue depth), 1..LS_MAX_IO_THREADS, default 16
     uint32_t       max_read_bytes;  // largest single read (adjacent blocks are merged), default 256 KiB
-    int32_t        use_direct_io;   // 1: O_DIRECT (default); 0: buffered reads (testing only)
-    uint32_t       test_io_delay_us; // test hook: each read sleeps rand()%delay µs first (0: off)
     // sparse decode (modes other than LS_MODE_DENSE; prefill always runs dense)
     float          sparsity;        // fraction of each layer's blocks NOT computed per token, [0, 1);
                                     // -1 (default): the mode's (0 dense, LS_DEFAULT_SPARSITY otherwise)
-    int32_t        n_stages;        // K: compute stages per layer = refinement points (leanstream), default 4
     const char * const * predictor_paths; // [n_layers] predictor file per layer, or NULL
-    int32_t        cache_policy;    // LS_CACHE_*; -1 (default): the mode's
-    uint32_t       test_io_queue_cap; // test hook: read queue capacity (0: 3 layers' blocks); when
-                                      // full, the submitting thread reads synchronously
     double         hot_fraction;    // share of the cache's slots pinned for the hot set in the modes
                                     // that pin one, [0, 1]; -1 (default): the mode's (0.5; leanstream
                                     // without predictors 0.9: it prefetches nothing)
@@ -156,9 +117,6 @@ typedef struct ls_engine_params {
     // get their down columns computed
     const char * const * sketch_paths; // [n_layers] sketch file per layer (NULL entries: none), or NULL
     float          candidate_ratio; // candidates / kept blocks, >= 1; -1 (default): LS_DEFAULT_CANDIDATE_RATIO
-    float          cache_bias;      // (0, 1]: sketch scores of blocks not in the cache are multiplied by
-                                    // this before the candidates are chosen (prefer resident blocks among
-                                    // near-equal scores); 1 (default): off
     int64_t        bridge_bytes;    // read planning: a read goes on through a gap of unselected blocks up to
                                     // this many bytes (read and dropped) rather than start another I/O;
                                     // -1 (default): the per-I/O cost x bandwidth measured on the block files
@@ -172,6 +130,10 @@ LS_API const char * ls_errmsg(void);
 // The engine's parameters with the mode's defaults resolved (path arrays and block_rank: NULL).
 LS_API ls_status   ls_engine_get_params(const ls_engine * e, ls_engine_params * out);  // message of the last failed call on this thread
 LS_API int32_t     ls_abi_version(void);
+// The mode table, as callers ask it: the mode's name ("dense", "oneshot", "dejavu+", "powerinfer2",
+// "leanstream"; NULL outside [0, LS_N_MODES)), and what it reads (LS_USES_* bits; 0 for dense).
+LS_API const char * ls_mode_name(int32_t mode);
+LS_API int32_t     ls_mode_uses(int32_t mode);
 // The instruction set the FFN kernels run with on this CPU: "avx512" or "avx2". Chosen once at the
 // first engine creation; ls_kernels_select() chooses again (LEANSTREAM_ISA=avx2 forces AVX2).
 LS_API const char * ls_kernel_isa(void);
@@ -216,7 +178,7 @@ LS_API ls_status   ls_engine_set_priorities(ls_engine * e, int32_t il, const flo
 // from params.block_rank (tests, external policies); they count against the memory budget.
 LS_API ls_status   ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * blocks, int32_t n);
 
-// The blocks layer il's last op computed, in compute order (stage by stage); returns how many
+// The blocks layer il's last op computed (a cascade: the kept ones), in plan order; returns how many
 // (at most cap are written). For tests and traces.
 LS_API int32_t     ls_engine_last_plan(const ls_engine * e, int32_t il, int32_t * blocks, int32_t cap);
 
@@ -266,7 +228,6 @@ typedef struct ls_stats {
     uint64_t cache_bytes;      // bytes of FFN weights resident now
     uint64_t cache_capacity;   // budget in bytes (after rounding to blocks)
     uint64_t blocks_prefetched; // blocks queued for layer il+1 while layer il computed
-    uint64_t refinements;      // predictor re-runs on partial results (Eq. 2)
     uint64_t direct_io;        // 1 if block reads bypass the page cache (O_DIRECT)
     uint64_t hot_blocks;       // blocks kept resident for good: the hot set (dense: the pinned prefix)
     uint64_t checksum_ns;      // time verifying block checksums (summed over compute threads)
@@ -297,11 +258,9 @@ LS_API uint32_t    ls_crc32c(uint32_t crc, const void * data, size_t len);
 LS_API uint32_t    ls_crc32c_ref(uint32_t crc, const void * data, size_t len);
 
 // ---- predictor (stacked learnable hashing, paper §3.3) ------------------------------------
-// One predictor per FFN layer, loaded from `predictor/blk.<il>.lspred` (format: see
-// leanstream_ggml/predictor/export.py). It maps a residual-stream vector x [n_embd] f32 --
-// the layer-ahead input x_{il-1}, or a refined x_{il-1} + sum of partial stage outputs
-// (paper Eq. 2) -- to a priority per neuron block [n_blocks] f32 (higher = load/compute
-// first). Evaluation is integer/bitwise (int8 dot products, XNOR + popcount, table lookups)
+// One predictor per FFN layer, loaded from `predictor/blk.<il>.lspred` (format: docs/formats.md).
+// It maps a residual-stream vector x [n_embd] f32 -- the layer-ahead input x_{il-1} -- to a
+// priority per neuron block [n_blocks] f32 (higher = load/compute first). Evaluation is integer/bitwise (int8 dot products, XNOR + popcount, table lookups)
 // and equals the torch inference path bit for bit. A handle holds scratch space: use one
 // handle from one thread at a time.
 
@@ -336,6 +295,13 @@ LS_API ls_status   ls_predictor_eval(ls_predictor * p, const float * x, float * 
 // Same for n rows: x [n_embd, n] (rows contiguous), prio [n_blocks, n].
 LS_API ls_status   ls_predictor_eval_batch(ls_predictor * p, const float * x, float * prio,
                                            int32_t n_blocks, int64_t n);
+
+// ---- testing -----------------------------------------------------------------------------
+// Test hooks for engines created after the call (process-wide; not for production use): each read
+// sleeps rand() % io_delay_us µs first (0: off); the read queue holds io_queue_cap reads (0: three
+// layers' blocks; when full, the submitting thread reads synchronously); buffered_io 1: reads go
+// through the page cache instead of O_DIRECT.
+LS_API void        ls_test_hooks(uint32_t io_delay_us, uint32_t io_queue_cap, int32_t buffered_io);
 
 // LS_CDEF_END
 

@@ -1,5 +1,5 @@
 // blockfile.c — opening one layer's block file: the header checked field by field (format in
-// leanstream.h; every file is treated as hostile), the neuron permutation, the data descriptor
+// docs/formats.md; every file is treated as hostile), the neuron permutation, the data descriptor
 // (O_DIRECT where the file system allows it).
 
 #include "internal.h"

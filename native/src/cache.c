@@ -29,11 +29,10 @@ ls_status ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t 
     c->slot_block    = malloc((size_t) n_slots * sizeof(int32_t));
     c->slot_pins     = calloc((size_t) n_slots, sizeof(int32_t));
     c->slot_computed = calloc((size_t) n_slots, 1);
-    c->slot_score    = calloc((size_t) n_slots, sizeof(float));
     c->lru_prev      = malloc((size_t) n_slots * sizeof(int32_t));
     c->lru_next      = malloc((size_t) n_slots * sizeof(int32_t));
     c->free_list     = malloc((size_t) n_slots * sizeof(int32_t));
-    if (!c->slot_layer || !c->slot_block || !c->slot_pins || !c->slot_computed || !c->slot_score || !c->lru_prev ||
+    if (!c->slot_layer || !c->slot_block || !c->slot_pins || !c->slot_computed || !c->lru_prev ||
         !c->lru_next || !c->free_list) {
         ls_set_error("out of memory");
         return LS_ERR_NOMEM;
@@ -52,7 +51,7 @@ ls_status ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t 
 
 void ls_cache_free(ls_cache * c) {
     if (c->pool) munmap(c->pool, c->pool_bytes);
-    free(c->slot_layer); free(c->slot_block); free(c->slot_pins); free(c->slot_computed); free(c->slot_score);
+    free(c->slot_layer); free(c->slot_block); free(c->slot_pins); free(c->slot_computed);
     free(c->lru_prev); free(c->lru_next); free(c->free_list);
     memset(c, 0, sizeof(*c));
 }
@@ -90,24 +89,15 @@ static void evict(ls_engine * e, int32_t s) {
     c->n_resident--;
 }
 
-#define LRU_WINDOW 16
-
-// The slot to evict: the least recently used (LRU), or the lowest score among the LRU_WINDOW
-// least recently used (PRIORITY). Blocks whose read is still in flight are skipped: their slot
-// is being written.
+// The slot to evict: the least recently used one whose read is not still in flight (its slot is
+// being written).
 static int32_t pick_victim(ls_engine * e) {
     ls_cache * c = &e->cache;
-    int32_t best = -1, seen = 0;
-    for (int32_t s = c->lru_head; s >= 0 && seen < LRU_WINDOW; s = c->lru_next[s]) {
-        if (atomic_load_explicit(&e->layers[c->slot_layer[s]].state[c->slot_block[s]], memory_order_acquire) ==
-            LS_BLK_LOADING) {
-            continue;
-        }
-        if (c->policy == LS_CACHE_LRU) return s;
-        if (best < 0 || c->slot_score[s] < c->slot_score[best]) best = s;
-        seen++;
+    for (int32_t s = c->lru_head; s >= 0; s = c->lru_next[s]) {
+        if (atomic_load_explicit(&e->layers[c->slot_layer[s]].state[c->slot_block[s]], memory_order_acquire) !=
+            LS_BLK_LOADING) return s;
     }
-    return best;
+    return -1;
 }
 
 ls_status ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss) {
@@ -143,12 +133,11 @@ ls_status ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slo
     return LS_OK;
 }
 
-void ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed, float score) {
+void ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed) {
     ls_cache * c = &e->cache;
     int32_t s = L->slot_of_block[b];
     if (s < 0) return;
     if (computed) c->slot_computed[s] = 1;
-    c->slot_score[s] = score;
     if (--c->slot_pins[s] == 0) lru_push_mru(c, s);
 }
 

@@ -1,5 +1,5 @@
 // checksum.c — CRC-32C (Castagnoli), the checksum of every neuron block and of each block
-// file's metadata (format: leanstream.h).
+// file's metadata (format: docs/formats.md).
 //
 // Every block read from disk is checked once, before its first use, by the compute thread that
 // is about to use it (ls_block_verify): that thread would otherwise wait, and the block's bytes

@@ -30,19 +30,19 @@ static uint64_t predictor_bytes(const ls_predictor * p) {
 // One layer: its block file, then the planner's per-block scratch.
 static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char * path) {
     L->e = e;
-    ls_status st = ls_blockfile_open(L, il, path, e->params.use_direct_io != 0, &e->direct_io);
+    ls_status st = ls_blockfile_open(L, il, path, !ls_test_hooks_now().buffered_io, &e->direct_io);
     if (st != LS_OK) return st;
     const ls_layer_info * in = &L->info;
     L->prio        = calloc((size_t) in->n_blocks, sizeof(float));
     L->prefetch    = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->order       = malloc((size_t) in->n_blocks * sizeof(int32_t));
-    L->stage_mark  = malloc((size_t) in->n_blocks);
-    if (L->stage_mark) memset(L->stage_mark, 0xFF, (size_t) in->n_blocks);
+    L->mark        = malloc((size_t) in->n_blocks);
+    if (L->mark) memset(L->mark, 0xFF, (size_t) in->n_blocks);
     L->in_prefetch = calloc((size_t) in->n_blocks, 1);
     L->last_plan   = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->last_cand   = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->spec        = calloc((size_t) in->n_blocks, 1);
-    if (!L->prio || !L->prefetch || !L->order || !L->stage_mark || !L->in_prefetch || !L->last_plan || !L->last_cand || !L->spec) {
+    if (!L->prio || !L->prefetch || !L->order || !L->mark || !L->in_prefetch || !L->last_plan || !L->last_cand || !L->spec) {
         ls_set_error("out of memory");
         return LS_ERR_NOMEM;
     }
@@ -54,7 +54,7 @@ static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char 
 // frequency fill hot_fraction of the slots, never the room two layers' working sets need.
 static ls_status pick_hot_set(ls_engine * e, const float * rank, int32_t working_set) {
     if (!rank) {
-        if (!e->policy->hot_required) return LS_OK;
+        if (!(e->policy->uses & LS_NEEDS_RANK)) return LS_OK;
         ls_set_error("this mode pins the blocks most often active in calibration and needs their ranking "
                      "(block_rank: the model directory's predictor/block_freq.npy); re-convert with predictors");
         return LS_ERR_ARG;
@@ -137,7 +137,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             if (st != LS_OK) break;
             resident += predictor_bytes(e->layers[il].pred);
         }
-        if (p->sketch_paths && p->sketch_paths[il] && e->policy->exact_select) {
+        if (p->sketch_paths && p->sketch_paths[il] && (e->policy->uses & LS_USES_SKETCH)) {
             ls_layer * L = &e->layers[il];
             st = ls_sketch_load(p->sketch_paths[il], L, &L->sketch);
             if (st != LS_OK) break;
@@ -181,22 +181,21 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
             st = LS_ERR_BUDGET;
         } else {
             st = ls_cache_init(&e->cache, stride, (int32_t) n_slots, total_blocks);
-            e->cache.policy = e->params.cache_policy;
         }
         ls_plan * P = &e->plan;
         if (st == LS_OK) {
             P->blocks   = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
             P->scratch  = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
             P->scratch2 = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
-            P->x_ref    = malloc(sizeof(float) * (size_t) e->layers[0].info.n_embd);
             P->score    = malloc(sizeof(float) * (size_t) max_layer_blocks);
             P->hscore   = malloc(sizeof(float) * (size_t) max_layer_blocks);
+            P->loaded   = malloc((size_t) max_layer_blocks);
             P->sel      = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
             P->hval     = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
             P->dh       = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
             P->dcols    = malloc(sizeof(void *) * (size_t) (max_rows > 0 ? max_rows : 1));
             P->xs       = malloc(xs_bytes > 0 ? xs_bytes : 1);
-            if (!P->blocks || !P->scratch || !P->scratch2 || !P->x_ref || !P->score || !P->hscore || !P->sel || !P->hval ||
+            if (!P->blocks || !P->scratch || !P->scratch2 || !P->score || !P->hscore || !P->loaded || !P->sel || !P->hval ||
                 !P->dh || !P->dcols || !P->xs) {
                 ls_set_error("out of memory");
                 st = LS_ERR_NOMEM;
@@ -219,7 +218,8 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     }
     // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
     if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
-    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, p->test_io_delay_us, p->test_io_queue_cap);
+    const ls_test_hook_values hooks = ls_test_hooks_now();
+    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, hooks.io_delay_us, hooks.io_queue_cap);
     // the disk model: only a sparse mode under a budget reads blocks with gaps between them
     if (st == LS_OK) st = ls_io_plan_model(e, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts);
     if (st != LS_OK) {
@@ -245,7 +245,7 @@ void ls_engine_free(ls_engine * e) {
         free((void *) L->verified);
         free(L->slot_of_block);
         free((void *) L->state);
-        free(L->prio); free(L->prefetch); free(L->order); free(L->stage_mark); free(L->in_prefetch); free(L->last_plan);
+        free(L->prio); free(L->prefetch); free(L->order); free(L->mark); free(L->in_prefetch); free(L->last_plan);
         free(L->hot); free(L->hot_pinned);
         if (L->pred) ls_predictor_free(L->pred);
         ls_sketch_free(L->sketch);
@@ -257,8 +257,7 @@ void ls_engine_free(ls_engine * e) {
     free(e->plan.blocks);
     free(e->plan.scratch);
     free(e->plan.scratch2);
-    free(e->plan.x_ref);
-    free(e->plan.score); free(e->plan.hscore); free(e->plan.sel); free(e->plan.hval); free(e->plan.xs); free(e->plan.dh); free(e->plan.dcols);
+    free(e->plan.score); free(e->plan.hscore); free(e->plan.loaded); free(e->plan.sel); free(e->plan.hval); free(e->plan.xs); free(e->plan.dh); free(e->plan.dcols);
     free(e->plan.xq);
     free(e->plan.acc);
     free(e->plan.work);
@@ -281,26 +280,9 @@ ls_status ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * 
 }
 
 static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
-    s->op_calls        += atomic_load(&l->op_calls);
-    s->tokens          += atomic_load(&l->tokens);
-    s->blocks_computed += atomic_load(&l->blocks_computed);
-    s->blocks_read     += atomic_load(&l->blocks_read);
-    s->bytes_read      += atomic_load(&l->bytes_read);
-    s->bytes_computed  += atomic_load(&l->bytes_computed);
-    s->bytes_unused    += atomic_load(&l->bytes_unused);
-    s->reads_issued    += atomic_load(&l->reads_issued);
-    s->io_stall_ns     += atomic_load(&l->io_stall_ns);
-    s->op_ns           += atomic_load(&l->op_ns);
-    s->predictor_ns    += atomic_load(&l->predictor_ns);
-    s->blocks_prefetched += atomic_load(&l->blocks_prefetched);
-    s->refinements     += atomic_load(&l->refinements);
-    s->checksum_ns     += atomic_load(&l->checksum_ns);
-    s->blocks_candidates += atomic_load(&l->blocks_candidates);
-    s->down_skipped    += atomic_load(&l->down_skipped);
-    s->spec_hits       += atomic_load(&l->spec_hits);
-    s->spec_selected   += atomic_load(&l->spec_selected);
-    s->scorer_ns       += atomic_load(&l->scorer_ns);
-    s->bytes_bridged   += atomic_load(&l->bytes_bridged);
+#define LS_ADD_COUNTER(name) s->name += atomic_load(&l->name);
+    LS_LAYER_COUNTERS(LS_ADD_COUNTER)
+#undef LS_ADD_COUNTER
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
@@ -346,20 +328,12 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
 
 void ls_engine_reset_stats(ls_engine * e) {
     if (!e) return;
+#define LS_RESET_COUNTER(name) atomic_store(&l->name, 0);
     for (int32_t i = 0; i < e->n_layers; i++) {
         ls_layer_stats * l = &e->layers[i].stats;
-        atomic_store(&l->op_calls, 0); atomic_store(&l->tokens, 0);
-        atomic_store(&l->blocks_computed, 0); atomic_store(&l->blocks_read, 0);
-        atomic_store(&l->bytes_read, 0); atomic_store(&l->bytes_computed, 0);
-        atomic_store(&l->bytes_unused, 0); atomic_store(&l->reads_issued, 0);
-        atomic_store(&l->io_stall_ns, 0); atomic_store(&l->op_ns, 0);
-        atomic_store(&l->predictor_ns, 0);
-        atomic_store(&l->blocks_prefetched, 0); atomic_store(&l->refinements, 0);
-        atomic_store(&l->checksum_ns, 0);
-        atomic_store(&l->blocks_candidates, 0); atomic_store(&l->down_skipped, 0);
-        atomic_store(&l->spec_hits, 0); atomic_store(&l->spec_selected, 0); atomic_store(&l->scorer_ns, 0);
-        atomic_store(&l->bytes_bridged, 0);
+        LS_LAYER_COUNTERS(LS_RESET_COUNTER)
     }
+#undef LS_RESET_COUNTER
     atomic_store(&e->io.cpu_ns, 0);
 }
 

@@ -1,12 +1,18 @@
 // internal.h — structures shared by the engine's source files (not part of the ABI).
 //
-// Data flow for one FFN op on layer il (see op.c):
-//   plan (thread 0): blocks to compute, in priority order -> pin resident ones, allocate cache
-//                    slots for missing ones and queue their reads (io.c) in the same order
-//   compute (all ggml threads): quantize x once; thread ith takes plan entries ith, ith+nth, ...
-//                    waits for each block's ready flag, accumulates its neurons' partial output
-//   reduce:          dst = sum of the per-thread partial outputs, in thread order (deterministic)
-//   finish (thread 0): unpin the blocks (they become evictable in LRU order)
+// One FFN op on layer il (op.c) takes one of three paths, chosen per op by ls_sched_path:
+//   dense      every block in file order, in chunks the budget holds (prefill in every mode, and
+//              decode in mode dense): all threads compute their share of a chunk, then thread 0
+//              lets it go and pins the next
+//   predicted  sparse decode selected by the predictors (the baselines; leanstream on a layer
+//              without a sketch): thread 0 pins the top blocks by priority and queues layer il+1's
+//              prefetch, all threads compute their share
+//   cascade    sparse decode selected from the layer's own input (leanstream with a sketch): score
+//              the sketch -> thread 0 pins the candidates -> exact gate/up of the candidates ->
+//              thread 0 keeps the largest |h| -> down columns of the kept
+// In every path each thread accumulates its share of the plan (the ith of nth contiguous parts)
+// into its own partial output, and the output is their sum in thread order (deterministic,
+// independent of I/O timing). Thread 0 plans under e->mu, which it holds for the whole op.
 //
 // Policies (what a mode does, how many blocks sparsity s keeps, defaults, the hot set's size)
 // have one owner: mode.c.
@@ -26,17 +32,14 @@ enum { LS_BLK_ABSENT = 0, LS_BLK_LOADING = 1, LS_BLK_READY = 2, LS_BLK_FAILED = 
 
 // What a mode does (mode.c holds one row per LS_MODE_*).
 typedef struct ls_mode_policy {
+    const char * name;     // as users spell it ("dejavu+")
+    int32_t uses;          // LS_USES_* bits: the model directory's files it reads
     bool    sparse;        // decode computes the top (1 - sparsity) blocks, not all
     bool    prefetch;      // while layer il computes, queue layer il+1's predicted blocks
-    bool    refine;        // re-predict layer il+1 after every stage from partial outputs (Eq. 2)
-    bool    staged;        // n_stages priority-ordered compute stages per layer (else one)
     bool    keep_cache;    // blocks stay cached after the op (false: oneshot reads every time)
-    int32_t eviction;      // default LS_CACHE_*
     float   hot_fraction;  // default share of the slots pinned for the calibration-hot blocks;
                            // 0: the mode pins no hot set (params.hot_fraction is ignored)
-    bool    hot_required;  // the mode is meaningless without a calibration ranking
-    bool    exact_select;  // decode selects from the layer's own input where the layer has a sketch:
-                           // sketch scores -> candidates -> exact h -> down for the exact top set
+    float   hot_alone;     // the same without predictors (nothing is prefetched)
 } ls_mode_policy;
 
 // A layer's resident sketch of its gate/up rows (sketch.c; format there).
@@ -49,12 +52,15 @@ typedef struct ls_sketch {
     uint8_t *       mem;           // the whole file
     size_t          bytes;
 } ls_sketch;
-typedef struct ls_layer_stats {
-    _Atomic uint64_t op_calls, tokens, blocks_computed, blocks_read, bytes_read, bytes_computed,
-                     bytes_unused, reads_issued, io_stall_ns, op_ns, predictor_ns, blocks_prefetched,
-                     refinements, checksum_ns, blocks_candidates, down_skipped, spec_hits, spec_selected,
-                     scorer_ns, bytes_bridged;
-} ls_layer_stats;
+// Per-layer counters: each is a field of the public ls_stats of the same name (ls_engine_stats
+// sums them over layers); the list is written once, here.
+#define LS_LAYER_COUNTERS(X) \
+    X(op_calls) X(tokens) X(blocks_computed) X(blocks_read) X(bytes_read) X(bytes_computed) \
+    X(bytes_unused) X(reads_issued) X(io_stall_ns) X(op_ns) X(predictor_ns) X(blocks_prefetched) \
+    X(checksum_ns) X(blocks_candidates) X(down_skipped) X(spec_hits) X(spec_selected) X(scorer_ns) \
+    X(bytes_bridged)
+#define LS_COUNTER_FIELD(name) _Atomic uint64_t name;
+typedef struct ls_layer_stats { LS_LAYER_COUNTERS(LS_COUNTER_FIELD) } ls_layer_stats;
 
 struct ls_predictor;
 
@@ -84,7 +90,7 @@ typedef struct ls_layer {
     uint8_t *          hot;             // [n_blocks] powerinfer2: keep resident once loaded
     uint8_t *          hot_pinned;      // [n_blocks] the permanent pin has been taken
     int32_t *          order;           // [n_blocks] scratch: blocks sorted by priority
-    uint8_t *          stage_mark;      // [n_blocks] scratch of select_stages, 0xFF between calls
+    uint8_t *          mark;            // [n_blocks] planner scratch, 0xFF between calls
     uint8_t *          in_prefetch;     // [n_blocks] 1: in prefetch[] (holds a prefetch pin)
     int32_t *          last_plan;       // [n_blocks] blocks computed by the last op, in order
     int32_t            n_last_plan;
@@ -117,7 +123,7 @@ typedef struct ls_io {
     ls_read *       queue;      // ring buffer
     int             cap, head, count;
     bool            stop;
-    uint32_t        delay_us;   // test hook
+    uint32_t        delay_us;   // test hook (ls_test_hooks)
     uint8_t *       bridge;     // bridged gaps land here (every read shares it: nobody reads it)
     uint64_t        bridge_bytes; // largest gap a read goes through (0: none)
     uint64_t        per_io_ns;  // the disk model (io_probe): time of one small read at full depth
@@ -135,8 +141,6 @@ typedef struct ls_cache {
     int32_t *  slot_block;      // [n_slots]
     int32_t *  slot_pins;       // [n_slots]
     uint8_t *  slot_computed;   // [n_slots] computed at least once since it was loaded
-    float *    slot_score;      // [n_slots] predicted priority when last released (policy PRIORITY)
-    int32_t    policy;          // LS_CACHE_*
     int32_t *  lru_prev, * lru_next; // intrusive list of unpinned resident slots (head = LRU)
     int32_t    lru_head, lru_tail, n_lru;
     int32_t *  free_list;       // stack of free slots
@@ -150,31 +154,32 @@ typedef struct ls_barrier {
     _Atomic unsigned gen;
 } ls_barrier;
 
-// Plan of the op being executed (written by thread 0 before the first barrier).
-#define LS_MAX_STAGES 64
+// The path an op takes (op.c: one function each), chosen by thread 0 before the first barrier.
+typedef enum { LS_PATH_FAILED = 0, LS_PATH_DENSE, LS_PATH_PREDICTED, LS_PATH_CASCADE } ls_path;
+
+// Plan of the op being executed (written by thread 0, read by all between barriers).
+#define LS_MAX_CHUNKS 64
 typedef struct ls_plan {
     ls_layer * L;
-    int32_t *  blocks;          // [n] block ids in compute order
+    ls_path    path;
+    int32_t *  blocks;          // [n] block ids in compute order (cascade: the candidates)
     int32_t    n;
-    int32_t    n_stages;        // the plan is cut into stages [stage_end[s-1], stage_end[s])
-    int32_t    stage_end[LS_MAX_STAGES];
-    int32_t    n_acquired;      // plan entries [0, n_acquired) hold a pin (chunked dense prefill)
-    bool       sparse;          // decode with a predicted subset
-    bool       refine;          // re-predict layer il+1 after each stage (leanstream mode)
-    bool       cascade;         // exact-input selection: blocks[0, n) are the candidates, sel[0, n_sel)
-                                // the entries whose down columns are computed
+    int32_t    pin_lo, n_pinned; // plan entries [pin_lo, n_pinned) hold a pin of this op
+    // dense: the plan cut into chunks the budget holds, [chunk_end[c-1], chunk_end[c])
+    int32_t    n_chunks;
+    int32_t    chunk_end[LS_MAX_CHUNKS];
+    bool       stop;            // the next chunk could not be pinned: the op ends (error recorded)
+    // cascade (sel[0, n_sel): the candidate entries whose down columns are computed)
     float *    score;           // [max n_blocks] sketch score of every block of the layer
     float *    hval;            // [max n_blocks * k] h of candidate entry i, neuron j at i*k + j
     float *    hscore;          // [max n_blocks] sum |h| (* weight) of candidate entry i
+    uint8_t *  loaded;          // [max n_blocks] 1: candidate entry i was computed (its block arrived intact)
     float *    dh;              // [max n_blocks * k] h of the kept neurons, by kept entry (down pass)
     const void ** dcols;        // [max n_blocks * k] their down columns
     int32_t *  sel;             // [max n_blocks] selected candidate entries, ascending
     int32_t    n_sel;
     uint8_t *  xs;              // x quantized for the sketch rows' vec_dot
-    const float * x_res;        // residual entering this FFN, [n_embd] (sparse decode), or NULL
-    float *    x_ref;           // [n_embd] refinement input scratch
     int32_t *  scratch, * scratch2; // [max n_blocks] each
-    size_t     x_ref_cap, scratch_cap;
     int64_t    n_tokens;
     int        nth;
     // scratch, grown by thread 0
@@ -206,8 +211,8 @@ struct ls_engine {
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
-//   op.c         the op (plan, compute, reduce), ls_ffn_eval -> schedule.c engine.c sketch.c kernels.c checksum.c cache.c util.c
-//   schedule.c   selection, stages, prefetch, refinement     -> cache.c io.c predictor.c mode.c util.c
+//   op.c         the op's three paths, ls_ffn_eval            -> schedule.c engine.c sketch.c kernels.c checksum.c cache.c util.c
+//   schedule.c   selection, chunks, pins, prefetch            -> cache.c io.c predictor.c mode.c util.c
 //   engine.c     lifetime, budget -> slots, counters          -> blockfile.c sketch.c cache.c io.c predictor.c mode.c util.c
 //   sketch.c     resident gate/up sketch, exact-input scores   -> kernels.c checksum.c util.c
 //   io.c         O_DIRECT read workers                        -> cache.c util.c
@@ -221,7 +226,6 @@ struct ls_engine {
 
 #define LS_DEFAULT_SPARSITY 0.5f
 #define LS_DEFAULT_CANDIDATE_RATIO 1.5f
-#define LS_SKETCH_HOT_FRACTION 0.9    // leanstream without predictors: the hot set's share of the cache
 
 // util.c
 void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -235,6 +239,9 @@ void        ls_cpu_relax(unsigned * spins);
 
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode
+// the hooks ls_test_hooks set (engine creation reads them)
+typedef struct { uint32_t io_delay_us, io_queue_cap; int32_t buffered_io; } ls_test_hook_values;
+ls_test_hook_values ls_test_hooks_now(void);
 ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
 int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
 // hot[il][b] = 1 for the n_hot best-ranked blocks of all layers (rank: layer after layer)
@@ -251,8 +258,8 @@ void        ls_cache_free(ls_cache * c);
 uint8_t *   ls_cache_slot_ptr(const ls_cache * c, int32_t slot);
 // Pin block b of layer L for computing: returns its slot and whether it must be read.
 ls_status   ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss);
-// Unpin; score: how much the block is expected to be needed again (higher = keep longer).
-void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed, float score);
+// Unpin (the block becomes evictable, least recently used first, once no pin is left).
+void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed);
 // Free block b's slot now (pinned or not). loaded: its bytes arrived (counted as unused if
 // never computed); false for a failed or withdrawn read.
 void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);
@@ -267,20 +274,22 @@ ls_status   ls_io_plan_model(ls_engine * e, bool probe);
 // Queue reads for the given blocks (state LOADING, slots acquired, in file order within runs),
 // merging blocks whose gap costs less than another I/O, up to max_read_bytes per read.
 void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
-// Take layer L's reads that no worker has started out of the queue; their blocks go to out[].
-int32_t     ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int32_t cap);
 
 // schedule.c (thread 0, under e->mu)
-ls_status   ls_sched_plan(ls_engine * e, ls_layer * L, int64_t n_tokens, const float * x_res);
-// exact-input selection: is it what this op does; candidates from P->score; the final set from P->hscore
-bool        ls_sched_cascade(const ls_engine * e, const ls_layer * L, int64_t n_tokens);
+ls_path     ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens);
+// dense: every block in file order, cut into chunks; the first chunk pinned and its reads queued
+ls_status   ls_sched_plan_dense(ls_engine * e, ls_layer * L);
+// let chunk c - 1 go, pin chunk c
+ls_status   ls_sched_next_chunk(ls_engine * e, int32_t c);
+// predicted: the top (1 - sparsity) blocks by priority, in file order, pinned; layer il+1 prefetched
+ls_status   ls_sched_plan_predicted(ls_engine * e, ls_layer * L, const float * x_res);
+// cascade: the candidates from P->score pinned (layer il+1 prefetched); the kept set from P->hscore
 ls_status   ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res);
 // A resident layer (pinned for good) whose gate/up rows cost no more bytes than its sketch plus
 // the candidates' rows: the cascade computes h for every block and skips the sketch.
 bool        ls_sched_cascade_all(const ls_engine * e, const ls_layer * L);
 void        ls_sched_select_final(ls_engine * e);
-ls_status   ls_sched_stage_begin(ls_engine * e, int32_t s);
-void        ls_sched_stage_done(ls_engine * e, int32_t s, const float * partial);
+// unpin what the op still holds, record its plan; *all_ready: every planned block arrived
 void        ls_sched_finish(ls_engine * e, bool * all_ready);
 
 // sketch.c

@@ -52,7 +52,7 @@ static void finish_read(ls_engine * e, ls_read * r, ls_status st, const char * w
 
 static void do_read(ls_engine * e, ls_read * r) {
     ls_layer * L = r->L;
-    if (e->io.delay_us) usleep((useconds_t) (rand() % e->io.delay_us)); // test hook: jittered I/O
+    if (e->io.delay_us) usleep((useconds_t) (rand() % e->io.delay_us)); // test hook (ls_test_hooks): jittered I/O
     size_t want = 0;
     for (int32_t i = 0; i < r->n_iov; i++) want += r->iov[i].iov_len;
     struct iovec iov[LS_MAX_IOV];
@@ -199,26 +199,6 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
     }
     if (r.n_iov > 0) push(e, &r);
     pthread_mutex_unlock(&io->mu);
-}
-
-int32_t ls_io_cancel_pending(ls_engine * e, ls_layer * L, int32_t * out, int32_t cap) {
-    ls_io * io = &e->io;
-    int32_t n_out = 0;
-    pthread_mutex_lock(&io->mu);
-    int kept = 0;
-    for (int i = 0; i < io->count; i++) {
-        ls_read * r = &io->queue[(io->head + i) % io->cap];
-        if (r->L == L && n_out + r->n_blocks <= cap) {
-            for (int32_t j = 0; j < r->n_iov; j++)
-                if (r->block[j] >= 0) out[n_out++] = r->block[j];
-        } else {
-            io->queue[(io->head + kept) % io->cap] = *r;
-            kept++;
-        }
-    }
-    io->count = kept;
-    pthread_mutex_unlock(&io->mu);
-    return n_out;
 }
 
 // ---- the disk model ----------------------------------------------------------------------------

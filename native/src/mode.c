@@ -10,21 +10,41 @@
 #include <string.h>
 
 // What each mode does per decoded token (prefill is dense in every mode). The baselines live in
-// the engine so that ablations compare like with like.
-static const ls_mode_policy MODES[] = {
-    //                      sparse prefetch refine staged keep   eviction           hot   hot_req exact_select
-    [LS_MODE_DENSE]       = { false, false, false, false, true,  LS_CACHE_LRU,      0.0f, false, false },
-    [LS_MODE_ONESHOT]     = { true,  true,  false, false, false, LS_CACHE_LRU,      0.0f, false, false }, // DejaVu: no weight cache
-    [LS_MODE_DEJAVU_PLUS] = { true,  true,  false, false, true,  LS_CACHE_LRU,      0.0f, false, false }, // DejaVu + LRU cache
-    [LS_MODE_POWERINFER2] = { true,  true,  false, false, true,  LS_CACHE_LRU,      0.5f, true,  false }, // hot set pinned + LRU
-    // + stages and refinement of the prefetch; where the layer has a sketch, the final selection
-    // comes from its own input (speculation only prefetches)
-    [LS_MODE_LEANSTREAM]  = { true,  true,  true,  true,  true,  LS_CACHE_PRIORITY, 0.5f, false, true  },
+// the engine so that ablations compare like with like. A sparse op selects through the layer's
+// sketch where the mode uses one and the layer has it (the cascade), else through the predictors.
+static const ls_mode_policy MODES[LS_N_MODES] = {
+    // hot: the hot set's default share of the slots; alone: the same without predictors
+    //                      name           uses                                    sparse prefetch keep  hot   alone
+    [LS_MODE_DENSE]       = { "dense",       0,                                      false, false, true,  0.0f, 0.0f },
+    // DejaVu: one layer-ahead prediction per layer, no weight cache
+    [LS_MODE_ONESHOT]     = { "oneshot",     LS_USES_PREDICTORS,                     true,  true,  false, 0.0f, 0.0f },
+    // DejaVu + LRU weight cache
+    [LS_MODE_DEJAVU_PLUS] = { "dejavu+",     LS_USES_PREDICTORS,                     true,  true,  true,  0.0f, 0.0f },
+    // PowerInfer-2: calibration-hot blocks pinned (hot_fraction of the slots) + LRU for the rest
+    [LS_MODE_POWERINFER2] = { "powerinfer2", LS_USES_PREDICTORS | LS_USES_RANK | LS_NEEDS_RANK,
+                                                                                     true,  true,  true,  0.5f, 0.5f },
+    // final selection from the layer's own input (sketch -> candidates -> exact re-rank); the
+    // predictors, where trained, prefetch the next layer's likely candidates (speculation).
+    // Selecting through the sketch alone it prefetches nothing: a cache slot outside the hot set
+    // only helps a block read again by the next token, which a budget below one token's reads
+    // cycles out first (Qwen2.5-1.5B, 50 % budget: 1.53-1.57 tok/s with 0.9, 1.23-1.43 with 0.5)
+    [LS_MODE_LEANSTREAM]  = { "leanstream",  LS_USES_SKETCH | LS_USES_PREDICTORS | LS_USES_RANK,
+                                                                                     true,  true,  true,  0.5f, 0.9f },
 };
 
 const ls_mode_policy * ls_mode_policy_of(int32_t mode) {
-    if (mode < LS_MODE_DENSE || mode > LS_MODE_LEANSTREAM) return NULL;
+    if (mode < 0 || mode >= LS_N_MODES) return NULL;
     return &MODES[mode];
+}
+
+const char * ls_mode_name(int32_t mode) {
+    const ls_mode_policy * m = ls_mode_policy_of(mode);
+    return m ? m->name : NULL;
+}
+
+int32_t ls_mode_uses(int32_t mode) {
+    const ls_mode_policy * m = ls_mode_policy_of(mode);
+    return m ? m->uses : 0;
 }
 
 void ls_engine_params_init(ls_engine_params * p) {
@@ -34,35 +54,31 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->memory_budget  = 0;
     p->n_io_threads   = 16;          // random 4 KiB O_DIRECT reads need 8+ in flight for full IOPS
     p->max_read_bytes = 256u << 10;
-    p->use_direct_io  = 1;
     p->sparsity       = -1.0f;       // the mode's: 0 in dense mode, LS_DEFAULT_SPARSITY in the others
-    p->n_stages       = 4;           // 8 measured worse with the quick predictors (README)
-    p->cache_policy   = -1;          // the mode's eviction
     p->hot_fraction   = -1.0;        // the mode's share of the budget pinned for the hot set
     p->verify_checksums = 1;         // every block checked against its CRC-32C before first use
     p->candidate_ratio  = -1.0f;     // LS_DEFAULT_CANDIDATE_RATIO
-    p->cache_bias       = 1.0f;      // off
     p->bridge_bytes     = -1;        // from the disk model measured at start (io.c)
 }
+
+static ls_test_hook_values test_hooks;   // ls_test_hooks: tests only
+
+void ls_test_hooks(uint32_t io_delay_us, uint32_t io_queue_cap, int32_t buffered_io) {
+    test_hooks = (ls_test_hook_values) { io_delay_us, io_queue_cap, buffered_io };
+}
+
+ls_test_hook_values ls_test_hooks_now(void) { return test_hooks; }
 
 ls_status ls_params_resolve(ls_engine_params * p) {
     const ls_mode_policy * m = ls_mode_policy_of(p->mode);
     if (!m) { ls_set_error("unknown mode %d", p->mode); return LS_ERR_ARG; }
     if (p->sparsity < 0.0f && p->sparsity == -1.0f) p->sparsity = m->sparse ? LS_DEFAULT_SPARSITY : 0.0f;
     if (!(p->sparsity >= 0.0f && p->sparsity < 1.0f)) { ls_set_error("sparsity must be in [0, 1), got %g", (double) p->sparsity); return LS_ERR_ARG; }
-    if (p->cache_policy == -1) p->cache_policy = m->eviction;
-    if (p->cache_policy != LS_CACHE_LRU && p->cache_policy != LS_CACHE_PRIORITY) { ls_set_error("unknown cache policy %d", p->cache_policy); return LS_ERR_ARG; }
-    // leanstream selecting through the sketch alone prefetches nothing: a cache slot outside the
-    // hot set only helps a block read again by the next token, which a budget below one token's
-    // reads cycles out first (Qwen2.5-1.5B, 50 % budget: 1.53-1.57 tok/s with 0.9, 1.23-1.43 with 0.5)
-    if (p->hot_fraction == -1.0)
-        p->hot_fraction = p->mode == LS_MODE_LEANSTREAM && !p->predictor_paths ? LS_SKETCH_HOT_FRACTION : m->hot_fraction;
+    if (p->hot_fraction == -1.0) p->hot_fraction = p->predictor_paths ? m->hot_fraction : m->hot_alone;
     if (!(p->hot_fraction >= 0.0 && p->hot_fraction <= 1.0)) { ls_set_error("hot_fraction must be in [0, 1], got %g", (double) p->hot_fraction); return LS_ERR_ARG; }
-    if (p->n_stages < 1 || p->n_stages > LS_MAX_STAGES) { ls_set_error("n_stages must be in [1, %d], got %d", LS_MAX_STAGES, p->n_stages); return LS_ERR_ARG; }
     if (p->n_io_threads < 1 || p->n_io_threads > LS_MAX_IO_THREADS) { ls_set_error("n_io_threads must be in [1, %d], got %d", LS_MAX_IO_THREADS, p->n_io_threads); return LS_ERR_ARG; }
     if (p->candidate_ratio == -1.0f) p->candidate_ratio = LS_DEFAULT_CANDIDATE_RATIO;
     if (!(p->candidate_ratio >= 1.0f && p->candidate_ratio <= 1000.0f)) { ls_set_error("candidate_ratio must be >= 1, got %g", (double) p->candidate_ratio); return LS_ERR_ARG; }
-    if (!(p->cache_bias > 0.0f && p->cache_bias <= 1.0f)) { ls_set_error("cache_bias must be in (0, 1], got %g", (double) p->cache_bias); return LS_ERR_ARG; }
     if (p->max_read_bytes < 4096) { ls_set_error("max_read_bytes must be >= 4096, got %u", p->max_read_bytes); return LS_ERR_ARG; }
     if (p->bridge_bytes < -1) { ls_set_error("bridge_bytes must be >= 0, or -1 (measured), got %lld", (long long) p->bridge_bytes); return LS_ERR_ARG; }
     return LS_OK;

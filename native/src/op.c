@@ -172,7 +172,52 @@ static inline const uint8_t * nxt_for(const uint8_t * nxt, int pf_lines, int64_t
     return pf_lines ? nxt + (size_t) (j * (n_embd / fused_unit(fused)) * pf_lines * 64) : NULL;
 }
 
-// One thread's share of plan entries [lo, hi) (share_lo), accumulated into acc [n_tokens, n_embd].
+// Entry i of this thread's share [.., s1) of the plan: its block's bytes once ready (NULL: not
+// loaded, the error recorded), with the first next_bytes of entry i + 1's block fetched into cache
+// while it computes (pf: where from, and how many lines per kernel step; see prefetch_next).
+typedef struct { const uint8_t * nxt; int lines; } next_fetch;
+
+static const uint8_t * fetch_entry(ls_engine * e, ls_layer * L, int32_t i, int32_t s1, uint64_t next_bytes,
+                                   next_fetch * pf, uint64_t * stall_ns) {
+    const int32_t * blocks = e->plan.blocks;
+    const uint8_t * blk = ready_block(e, L, blocks[i], stall_ns);
+    if (!blk) return NULL;
+    pf->nxt = i + 1 < s1 ? landed(e, L, blocks[i + 1]) : NULL;
+    pf->lines = prefetch_next(pf->nxt, next_bytes, fused_gate_up(&L->info), L->info.neurons_per_block, L->info.n_embd);
+    return blk;
+}
+
+// A down column as f32 into a staging tile (the decode path reads Q8_0 columns in place instead).
+static inline void stage_column(const ls_layer_info * in, const uint8_t * col, float * out) {
+    if (in->down_type == GGML_TYPE_Q8_0) ls_dequant_q8_0(out, (const ls_block_q8_0 *) col, in->n_embd);
+    else if (in->down_type == GGML_TYPE_F32) memcpy(out, col, sizeof(float) * (size_t) in->n_embd);
+    else ggml_get_type_traits(in->down_type)->to_float(col, out, in->n_embd);
+}
+
+// This thread's partial output [n_tokens, n_embd], zeroed.
+static float * thread_acc(const ls_plan * P, int ith) {
+    const size_t per = (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
+    float * acc = P->acc + (size_t) ith * per;
+    memset(acc, 0, sizeof(float) * per);
+    return acc;
+}
+
+static float * thread_work(const ls_plan * P, int ith) { return P->work + (size_t) ith * P->work_per_thread; }
+
+// y = the sum of the threads' partial outputs, in thread order (deterministic); each thread
+// sums its slice of the output.
+static void reduce_partials(const ls_plan * P, float * y, int ith, int nth) {
+    const size_t per = (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
+    const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
+    for (size_t i = lo; i < hi; i++) {
+        float v = 0.0f;
+        for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + i];
+        y[i] = v;
+    }
+}
+
+// One thread's share of plan entries [lo, hi) (share_lo), every neuron of each block, accumulated
+// into acc [n_tokens, n_embd].
 static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t hi, float * acc, float * work) {
     const ls_plan * P = &e->plan;
     ls_layer * L = P->L;
@@ -180,7 +225,6 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const int64_t n_embd = in->n_embd, T = P->n_tokens, k = in->neurons_per_block;
     const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
     const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
-    const ggml_to_float_t down_to_float = in->down_type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(in->down_type)->to_float;
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
     const uint8_t * xg0 = P->xq;
     const uint8_t * xu0 = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
@@ -188,6 +232,9 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
     const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
+    // the next block's bytes fetched while one computes (a split layer: its gate/up rows; the
+    // down columns are fetched when staged)
+    const uint64_t next_bytes = L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload;
 
     const int64_t tile = tile_of(k);
     float * h    = work;                          // [tile][Tc]     act(g)*u per staged neuron
@@ -196,77 +243,100 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const ls_block_q8_0 * qcols[LS_TILE_MAX]; // direct mode: staged int8 columns
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
+    const int32_t s0 = share_lo(lo, hi, ith, nth), s1 = share_lo(lo, hi, ith + 1, nth);
 
     // prefill: the tokens in chunks of LS_TOKEN_CHUNK, each through all of this thread's blocks, so
     // that the chunk's output rows stay in cache while every staged tile adds to them (a tile
     // touching all T rows moved the whole [T][n_embd] output through memory per 32 neurons)
     for (int64_t t0 = 0; t0 < T; t0 += LS_TOKEN_CHUNK) {
-    const int64_t Tc = T - t0 < LS_TOKEN_CHUNK ? T - t0 : LS_TOKEN_CHUNK;
-    const uint8_t * xg = xg0 + (size_t) t0 * rg, * xu = xu0 + (size_t) t0 * ru;
-    float * acc_c = acc + (size_t) t0 * n_embd;
-
-    const int32_t s0 = share_lo(lo, hi, ith, nth), s1 = share_lo(lo, hi, ith + 1, nth);
-    for (int32_t i = s0; i < s1; i++) {
-        if (n_staged + k > tile) {
-            flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
-            n_staged = 0;
-        }
-        const int32_t b = P->blocks[i];
-        const uint8_t * blk = ready_block(e, L, b, &stall_ns);
-        if (!blk) continue;
-        // the next block this thread computes is fetched into cache while this one computes
-        const uint8_t * nxt = i + 1 < s1 ? landed(e, L, P->blocks[i + 1]) : NULL;
-        // (a split layer: its gate/up rows; the down columns are fetched when staged)
-        const int pf_lines = prefetch_next(nxt, L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload,
-                                           fused, k, n_embd);
-        const uint8_t * gate = ls_block_gu(L, blk, b);
-        const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
-        const uint8_t * down = ls_block_dn(L, blk, b);
-        if (L->dn_ptr && direct) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);   // staged, read at the flush
-        for (int64_t j = 0; j < k; j++) {
-            if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
-            float * hj = h + (size_t) n_staged * Tc;
-            if (fused == LS_FUSED_Q4_K && Tc > 1) {   // prefill: every token against the rows, 4 tokens per pass
-                float * g = gu_tmp, * u = gu_tmp + Tc;
-                ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) Tc, g, u);
-                for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
-            } else
-            for (int64_t t = 0; t < Tc; t++) {
-                float g, u;
-                gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
-                        xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
-                        t == 0 ? nxt_for(nxt, pf_lines, j, fused, n_embd) : NULL, t == 0 ? pf_lines : 0);
-                hj[t] = ls_act(act, g) * u;
+        const int64_t Tc = T - t0 < LS_TOKEN_CHUNK ? T - t0 : LS_TOKEN_CHUNK;
+        const uint8_t * xg = xg0 + (size_t) t0 * rg, * xu = xu0 + (size_t) t0 * ru;
+        float * acc_c = acc + (size_t) t0 * n_embd;
+        for (int32_t i = s0; i < s1; i++) {
+            if (n_staged + k > tile) {
+                flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
+                n_staged = 0;
             }
-            const uint8_t * col = down + j * L->down_col_bytes;
-            if (direct) { // decode: stage the int8 column itself, flushed by axpy_q8_0_multi
-                qcols[n_staged++] = (const ls_block_q8_0 *) col;
-                continue;
+            const int32_t b = P->blocks[i];
+            next_fetch pf;
+            const uint8_t * blk = fetch_entry(e, L, i, s1, next_bytes, &pf, &stall_ns);
+            if (!blk) continue;
+            const uint8_t * gate = ls_block_gu(L, blk, b);
+            const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
+            const uint8_t * down = ls_block_dn(L, blk, b);
+            if (L->dn_ptr && direct) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);   // staged, read at the flush
+            for (int64_t j = 0; j < k; j++) {
+                if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
+                float * hj = h + (size_t) n_staged * Tc;
+                if (fused == LS_FUSED_Q4_K && Tc > 1) {   // prefill: every token against the rows, 4 tokens per pass
+                    float * g = gu_tmp, * u = gu_tmp + Tc;
+                    ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) Tc, g, u);
+                    for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
+                } else {
+                    for (int64_t t = 0; t < Tc; t++) {
+                        float g, u;
+                        gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
+                                xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
+                                t == 0 ? nxt_for(pf.nxt, pf.lines, j, fused, n_embd) : NULL, t == 0 ? pf.lines : 0);
+                        hj[t] = ls_act(act, g) * u;
+                    }
+                }
+                const uint8_t * col = down + j * L->down_col_bytes;
+                if (direct) qcols[n_staged++] = (const ls_block_q8_0 *) col;   // decode: the int8 column itself
+                else stage_column(in, col, cols + (size_t) n_staged++ * n_embd);
             }
-            float * cj = cols + (size_t) n_staged * n_embd;
-            if (in->down_type == GGML_TYPE_Q8_0) {
-                ls_dequant_q8_0(cj, (const ls_block_q8_0 *) col, n_embd);
-            } else if (down_to_float) {
-                down_to_float(col, cj, n_embd);
-            } else { // F32 columns
-                memcpy(cj, col, sizeof(float) * (size_t) n_embd);
+            if (t0 == 0) {
+                n_computed++;
+                bytes_computed += in->block_payload;
             }
-            n_staged++;
         }
-        if (t0 == 0) {
-            n_computed++;
-            bytes_computed += in->block_payload;
-        }
-    }
-    flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
-    n_staged = 0;
+        flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
+        n_staged = 0;
     }
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
     atomic_fetch_add(&L->stats.blocks_computed, n_computed);
     atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);
 }
 
-// ---- exact-input selection (cascade), decode only --------------------------------------------
+// ---- path 1: dense --------------------------------------------------------------------------------
+// Every block of the layer in file order (prefill in every mode; decode in mode dense), in the
+// chunks the budget holds: between two chunks thread 0 lets the computed one go and pins the next.
+
+static void op_dense(ls_engine * e, const float * x, size_t x_row_stride, float * y, int ith, int nth) {
+    ls_plan * P = &e->plan;
+    float * acc = thread_acc(P, ith);
+    quantize_input(P, x, x_row_stride, ith, nth);
+    ls_barrier_wait(&e->barrier, nth);
+    for (int32_t c = 0; c < P->n_chunks; c++) {
+        compute_share(e, ith, nth, c == 0 ? 0 : P->chunk_end[c - 1], P->chunk_end[c], acc, thread_work(P, ith));
+        if (c + 1 == P->n_chunks) break;
+        ls_barrier_wait(&e->barrier, nth);
+        if (ith == 0 && ls_sched_next_chunk(e, c + 1) != LS_OK) {
+            ls_engine_record_error(e, LS_ERR_BUDGET, "layer %d: memory budget too small for the next chunk", P->L->il);
+            P->stop = true;   // the output is partial; the error is raised
+        }
+        ls_barrier_wait(&e->barrier, nth);
+        if (P->stop) break;
+    }
+    ls_barrier_wait(&e->barrier, nth);
+    reduce_partials(P, y, ith, nth);
+}
+
+// ---- path 2: predicted ----------------------------------------------------------------------------
+// Sparse decode selected by the predictors (oneshot, dejavu+, powerinfer2; leanstream on a layer
+// without a sketch): thread 0 planned and pinned the kept blocks before the op began.
+
+static void op_predicted(ls_engine * e, const float * x, size_t x_row_stride, float * y, int ith, int nth) {
+    ls_plan * P = &e->plan;
+    float * acc = thread_acc(P, ith);
+    quantize_input(P, x, x_row_stride, ith, nth);
+    ls_barrier_wait(&e->barrier, nth);
+    compute_share(e, ith, nth, 0, P->n, acc, thread_work(P, ith));
+    ls_barrier_wait(&e->barrier, nth);
+    reduce_partials(P, y, ith, nth);
+}
+
+// ---- path 3: cascade (exact-input selection) --------------------------------------------------------
 //
 //   score      every thread scores its slice of the layer's blocks on the resident sketch
 //   plan       thread 0: the top candidate_ratio x kept blocks by score are pinned / read
@@ -287,30 +357,30 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     const float * w = L->sketch->weight;
+    const uint64_t next_bytes = (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes);   // the next candidate's gate/up rows
     uint64_t stall_ns = 0;
     const int32_t s0 = share_lo(0, P->n, ith, nth), s1 = share_lo(0, P->n, ith + 1, nth);
     for (int32_t i = s0; i < s1; i++) {
         const int32_t b = P->blocks[i];
         float * hb = P->hval + (size_t) i * k;
-        P->hscore[i] = -1.0f;   // never kept if it cannot be computed
+        P->loaded[i] = 0;   // never kept if it cannot be computed
         for (int64_t j = 0; j < k; j++) hb[j] = 0.0f;
-        const uint8_t * blk = ready_block(e, L, b, &stall_ns);
+        next_fetch pf;
+        const uint8_t * blk = fetch_entry(e, L, i, s1, next_bytes, &pf, &stall_ns);
         if (!blk) continue;
         const uint8_t * gate = ls_block_gu(L, blk, b);
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
-        // the gate/up rows of this thread's next candidate are fetched while this one computes
-        const uint8_t * nxt = i + 1 < s1 ? landed(e, L, P->blocks[i + 1]) : NULL;
-        const int pf_lines = prefetch_next(nxt, (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes), fused, k, n_embd);
         float sc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
             float g, u;
             gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, &g, &u,
-                    nxt_for(nxt, pf_lines, j, fused, n_embd), pf_lines);
+                    nxt_for(pf.nxt, pf.lines, j, fused, n_embd), pf.lines);
             hb[j] = ls_act(act, g) * u;
             sc += fabsf(hb[j]) * w[(size_t) b * k + j];
         }
         P->hscore[i] = sc;
+        P->loaded[i] = 1;
     }
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
 }
@@ -320,22 +390,16 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, k = in->neurons_per_block, tile = tile_of(k);
-    const ggml_to_float_t down_to_float = in->down_type == GGML_TYPE_F32 ? NULL : ggml_get_type_traits(in->down_type)->to_float;
-    const bool direct = in->down_type == GGML_TYPE_Q8_0;
-    float * h = work, * cols = work + tile;
-    const ls_block_q8_0 * qcols[LS_TILE_MAX];
-    int n_staged = 0;
-    if (direct) {
+    const int32_t q0 = share_lo(0, P->n_sel, ith, nth), q1 = share_lo(0, P->n_sel, ith + 1, nth);
+    if (in->down_type == GGML_TYPE_Q8_0) {
         // Q8_0 columns: this thread's share of the kept entries (a contiguous range, in plan
         // order) as one list, accumulated in one call that fetches each group of 8 columns while
         // it computes the one before
-        const int32_t q0 = share_lo(0, P->n_sel, ith, nth), q1 = share_lo(0, P->n_sel, ith + 1, nth);
         float * dh = P->dh + (size_t) q0 * k;
         const ls_block_q8_0 ** dc = (const ls_block_q8_0 **) (P->dcols + (size_t) q0 * k);
         int m = 0;
         for (int32_t q = q0; q < q1; q++) {
             const int32_t i = P->sel[q], b = P->blocks[i];
-            if (P->hscore[i] < 0.0f) continue;   // not loaded (error recorded)
             const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
             for (int64_t j = 0; j < k; j++) {
                 if (L->perm[(size_t) b * k + j] < 0) continue;
@@ -347,31 +411,33 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
         if (m) ls_axpy_q8_0_multi(acc, dh, dc, m, n_embd);
         return;
     }
-    for (int32_t q = share_lo(0, P->n_sel, ith, nth); q < share_lo(0, P->n_sel, ith + 1, nth); q++) {
+    float * h = work, * cols = work + tile;   // other column types: staged as f32 in tiles
+    int n_staged = 0;
+    for (int32_t q = q0; q < q1; q++) {
         const int32_t i = P->sel[q], b = P->blocks[i];
-        if (P->hscore[i] < 0.0f) continue;   // not loaded (error recorded)
         if (n_staged + k > tile) {
-            flush(acc, h, cols, qcols, n_staged, 1, n_embd, direct);
+            ls_axpy_tile(acc, h, cols, n_staged, 1, n_embd);
             n_staged = 0;
         }
         const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
             h[n_staged] = P->hval[(size_t) i * k + j];
-            const uint8_t * col = down + j * L->down_col_bytes;
-            float * cj = cols + (size_t) n_staged * n_embd;
-            if (down_to_float) down_to_float(col, cj, n_embd);
-            else memcpy(cj, col, sizeof(float) * (size_t) n_embd);
-            n_staged++;
+            stage_column(in, down + j * L->down_col_bytes, cols + (size_t) n_staged++ * n_embd);
         }
     }
-    flush(acc, h, cols, qcols, n_staged, 1, n_embd, direct);
+    if (n_staged) ls_axpy_tile(acc, h, cols, n_staged, 1, n_embd);
 }
 
-static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, float * acc, float * work) {
+static void op_cascade(ls_engine * e, const float * x, size_t x_row_stride, const float * x_res, float * y,
+                       int ith, int nth) {
     ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     const int32_t nb = L->info.n_blocks;
+    float * acc = thread_acc(P, ith);
+    quantize_input(P, x, x_row_stride, ith, nth);
+    if (ith == 0) ls_sketch_quantize_x(L->sketch, x, P->xs, L->info.n_embd);
+    ls_barrier_wait(&e->barrier, nth);
     const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
     const bool scored = !ls_sched_cascade_all(e, L);   // (pinned_forever changes only under e->mu, held by thread 0)
     if (scored) {
@@ -385,7 +451,7 @@ static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, fl
         if (st != LS_OK) {
             ls_engine_record_error(e, st, "layer %d: %s", L->il, st == LS_ERR_BUDGET ?
                                    "memory budget too small for this layer's candidates" : "cannot plan the FFN op");
-            P->n = P->n_acquired;   // compute only what is pinned; the error is raised
+            P->n = P->n_pinned;   // compute only what is pinned; the error is raised
         }
     }
     ls_barrier_wait(&e->barrier, nth);
@@ -393,7 +459,9 @@ static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, fl
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) ls_sched_select_final(e);
     ls_barrier_wait(&e->barrier, nth);
-    cascade_down(e, ith, nth, acc, work);
+    cascade_down(e, ith, nth, acc, thread_work(P, ith));
+    ls_barrier_wait(&e->barrier, nth);
+    reduce_partials(P, y, ith, nth);
     if (ith == 0) {
         const uint64_t gu = (uint64_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
         const uint64_t dn = (uint64_t) L->info.neurons_per_block * L->down_col_bytes;
@@ -402,98 +470,65 @@ static void cascade_run(ls_engine * e, const float * x_res, int ith, int nth, fl
     }
 }
 
-// The whole op for one thread; the same code serves the ggml graph and ls_ffn_eval.
+// ---- the op ---------------------------------------------------------------------------------------
+
+// Thread 0, before the first barrier: the path and, except for the cascade (which plans once the
+// sketch has scored), its plan. A failure takes the failed path: the output is zero, the error raised.
+static void op_begin(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth, const float * x_res) {
+    ls_plan * P = &e->plan;
+    P->path = ls_sched_path(e, L, n_tokens);
+    P->n = P->pin_lo = P->n_pinned = 0;
+    ls_status st = grow_scratch(e, L, n_tokens, nth);
+    if (st == LS_OK && P->path == LS_PATH_DENSE) st = ls_sched_plan_dense(e, L);
+    if (st == LS_OK && P->path == LS_PATH_PREDICTED) st = ls_sched_plan_predicted(e, L, x_res);
+    if (st == LS_OK) return;
+    ls_engine_record_error(e, st, "layer %d: %s", L->il,
+                           st == LS_ERR_BUDGET ? "memory budget too small for this layer's working set" :
+                           st == LS_ERR_UNSUPPORTED ? "sparse mode needs a predictor (or oracle priorities) for this layer" :
+                           "cannot plan the FFN op");
+    P->path = LS_PATH_FAILED;
+}
+
+// Thread 0, after the last barrier: unpin, and a dense layer whose every block is now resident in a
+// cache that never evicts stays so for good (and is split for the sparse paths).
+static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
+    ls_plan * P = &e->plan;
+    bool all_ready;
+    ls_sched_finish(e, &all_ready);
+    if (P->path == LS_PATH_FAILED) return;
+    if (P->path == LS_PATH_DENSE && e->cache.never_evicts && all_ready && !P->stop && !L->pinned_forever) {
+        L->pinned_forever = true;
+        ls_layer_split(e, L);
+    }
+    atomic_fetch_add(&L->stats.op_calls, 1);
+    atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
+    atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
+}
+
+// The whole op for one of nth threads; the same code serves the ggml graph and ls_ffn_eval.
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
-// FFN (sparse decode and prefetch use it; may be NULL); y: output [n_tokens, n_embd].
+// FFN (the sparse paths' predictors use it; may be NULL); y: output [n_tokens, n_embd].
 void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
                float * y, int64_t n_tokens, int ith, int nth) {
     ls_plan * P = &e->plan;
-    const size_t row = (size_t) L->info.n_embd, per = (size_t) n_tokens * row;
     uint64_t t0 = 0;
     if (ith == 0) {
         t0 = ls_now_ns();
         pthread_mutex_lock(&e->mu);
-        ls_status st = grow_scratch(e, L, n_tokens, nth);
-        P->cascade = st == LS_OK && ls_sched_cascade(e, L, n_tokens);
-        if (st == LS_OK && !P->cascade) st = ls_sched_plan(e, L, n_tokens, x_res);
-        if (st != LS_OK) {
-            bool ignored;
-            ls_sched_finish(e, &ignored);
-            P->n = -1; // tell the others to skip
-            ls_engine_record_error(e, st, "layer %d: %s", L->il,
-                                   st == LS_ERR_BUDGET ? "memory budget too small for this layer's working set" :
-                                   st == LS_ERR_UNSUPPORTED ? "sparse mode needs a predictor (or oracle priorities) for this layer" :
-                                   "cannot plan the FFN op");
-        }
+        op_begin(e, L, n_tokens, nth, x_res);
     }
     ls_barrier_wait(&e->barrier, nth);
-    if (P->n < 0) {
-        for (int64_t t = ith; t < n_tokens; t += nth) memset(y + (size_t) t * row, 0, sizeof(float) * row);
-        ls_barrier_wait(&e->barrier, nth);
-        if (ith == 0) { P->n = 0; pthread_mutex_unlock(&e->mu); }
-        return;
-    }
-    float * acc = P->acc + (size_t) ith * per;
-    memset(acc, 0, sizeof(float) * per);
-    quantize_input(P, x, x_row_stride, ith, nth);
-    if (P->cascade && ith == 0) ls_sketch_quantize_x(L->sketch, x, P->xs, L->info.n_embd);
-    ls_barrier_wait(&e->barrier, nth);
-    if (P->cascade) cascade_run(e, x_res, ith, nth, acc, P->work + (size_t) ith * P->work_per_thread);
-
-    // stages: priority groups (sparse) or budget-sized chunks (dense); between two stages thread
-    // 0 refines the next layer's prefetch from the partial output, or pins the next chunk
-    const bool sync_stages = P->refine || (!P->sparse && P->n_stages > 1);
-    for (int32_t s = 0; s < P->n_stages && !P->cascade; s++) {
-        const int32_t lo = s == 0 ? 0 : P->stage_end[s - 1];
-        compute_share(e, ith, nth, lo, P->stage_end[s], acc, P->work + (size_t) ith * P->work_per_thread);
-        if (!sync_stages || s == P->n_stages - 1) continue;
-        ls_barrier_wait(&e->barrier, nth);
-        if (ith == 0 && P->refine) { // partial output so far (decode: one row), summed in thread order
-            float * part = P->x_ref;
-            for (size_t c = 0; c < row; c++) {
-                float v = 0.0f;
-                for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + c];
-                part[c] = v;
-            }
-        }
-        if (P->sparse) {
-            // the refinement only touches the next layer (its priorities, prefetch pins and
-            // queued reads): once the partial sum is taken, the others go on with stage s + 1
-            // while thread 0 refines, then joins them
-            ls_barrier_wait(&e->barrier, nth);
-            if (ith == 0) ls_sched_stage_done(e, s, P->x_ref);
-            continue;
-        }
-        if (ith == 0) {
-            ls_sched_stage_done(e, s, P->x_ref);
-            if (ls_sched_stage_begin(e, s + 1) != LS_OK) {
-                ls_engine_record_error(e, LS_ERR_BUDGET, "layer %d: memory budget too small for the next chunk", L->il);
-                P->n_stages = s + 1; // stop after this stage (output is partial; the error is raised)
-            }
-        }
-        ls_barrier_wait(&e->barrier, nth);
-    }
-    ls_barrier_wait(&e->barrier, nth);
-
-    // reduce in thread order over this thread's slice of the output
-    const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
-    for (size_t i = lo; i < hi; i++) {
-        float v = 0.0f;
-        for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + i];
-        y[i] = v;
+    switch (P->path) {
+    case LS_PATH_DENSE:     op_dense(e, x, x_row_stride, y, ith, nth); break;
+    case LS_PATH_PREDICTED: op_predicted(e, x, x_row_stride, y, ith, nth); break;
+    case LS_PATH_CASCADE:   op_cascade(e, x, x_row_stride, x_res, y, ith, nth); break;
+    case LS_PATH_FAILED:
+        for (int64_t t = ith; t < n_tokens; t += nth) memset(y + (size_t) t * L->info.n_embd, 0, sizeof(float) * (size_t) L->info.n_embd);
+        break;
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
-        bool all_ready;
-        ls_sched_finish(e, &all_ready);
-        if (e->cache.never_evicts && all_ready && !P->sparse && P->n == L->info.n_blocks && !L->pinned_forever) {
-            L->pinned_forever = true;
-            ls_layer_split(e, L);
-        }
-        atomic_fetch_add(&L->stats.op_calls, 1);
-        atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
-        atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
-        P->n = 0;
+        op_end(e, L, n_tokens, t0);
         pthread_mutex_unlock(&e->mu);
     }
 }

@@ -1,6 +1,6 @@
 // predictor.c — stacked learnable hashing predictor (paper §3.3), bitwise inference.
 //
-// Evaluates one `predictor/blk.<il>.lspred` file (layout: leanstream_ggml/predictor/export.py)
+// Evaluates one `predictor/blk.<il>.lspred` file (format: docs/formats.md)
 // exactly as the torch inference path (HashingPredictor.infer) does:
 //
 //   x [n_embd] f32 -> u = (x - mean) * scale -> q_u int8 (per-vector symmetric)

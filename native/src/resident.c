@@ -21,7 +21,7 @@ static int cmp_i32(const void * a, const void * b) {
 
 void ls_layer_split(ls_engine * e, ls_layer * L) {
     // only the cascade (gate/up of every candidate, down of the kept) gains: other modes read both parts
-    if (L->gu_ptr || !L->pinned_forever || !e->policy->exact_select || !L->sketch) return;
+    if (L->gu_ptr || !L->pinned_forever || !(e->policy->uses & LS_USES_SKETCH) || !L->sketch) return;
     const int32_t nb = L->info.n_blocks;
     const uint64_t stride = e->cache.stride;
     const size_t gu = (size_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);

@@ -12,24 +12,7 @@
 // x is quantized per group of 32 to int8 with a float scale (like ggml's Q8_0), so a dot product
 // is d * dx * (sum code * x8 - 1.5 * sum x8): unsigned x signed byte products (AVX2 maddubs).
 //
-// Sketch file format (version 1), `sketch/blk.<il>.lssk`, little-endian:
-//
-//   offset  size  field
-//   0       8     magic "LSSKETCH"
-//   8       4     u32 version (= 1)
-//   12      4     u32 layer index il
-//   16      8     u64 n_embd
-//   24      8     u64 n_rows                (= n_blocks * k of the layer's block file: slot order)
-//   32      4     i32 type                  (= LS_SKETCH_LS2 = 1)
-//   36      4     u32 k                     (neurons per block, as the block file)
-//   40      8     u64 row_bytes             (= n_embd * 5 / 16)
-//   48      8     u64 gate_offset           (= 4096: n_rows gate rows)
-//   56      8     u64 up_offset             (n_rows up rows)
-//   64      8     u64 norm_offset           (f32 weight[n_rows]: 1, or ||down column|| of the slot)
-//   72      8     u64 file_size             (= norm_offset + 4 * n_rows)
-//   80      4     u32 data_crc              CRC-32C of [gate_offset, file_size)
-//   84      4     u32 meta_crc              CRC-32C of [0, 4096) with this field read as 0
-//   88..4095      zero
+// File format (`sketch/blk.<il>.lssk`, version 1): docs/formats.md.
 // Padding slots (perm = -1) hold zero rows and weight 0. The whole file is read into RAM and
 // checked once, when the engine is created.
 
