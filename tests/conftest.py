@@ -1,4 +1,15 @@
-"""Shared fixtures: the real SmolLM2 model (docs/design.md §7) and its conversion, once per session."""
+"""Shared fixtures: the real SmolLM2 model (docs/design.md §7) and its conversion, once per session;
+and the test tiers (pyproject.toml [tool.pytest.ini_options], scripts/test.sh):
+
+    bash scripts/test.sh                        # everything but the benchmarks (CI: .ci/run)
+    bash scripts/test.sh -m "not slow"          # the fast tier, for the edit loop
+    .venv/bin/python -m pytest tests/test_kernel_bench.py --benchmark-only   # benchmarks
+
+`slow` is put on every test that needs a real model (a fixture of SLOW_FIXTURES, directly or
+through another fixture) and on the few tests of SLOW_TESTS, here, at collection: a new test on
+SmolLM2 is slow because of the fixture it asks for, with no mark to forget. Tests that use
+pytest-benchmark's `benchmark` fixture are skipped unless --benchmark-only (those alone) or
+--benchmark-enable (those too) is given."""
 
 from __future__ import annotations
 
@@ -7,6 +18,35 @@ from pathlib import Path
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+# fixtures that download or convert a real model: every test using one, however indirectly, is slow
+SLOW_FIXTURES = {
+    "smollm2_gguf": "downloads SmolLM2-135M",
+    "smollm2_dir": "converts SmolLM2-135M",                 # here, and test_harness_smollm2's own
+    "smollm2_sketch_dir": "converts SmolLM2-135M with its sketch",
+    "smollm2": "downloads SmolLM2-135M",                    # test_harness_smollm2
+    "gemma3_gguf": "downloads gemma3-270m",                 # test_gemma3
+    "gemma3_dir": "converts gemma3-270m through the CLI",   # test_gemma3
+}
+# slow for what they do in their body, not for a fixture: (file, test function) -> why
+SLOW_TESTS = {
+    ("test_converter.py", "test_smollm2"): "fetches and converts SmolLM2-135M in its body",
+    ("test_fuzz.py", "test_fuzz_model_directory"): "400 fuzz cases x 2 configurations in a child process",
+}
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    # --benchmark-only: pytest-benchmark itself skips the other tests (at collection, no fixture set up)
+    with_bench = config.getoption("benchmark_only", False) or config.getoption("benchmark_enable", False)
+    skip_bench = pytest.mark.skip(reason="a benchmark: --benchmark-only runs it (--benchmark-enable: with the rest)")
+    for item in items:
+        names = getattr(item, "fixturenames", ())     # every fixture it needs, transitively
+        test = (item.path.name, getattr(item, "originalname", item.name))
+        if any(f in SLOW_FIXTURES for f in names) or test in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+        if "benchmark" in names and not with_bench:
+            item.add_marker(skip_bench)
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +61,7 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
     from converters import convert
 
     out = tmp_path_factory.mktemp("smollm2") / "smollm2.lsm"
-    convert(smollm2_gguf, out, progress=False)
+    convert(smollm2_gguf, out, progress=False, sketch="none")   # dense mode only: block files, no sketch
     return out
 
 

@@ -28,7 +28,7 @@ from gguf_synth import write_tiny_model  # noqa: E402
 from leanstream_ggml import manifest as mf  # noqa: E402
 from leanstream_ggml._native import ffi, lib  # noqa: E402
 from leanstream_ggml.engine import FFNEngine  # noqa: E402
-from leanstream_ggml.reference import ffn_reference, load_layer  # noqa: E402
+from reference import ffn_reference, load_layer  # noqa: E402
 
 N_THREADS = 2
 
@@ -38,7 +38,7 @@ def qwen_shape(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen-shape")
     write_tiny_model(d / "m.gguf", arch="qwen2", n_layer=3, n_embd=1536, n_ff=8960, n_head=12, n_head_kv=2,
                      types={"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, seed=3)
-    m = convert(d / "m.gguf", d / "lsm", progress=False)
+    m = convert(d / "m.gguf", d / "lsm", progress=False, sketch="none")
     return [m.layer_path(d / "lsm", il) for il in range(3)]
 
 
@@ -71,6 +71,7 @@ def _bench(benchmark, paths):
         benchmark.pedantic(one_token, rounds=15, warmup_rounds=2)
     kernel = n_bytes / benchmark.stats.stats.median / 1e9
     base = _memory_read_gb_s(n_bytes)
+    assert n_bytes > 0 and kernel > 0 and base > 0
     benchmark.extra_info.update({"weight_bytes": n_bytes, "weight_gb_s": round(kernel, 2),
                                  "memory_read_gb_s": round(base, 2), "ratio": round(kernel / base, 3),
                                  "isa": ffi.string(lib.ls_kernel_isa()).decode(), "threads": N_THREADS})

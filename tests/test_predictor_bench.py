@@ -27,7 +27,7 @@ CONFIGS = {"trained": dict(n_hash_layers=3, tau=6, n_bits=256, n_tables=4),
 def test_predictor_latency(benchmark, model, cfg_name):
     try:
         from leanstream_ggml._native import ffi
-        from leanstream_ggml.predictor import NativePredictor
+        from converters.train.export import NativePredictor
     except ImportError as e:
         pytest.skip(f"libleanstream not available: {e}")
     n_embd, n_blocks = SHAPES[model]
