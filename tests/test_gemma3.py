@@ -98,7 +98,7 @@ def test_gemma3_converts_with_gelu_and_says_dense_only(gemma3_dir):
     r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "info", str(gemma3_dir)],
                        capture_output=True, text=True, timeout=60)
     assert "activation gelu" in r.stdout
-    assert "ready: leanstream" in r.stdout and "need predictors" in r.stdout
+    assert "ready: leanstream" in r.stdout and "needs predictors" in r.stdout
 
 
 @pytest.mark.slow
