@@ -112,6 +112,35 @@ def test_streamed_equals_cached_under_random_io_delays(shuffled_k3):
         assert c["loading_redundancy"] == 0.0
 
 
+def test_more_threads_than_cores_and_a_busy_machine_change_no_bit(shuffled_k3):
+    """8 compute threads on this machine's cores, with a busy-looping process per core: the op's
+    barriers and block waits put threads to sleep (futex) instead of spinning, and the output
+    equals the same op on a quiet machine bit for bit (and the reference within its bound)."""
+    import subprocess
+    import sys
+
+    xs = [_x(1, 3), _x(4, 3)]   # decode and prefill paths
+    with FFNEngine(shuffled_k3) as e:
+        quiet = [[e.eval_layer(il, x, n_threads=8) for il in range(N_LAYER)] for x in xs]
+    layer_bytes = load_layer(shuffled_k3[0]).perm.size // 3 * blockfile.read_header(shuffled_k3[0]).block_stride
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        with FFNEngine(shuffled_k3) as cached, FFNEngine(shuffled_k3, memory_budget=layer_bytes, n_io_threads=2,
+                                                         test_hooks={"io_delay_us": 200}) as streamed:
+            for x, want in zip(xs, quiet):
+                for il in range(N_LAYER):
+                    assert np.array_equal(cached.eval_layer(il, x, n_threads=8), want[il])
+                    assert np.array_equal(streamed.eval_layer(il, x, n_threads=8), want[il])
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    for x, want in zip(xs, quiet):
+        for il in range(N_LAYER):
+            w = load_layer(shuffled_k3[il])
+            _check(want[il], ffn_reference(w, x), w)
+
+
 def test_budget_too_small_is_a_clear_error(shuffled_k3):
     with pytest.raises(LeanstreamError, match="too small"):
         FFNEngine(shuffled_k3, memory_budget="64KiB")

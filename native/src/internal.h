@@ -151,7 +151,8 @@ typedef struct ls_cache {
 
 typedef struct ls_barrier {
     _Atomic int      count;
-    _Atomic unsigned gen;
+    _Atomic int32_t  gen;        // (wraps; only compared for change)
+    _Atomic int32_t  sleepers;   // threads asleep on gen
 } ls_barrier;
 
 // The path an op takes (op.c: one function each), chosen by thread 0 before the first barrier.
@@ -207,6 +208,7 @@ struct ls_engine {
     bool             direct_io;      // O_DIRECT active on the block files
     int32_t          n_hot;          // blocks marked hot (kept resident once loaded)
     uint64_t         resident_bytes; // sketches + predictors (taken from the memory budget)
+    _Atomic int32_t  block_sleepers; // compute threads asleep on a block's state (io.c wakes them)
 };
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
@@ -235,7 +237,9 @@ uint64_t    ls_now_ns(void);
 struct stat;
 ls_status   ls_open_regular(const char * path, int * fd, struct stat * st);
 void        ls_barrier_wait(ls_barrier * b, int n);
-void        ls_cpu_relax(unsigned * spins);
+// wait while *word == value: spin briefly, then sleep (counted in *sleepers); ls_wake after a change
+void        ls_wait_while(_Atomic int32_t * word, int32_t value, _Atomic int32_t * sleepers);
+void        ls_wake(_Atomic int32_t * word, _Atomic int32_t * sleepers);
 
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode

@@ -47,7 +47,9 @@ static void finish_read(ls_engine * e, ls_read * r, ls_status st, const char * w
     for (int32_t i = 0; i < r->n_iov; i++)
         if (r->block[i] >= 0) atomic_store_explicit(&L->verified[r->block[i]], 0, memory_order_relaxed);
     for (int32_t i = 0; i < r->n_iov; i++)
-        if (r->block[i] >= 0) atomic_store_explicit(&L->state[r->block[i]], v, memory_order_release);
+        if (r->block[i] >= 0) atomic_store_explicit(&L->state[r->block[i]], v, memory_order_seq_cst);
+    for (int32_t i = 0; i < r->n_iov; i++)   // compute threads asleep on these blocks (no call if none)
+        if (r->block[i] >= 0) ls_wake(&L->state[r->block[i]], &e->block_sleepers);
 }
 
 static void do_read(ls_engine * e, ls_read * r) {

@@ -76,10 +76,9 @@ static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
     int32_t s = atomic_load_explicit(&L->state[b], memory_order_acquire);
     if (s == LS_BLK_READY) return true;
     const uint64_t t0 = ls_now_ns();
-    unsigned spins = 0;
-    while ((s = atomic_load_explicit(&L->state[b], memory_order_acquire)) == LS_BLK_LOADING) ls_cpu_relax(&spins);
+    ls_wait_while(&L->state[b], LS_BLK_LOADING, &L->e->block_sleepers);
     *stall_ns += ls_now_ns() - t0;
-    return s == LS_BLK_READY;
+    return atomic_load_explicit(&L->state[b], memory_order_acquire) == LS_BLK_READY;
 }
 
 // Block b's bytes once its read landed and its checksum was checked (first use after a read), or
@@ -543,15 +542,14 @@ typedef struct eval_arg {
     float * y;
     int64_t n_tokens;
     int ith, nth;
-    _Atomic int * go;   // 0: wait, 1: run, -1: abandon (not every thread could be started)
+    _Atomic int32_t * go;        // 0: wait, 1: run, -1: abandon (not every thread could be started)
+    _Atomic int32_t * sleepers;  // threads asleep on go
 } eval_arg;
 
 static void * eval_thread(void * p) {
     eval_arg * a = p;
-    unsigned spins = 0;
-    int go;
-    while ((go = atomic_load_explicit(a->go, memory_order_acquire)) == 0) ls_cpu_relax(&spins);
-    if (go <= 0) return NULL;
+    ls_wait_while(a->go, 0, a->sleepers);
+    if (atomic_load_explicit(a->go, memory_order_acquire) <= 0) return NULL;
     for (int32_t il = a->il0; il < a->il0 + a->n_layers; il++) {   // one op after another, as in a graph
         ls_layer * L = &a->e->layers[il];
         ls_op_run(a->e, L, a->x, sizeof(float) * (size_t) L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
@@ -572,15 +570,16 @@ ls_status ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const
     if (n_threads > 64) n_threads = 64;
     eval_arg args[64];
     pthread_t th[64];
-    _Atomic int go = 0;
+    _Atomic int32_t go = 0, sleepers = 0;
     for (int i = 0; i < n_threads; i++) {
-        args[i] = (eval_arg) { e, il0, n_layers, x, x_res, y, n_tokens, i, n_threads, &go };
+        args[i] = (eval_arg) { e, il0, n_layers, x, x_res, y, n_tokens, i, n_threads, &go, &sleepers };
     }
     int started = 1;
     for (int i = 1; i < n_threads; i++, started++) {
         if (pthread_create(&th[i], NULL, eval_thread, &args[i]) != 0) break;
     }
-    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_release);
+    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_seq_cst);
+    ls_wake(&go, &sleepers);
     if (started == n_threads) eval_thread(&args[0]);
     for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
     if (started < n_threads) { ls_set_error("ls_ffn_eval: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
