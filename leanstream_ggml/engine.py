@@ -64,13 +64,36 @@ def candidate_blocks(n_blocks: int, sparsity: float, candidate_ratio: float) -> 
     return int(lib.ls_candidate_blocks(int(n_blocks), float(sparsity), float(candidate_ratio)))
 
 
+TEST_HOOKS_ENV = "LEANSTREAM_TEST_HOOKS"
+_FAULTS = {"eio": lib.LS_FAULT_EIO, "short": lib.LS_FAULT_SHORT, "corrupt": lib.LS_FAULT_CORRUPT}
+
+
+def _set_test_hooks(given: dict | None) -> None:
+    """ls_test_hooks for the next engine: ``given``, over a JSON object in $LEANSTREAM_TEST_HOOKS
+    (how tests reach an engine in another process, e.g. a server). Keys: io_delay_us,
+    io_queue_cap, buffered_io, fault ("eio", "short" or "corrupt") and fault_read (which read)."""
+    import json
+    import os
+
+    hooks = json.loads(os.environ.get(TEST_HOOKS_ENV) or "{}")
+    hooks.update(given or {})
+    bad = sorted(set(hooks) - {"io_delay_us", "io_queue_cap", "buffered_io", "fault", "fault_read"})
+    if bad:
+        raise TypeError(f"unknown test hook(s) {', '.join(bad)}")
+    if hooks.get("fault") not in (None, *_FAULTS):
+        raise ValueError(f"test hook fault must be one of {', '.join(_FAULTS)}, got {hooks['fault']!r}")
+    lib.ls_test_hooks(int(hooks.get("io_delay_us", 0)), int(hooks.get("io_queue_cap", 0)),
+                      int(bool(hooks.get("buffered_io", False))), _FAULTS.get(hooks.get("fault"), 0),
+                      int(hooks.get("fault_read", 0)))
+
+
 class FFNEngine:
     """Streams and computes the FFN layers of one converted model directory.
 
     ``**tunable``: the engine's numeric parameters by their ls_engine_params names
     (TUNABLE_PARAMS: n_io_threads, max_read_bytes, sparsity, hot_fraction, candidate_ratio,
     bridge_bytes); None or absent takes the engine's default (ls_engine_params_init and the mode
-    table). ``test_hooks``: {"io_delay_us", "io_queue_cap", "buffered_io"} for tests (ls_test_hooks)."""
+    table). ``test_hooks``: for tests only (ls_test_hooks; see _set_test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
 
@@ -106,17 +129,12 @@ class FFNEngine:
         if block_rank is not None:
             self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
             p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
-        hooks = dict(test_hooks or {})
-        bad = sorted(set(hooks) - {"io_delay_us", "io_queue_cap", "buffered_io"})
-        if bad:
-            raise TypeError(f"unknown test hook(s) {', '.join(bad)}")
         out = ffi.new("ls_engine **")
-        lib.ls_test_hooks(int(hooks.get("io_delay_us", 0)), int(hooks.get("io_queue_cap", 0)),
-                          int(bool(hooks.get("buffered_io", False))))
+        _set_test_hooks(test_hooks)
         try:
             check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
         finally:
-            lib.ls_test_hooks(0, 0, 0)
+            lib.ls_test_hooks(0, 0, 0, 0, 0)
         self._handle = out[0]
         self.mode = mode
         self.memory_budget = p.memory_budget

@@ -300,8 +300,12 @@ LS_API ls_status   ls_predictor_eval_batch(ls_predictor * p, const float * x, fl
 // Test hooks for engines created after the call (process-wide; not for production use): each read
 // sleeps rand() % io_delay_us µs first (0: off); the read queue holds io_queue_cap reads (0: three
 // layers' blocks; when full, the submitting thread reads synchronously); buffered_io 1: reads go
-// through the page cache instead of O_DIRECT.
-LS_API void        ls_test_hooks(uint32_t io_delay_us, uint32_t io_queue_cap, int32_t buffered_io);
+// through the page cache instead of O_DIRECT; fault: the fault_read-th block read of the engine
+// (1 = its first) fails once, as an EIO, a short read, or bytes that arrive corrupt (their
+// checksum then fails).
+enum { LS_FAULT_NONE = 0, LS_FAULT_EIO = 1, LS_FAULT_SHORT = 2, LS_FAULT_CORRUPT = 3 };
+LS_API void        ls_test_hooks(uint32_t io_delay_us, uint32_t io_queue_cap, int32_t buffered_io, int32_t fault,
+                                 uint32_t fault_read);
 
 // LS_CDEF_END
 

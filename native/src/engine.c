@@ -219,7 +219,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
     if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
     const ls_test_hook_values hooks = ls_test_hooks_now();
-    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, hooks.io_delay_us, hooks.io_queue_cap);
+    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, hooks);
     // the disk model: only a sparse mode under a budget reads blocks with gaps between them
     if (st == LS_OK) st = ls_io_plan_model(e, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts);
     if (st != LS_OK) {

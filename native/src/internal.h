@@ -123,7 +123,9 @@ typedef struct ls_io {
     ls_read *       queue;      // ring buffer
     int             cap, head, count;
     bool            stop;
-    uint32_t        delay_us;   // test hook (ls_test_hooks)
+    uint32_t        delay_us;   // test hooks (ls_test_hooks): jitter, and one read that fails
+    int32_t         fault;
+    _Atomic int64_t fault_countdown;
     uint8_t *       bridge;     // bridged gaps land here (every read shares it: nobody reads it)
     uint64_t        bridge_bytes; // largest gap a read goes through (0: none)
     uint64_t        per_io_ns;  // the disk model (io_probe): time of one small read at full depth
@@ -244,7 +246,7 @@ void        ls_wake(_Atomic int32_t * word, _Atomic int32_t * sleepers);
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode
 // the hooks ls_test_hooks set (engine creation reads them)
-typedef struct { uint32_t io_delay_us, io_queue_cap; int32_t buffered_io; } ls_test_hook_values;
+typedef struct { uint32_t io_delay_us, io_queue_cap; int32_t buffered_io, fault; uint32_t fault_read; } ls_test_hook_values;
 ls_test_hook_values ls_test_hooks_now(void);
 ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
 int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
@@ -270,7 +272,7 @@ void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);
 int32_t     ls_cache_available(const ls_cache * c); // slots free or evictable
 
 // io.c
-ls_status   ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us, uint32_t queue_cap);
+ls_status   ls_io_start(ls_engine * e, int n_threads, ls_test_hook_values hooks);
 void        ls_io_stop(ls_engine * e);
 // The disk model: per-I/O time and bandwidth measured on the block files (probe = true), and
 // from them the largest gap a read bridges (params.bridge_bytes < 0), or the bridge given.

@@ -52,9 +52,18 @@ static void finish_read(ls_engine * e, ls_read * r, ls_status st, const char * w
         if (r->block[i] >= 0) ls_wake(&L->state[r->block[i]], &e->block_sleepers);
 }
 
+// Test hook (ls_test_hooks): the one read that fails, if this is it.
+static int32_t injected_fault(ls_engine * e) {
+    if (e->io.fault == LS_FAULT_NONE) return LS_FAULT_NONE;
+    return atomic_fetch_sub_explicit(&e->io.fault_countdown, 1, memory_order_relaxed) == 1 ? e->io.fault : LS_FAULT_NONE;
+}
+
 static void do_read(ls_engine * e, ls_read * r) {
     ls_layer * L = r->L;
     if (e->io.delay_us) usleep((useconds_t) (rand() % e->io.delay_us)); // test hook (ls_test_hooks): jittered I/O
+    const int32_t fault = injected_fault(e);
+    if (fault == LS_FAULT_EIO) { finish_read(e, r, LS_ERR_IO, "I/O error (injected)", EIO); return; }
+    if (fault == LS_FAULT_SHORT) { finish_read(e, r, LS_ERR_IO, "short read (injected)", 0); return; }
     size_t want = 0;
     for (int32_t i = 0; i < r->n_iov; i++) want += r->iov[i].iov_len;
     struct iovec iov[LS_MAX_IOV];
@@ -78,6 +87,10 @@ static void do_read(ls_engine * e, ls_read * r) {
         size_t adv = (size_t) got;
         while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
         if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
+    }
+    if (fault == LS_FAULT_CORRUPT) {   // the bytes of the read's first block arrive with one bit flipped
+        for (int32_t i = 0; i < r->n_iov; i++)
+            if (r->block[i] >= 0) { ((uint8_t *) r->iov[i].iov_base)[r->iov[i].iov_len / 2] ^= 0x10; break; }
     }
     finish_read(e, r, LS_OK, NULL, 0);
 }
@@ -103,12 +116,15 @@ static void * io_worker(void * arg) {
     }
 }
 
-ls_status ls_io_start(ls_engine * e, int n_threads, uint32_t delay_us, uint32_t queue_cap) {
+ls_status ls_io_start(ls_engine * e, int n_threads, ls_test_hook_values hooks) {
     ls_io * io = &e->io;
     memset(io, 0, sizeof(*io));
     pthread_mutex_init(&io->mu, NULL);
     pthread_cond_init(&io->cv, NULL);
-    io->delay_us = delay_us;
+    io->delay_us = hooks.io_delay_us;
+    io->fault = hooks.fault_read > 0 ? hooks.fault : LS_FAULT_NONE;
+    atomic_store(&io->fault_countdown, (int64_t) hooks.fault_read);
+    const uint32_t queue_cap = hooks.io_queue_cap;
     int32_t max_blocks = 0;
     for (int32_t il = 0; il < e->n_layers; il++) {
         if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;
