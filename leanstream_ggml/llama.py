@@ -9,6 +9,8 @@ per-context hook ``llama_set_ffn_builder``.
 from __future__ import annotations
 
 import ctypes
+import difflib
+import inspect
 from pathlib import Path
 
 import llama_cpp
@@ -29,6 +31,33 @@ def _is_gguf_file(p: Path) -> bool:
             return f.read(4) == b"GGUF"
     except OSError:
         return False
+
+
+# passed by llama-cpp-python's own server loader, which its Llama takes through **kwargs and ignores
+_PASSED_BY_LLAMA_CPP = ("rpc_servers", "mul_mat_q")
+
+
+def _llama_cpp_keywords() -> list[str]:
+    ps = inspect.signature(llama_cpp.Llama.__init__).parameters
+    return [n for n, p in ps.items() if n not in ("self", "model_path") and p.kind is not p.VAR_KEYWORD] + \
+        list(_PASSED_BY_LLAMA_CPP)
+
+
+def _refuse_unknown_keywords(kwargs: dict) -> None:
+    """llama_cpp.Llama takes **kwargs and drops what it does not know: a misspelt option (or one
+    that does not exist, like memory_limit=) would run with its default unnoticed. A keyword that
+    neither this class nor llama_cpp.Llama names is a TypeError naming it and the nearest one."""
+    known = _llama_cpp_keywords()
+    unknown = [k for k in kwargs if k not in known]
+    if not unknown:
+        return
+    ours = [n for n in inspect.signature(Llama.__init__).parameters if n not in ("self", "model_path", "kwargs")
+            and not n.startswith("_")]
+    k = unknown[0]
+    near = difflib.get_close_matches(k, ours + known, n=1, cutoff=0.5)
+    raise TypeError(f"Llama() got an unexpected keyword argument {k!r}"
+                    + (f"; did you mean {near[0]!r}?" if near else "")
+                    + " (neither leanstream's options nor llama_cpp.Llama's take it)")
 
 
 class ClosedError(ValueError):
@@ -97,6 +126,7 @@ class Llama(llama_cpp.Llama):
                  hot_fraction: float | None = None, verify_checksums: bool = True,
                  candidate_ratio: float | None = None, bridge_bytes: int | None = None, _manifest=None, **kwargs):
         self._engine = None
+        _refuse_unknown_keywords(kwargs)
         if quality is not None:
             if sparsity is not None:
                 raise params.ParameterError("quality", "give quality= or sparsity=, not both")

@@ -77,3 +77,33 @@ def test_serve_passes_only_what_the_user_set(smollm2_sketch_dir):
         got = client.get("/leanstream/stats").json()
     assert got["loaded"] and got["mode"] == "leanstream"
     assert got["params"] == want
+
+
+def test_unknown_llama_keyword_names_it_and_the_nearest():
+    """llama_cpp.Llama drops unknown keywords; ours refuses them before anything is opened."""
+    from leanstream_ggml import Llama
+
+    with pytest.raises(TypeError, match="'memory_limit'; did you mean 'memory_budget'"):
+        Llama("/nonexistent.lsm", memory_limit="1000MB")
+    with pytest.raises(TypeError, match="'n_ctxx'; did you mean 'n_ctx'"):
+        Llama("/nonexistent.lsm", n_ctxx=512)
+    with pytest.raises(ValueError, match="does not exist"):   # known keywords pass that check
+        Llama("/nonexistent.lsm", n_ctx=512, seed=1)
+
+
+def test_keywords_llama_cpp_passes_itself_are_the_ones_allowed():
+    """llama-cpp-python's server loader passes keywords its Llama does not name (and ignores):
+    exactly those pass our check, so an upgrade that adds one fails here, not in a user's server."""
+    import inspect
+    import re
+
+    import llama_cpp
+    import llama_cpp.server.model as server_model
+
+    from leanstream_ggml import llama as ours
+
+    src = inspect.getsource(server_model)
+    call = re.search(r"_model = create_fn\((.*?)\n        \)", src, re.S)
+    passed = set(re.findall(r"^\s*(\w+)=", call.group(1), re.M))
+    named = set(inspect.signature(llama_cpp.Llama.__init__).parameters)
+    assert passed - named == set(ours._PASSED_BY_LLAMA_CPP)
