@@ -35,7 +35,7 @@ from pathlib import Path
 # Llama's engine options the server takes; only those the user gave are passed (the rest keep the
 # engine's own defaults)
 LEANSTREAM_OPTIONS = ("memory_budget", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
-                      "bridge_bytes")
+                      "bridge_bytes", "reuse_prefix")
 
 
 def _server_modules():
@@ -60,6 +60,44 @@ class _LlamaCppWithPlugin:
         return getattr(self._real, name)
 
 
+def _served_llama_class():
+    from ._native import LeanstreamError
+    from .llama import Llama
+
+    class ServedLlama(Llama):
+        """``Llama`` as the server runs it. Every request starts from an empty context (unless
+        reuse_prefix): llama-cpp-python would otherwise evaluate only what follows the prefix it
+        shares with the previous request, and a prompt evaluated in other batches can round
+        differently, so an answer would depend on the request before it. After an engine error
+        (a block that cannot be read, or is corrupt) the context is reset; the error reaches the
+        client as a 500 before the first token or as an error event in the stream
+        (_RejectInvalidBodies). Every completion of theirs, chat or not, streamed or not, comes
+        through create_completion (their streaming routes call the base class's methods)."""
+
+        def __init__(self, *args, reuse_prefix: bool = False, **kwargs):
+            self.reuse_prefix = reuse_prefix
+            super().__init__(*args, **kwargs)
+
+        def create_completion(self, *args, **kwargs):
+            if not self.reuse_prefix:
+                self.reset()
+            try:
+                out = super().create_completion(*args, **kwargs)
+            except LeanstreamError:
+                self.reset()
+                raise
+            return self._reset_on_error(out) if kwargs.get("stream") else out
+
+        def _reset_on_error(self, chunks):
+            try:
+                yield from chunks
+            except LeanstreamError:
+                self.reset()
+                raise
+
+    return ServedLlama
+
+
 def _proxy_class():
     server_app, server_model = _server_modules()
 
@@ -71,8 +109,7 @@ def _proxy_class():
             super().__init__(models)
 
         def load_llama_from_model_settings(self, settings):
-            from .llama import Llama
-
+            Llama = _served_llama_class()
             # their loader calls `llama_cpp.Llama(model_path=..., n_ctx=..., ...)` through its
             # module's global `llama_cpp`; pointing that name at a view whose Llama is ours, for
             # the duration of the call, keeps every argument of theirs without copying the loader
@@ -90,16 +127,40 @@ def _proxy_class():
     return LeanstreamProxy
 
 
+def _error_status(e: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) for an error inside e (sse_starlette wraps it in exception groups):
+    an engine error is a 500 naming the file and block; a prompt longer than the context a 400."""
+    from ._native import LeanstreamError
+
+    stack, seen = [e], set()
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, LeanstreamError):
+            return 500, f"the model's FFN weights could not be read: {x}"
+        if isinstance(x, ValueError) and "exceed context window" in str(x):
+            return 400, f"the prompt does not fit the context window: {x}"
+        stack += list(getattr(x, "exceptions", ())) + [x.__cause__, x.__context__]
+    return 500, f"the answer broke off: {type(e).__name__}: {e}"
+
+
 class _RejectInvalidBodies:
     """ASGI middleware: a POST to an OpenAI endpoint whose body is not valid JSON (400) or does not
     validate against llama-cpp-python's own request model (422) is answered here, with an
     OpenAI-style error. Their route error handler turns FastAPI's validation error into a 500
     (and a traceback on stderr); every valid request passes through untouched (its body is
-    replayed, later messages such as a client's disconnect come from the connection)."""
+    replayed, later messages such as a client's disconnect come from the connection). The model
+    serves one request at a time: beyond max_waiting requests in flight (running + queued), a new
+    one is answered 429 at once rather than held."""
 
-    def __init__(self, app, models: dict):
+    def __init__(self, app, models: dict, max_waiting: int = 0, n_ctx: int = 0):
         self.app = app
         self.models = models   # path -> pydantic request model
+        self.n_ctx = n_ctx     # a max_tokens above the context window is refused (theirs: cut to fit)
+        self.max_waiting = max_waiting   # 0: no limit
+        self.in_flight = 0
 
     async def __call__(self, scope, receive, send):
         model = self.models.get(scope.get("path")) if scope["type"] == "http" and scope.get("method") == "POST" else None
@@ -113,13 +174,17 @@ class _RejectInvalidBodies:
             chunks.append(msg.get("body", b""))
             more = msg.get("more_body", False)
         body = b"".join(chunks)
-        error = self._check(model, body)
+        error = self._check(model, body, self.n_ctx)
+        if error is None and self.max_waiting and self.in_flight >= self.max_waiting:
+            error = 429, (f"{self.in_flight} requests are already running or waiting for this model "
+                          f"(--max-waiting-requests {self.max_waiting}); retry later")
         if error is not None:
             from starlette.responses import JSONResponse
 
             status, message = error
-            resp = JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                           "code": None}}, status_code=status)
+            kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+            resp = JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                                status_code=status)
             return await resp(scope, receive, send)
         replayed = False
 
@@ -130,10 +195,61 @@ class _RejectInvalidBodies:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        # An event stream's start is held until its first bytes, and its last message (the end of
+        # the body) until the app returns: their streaming routes start the answer only after the
+        # 200 is sent, so a request that fails before its first token (a prompt longer than the
+        # context, a block that cannot be read) is answered 400 / 500 here instead, and one that
+        # breaks off mid-answer ends with an error event, which the OpenAI client raises as
+        # APIError, rather than looking complete.
+        sse, start, started, end = False, None, False, None
+
+        async def tracked_send(msg):
+            nonlocal sse, start, started, end
+            if msg["type"] == "http.response.start":
+                sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                          for k, v in msg.get("headers", ()))
+                if sse:
+                    start = msg
+                    return
+            elif sse and msg["type"] == "http.response.body":
+                if not msg.get("more_body", False):
+                    end = msg
+                    return
+                if not started:
+                    await send(start)
+                    started = True
+            await send(msg)
+
+        self.in_flight += 1
+        try:
+            await self.app(scope, replay, tracked_send)
+        except Exception as e:   # noqa: BLE001 — anything that breaks off a stream the client is reading
+            if not sse:
+                raise
+            import json
+
+            status, message = _error_status(e)
+            event = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                               "param": None, "code": status}}
+            if not started:   # nothing sent yet: a plain error response
+                from starlette.responses import JSONResponse
+
+                end = None
+                return await JSONResponse(event, status_code=status)(scope, receive, send)
+            if end is not None and end.get("body"):
+                await send({"type": "http.response.body", "body": end["body"], "more_body": True})
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                        "more_body": True})
+            end = {"type": "http.response.body", "body": b"", "more_body": False}
+        finally:
+            self.in_flight -= 1
+            if end is not None:
+                if sse and not started and start is not None:
+                    await send(start)
+                await send(end)
 
     @staticmethod
-    def _check(model, body: bytes):
+    def _check(model, body: bytes, n_ctx: int = 0):
         import json
 
         from pydantic import ValidationError
@@ -149,16 +265,22 @@ class _RejectInvalidBodies:
             shown = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in errs[:5])
             more = f" (and {len(errs) - 5} more)" if len(errs) > 5 else ""
             return 422, f"invalid request: {shown}{more}"
+        max_tokens = obj.get("max_tokens") if isinstance(obj, dict) else None
+        if n_ctx and isinstance(max_tokens, int) and max_tokens > n_ctx:
+            return 400, (f"max_tokens {max_tokens} exceeds the context window ({n_ctx} tokens, prompt included); "
+                         f"ask for at most {n_ctx}")
         return None
 
 
-def create_app(model_dir: str | Path, *, server_settings=None, model_settings=None, **leanstream_options):
+def create_app(model_dir: str | Path, *, server_settings=None, model_settings=None, max_waiting_requests: int = 8,
+               **leanstream_options):
     """llama-cpp-python's FastAPI app serving ``leanstream_ggml.Llama(model_dir, **leanstream_options)``.
 
     server_settings / model_settings: their ``ServerSettings`` / ``ModelSettings`` (default:
     their defaults; ``model_settings.model`` is set to model_dir). leanstream_options: any of
     LEANSTREAM_OPTIONS (memory_budget, mode, sparsity, quality, n_io_threads, hot_fraction, candidate_ratio,
-    bridge_bytes).
+    bridge_bytes), and reuse_prefix (default False: every request starts from an empty context).
+    max_waiting_requests: requests in flight (running + queued) beyond which a new one gets 429.
     """
     server_app, server_model = _server_modules()
     from fastapi import Depends
@@ -200,7 +322,7 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
 
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest, CreateEmbeddingRequest
 
-    app.add_middleware(_RejectInvalidBodies, models={
+    app.add_middleware(_RejectInvalidBodies, max_waiting=max_waiting_requests, n_ctx=model_settings.n_ctx, models={
         "/v1/chat/completions": CreateChatCompletionRequest, "/v1/completions": CreateCompletionRequest,
         "/v1/engines/copilot-codex/completions": CreateCompletionRequest, "/v1/embeddings": CreateEmbeddingRequest})
     app.add_api_route("/leanstream/stats", leanstream_stats, methods=["GET"], summary="LeanStream engine counters",
@@ -232,8 +354,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leanstream with a sketch: candidates per kept block (default 1.5)")
     g.add_argument("--bridge-bytes", type=int, default=None,
                    help="largest gap of unselected blocks a read goes through (default: measured)")
+    g.add_argument("--reuse-prefix", action="store_true", default=None,
+                   help="evaluate only what a prompt adds to the previous request's (faster for chats; an answer "
+                        "may then differ in rounding from the same request alone). Default: every request "
+                        "starts from an empty context")
+    g.add_argument("--max-waiting-requests", type=int, default=8,
+                   help="requests running or queued beyond which a new one is answered 429 (0: no limit)")
     s = p.add_argument_group("llama-cpp-python server options (as `python -m llama_cpp.server`; --model = MODEL_DIR)")
     add_args_from_model(s, Settings)
+    # loopback unless told otherwise (theirs: "localhost"); logits of the last token only (theirs keep
+    # n_ctx x n_vocab floats for logprobs: 200 MB for SmolLM2 at n_ctx 1024, 620 MB for Qwen2.5)
+    p.set_defaults(host="127.0.0.1", logits_all=False)
     return p
 
 
@@ -267,7 +398,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server_settings = parse_model_from_args(ServerSettings, ns)
         model_settings = parse_model_from_args(ModelSettings, ns)
         options = leanstream_options(ns)
-        app = create_app(model_dir, server_settings=server_settings, model_settings=model_settings, **options)
+        if ns.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {ns.max_waiting_requests}")
+        app = create_app(model_dir, server_settings=server_settings, model_settings=model_settings,
+                         max_waiting_requests=ns.max_waiting_requests, **options)
     except (ValueError, ManifestError, LeanstreamError) as e:
         print(f"leanstream serve: {e}", file=sys.stderr)
         return 1
