@@ -201,7 +201,8 @@ class _RejectInvalidBodies:
         # context, a block that cannot be read) is answered 400 / 500 here instead, and one that
         # breaks off mid-answer ends with an error event, which the OpenAI client raises as
         # APIError, rather than looking complete.
-        sse, start, started, end = False, None, False, None
+        # (keep-alive pings sent while the request waits for the model are held with the start)
+        sse, start, started, end, pings = False, None, False, None, []
 
         async def tracked_send(msg):
             nonlocal sse, start, started, end
@@ -216,7 +217,12 @@ class _RejectInvalidBodies:
                     end = msg
                     return
                 if not started:
+                    if b"data:" not in msg.get("body", b""):
+                        pings.append(msg)
+                        return
                     await send(start)
+                    for p in pings:
+                        await send(p)
                     started = True
             await send(msg)
 
@@ -246,6 +252,8 @@ class _RejectInvalidBodies:
             if end is not None:
                 if sse and not started and start is not None:
                     await send(start)
+                    for p in pings:
+                        await send(p)
                 await send(end)
 
     @staticmethod

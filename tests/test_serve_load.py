@@ -166,3 +166,58 @@ def test_loopback_by_default_api_key_and_a_limit_on_waiting_requests(smollm2_dir
         assert s.ask(stream=False)[0]    # served again once the first has finished
     finally:
         s.close()
+
+
+def _asgi_run(app, body: bytes) -> list[dict]:
+    """Messages an ASGI app sends for one POST /v1/completions with this body."""
+    import asyncio
+
+    sent, got_body = [], [False]
+
+    async def receive():
+        if not got_body[0]:
+            got_body[0] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+@pytest.mark.parametrize("fail_after_data", [False, True])
+def test_stream_failures_become_error_answers(fail_after_data):
+    """The middleware's contract on an event stream that raises: before its first data (only a
+    keep-alive ping sent, as while a request waits for the model) the client gets a plain 400;
+    after data, the data and then an error event; never a stream that looks complete."""
+    from llama_cpp.server.types import CreateCompletionRequest
+
+    from leanstream_ggml.server import _RejectInvalidBodies
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b": ping - 2026-12-01\r\n\r\n", "more_body": True})
+        if fail_after_data:
+            await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+        raise ExceptionGroup("task group", [ValueError("Requested tokens (2000) exceed context window of 1024")])
+
+    mw = _RejectInvalidBodies(app, models={"/v1/completions": CreateCompletionRequest}, n_ctx=1024)
+    sent = _asgi_run(mw, json.dumps({"prompt": "x", "stream": True}).encode())
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert len(starts) == 1 and sent[-1]["type"] == "http.response.body" and not sent[-1].get("more_body", False)
+    if fail_after_data:
+        assert starts[0]["status"] == 200
+        assert body.index(b'data: {"choices"') < body.index(b'data: {"error"') and b"context window" in body
+    else:
+        assert starts[0]["status"] == 400
+        assert json.loads(body)["error"]["message"].startswith("the prompt does not fit the context window")
+    assert mw.in_flight == 0
+    too_many = _asgi_run(_RejectInvalidBodies(app, models={"/v1/completions": CreateCompletionRequest}, n_ctx=1024),
+                         json.dumps({"prompt": "x", "max_tokens": 5000}).encode())
+    assert too_many[0]["status"] == 400 and b"exceeds the context window" in too_many[1]["body"]
