@@ -9,16 +9,14 @@ bounded; the server process is killed at the end of the module.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +24,11 @@ openai = pytest.importorskip("openai", reason="the server tests use the official
 pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
 
 pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_serve_load", REPO / "bench" / "serve_load.py")
+serve_load = importlib.util.module_from_spec(_spec)   # starts, waits for and stops the server process
+_spec.loader.exec_module(serve_load)
 
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 120
@@ -46,33 +49,13 @@ def _get_json(url: str, timeout: float = 10) -> dict:
 def server(smollm2_dir, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "serve", str(smollm2_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--n_ctx", "1024", "--n_threads", "2", "--n_threads_batch", "2",
-           "--interrupt_requests", "false", "--verbose", "false", "--memory-budget", "64MiB"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    proc, cg, _ = serve_load.start_server(str(smollm2_dir), port, "64MiB", 1024, None, log)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                _get_json(base + "/v1/models", timeout=2)
-                break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"server not up after {START_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
+        serve_load.wait_up(base, proc, log, timeout_s=START_TIMEOUT_S)
         yield {"base": base, "proc": proc, "log": log, "model_dir": smollm2_dir}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
+        serve_load.stop_server(proc, cg)
 
 
 @pytest.fixture
