@@ -1,0 +1,204 @@
+"""Eviction policies replayed on the engine's own per-token needs, against Belady (the lower bound).
+
+    python bench/replay_eviction.py MODEL.lsm [--tokens 256] [--sparsity 0.5] [--cache-mb 200 265 450]
+                                    [--granularity parts|blocks] [--out FILE]
+
+Records, for every token of held-out text decoded one at a time in leanstream mode (a budget just
+below the FFN, so every layer selects through the sketch), what each layer needed: the gate/up
+rows of every candidate and the down columns of the kept blocks ("parts"), or the candidates'
+whole blocks as block files store them today ("blocks"). Then replays those needs through caches
+of C MB at token granularity (a token reads what it needs that is not cached; then the cache keeps
+the policy's most valuable parts of what it held and what was read): bytes read per token. Policies, the first half of the tokens their calibration, the second half scored:
+
+  lru        least recently used
+  frequency  keeps the parts needed most often in the calibration half (a static hot set)
+  reuse      the paper's learned reuse distance: a least-squares regressor, fitted on the
+             calibration half, predicts each part's next inter-arrival time from its last two and
+             its mean; keeps the parts predicted to be needed soonest
+  belady     keeps the parts needed soonest (needs the future: the lower bound)
+
+Prints one JSON object: per cache size and policy the MB read per decoded token and its ratio to
+Belady's, and the MB a token needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+POLICIES = ("lru", "frequency", "reuse", "belady")
+
+
+def replay(needs: list[np.ndarray], size: np.ndarray, capacity: float, policy: str, n_calib: int) -> float:
+    """Bytes read per token over tokens [n_calib, T) of needs (part ids per token; size: bytes per
+    part id) through a cache of capacity bytes run from token 0 (the calibration half warms it).
+    A token reads the parts it needs that are not cached; after it, the cache holds the most
+    valuable parts of what it held and what the token read, by the policy's value, as many as fit
+    (a part may be read and not kept: with that choice Belady is the lower bound)."""
+    n_parts, T = size.size, len(needs)
+    in_cache = np.zeros(n_parts, bool)
+    last = np.full(n_parts, -1, np.int64)
+    nxt_of = _next_uses(needs, n_parts) if policy == "belady" else None
+    next_use = np.full(n_parts, np.inf)
+    gap1, gap2, gsum, gcnt = (np.zeros(n_parts) for _ in range(4))   # inter-arrival history (reuse)
+    freq = np.zeros(n_parts)
+    for t in range(n_calib):
+        freq[needs[t]] += 1
+    coef = _fit_reuse(needs[:n_calib], n_parts) if policy == "reuse" else None
+    read = 0.0
+    for t in range(T):
+        need = needs[t]
+        if t >= n_calib:
+            read += float(size[need[~in_cache[need]]].sum())
+        seen = last[need] >= 0
+        g = np.where(seen, t - last[need], 0.0)
+        gap2[need] = np.where(seen, gap1[need], gap2[need])
+        gap1[need] = np.where(seen, g, gap1[need])
+        gsum[need] += g
+        gcnt[need] += seen
+        last[need] = t
+        if nxt_of is not None:
+            next_use[need] = nxt_of[t]
+        pool = in_cache.copy()
+        pool[need] = True
+        cand = np.flatnonzero(pool)
+        if policy == "lru":
+            value = last[cand].astype(float)
+        elif policy == "frequency":
+            value = freq[cand]
+        elif policy == "belady":
+            value = -next_use[cand]
+        else:   # reuse: the part predicted to be needed soonest is kept first
+            mean = gsum[cand] / np.maximum(gcnt[cand], 1)
+            gap = coef[0] * gap1[cand] + coef[1] * gap2[cand] + coef[2] * mean + coef[3]
+            value = -(last[cand] + np.maximum(1.0, gap))
+        order = cand[np.argsort(-value, kind="stable")]
+        keep = order[: int(np.searchsorted(np.cumsum(size[order]), capacity, side="right"))]
+        in_cache[:] = False
+        in_cache[keep] = True
+    return read / max(1, T - n_calib)
+
+
+def _next_uses(needs: list[np.ndarray], n_parts: int) -> list[np.ndarray]:
+    nxt = np.full(n_parts, np.inf)
+    out = [None] * len(needs)
+    for t in range(len(needs) - 1, -1, -1):
+        out[t] = nxt[needs[t]].copy()
+        nxt[needs[t]] = t
+    return out
+
+
+def _fit_reuse(needs: list[np.ndarray], n_parts: int) -> np.ndarray:
+    """Least squares: next gap ~ a*last gap + b*gap before + c*mean gap + d, over the calibration tokens."""
+    last = np.full(n_parts, -1, np.int64)
+    gap1, gap2, gsum, gcnt = (np.zeros(n_parts) for _ in range(4))
+    X, y = [], []
+    for t, need in enumerate(needs):
+        seen = last[need] >= 0
+        g = t - last[need]
+        ok = seen & (gcnt[need] >= 2)
+        if ok.any():
+            idx = need[ok]
+            X.append(np.stack([gap1[idx], gap2[idx], gsum[idx] / gcnt[idx], np.ones(idx.size)], 1))
+            y.append(g[ok].astype(float))
+        gap2[need] = np.where(seen, gap1[need], gap2[need])
+        gap1[need] = np.where(seen, g, gap1[need])
+        gsum[need] += np.where(seen, g, 0)
+        gcnt[need] += seen
+        last[need] = t
+    if not X:
+        return np.array([1.0, 0.0, 0.0, 0.0])
+    return np.linalg.lstsq(np.concatenate(X), np.concatenate(y), rcond=None)[0]
+
+
+def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_ratio: float, granularity: str):
+    """(needs per token, bytes per part id, MB per token needed) from a leanstream decode."""
+    import gguf
+
+    from leanstream_ggml import Llama, manifest
+
+    m = manifest.load(model_dir)
+    ffn = sum(e.n_blocks * e.block_stride for e in m.layers)
+    resident = (m.sketch.bytes if m.sketch else 0)
+    llm = Llama(model_dir, mode="leanstream", sparsity=sparsity, candidate_ratio=candidate_ratio,
+                memory_budget=int(0.95 * ffn) + resident, n_ctx=max(512, n_tokens + 8), n_threads=2, verbose=False)
+    try:
+        e = llm.engine
+        infos = [e.layer_info(il) for il in range(e.n_layers)]
+        offs, sizes = [], []
+        off = 0
+        for info in infos:
+            k, n_embd, nb = info["neurons_per_block"], info["n_embd"], info["n_blocks"]
+
+            def row(t):
+                bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)]
+                return n_embd // bs * ts
+            gu = k * (row(info["gate_type"]) + row(info["up_type"]))
+            dn = k * row(info["down_type"])
+            offs.append(off)
+            if granularity == "blocks":
+                sizes.append(np.full(nb, info["block_stride"], float))
+                off += nb
+            else:   # part ids: [gate/up of blocks 0..nb) then [down of blocks 0..nb)
+                sizes.append(np.concatenate([np.full(nb, gu, float), np.full(nb, dn, float)]))
+                off += 2 * nb
+        size = np.concatenate(sizes)
+        toks = llm.tokenize(text.encode())[: n_tokens + 1]
+        llm.reset()
+        llm.eval(toks[:1])
+        needs = []
+        for t in toks[1:]:
+            llm.eval([t])
+            per = []
+            for il, info in enumerate(infos):
+                cand, kept = e.last_candidates(il), e.last_plan(il)
+                if granularity == "blocks":
+                    per.append(offs[il] + cand)
+                else:
+                    per.append(offs[il] + cand)
+                    per.append(offs[il] + info["n_blocks"] + kept)
+            needs.append(np.unique(np.concatenate(per)).astype(np.int64))
+    finally:
+        llm.close()
+    return needs, size
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--candidate-ratio", type=float, default=1.5)
+    ap.add_argument("--cache-mb", type=float, nargs="+", default=[200, 265, 450])
+    ap.add_argument("--granularity", choices=("parts", "blocks"), default="parts")
+    ap.add_argument("--text", default=None, help="held-out text (default: the bench's bundled text)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+
+    text = Path(a.text or DEFAULT_TEXT).read_text(encoding="utf-8")
+    needs, size = record(a.model_dir, text, a.tokens, a.sparsity, a.candidate_ratio, a.granularity)
+    n_calib = len(needs) // 2
+    need_mb = float(np.mean([size[n].sum() for n in needs[n_calib:]])) / 1e6
+    rows = []
+    for c in a.cache_mb:
+        got = {p: replay(needs, size, c * 1e6, p, n_calib) / 1e6 for p in POLICIES}
+        rows.append({"cache_mb": c, **{f"{p}_mb_per_token": round(v, 2) for p, v in got.items()},
+                     **{f"{p}_vs_belady": round(v / got["belady"], 3) if got["belady"] else None
+                        for p, v in got.items() if p != "belady"}})
+    out = {"model": a.model_dir, "tokens": len(needs), "scored_tokens": len(needs) - n_calib, "sparsity": a.sparsity,
+           "candidate_ratio": a.candidate_ratio, "granularity": a.granularity, "needed_mb_per_token": round(need_mb, 2),
+           "rows": rows}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
