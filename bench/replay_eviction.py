@@ -155,12 +155,9 @@ def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_
             llm.eval([t])
             per = []
             for il, info in enumerate(infos):
-                cand, kept = e.last_candidates(il), e.last_plan(il)
-                if granularity == "blocks":
-                    per.append(offs[il] + cand)
-                else:
-                    per.append(offs[il] + cand)
-                    per.append(offs[il] + info["n_blocks"] + kept)
+                per.append(offs[il] + e.last_candidates(il))
+                if granularity == "parts":
+                    per.append(offs[il] + info["n_blocks"] + e.last_plan(il))
             needs.append(np.unique(np.concatenate(per)).astype(np.int64))
     finally:
         llm.close()

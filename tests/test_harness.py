@@ -6,7 +6,6 @@ our own cgroup (docs/design.md §6) and skip with the reason when there is none.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -17,20 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import bench_modules
+
 from leanstream_ggml.harness import cgroup, measure, perplexity
 
-REPO = Path(__file__).resolve().parent.parent
 
 
-def _load_bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-side_by_side = _load_bench_module("side_by_side")
-make_readme_table = _load_bench_module("make_readme_table")
+side_by_side = bench_modules.load("side_by_side")
+make_readme_table = bench_modules.load("make_readme_table")
 
 CG_OK, CG_WHY = cgroup.availability()
 needs_cgroup = pytest.mark.skipif(not CG_OK, reason=f"no writable cgroup v1 memory hierarchy: {CG_WHY}")

@@ -3,16 +3,12 @@ policy must satisfy (Belady is a lower bound; a cache that holds everything read
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_replay_eviction", REPO / "bench" / "replay_eviction.py")
-replay_eviction = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay_eviction)
+import bench_modules
+
+replay_eviction = bench_modules.load("replay_eviction")
 
 
 def _trace(seed=0, n_parts=300, T=120, per=40):

@@ -10,11 +10,9 @@ serving, and the same request then gets the right answer.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -22,11 +20,9 @@ openai = pytest.importorskip("openai", reason="the server tests use the official
 pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
 
 from leanstream_ggml.harness import cgroup  # noqa: E402
+import bench_modules  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_serve_load", REPO / "bench" / "serve_load.py")
-serve_load = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(serve_load)
+serve_load = bench_modules.load("serve_load")
 
 CG_OK, CG_WHY = cgroup.availability()
 LONG = {"kind": "chat", "messages": [{"role": "user", "content": "Count from one to sixty in words."}], "max_tokens": 64}

@@ -9,26 +9,23 @@ bounded; the server process is killed at the end of the module.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+
+import bench_modules
 
 openai = pytest.importorskip("openai", reason="the server tests use the official OpenAI client (test extra)")
 pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_serve_load", REPO / "bench" / "serve_load.py")
-serve_load = importlib.util.module_from_spec(_spec)   # starts, waits for and stops the server process
-_spec.loader.exec_module(serve_load)
+serve_load = bench_modules.load("serve_load")   # starts, waits for and stops the server process
 
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 120

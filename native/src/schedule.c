@@ -200,7 +200,7 @@ ls_status ls_sched_next_chunk(ls_engine * e, int32_t c) {
     ls_plan * P = &e->plan;
     const int32_t lo = P->chunk_end[c - 1], hi = P->chunk_end[c];
     release_blocks(e, P->L, P->blocks + P->pin_lo, P->n_pinned - P->pin_lo, true, e->policy->keep_cache);
-    P->pin_lo = P->n_pinned = lo;
+    P->pin_lo = lo;
     P->n_pinned = lo + acquire_and_read(e, P->L, P->blocks + lo, hi - lo, P->scratch2);
     return P->n_pinned == hi ? LS_OK : LS_ERR_BUDGET;
 }
