@@ -29,15 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from leanstream_ggml.harness.bench import DEFAULT_TEXT  # noqa: E402
 from leanstream_ggml.harness.measure import machine_info  # noqa: E402
-from leanstream_ggml.harness.perplexity import (log_softmax, scored_range, tokenize_for_perplexity,  # noqa: E402
-                                                window_logits, windows)
+from leanstream_ggml.harness.perplexity import log_softmax, scored_range, window_logits, windows  # noqa: E402
+from leanstream_ggml.harness.texts import text_tokens  # noqa: E402
 
 
-def reference_windows(gguf: str, text: str, n_ctx: int, chunks: int, n_threads: int):
+def reference_windows(gguf: str, text_path, n_ctx: int, chunks: int, n_threads: int):
     import llama_cpp
 
     ref = llama_cpp.Llama(gguf, n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, logits_all=True, verbose=False)
-    tokens, add_bos = tokenize_for_perplexity(ref, text)
+    tokens, add_bos = text_tokens(ref, text_path)
     ws = windows(tokens, n_ctx, add_bos, ref.token_bos(), chunks)
     pos = np.array(scored_range(n_ctx))
     out = [(w, log_softmax(window_logits(ref, w)[pos]).astype(np.float32)) for w in ws]
@@ -86,18 +86,17 @@ def main() -> int:
     ap.add_argument("--memory-budget", default=None, help="FFN budget (default: all; quality only)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
-    ap.add_argument("--text", default=str(DEFAULT_TEXT))
+    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out text, or .jsonl chats (harness/texts.py)")
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = ap.parse_args()
 
     from leanstream_ggml import Llama, manifest
 
-    text = Path(a.text).read_text(encoding="utf-8")
     m = manifest.load(a.model)
     dense_bytes = sum(e.n_blocks * e.block_payload for e in m.layers)   # per token, dense mode
     n_blocks = sum(e.n_blocks for e in m.layers)
-    refs = reference_windows(a.reference, text, a.ctx, a.chunks, a.threads)
+    refs = reference_windows(a.reference, a.text, a.ctx, a.chunks, a.threads)
     sink = open(a.out, "a") if a.out else None
     for mode in a.mode:
         for s in a.sparsity:
@@ -116,7 +115,7 @@ def main() -> int:
                 dec_tokens = max(1, st["tokens"])
                 resident = llm.stats()["resident_bytes"]
                 row.update({
-                    "model": Path(a.model).name, "mode": mode, "sparsity": s if mode != "dense" else 0.0,
+                    "model": Path(a.model).name, "text": Path(a.text).name, "mode": mode, "sparsity": s if mode != "dense" else 0.0,
                     "candidate_ratio": ratio, "memory_budget": a.memory_budget,
                     "bytes_read_fraction": st["bytes_read"] / dec_tokens / dense_bytes,
                     "method": ("resident layers: exact h of every block->down"

@@ -1,11 +1,22 @@
 """The calibrate stage: how much perplexity leanstream mode's sparse decode costs at each
-sparsity, measured on the model's own text, so that ``quality="ppl+5%"`` can choose the sparsity.
+sparsity, measured per domain on the converter's own texts, so that ``quality="ppl+5%"`` can
+choose the sparsity that meets the target in the worst domain.
 
-The text is the converter's own: `converters/data/calibration.txt` (three short essays on
-bridges, printing and the sky, written for this purpose; never the held-out evaluation text), or
-the user's ``calibration`` text. The model's own answers were tried first and hide the cost:
-greedy ones by construction (every token is the model's first choice: Qwen2.5-1.5B at s = 0.7
-x1.02, against x1.13 on held-out prose), sampled ones still (x1.06).
+The corpus (`converters/data/calibration/`, never the held-out evaluation texts):
+- prose: three short essays on bridges, printing and the sky, written for this purpose;
+- code: a snapshot of two of this project's own sources (``converters/order.py``,
+  ``native/src/io.c``): code no model was trained on, like the user's own. Library sources a
+  model has memorized hide the cost (CPython's ``shlex.py`` + ``queue.py``, Qwen2.5-Coder-1.5B at
+  s = 0.5: x1.009, where unseen code costs more); low-perplexity text such as code shows the cost
+  of every wrongly dropped neuron more than prose does;
+- chat: conversations written for this purpose, rendered with the model's own chat template;
+- user: the user's ``calibration`` file (text, or .jsonl chats), when given.
+The model's own answers were tried first and hide the cost: greedy ones by construction (every
+token is the model's first choice: Qwen2.5-1.5B at s = 0.7 x1.02, against x1.13 on held-out
+prose), sampled ones still (x1.06).
+
+A table row: {"sparsity", "ppl_ratio", "agreement", "domains": {name: {"ppl_ratio", "agreement"}}}
+with the row's ppl_ratio the worst domain's and its agreement the lowest.
 """
 
 from __future__ import annotations
@@ -19,14 +30,24 @@ from leanstream_ggml import manifest as mf
 
 SPARSITIES = (0.3, 0.4, 0.5, 0.6, 0.7)
 N_CTX = 256          # one window: 128 tokens of context, 127 scored
-N_WINDOWS = 3
-TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
+N_WINDOWS = 2        # per domain
+DATA = Path(__file__).resolve().parent / "data" / "calibration"
+DOMAINS = {"prose": DATA / "prose.txt", "code": DATA / "code.txt", "chat": DATA / "chat.jsonl"}
 
 
-def _windows(llm, text: str) -> list[list[int]]:
-    from leanstream_ggml.harness.perplexity import tokenize_for_perplexity, windows
+def corpus(user=None) -> dict[str, Path]:
+    """{domain: file} of the calibration, the user's file (if any) as domain "user"."""
+    out = dict(DOMAINS)
+    if user is not None:
+        out["user"] = Path(user)
+    return out
 
-    tokens, add_bos = tokenize_for_perplexity(llm, text)
+
+def _windows(llm, path: Path) -> list[list[int]]:
+    from leanstream_ggml.harness.perplexity import windows
+    from leanstream_ggml.harness.texts import text_tokens
+
+    tokens, add_bos = text_tokens(llm, path)
     if len(tokens) < N_CTX:
         return []
     return windows(tokens, N_CTX, add_bos, llm.token_bos(), N_WINDOWS)
@@ -57,7 +78,8 @@ def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
 
 def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_threads: int = 2,
               progress: bool = True, log=print) -> list[dict]:
-    """[{"sparsity", "ppl_ratio", "agreement"}] of leanstream mode vs stock on the calibration text."""
+    """The quality table (module doc) of leanstream mode vs stock on the corpus (``text_path``:
+    the user's file, an extra domain); [] when no domain's text holds one window."""
     import llama_cpp
     from tqdm import tqdm
 
@@ -66,29 +88,40 @@ def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_
     kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, logits_all=True, verbose=False)
     stock = llama_cpp.Llama(str(src), **kw)
     try:
-        ws = _windows(stock, Path(text_path or TEXT).read_text(encoding="utf-8"))
-        refs = [_logits(stock, w, decode=False) for w in ws]
+        domains = {}
+        for name, path in corpus(text_path).items():
+            ws = _windows(stock, path)
+            if not ws:
+                log(f"calibrate: the {name} text ({path.name}) is shorter than one window of {N_CTX} "
+                    f"tokens; left out")
+                continue
+            domains[name] = [(w, _logits(stock, w, decode=False)) for w in ws]
     finally:
         stock.close()
-    if not ws:
-        log("calibrate: the calibration text is shorter than one window; no quality table (use sparsity=)")
+    if not domains:
         return []
     budget = _sketch_budget(Llama, out, manifest, kw)
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
         llm = Llama(str(out), mode="leanstream", sparsity=s, memory_budget=budget, _manifest=manifest, **kw)
         try:
-            nll_t, nll_r, agree = [], [], []
-            for w, lr in zip(ws, refs):
-                lt = _logits(llm, w, decode=True)
-                nxt = np.asarray(w)[N_CTX // 2 + 1:N_CTX]
-                idx = np.arange(len(nxt))
-                nll_t.append(-lt[idx, nxt])
-                nll_r.append(-lr[idx, nxt])
-                agree.append(lt.argmax(-1) == lr.argmax(-1))
+            per = {name: _score(llm, wr) for name, wr in domains.items()}
         finally:
             llm.close()
-        ratio = math.exp(float(np.concatenate(nll_t).mean() - np.concatenate(nll_r).mean()))
-        table.append({"sparsity": s, "ppl_ratio": round(ratio, 4),
-                      "agreement": round(float(np.concatenate(agree).mean()), 4)})
+        table.append({"sparsity": s, "ppl_ratio": max(d["ppl_ratio"] for d in per.values()),
+                      "agreement": min(d["agreement"] for d in per.values()), "domains": per})
     return table
+
+
+def _score(llm, windows_refs) -> dict:
+    """Decode-scored perplexity ratio and top-1 agreement of llm against the reference logits."""
+    nll_t, nll_r, agree = [], [], []
+    for w, lr in windows_refs:
+        lt = _logits(llm, w, decode=True)
+        nxt = np.asarray(w)[N_CTX // 2 + 1:N_CTX]
+        idx = np.arange(len(nxt))
+        nll_t.append(-lt[idx, nxt])
+        nll_r.append(-lr[idx, nxt])
+        agree.append(lt.argmax(-1) == lr.argmax(-1))
+    ratio = math.exp(float(np.concatenate(nll_t).mean() - np.concatenate(nll_r).mean()))
+    return {"ppl_ratio": round(ratio, 4), "agreement": round(float(np.concatenate(agree).mean()), 4)}

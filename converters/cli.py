@@ -78,6 +78,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             return 1
     # the options given, and for the others convert_model's defaults (the only place they are set)
     given = {name: getattr(args, name) for name in _CONVERT_OPTIONS if getattr(args, name) is not None}
+    if args.calibration is not None:
+        err = _calibration_error(Path(args.calibration))
+        if err:
+            print(f"leanstream convert: --calibration {args.calibration}: {err}", file=sys.stderr)
+            return 1
     t0 = time.perf_counter()
     try:
         m = convert_model(src, out, force=args.force, progress=not args.quiet, **given)
@@ -91,6 +96,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
           + (f"; {m.sketch.type} sketch ({_fmt_bytes(m.sketch.bytes)}, leanstream mode ready)" if m.sketch else "")
           + (f"; {m.n_layer} predictors ({_fmt_bytes(m.predictor.bytes)})" if m.predictor else ""))
     return 0
+
+
+def _calibration_error(path: Path) -> str | None:
+    """Why the user's calibration file cannot be used (checked before hours of work), or None."""
+    from leanstream_ggml.harness.texts import is_chat, read_chats
+
+    if not path.is_file():
+        return "no such file"
+    try:
+        if is_chat(path):
+            read_chats(path)
+        elif not path.read_text(encoding="utf-8").strip():
+            return "the file is empty"
+    except UnicodeDecodeError:
+        return "not UTF-8 text"
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -123,6 +146,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"predictor        {_predictor_line(m)}",
         f"sparse modes     {_sparse_line(m, d)}",
     ]
+    lines += _quality_lines(m)
     print("\n".join(lines))
     return 0
 
@@ -132,9 +156,25 @@ def _sketch_line(m) -> str:
     if not k:
         return "none"
     line = f"{k.type}, {len(k.files)} layer files, {_fmt_bytes(k.bytes)} resident in leanstream mode"
-    if k.quality:
-        line += "; calibrated: " + ", ".join(f"s={q['sparsity']:g} ppl x{q['ppl_ratio']:.3f}" for q in k.quality)
-    return line
+    return line + ("" if k.quality else "; not calibrated (quality= needs sparsity= instead)")
+
+
+def _quality_lines(m) -> list[str]:
+    """The calibration table: perplexity ratio vs stock (and top-1 agreement) per sparsity and
+    domain; quality= reads the worst column."""
+    q = m.sketch.quality if m.sketch else []
+    if not q:
+        return []
+    names = list(q[0].get("domains") or {"prose": None})
+    out = ["quality          ppl x vs stock (top-1 agreement) of leanstream decode, per calibration domain;",
+           "                 quality=\"ppl+N%\" takes the largest sparsity whose worst domain is within N %",
+           "                 " + f"{'s':>4}  " + "".join(f"{n:>16}" for n in names) + f"{'worst':>10}"]
+    for row in q:
+        doms = row.get("domains") or {"prose": row}
+        cells = "".join(f"{doms[n]['ppl_ratio']:>8.3f} ({doms[n].get('agreement', float('nan')):.3f})"
+                        if n in doms else f"{'-':>16}" for n in names)
+        out.append("                 " + f"{row['sparsity']:>4g}  " + cells + f"{row['ppl_ratio']:>10.3f}")
+    return out
 
 
 def _predictor_line(m) -> str:
@@ -162,7 +202,7 @@ def _sparse_line(m, d: Path) -> str:
 
 
 # convert options passed to convert_model only when given (their parsers' default is None)
-_CONVERT_OPTIONS = ("k", "align", "profile_dir", "sketch", "order", "calibrate", "predictors")
+_CONVERT_OPTIONS = ("k", "align", "profile_dir", "sketch", "order", "calibrate", "predictors", "calibration")
 
 
 def register(subparsers) -> None:
@@ -192,8 +232,13 @@ def register(subparsers) -> None:
                    help="on-disk order of each layer's neurons for the sparse modes: neurons read together "
                         "placed together (coact, default), most often read first (freq), or as in the GGUF (none)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
-                   help="with the sketch: measure what each sparsity costs on the model's own answers (the "
-                        "table quality='ppl+5%%' chooses from; about a minute for a 1.5B model)")
+                   help="with the sketch: measure what each sparsity costs on the bundled prose, code and chat "
+                        "texts (the table quality='ppl+5%%' chooses from, by its worst domain; a few minutes "
+                        "for a 1.5B model)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="your own text (or .jsonl chats, one {\"messages\": [...]} per line): calibrated as one more "
+                        "domain and profiled for the neuron order (and it replaces the bundled prompts "
+                        "when training predictors)")
     p.add_argument("--predictors", choices=["none", "quick", "full"], default=None,
                    help="also profile the model and train layer-ahead predictors: the baselines' (oneshot, "
                         "dejavu+, powerinfer2) selection and leanstream's prefetch (default none; quick: "

@@ -24,6 +24,7 @@ docs/design.md §14 has the measurement behind the default.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -88,15 +89,18 @@ def runs(m: np.ndarray, order: np.ndarray, max_gap: int = 0) -> float:
 
 
 def profile_read_sets(src, text_path, *, n_read_of, n_threads: int = 2, progress: bool = True) -> list[np.ndarray]:
-    """Per layer, uint8 [T, n_ff] read sets of the calibration text's kept positions;
-    n_read_of(n_ff) is how many neurons a token reads."""
+    """Per layer, uint8 [T, n_ff] read sets of the kept positions of the calibration text(s)
+    (``text_path``: one file or several); n_read_of(n_ff) is how many neurons a token reads."""
     from tqdm import tqdm
 
     from .profile import Profiler, text_sequences
 
     sets: list[list[np.ndarray]] = []
+    paths = [text_path] if isinstance(text_path, (str, Path)) else list(text_path)
     with Profiler(src, n_ctx=N_CTX, n_threads=n_threads) as prof:
-        seqs = text_sequences(prof, text_path, n_ctx=N_CTX, skip=SKIP)
+        # the files' chunks taken in turn, so that every domain is in the first MAX_TOKENS
+        per_file = [text_sequences(prof, p, n_ctx=N_CTX, skip=SKIP) for p in paths]
+        seqs = [q for group in itertools.zip_longest(*per_file) for q in group if q is not None]
         kept = 0
         for seq in tqdm(seqs, desc="profiling co-activation", unit="chunk", disable=not progress):
             if kept >= MAX_TOKENS:
@@ -112,7 +116,7 @@ def profile_read_sets(src, text_path, *, n_read_of, n_threads: int = 2, progress
     return [np.concatenate(s)[:MAX_TOKENS] for s in sets]
 
 
-def neuron_orders(src, text_path: str | Path, *, method: str, n_read_of, n_threads: int = 2,
+def neuron_orders(src, text_path, *, method: str, n_read_of, n_threads: int = 2,
                   progress: bool = True, log=print) -> tuple[list[np.ndarray], np.ndarray]:
     """One on-disk neuron order per layer (module doc), and f32 [n_layer, n_ff]: how often each
     neuron was read on the calibration text, in that order (the hot set's ranking)."""

@@ -10,7 +10,10 @@
     train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
     write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
     sketch    (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
-    calibrate (with the sketch) perplexity cost of each sparsity on the model's own text
+    allocate  (with the sketch and calibrate) each layer's share of the candidates, where the
+              sketch ranks worse more (converters/allocate.py)
+    calibrate (with the sketch) perplexity cost of each sparsity per domain of the calibration
+              corpus (prose, code, chat, the user's file; converters/calibrate.py)
     manifest  manifest.json, written once, last: its presence marks a complete model directory
 
 The default (a q2_K sketch, no predictors) trains nothing: leanstream mode selects from each
@@ -132,6 +135,14 @@ def _calibration_id(calibration) -> Any:
     return {"file": Path(calibration).name, "sha256": sha256_file(calibration)}
 
 
+def _corpus_id(calibration) -> dict:
+    """The calibration corpus (bundled domains + the user's file) by content: a resumed
+    conversion whose corpus changed starts its order and calibrate stages again."""
+    from .calibrate import corpus
+
+    return {name: sha256_file(p)[:16] for name, p in corpus(calibration).items()}
+
+
 def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
                   force: bool = False, progress: bool = True, permutation=None,
                   predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
@@ -198,7 +209,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
         from .sketch import DEFAULT_WEIGHT
 
         params["sketch"] = {"type": sketch, "weight": DEFAULT_WEIGHT, "calibrate": bool(calibrate),
-                            "calibration": _calibration_id(calibration) if calibrate else None}
+                            "calibration": _corpus_id(calibration) if calibrate else None}
     if predictors != "none":
         from .train.pipeline import training_settings
 
@@ -208,11 +219,11 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     # predictors): one neuron per block, no given order, a sketch
     profile_order = k == 1 and permutation is None and sketch != "none"
     if profile_order:
-        params["order"] = {"method": order, "calibration": _calibration_id(calibration)}
+        params["order"] = {"method": order, "calibration": _corpus_id(calibration)}
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("order", "profile", "train", "write", "sketch", "calibrate") if state.done(s)]
+        done = [s for s in ("order", "profile", "train", "write", "sketch", "allocate", "calibrate") if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
 
@@ -244,6 +255,19 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     m = make_manifest(source, out, entries, totals, predictor)
     m.sketch = sketch_info
 
+    # allocate: each layer's share of the candidates, from the sketch's recall on the corpus
+    if sketch_info is not None and calibrate and source.k == 1:
+        if state.done("allocate"):
+            sketch_info.candidate_scale = (state.result("allocate") or {}).get("scale")
+        else:
+            from .allocate import candidate_scales
+            from .calibrate import corpus
+
+            got = candidate_scales(source.path, out, m, corpus(calibration), n_threads=n_threads,
+                                   progress=progress, log=log)
+            sketch_info.candidate_scale = got["scale"]
+            state.mark("allocate", got)
+
     # calibrate: what each sparsity costs on the model's own text (quality="ppl+5%" reads it)
     if sketch_info is not None and calibrate:
         if state.done("calibrate"):
@@ -271,7 +295,7 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
 
     from leanstream_ggml.engine import candidate_blocks
 
-    from .calibrate import TEXT
+    from .calibrate import corpus
     from .order import CANDIDATE_RATIO, SPARSITY, neuron_orders
     from .profile import UnsupportedProfile
 
@@ -280,7 +304,7 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
         with np.load(path) as z:
             return [z[f"l{il}"] for il in range(source.model.n_layer)], z["freq"] if "freq" in z else None
     try:
-        orders, freq = neuron_orders(source.path, calibration or TEXT, method=method,
+        orders, freq = neuron_orders(source.path, list(corpus(calibration).values()), method=method,
                                      n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
                                      n_threads=n_threads, progress=progress, log=log)
     except UnsupportedProfile as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import difflib
 import inspect
+import warnings
 from pathlib import Path
 
 import llama_cpp
@@ -154,24 +155,30 @@ class Llama(llama_cpp.Llama):
         # every file the model is made of: inside the directory, regular, intact (block files
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
-        predictor_paths = block_rank = sketch_paths = None
+        predictor_paths = block_rank = sketch_paths = candidate_scale = None
         if mode != "dense":
             # the files the mode reads, as the engine's mode table says (ManifestError/ValueError
             # naming what is missing)
             files = m.mode_files(path, mode_uses(mode), mode)
             predictor_paths = [m.resolve(path, f) for f in files.predictors] if files.predictors else None
             sketch_paths = [m.resolve(path, f) for f in files.sketches] if files.sketches else None
+            if sketch_paths:   # the converter's per-layer share of the candidates
+                candidate_scale = m.sketch.candidate_scale
             if files.block_freq:
                 block_rank = self._block_rank(path)
             if quality is not None:
                 if not sketch_paths or not m.sketch.quality:
                     raise ValueError(f"quality={quality!r} needs the converter's calibration of {model_path} "
                                      f"(convert again with the sketch), or give sparsity=")
+                if not all(q.get("domains") for q in m.sketch.quality):
+                    warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
+                                  f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
                 p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
                                  predictor_paths=predictor_paths, block_rank=block_rank,
                                  verify_checksums=verify_checksums, sketch_paths=sketch_paths,
+                                 candidate_scale=candidate_scale,
                                  **{k: p[k] for k in ("n_io_threads", "sparsity", "hot_fraction", "candidate_ratio",
                                                       "bridge_bytes")})
         self._check_layers_match_manifest()

@@ -272,3 +272,55 @@ def test_quality_chooses_the_calibrated_sparsity(smollm2_sketch_dir):
         Llama(str(smollm2_sketch_dir), quality="ppl+8%", sparsity=0.5)
     with pytest.raises(params.ParameterError, match="mode='powerinfer2'"):
         Llama(str(smollm2_sketch_dir), quality="ppl+8%", mode="powerinfer2")
+
+
+# ---- per-layer candidates (the allocate stage) ----------------------------------------------------
+
+def test_candidate_scale_sets_each_layers_candidates(smollm2_sketch_dir):
+    """candidate_scale[il] multiplies candidate_ratio in layer il (at least 1 candidate per kept
+    block); the candidates are still the top of the sketch's scores."""
+    d = smollm2_sketch_dir
+    m = mf.load(d)
+    scale = np.linspace(0.5, 2.0, m.n_layer).astype(np.float32)
+    scale[0] = 0.1                                            # 0.15 x kept: clamped to the kept set
+    x = _inputs(m.n_embd, 1, seed=3)[0]
+    with _engine(d, sparsity=0.5, candidate_ratio=1.5, candidate_scale=scale) as eng:
+        for il in (0, 5, m.n_layer - 1):
+            info = eng.layer_info(il)
+            nb, r = info["n_blocks"], max(1.0, 1.5 * float(scale[il]))
+            assert info["candidate_ratio"] == pytest.approx(r, rel=1e-6)
+            eng.eval_layer(il, x, n_threads=2, x_res=x)
+            cand = eng.last_candidates(il)
+            n_kept = int(lib.ls_kept_blocks(nb, 0.5))
+            assert len(cand) == min(nb, int(np.ceil(np.float32(r) * n_kept - 1e-9)))
+            sc = eng.sketch_scores(il, x)
+            assert sc[cand].min() >= np.sort(sc)[::-1][len(cand) - 1]
+    bad = np.ones(m.n_layer, np.float32)
+    for v in (0.0, -1.0, np.nan, 2000.0):
+        bad[2] = v
+        with pytest.raises(LeanstreamError, match=r"candidate_scale\[2\]"):
+            _engine(d, candidate_scale=bad)
+    with pytest.raises(ValueError, match="layers"):
+        _engine(d, candidate_scale=[1.0, 1.0])
+
+
+def test_the_converter_allocates_candidates_per_layer(smollm2_sketch_dir):
+    """The default conversion writes one factor per layer, spends no more gate/up bytes than the
+    uniform ratio, and Llama hands the factors to the engine."""
+    from converters import allocate
+    from leanstream_ggml import Llama
+    from leanstream_ggml.engine import candidate_blocks
+
+    d = smollm2_sketch_dir
+    m = mf.load(d)
+    scale = m.sketch.candidate_scale
+    assert scale is not None and len(scale) == m.n_layer
+    assert all(allocate.RATIOS[0] <= allocate.RATIO * f <= allocate.RATIOS[-1] + 1e-6 for f in scale)
+    spent = sum(candidate_blocks(e.n_blocks, 0.5, allocate.RATIO * f) for e, f in zip(m.layers, scale))
+    assert spent <= sum(candidate_blocks(e.n_blocks, 0.5, allocate.RATIO) for e in m.layers)
+    llm = Llama(str(d), mode="leanstream", n_ctx=64, verbose=False)
+    try:
+        got = [llm._engine.layer_info(il)["candidate_ratio"] for il in range(m.n_layer)]
+    finally:
+        llm.close()
+    assert got == pytest.approx([max(1.0, 1.5 * f) for f in scale], rel=1e-5)

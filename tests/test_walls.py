@@ -44,8 +44,6 @@ def test_runtime_sources_never_import_the_converter():
 # uses, on purpose (each with why). Everything else the runtime does not use belongs with its
 # user: converters/ (writers, quantizers, reading back what they wrote) or tests/ (numpy oracles).
 PUBLIC_API = {
-    "leanstream_ggml.engine.kept_blocks": "the engine's rule (ls_kept_blocks), which the converter's training counts with",
-    "leanstream_ggml.engine.candidate_blocks": "the engine's rule (ls_candidate_blocks), which the order stage counts with",
     "leanstream_ggml.harness.measure.peak_rss_bytes": "the harness's process counters (the tests read peak RSS with it)",
 }
 
