@@ -2,6 +2,7 @@
 
     leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
                        [--sketch ls2|none] [--predictors none|quick|full] [--order coact|freq|none]
+                       [--calibration FILE]
     leanstream info [DIR]
 
 Without IN, convert uses the default model (SmolLM2-135M-Instruct, fetched into the model cache);

@@ -10,8 +10,6 @@
     train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
     write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
     sketch    (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
-    allocate  (with the sketch and calibrate) each layer's share of the candidates, where the
-              sketch ranks worse more (converters/allocate.py)
     calibrate (with the sketch) perplexity cost of each sparsity per domain of the calibration
               corpus (prose, code, chat, the user's file; converters/calibrate.py)
     manifest  manifest.json, written once, last: its presence marks a complete model directory
@@ -223,7 +221,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("order", "profile", "train", "write", "sketch", "allocate", "calibrate") if state.done(s)]
+        done = [s for s in ("order", "profile", "train", "write", "sketch", "calibrate") if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
 
@@ -254,19 +252,6 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
 
     m = make_manifest(source, out, entries, totals, predictor)
     m.sketch = sketch_info
-
-    # allocate: each layer's share of the candidates, from the sketch's recall on the corpus
-    if sketch_info is not None and calibrate and source.k == 1:
-        if state.done("allocate"):
-            sketch_info.candidate_scale = (state.result("allocate") or {}).get("scale")
-        else:
-            from .allocate import candidate_scales
-            from .calibrate import corpus
-
-            got = candidate_scales(source.path, out, m, corpus(calibration), n_threads=n_threads,
-                                   progress=progress, log=log)
-            sketch_info.candidate_scale = got["scale"]
-            state.mark("allocate", got)
 
     # calibrate: what each sparsity costs on the model's own text (quality="ppl+5%" reads it)
     if sketch_info is not None and calibrate:

@@ -26,7 +26,7 @@ _PARAMS = [name for name, _ in ffi.typeof("ls_engine_params").fields]
 # set by FFNEngine's own arguments (paths, enums, the budget); the rest are plain numbers, passed
 # by name and left at the engine's default (ls_engine_params_init) when None
 _OWN_PARAMS = {"n_layers", "block_paths", "activation", "mode", "memory_budget", "predictor_paths",
-               "block_rank", "verify_checksums", "sketch_paths", "candidate_scale"}
+               "block_rank", "verify_checksums", "sketch_paths"}
 TUNABLE_PARAMS = tuple(name for name in _PARAMS if name not in _OWN_PARAMS)
 STAT_FIELDS = [name for name, _ in ffi.typeof("ls_stats").fields]
 
@@ -93,9 +93,7 @@ class FFNEngine:
     ``**tunable``: the engine's numeric parameters by their ls_engine_params names
     (TUNABLE_PARAMS: n_io_threads, max_read_bytes, sparsity, hot_fraction, candidate_ratio,
     bridge_bytes); None or absent takes the engine's default (ls_engine_params_init and the mode
-    table). ``candidate_scale``: per layer, a factor on candidate_ratio (the manifest's allocation;
-    ls_engine_params.candidate_scale). ``test_hooks``: for tests only (ls_test_hooks; see
-    _set_test_hooks)."""
+    table). ``test_hooks``: for tests only (ls_test_hooks; see _set_test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
 
@@ -103,8 +101,7 @@ class FFNEngine:
                  memory_budget: int | str | None = None, mode: str = "dense",
                  predictor_paths: Sequence[str | Path | None] | None = None,
                  sketch_paths: Sequence[str | Path | None] | None = None, block_rank: np.ndarray | None = None,
-                 candidate_scale: Sequence[float] | None = None, verify_checksums: bool = True,
-                 test_hooks: dict | None = None, **tunable):
+                 verify_checksums: bool = True, test_hooks: dict | None = None, **tunable):
         unknown = sorted(set(tunable) - set(TUNABLE_PARAMS))
         if unknown:
             raise TypeError(f"unknown engine parameter(s) {', '.join(unknown)}; the engine's are "
@@ -132,11 +129,6 @@ class FFNEngine:
         if block_rank is not None:
             self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
             p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
-        if candidate_scale is not None:
-            self._scale = np.ascontiguousarray(candidate_scale, dtype=np.float32).reshape(-1)
-            if self._scale.size != self.n_layers:
-                raise ValueError(f"candidate_scale has {self._scale.size} values for {self.n_layers} layers")
-            p.candidate_scale = ffi.cast("const float *", self._scale.ctypes.data)
         out = ffi.new("ls_engine **")
         _set_test_hooks(test_hooks)
         try:
@@ -211,7 +203,7 @@ class FFNEngine:
         check(lib.ls_engine_layer_info(self.handle, il, info))
         return {f: getattr(info, f) for f in ("n_embd", "n_ff", "neurons_per_block", "n_blocks", "gate_type",
                                               "up_type", "down_type", "block_stride", "block_payload",
-                                              "data_offset", "split_layout", "candidate_ratio")}
+                                              "data_offset", "split_layout")}
 
     def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1, x_res: np.ndarray | None = None) -> np.ndarray:
         """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op. x_res

@@ -155,15 +155,13 @@ class Llama(llama_cpp.Llama):
         # every file the model is made of: inside the directory, regular, intact (block files
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
-        predictor_paths = block_rank = sketch_paths = candidate_scale = None
+        predictor_paths = block_rank = sketch_paths = None
         if mode != "dense":
             # the files the mode reads, as the engine's mode table says (ManifestError/ValueError
             # naming what is missing)
             files = m.mode_files(path, mode_uses(mode), mode)
             predictor_paths = [m.resolve(path, f) for f in files.predictors] if files.predictors else None
             sketch_paths = [m.resolve(path, f) for f in files.sketches] if files.sketches else None
-            if sketch_paths:   # the converter's per-layer share of the candidates
-                candidate_scale = m.sketch.candidate_scale
             if files.block_freq:
                 block_rank = self._block_rank(path)
             if quality is not None:
@@ -178,7 +176,6 @@ class Llama(llama_cpp.Llama):
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
                                  predictor_paths=predictor_paths, block_rank=block_rank,
                                  verify_checksums=verify_checksums, sketch_paths=sketch_paths,
-                                 candidate_scale=candidate_scale,
                                  **{k: p[k] for k in ("n_io_threads", "sparsity", "hot_fraction", "candidate_ratio",
                                                       "bridge_bytes")})
         self._check_layers_match_manifest()

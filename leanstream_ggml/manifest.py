@@ -181,8 +181,6 @@ class SketchInfo:
     quality: list[dict[str, float]] = field(default_factory=list)
     block_freq: str | None = None  # "sketch/block_freq.npy": f32 [n_layer, n_blocks], how often each block
                                    # was a candidate on the calibration text (the hot set's ranking)
-    candidate_scale: list[float] | None = None  # [n_layer] factor on candidate_ratio per layer (the
-                                   # allocate stage, converters/allocate.py); None: 1 everywhere
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -208,13 +206,8 @@ class SketchInfo:
         freq = d.get("block_freq")
         if freq is not None and not isinstance(freq, str):
             raise ManifestError(f"{where}: block_freq must be a path or null")
-        scale = d.get("candidate_scale")
-        if scale is not None and not (isinstance(scale, list) and all(
-                _type_ok(f, float) and math.isfinite(f) and 0 < f <= 1000 for f in scale)):
-            raise ManifestError(f"{where}: candidate_scale must be a list of numbers in (0, 1000] or null")
         return cls(files=files, type=_get(d, "type", str, where), weight=weight,
-                   bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq,
-                   candidate_scale=None if scale is None else [float(f) for f in scale])
+                   bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq)
 
 
 class ModeFilesError(ValueError):
@@ -469,9 +462,6 @@ class Manifest:
                 bad("sketch.files names a file twice")
             if self.sketch.block_freq is not None:
                 _check_rel(self.sketch.block_freq, "sketch.block_freq", bad)
-            if self.sketch.candidate_scale is not None and len(self.sketch.candidate_scale) != self.n_layer:
-                bad(f"sketch.candidate_scale must hold one factor per layer ({self.n_layer}), "
-                    f"it holds {len(self.sketch.candidate_scale)}")
             if self.sketch.type != "ls2":
                 bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
         if not 0.0 <= self.totals.padding_waste < 1.0:

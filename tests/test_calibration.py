@@ -136,3 +136,21 @@ def test_quality_warns_on_a_prose_only_table(smollm2_sketch_dir, tmp_path):
         assert llm.sparsity == pytest.approx(params.sparsity_for_quality(man["sketch"]["quality"], 1.08), abs=1e-6)
     finally:
         llm.close()
+
+
+def test_the_users_file_is_calibrated_as_its_own_domain(smollm2_sketch_dir, smollm2_gguf, tmp_path, monkeypatch):
+    """calibrate() with the user's chats: a "user" column beside the bundled domains, the row's
+    ratio still the worst of them (one sparsity, to keep it short)."""
+    chats = tmp_path / "mine.jsonl"
+    talk = [{"role": "user", "content": "Tell me about the history of the bicycle, in detail."},
+            {"role": "assistant", "content": " ".join(
+                f"In {1817 + 4 * i} the design changed again: frames, wheels, brakes and gears were improved "
+                f"by makers in many countries, and riding became cheaper and safer." for i in range(30))}]
+    chats.write_text(json.dumps({"messages": talk}) + "\n")
+    monkeypatch.setattr(calibrate, "SPARSITIES", (0.5,))
+    m = mf.load(smollm2_sketch_dir)
+    table = calibrate.calibrate(smollm2_gguf, smollm2_sketch_dir, m, text_path=chats, progress=False)
+    assert [row["sparsity"] for row in table] == [0.5]
+    doms = table[0]["domains"]
+    assert set(doms) == {"prose", "code", "chat", "user"}
+    assert table[0]["ppl_ratio"] == max(d["ppl_ratio"] for d in doms.values())

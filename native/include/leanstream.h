@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 8
+#define LS_ABI_VERSION 7
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -117,10 +117,6 @@ typedef struct ls_engine_params {
     // get their down columns computed
     const char * const * sketch_paths; // [n_layers] sketch file per layer (NULL entries: none), or NULL
     float          candidate_ratio; // candidates / kept blocks, >= 1; -1 (default): LS_DEFAULT_CANDIDATE_RATIO
-    const float *  candidate_scale; // [n_layers] factor on candidate_ratio per layer (the converter's
-                                    // allocation: more candidates where the sketch ranks worse, same
-                                    // total), each in (0, 1000]; NULL: 1 everywhere. A layer's ratio
-                                    // is max(1, candidate_ratio x scale) (ls_layer_info.candidate_ratio)
     int64_t        bridge_bytes;    // read planning: a read goes on through a gap of unselected blocks up to
                                     // this many bytes (read and dropped) rather than start another I/O;
                                     // -1 (default): the per-I/O cost x bandwidth measured on the block files
@@ -131,8 +127,7 @@ LS_API void        ls_engine_params_init(ls_engine_params * p);   // the only so
 LS_API ls_status   ls_engine_create(const ls_engine_params * p, ls_engine ** out);
 LS_API void        ls_engine_free(ls_engine * e);
 LS_API const char * ls_errmsg(void);
-// The engine's parameters with the mode's defaults resolved (path arrays, block_rank and
-// candidate_scale: NULL).
+// The engine's parameters with the mode's defaults resolved (path arrays and block_rank: NULL).
 LS_API ls_status   ls_engine_get_params(const ls_engine * e, ls_engine_params * out);  // message of the last failed call on this thread
 LS_API int32_t     ls_abi_version(void);
 // The mode table, as callers ask it: the mode's name ("dense", "oneshot", "dejavu+", "powerinfer2",
@@ -211,7 +206,6 @@ typedef struct ls_layer_info {
     uint64_t data_offset;        // file offset of block 0
     int32_t  split_layout;       // 1: resident for good and rewritten with all gate/up rows apart
                                  // from all down columns (a sparse op streams only what it uses)
-    float    candidate_ratio;    // leanstream with a sketch: this layer's candidates / kept blocks
 } ls_layer_info;
 
 LS_API ls_status   ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * out);

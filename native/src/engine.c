@@ -6,7 +6,6 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,7 +98,6 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     e->params.predictor_paths = NULL;
     e->params.sketch_paths = NULL;
     e->params.block_rank = NULL;
-    e->params.candidate_scale = NULL;
     e->direct_io = true;
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->err_mu, NULL);
@@ -151,19 +149,9 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
         if (in->block_stride > stride) stride = in->block_stride;
         total_blocks += in->n_blocks;
         total_bytes += (uint64_t) in->n_blocks * in->block_stride;
-        e->layers[il].cand_ratio = e->params.candidate_ratio;
-        if (p->candidate_scale) {
-            const float f = p->candidate_scale[il];
-            if (!(f > 0.0f && f <= 1000.0f)) {   // (also NaN)
-                ls_set_error("candidate_scale[%d] must be in (0, 1000], got %g", il, (double) f);
-                st = LS_ERR_ARG;
-                break;
-            }
-            e->layers[il].cand_ratio = fmaxf(1.0f, e->params.candidate_ratio * f);
-        }
         // the blocks one op pins: a sparse decode's kept blocks, a cascade's candidates, dense: all
         const int32_t ws = !e->policy->sparse ? in->n_blocks :
-                           e->layers[il].sketch ? ls_candidate_blocks(in->n_blocks, e->params.sparsity, e->layers[il].cand_ratio) :
+                           e->layers[il].sketch ? ls_candidate_blocks(in->n_blocks, e->params.sparsity, e->params.candidate_ratio) :
                            ls_kept_blocks(in->n_blocks, e->params.sparsity);
         if (ws > max_working_set) max_working_set = ws;
         if (in->n_blocks > max_layer_blocks) max_layer_blocks = in->n_blocks;
@@ -288,7 +276,6 @@ ls_status ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * 
     if (!e || !out || il < 0 || il >= e->n_layers) { ls_set_error("layer %d out of range", il); return LS_ERR_ARG; }
     *out = e->layers[il].info;
     out->split_layout = e->layers[il].gu_ptr != NULL;
-    out->candidate_ratio = e->layers[il].cand_ratio;
     return LS_OK;
 }
 

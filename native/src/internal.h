@@ -96,7 +96,6 @@ typedef struct ls_layer {
     int32_t            n_last_plan;
     // exact-input selection (sketch.c, schedule.c)
     ls_sketch *        sketch;          // NULL: none (the layer selects by its predictor)
-    float              cand_ratio;      // candidates / kept of this layer (candidate_ratio x its scale)
     uint8_t *          spec;            // [n_blocks] 1: prefetched for this op (speculation recall)
     int32_t *          last_cand;       // [n_blocks] candidates of the last cascade op (gate/up computed)
     int32_t            n_last_cand;

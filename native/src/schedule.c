@@ -68,7 +68,7 @@ ls_path ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens)
 
 // Blocks a sparse decode op pins: the candidates of a cascade, else the kept blocks.
 static int32_t n_wanted(const ls_engine * e, const ls_layer * L) {
-    if (selects_by_sketch(e, L)) return ls_candidate_blocks(L->info.n_blocks, e->params.sparsity, L->cand_ratio);
+    if (selects_by_sketch(e, L)) return ls_candidate_blocks(L->info.n_blocks, e->params.sparsity, e->params.candidate_ratio);
     return n_kept(e, L);
 }
 
