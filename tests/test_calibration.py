@@ -136,6 +136,11 @@ def test_quality_warns_on_a_prose_only_table(smollm2_sketch_dir, tmp_path):
         assert llm.sparsity == pytest.approx(params.sparsity_for_quality(man["sketch"]["quality"], 1.08), abs=1e-6)
     finally:
         llm.close()
+    r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "info", str(d)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    head = next(ln for ln in r.stdout.splitlines() if ln.rstrip().endswith("worst"))
+    assert "prose" in head and "code" not in head
 
 
 def test_the_users_file_is_calibrated_as_its_own_domain(smollm2_sketch_dir, smollm2_gguf, tmp_path, monkeypatch):
