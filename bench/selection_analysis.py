@@ -10,8 +10,7 @@ token and layer, in numpy, with the model directory's own sketch rows and down-c
 
 and reports per layer: the cascade's recall of the oracle set, and the FFN output's relative
 squared error |sum_dropped a_i d_i|^2 / |sum a_i d_i|^2 (d_i: the dequantized down column) for
-oracle and cascade; per domain the share of the error carried by the worst 10 % of tokens. ``--variant`` adds selection rules
-simulated the same way at equal bytes (see VARIANTS).
+oracle and cascade; per domain the share of the error carried by the worst 10 % of tokens.
 
     python bench/selection_analysis.py model.lsm source.gguf [--tokens 384] [--sparsity 0.3]
         [--ratio 1.2] [--domain code=path ...] [--out bench/results/x.jsonl]
@@ -76,17 +75,12 @@ def topk_mask(score: np.ndarray, k: int) -> np.ndarray:
     return m
 
 
-def cascade_keep(sk: np.ndarray, imp: np.ndarray, n_cand: np.ndarray | int, n_keep: np.ndarray | int) -> np.ndarray:
-    """Kept mask: the top n_keep by imp among the top n_cand by sk (per row counts allowed)."""
-    T, n = sk.shape
-    n_cand = np.broadcast_to(np.asarray(n_cand), (T,))
-    n_keep = np.broadcast_to(np.asarray(n_keep), (T,))
-    order = np.argsort(-sk, axis=1)
-    keep = np.zeros((T, n), bool)
-    for t in range(T):
-        c = order[t, :n_cand[t]]
-        k = c[np.argsort(-imp[t, c])[:n_keep[t]]]
-        keep[t, k] = True
+def cascade_keep(sk: np.ndarray, imp: np.ndarray, n_cand: int, n_keep: int) -> np.ndarray:
+    """Kept mask: the top n_keep by imp among the top n_cand by sk."""
+    cand = np.argpartition(-sk, n_cand - 1, axis=1)[:, :n_cand]
+    top = np.argpartition(-np.take_along_axis(imp, cand, axis=1), n_keep - 1, axis=1)[:, :n_keep]
+    keep = np.zeros(sk.shape, bool)
+    np.put_along_axis(keep, np.take_along_axis(cand, top, axis=1), True, axis=1)
     return keep
 
 

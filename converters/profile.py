@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from leanstream_ggml.harness.texts import is_chat, read_chats, render_chat
+
 from ._faults import kill_point
 from .fileio import atomic_write_json, atomic_writer
 
@@ -187,7 +189,8 @@ def generate_sequences(gguf_path, prompts: list[str], *, max_tokens: int, n_ctx:
     rng = np.random.default_rng(seed)
     out = []
     try:
-        prefixes = [llm.tokenize(_chat_prefix(llm, p).encode(), add_bos=False, special=True)[: n_ctx // 2]
+        prefixes = [llm.tokenize(render_chat(llm, [{"role": "user", "content": p}], add_generation_prompt=True)
+                                 .encode(), add_bos=False, special=True)[: n_ctx // 2]
                     for p in prompts]
         vocab = lc.llama_model_get_vocab(llm._model.model)
         n_vocab = lc.llama_vocab_n_tokens(vocab)
@@ -269,35 +272,16 @@ def _sample(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
     return int(rng.choice(keep, p=q))
 
 
-def _chat_prefix(llm, prompt: str) -> str:
-    """The chat-formatted prompt up to the assistant's answer, with the GGUF's own template."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    tmpl = llm.metadata.get("tokenizer.chat_template")
-    if not tmpl:
-        return f"User: {prompt}\nAssistant: "
-    eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
-    bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
-    f = Jinja2ChatFormatter(template=tmpl, eos_token=eos, bos_token=bos)
-    return f(messages=[{"role": "user", "content": prompt}]).prompt
-
-
 def text_sequences(prof: Profiler, path, *, n_ctx: int, skip: int = 16) -> list[dict]:
     """--calibration FILE: plain text (chunks of n_ctx tokens) or JSONL chats (one per line:
-    {"messages": [...]} or a list of messages; rendered as "role: content" lines)."""
+    {"messages": [...]} or a list of messages, harness/texts.py; rendered as "role: content" lines:
+    the profiler's raw llama.cpp model has no chat template at hand)."""
     path = Path(path)
     seqs = []
-    text = path.read_text(errors="replace")
-    if path.suffix == ".jsonl":
-        docs = []
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-            msgs = obj.get("messages", obj) if isinstance(obj, dict) else obj
-            docs.append("\n".join(f"{m.get('role', 'user')}: {m.get('content', '')}" for m in msgs))
+    if is_chat(path):
+        docs = ["\n".join(f"{m['role']}: {m['content']}" for m in msgs) for msgs in read_chats(path)]
     else:
-        docs = [text]
+        docs = [path.read_text(errors="replace")]
     for d in docs:
         toks = prof.tokenize(d)
         for i in range(0, len(toks), n_ctx):

@@ -42,17 +42,19 @@ def read_chats(path) -> list[list[dict]]:
     return chats
 
 
-def render_chat(llm, messages: list[dict]) -> str:
-    """One whole conversation in the model's chat template (a llama_cpp.Llama's GGUF metadata);
-    "role: content" lines when the GGUF has no template."""
+def render_chat(llm, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """A conversation in the model's chat template (a llama_cpp.Llama's GGUF metadata), up to the
+    assistant's next answer if add_generation_prompt; "Role: content" lines when the GGUF has no
+    template."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     tmpl = llm.metadata.get("tokenizer.chat_template")
     if not tmpl:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return ("".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+                + ("Assistant: " if add_generation_prompt else ""))
     eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
     bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
-    f = Jinja2ChatFormatter(template=tmpl, eos_token=eos, bos_token=bos, add_generation_prompt=False)
+    f = Jinja2ChatFormatter(template=tmpl, eos_token=eos, bos_token=bos, add_generation_prompt=add_generation_prompt)
     return f(messages=messages).prompt
 
 
