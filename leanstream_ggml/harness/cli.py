@@ -36,6 +36,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="dense", help="leanstream engine mode (default: dense)")
     p.add_argument("--memory-budget", default=None, help="leanstream weight budget, e.g. 512MiB (default: none)")
     p.add_argument("--sparsity", type=float, default=None, help="sparse modes: fraction of blocks skipped (default 0.5)")
+    p.add_argument("--quality", default=None,
+                   help='instead of --sparsity: the perplexity loss accepted, e.g. "ppl+5%%" (leanstream mode; '
+                        "the sparsity is read from the converter's calibration)")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: cores available)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch (= n_ubatch)")
     p.add_argument("--json", action="store_true", help="print one JSON document on one line")
@@ -75,6 +78,8 @@ def _engine_extra(args, system: str) -> dict:
     if system != "leanstream":
         return {}
     out = {"sparsity": args.sparsity} if args.sparsity is not None else {}
+    if getattr(args, "quality", None) is not None:
+        out["quality"] = args.quality
     if not args.verify_checksums:
         out["verify_checksums"] = False
     return out
@@ -85,6 +90,12 @@ def _check_params(args) -> None:
     a bad value is one line naming it, before any model is opened."""
     from leanstream_ggml import params
 
+    if getattr(args, "quality", None) is not None:
+        if args.sparsity is not None:
+            raise params.ParameterError("quality", "give --quality or --sparsity, not both")
+        params.quality(args.quality)   # a bad value: one line, before any model is opened
+        if args.mode == "dense":
+            args.mode = "leanstream"   # quality= chooses leanstream mode's sparsity
     p = params.engine_params(memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity)
     args.memory_budget = p["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
 
