@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up leanstream-ggml in a virtual environment (default ./.venv, or $LEANSTREAM_VENV):
 # the patched llama-cpp-python (built once, cached in ~/.cache/leanstream-ggml), the native
-# library, and the package with its converter, test, bench and server extras.
+# library, and the package with its converter, test, bench, server and eval extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LEANSTREAM_VENV:-.venv}
@@ -16,5 +16,5 @@ done
 "$VENV/bin/python" -m leanstream_ggml.build
 # torch pinned to the CPU build (a bare "torch" can resolve to a multi-GB CUDA build)
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[convert,test,bench,server]"
+"$VENV/bin/python" -m pip install -q -e ".[convert,test,bench,server,eval]"
 echo "setup: done. Activate with: source $VENV/bin/activate"
