@@ -108,3 +108,22 @@ def test_bad_arguments_are_one_line(tmp_path):
     assert r.returncode == 1 and "no such model" in r.stderr and "Traceback" not in r.stderr
     r = _eval(tmp_path / "missing.lsm", "--quality", "five", timeout=120)
     assert r.returncode == 1 and "quality" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_table_scripts_setups(smollm2_dir, smollm2_gguf):
+    """bench/humaneval_table.py: each setup's arguments, and the sparse setups' budget one block
+    short of the FFN + sketch (every op then selects through the sketch)."""
+    import bench_modules
+    from leanstream_ggml import manifest
+
+    t = bench_modules.load("humaneval_table")
+    m = manifest.load(smollm2_dir)
+    full = sum(e.n_blocks * e.block_stride for e in m.layers) + (m.sketch.bytes if m.sketch else 0)
+    b = t.selecting_budget(smollm2_dir)
+    assert b == full - max(e.block_stride for e in m.layers)
+    assert t.setup_args("stock", smollm2_gguf, smollm2_dir, b, 2) == [str(smollm2_gguf), "-t", "2"]
+    assert t.setup_args("dense", smollm2_gguf, smollm2_dir, b, 2)[1:3] == ["--mode", "dense"]
+    assert t.setup_args("leanstream@ppl+5%", smollm2_gguf, smollm2_dir, b, 2)[1:5] == \
+        ["--quality", "ppl+5%", "--memory-budget", str(b)]
+    with pytest.raises(ValueError, match="unknown setup"):
+        t.setup_args("fast", smollm2_gguf, smollm2_dir, b, 2)
