@@ -7,7 +7,8 @@ ORIGINAL GGUF with a ggml eval callback (cb_eval) that copies, per layer il,
     ffn_norm-il     h_n   [n_tokens, n_embd]  FFN input after the norm
     ffn_swiglu-il   a_n   [n_tokens, n_ff]    silu(gate)*up, signed (|a| = neuron importance)
 
-(names of the vendored llama.cpp's llama/qwen2 graphs, src/models/*.cpp and build_ffn).
+(names of the vendored llama.cpp's llama/qwen2 graphs, src/models/*.cpp and build_ffn; gemma3's
+sa_out and ffn_geglu are taken as ffn_inp and ffn_swiglu).
 Only decode-like positions are kept: the model's generated tokens (default calibration), or
 every position but the first few of a chunk of text (--calibration). Position 0 is never kept:
 it carries atypical huge activations (docs/design.md §9) and never occurs in decoding.
@@ -36,7 +37,12 @@ from ._faults import kill_point
 from .fileio import atomic_write_json, atomic_writer
 
 KINDS = {"ffn_inp": "x", "ffn_norm": "xn", "ffn_swiglu": "a"}
-_NAME = re.compile(rb"^(ffn_inp|ffn_norm|ffn_swiglu)-(\d+)$")
+# the same tensors under other graphs' names: gemma3 (src/models/gemma3.cpp) calls the residual
+# entering the FFN sa_out and its GELU-gated product ffn_geglu (its FFN output is normed again,
+# ffn_post_norm, before the residual add: a per-token scale, which leaves the ranking of neurons
+# by |a| within a token unchanged)
+ALIASES = {"sa_out": "ffn_inp", "ffn_geglu": "ffn_swiglu"}
+_NAME = re.compile(rb"^(ffn_inp|sa_out|ffn_norm|ffn_swiglu|ffn_geglu)-(\d+)$")
 GGML_TYPE_F32 = 0
 
 
@@ -77,7 +83,8 @@ class _Capture:
             if t.nb[0] != 4 or t.nb[1] != 4 * ne0:
                 return True
             arr = np.ctypeslib.as_array((ctypes.c_float * (ne0 * ne1)).from_address(t.data))
-            self.data[(m.group(1).decode(), int(m.group(2)))] = arr.reshape(ne1, ne0).copy()
+            name = m.group(1).decode()
+            self.data[(ALIASES.get(name, name), int(m.group(2)))] = arr.reshape(ne1, ne0).copy()
         return True
 
 

@@ -293,7 +293,8 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
                                      n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
                                      n_threads=n_threads, progress=progress, log=log)
     except UnsupportedProfile as e:
-        # (gemma3 names its FFN tensors differently) the model keeps GGUF order and no hot-set ranking
+        # (an architecture whose graph names none of the tensors the profile captures) the model keeps
+        # GGUF order and no hot-set ranking
         log(f"order: {e}; neurons stay in GGUF order")
         orders, freq = source.orders, None
     tmp = state.dir / "order.partial.npz"

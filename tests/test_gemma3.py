@@ -92,9 +92,25 @@ def gemma3_dir(gemma3_gguf, tmp_path_factory):
 def test_gemma3_converts_with_gelu_and_says_dense_only(gemma3_dir):
     from leanstream_ggml import manifest
 
+    import numpy as np
+
     m = manifest.load(gemma3_dir)
     assert m.architecture == "gemma3" and m.activation == "gelu" and m.predictor is None
     assert m.sketch is not None and len(m.sketch.quality) == 5
+    # the order stage profiled gemma3's graph (sa_out, ffn_geglu): neurons placed by co-activation
+    # and the hot set ranked by the calibration text's block frequencies
+    assert m.sketch.block_freq is not None
+    freq = np.load(gemma3_dir / m.sketch.block_freq)
+    assert freq.shape[0] == m.n_layer and freq.min() >= 0 and freq.max() <= 1 and freq.std() > 0
+    from converters import blockfile
+
+    for e in m.layers:
+        path = gemma3_dir / e.file
+        h = blockfile.read_header(path)
+        with open(path, "rb") as f:
+            f.seek(h.perm_offset)
+            perm = np.frombuffer(f.read(4 * h.n_blocks * h.k), dtype="<i4")
+        assert not np.array_equal(perm[perm >= 0], np.arange(m.n_ff)), f"layer {e.il} kept GGUF order"
     r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "info", str(gemma3_dir)],
                        capture_output=True, text=True, timeout=60)
     assert "activation gelu" in r.stdout
