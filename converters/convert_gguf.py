@@ -35,9 +35,9 @@ from .validate import check_tensors
 # gated FFN down(act(gate x) * up x), by architecture: the activation its llama.cpp graph uses
 ACTIVATION_OF_ARCH = mf.ARCH_ACTIVATION   # the contract's table (leanstream_ggml/manifest.py)
 SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
-# architectures whose graphs the predictor stage can profile (it captures llama.cpp's ffn_inp /
-# ffn_swiglu tensors; gemma3 names them sa_out / ffn_geglu and norms the FFN's output before the
-# residual add): the others convert for dense mode only
+# architectures the layer-ahead predictors are trained for (the profile also reads gemma3's graph,
+# sa_out / ffn_geglu, for the order stage; predictors on gemma3, whose FFN output is normed again
+# before the residual add, have not been trained or measured): the others get no predictors
 PREDICTOR_ARCHS = ("llama", "qwen2")
 
 
