@@ -36,6 +36,10 @@ cache and its resident sketch/predictors held, plus 32 MiB (so include "none" in
 Prints one JSON document; writes it to --out and the plot (decode tok/s vs memory limit, one
 line per system: the paper's Fig. 8) to --plot. Where cgroups are not writable it says so in the
 JSON and on stderr, and runs each system once without a limit.
+
+The runs themselves (the child process, its cgroup, the page cache, the reserve, the private
+copies, the perplexities) are leanstream_ggml/harness/compare.py's, which `leanstream compare`
+runs at one limit: this script adds the sweep over limits and its plot.
 """
 
 from __future__ import annotations
@@ -43,10 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,22 +55,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from leanstream_ggml.harness import cgroup, measure  # noqa: E402
-
-STOCK = "stock"
-
-
-def is_stock(system: str) -> bool:
-    """stock llama-cpp-python: on the GGUF given ("stock") or a smaller quantization of it."""
-    return system == STOCK or system.startswith(STOCK + "-")
-
-
-def stock_quant(system: str) -> str | None:
-    """"stock-q3_k_m" -> "Q3_K_M"; None for the GGUF as given."""
-    return system[len(STOCK) + 1:].upper() if system.startswith(STOCK + "-") else None
-
-
-def log(msg: str) -> None:
-    print(f"[side_by_side {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+from leanstream_ggml.harness.compare import (  # noqa: E402
+    STOCK, add_greedy_match, bench_run, cgroup_doc, check_setups, child_env, choose_reserve, is_stock, log,
+    measure_perplexities, parse_systems, prepare_models, stock_files, stock_quant, workspace)
 
 
 def parse_limits(text: str) -> list[int | None]:
@@ -79,175 +67,20 @@ def parse_limits(text: str) -> list[int | None]:
     return sorted(uniq, key=lambda v: (v is not None, -(v or 0)))
 
 
-def parse_systems(text: str) -> list[str]:
-    out = [s.strip() for s in text.split(",") if s.strip()]
-    if not out:
-        raise ValueError("no systems given")
-    return list(dict.fromkeys(out))
-
-
-def extract_json(stdout: str) -> dict | None:
-    """The last line of stdout that parses as a JSON object (`leanstream bench --json` prints one)."""
-    for line in reversed(stdout.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
-
-
-def plugin_budget(limit: int | None, reserve: int) -> int | None:
-    if limit is None:
-        return None
-    return max(limit - reserve, 0)
-
-
-RESERVE_MARGIN = 32 * 2**20
-
-
-def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | None,
-                   charged_peak: int | None = None) -> tuple[int, str]:
-    """Bytes a LeanStream run needs besides its FFN weight cache. Measured where possible: the
-    peak memory of the same mode without a limit (charged to its accounting cgroup, which is
-    what a limit binds; else VmHWM) minus the bytes its cache held, plus a margin."""
-    if fixed is not None:
-        return fixed, "--reserve"
-    if unlimited_run is not None:
-        eng = unlimited_run.get("engine_total") or {}
-        cache = eng.get("cache_bytes")
-        peak, what = (charged_peak, "cgroup peak") if charged_peak else (unlimited_run.get("peak_rss_bytes"), "peak RSS")
-        if cache is not None and peak:
-            # memory_budget covers the cache and what the engine keeps resident (sketch, predictors)
-            held = int(cache) + int(eng.get("resident_bytes") or 0)
-            return (max(peak - held, 0) + RESERVE_MARGIN,
-                    f"measured: unlimited {what} - (cache_bytes + resident_bytes) + 32 MiB")
-    from leanstream_ggml import manifest
-
-    return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
-
-
-def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None) -> Path:
-    """The converted directory: --model-dir, else the converter's default location, converted on
-    first use."""
-    from leanstream_ggml import manifest, models
-
-    if model_dir:
-        out = Path(model_dir)
-    elif model_arg in models.RECIPES:
-        out = models.models_dir() / f"{model_arg}.lsm"
-    else:
-        out = gguf.with_suffix(".lsm")
-    try:
-        manifest.load(out)
-        return out
-    except Exception:
-        pass
-    log(f"converting {gguf} -> {out}")
-    import converters
-
-    converters.convert(gguf, out, sketch="none")
-    return out
-
-
-def bench_command(model: Path, system: str, args, budget: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "bench", str(model), "--json",
-           "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
-           "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
-    if is_stock(system):
-        cmd += ["--system", "stock"]
-    else:
-        cmd += ["--system", "leanstream", "--mode", system]
-        if budget is not None:
-            cmd += ["--memory-budget", str(budget)]
-        if args.sparsity is not None and system != "dense":
-            cmd += ["--sparsity", str(args.sparsity)]
-    return cmd
-
-
-def perplexity_command(model: Path, system: str, args) -> list[str]:
-    cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "perplexity", str(model), "--json",
-           "-c", str(args.ppl_ctx), "-t", str(args.threads)]
-    if is_stock(system):
-        return cmd + ["--system", "stock"]
-    return cmd + ["--system", "leanstream", "--mode", system] + \
-        (["--sparsity", str(args.sparsity)] if args.sparsity is not None and system != "dense" else [])
-
-
-def summarize(bench_json: dict) -> dict:
-    """The fields of `leanstream bench --json` the side-by-side report keeps."""
-    keep = ("prefill_tok_s", "decode_tok_s", "prefill_tok_s_best", "decode_tok_s_best", "peak_rss_bytes", "rss_after_load_bytes", "load_s",
-            "disk_read_bytes_load", "disk_read_bytes_total", "disk_read_bytes_per_decode_token",
-            "memory_budget_bytes", "engine_decode", "generated", "repetitions", "stock", "model_bytes")
-    return {k: bench_json.get(k) for k in keep}
-
-
-def greedy_match(a: list[int] | None, b: list[int] | None) -> float | None:
-    """Fraction of the greedy continuation identical to the reference before the first difference."""
-    if not a or not b:
-        return None
-    n = min(len(a), len(b))
-    k = next((i for i in range(n) if a[i] != b[i]), n)
-    return k / n
-
-
-def private_copies(ggufs: dict, model_dir: Path | None, where: Path) -> tuple[dict, Path | None]:
-    """Copies of the model files that no other process reads, so that dropping their page cache
-    sticks (another process reading the shared GGUF would bring its pages back, charged to
-    someone else, and our run would read them for free). Same filesystem as the model cache, so
-    the block files keep their O_DIRECT alignment. ggufs: stock system -> GGUF."""
-    where.mkdir(parents=True, exist_ok=True)
-    g = {}
-    for system, path in ggufs.items():
-        g[system] = where / path.name
-        if not g[system].exists():
-            shutil.copyfile(path, g[system])
-    d = None
-    if model_dir is not None:
-        d = where / model_dir.name
-        shutil.copytree(model_dir, d)
-    return g, d
-
-
 def run(args) -> dict:
-    from leanstream_ggml import models
-    from leanstream_ggml.build import cache_dir
-
-    from leanstream_ggml.harness import quants
-
-    gguf_orig = models.resolve(args.model)
-    systems = parse_systems(args.systems)
+    systems = check_setups(parse_systems(args.systems))
     limits = parse_limits(args.limits)
-    lean_modes = [s for s in systems if not is_stock(s)]
-    dir_orig = resolve_model_dir(gguf_orig, args.model, args.model_dir) if lean_modes else None
-    # every stock system's GGUF: the one given, or a smaller quantization made from it (once)
-    ggufs_orig = {s: gguf_orig if stock_quant(s) is None else quants.requantize(gguf_orig, stock_quant(s), log=log)
-                  for s in systems if is_stock(s)}
-    ggufs_orig.setdefault(STOCK, gguf_orig)
-    tmp = None
-    if args.private_copy:
-        tmp = Path(tempfile.mkdtemp(prefix="side-by-side-", dir=cache_dir()))
-        log(f"copying the model files to {tmp} (private copies; --no-private-copy to skip)")
-        ggufs, model_dir = private_copies(ggufs_orig, dir_orig, tmp)
-    else:
-        ggufs, model_dir = ggufs_orig, dir_orig
-    try:
+    gguf_orig, ggufs_orig, dir_orig = prepare_models(args.model, systems, args.model_dir)
+    with workspace(ggufs_orig, dir_orig, args.private_copy) as (ggufs, model_dir):
         doc = _run(args, systems, limits, ggufs, model_dir)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     doc.update(model_path=str(gguf_orig), model_dir=str(dir_orig) if dir_orig else None)
-    doc["stock_files"] = {s: {"file": p.name, "bytes": p.stat().st_size,
-                              "made": None if stock_quant(s) is None else
-                              f"llama.cpp llama_model_quantize (via llama-cpp-python) from {gguf_orig.name}"
-                              + (", re-quantized (allow_requantize)" if quants.source_type(gguf_orig) != "src" else "")}
-                          for s, p in ggufs_orig.items()}
+    doc["stock_files"] = stock_files(ggufs_orig, gguf_orig)
     doc["settings"]["private_copy"] = bool(args.private_copy)
     return doc
 
 
 def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
+    """Every system at every limit (largest first, systems interleaved), then the perplexities."""
     gguf = ggufs[STOCK]
     fixed_reserve = measure.parse_size(args.reserve) if args.reserve else None
     reserve_of: dict[str, tuple[int, str]] = {}  # mode -> (reserve bytes, how it was chosen)
@@ -256,52 +89,20 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
     if not ok:
         log(f"cgroups not writable: {where}; running every system once WITHOUT a memory limit")
         limits = [None]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
 
     runs = []
     for limit in limits:
         for system in systems:
             path = ggufs[system] if is_stock(system) else model_dir
-            files = measure.model_files(path)
-            if not args.no_drop_cache:
-                measure.drop_page_cache(files)
-            resident = [measure.resident_bytes(f) for f in files]
-            resident = None if any(r is None for r in resident) else sum(resident)
             reserve = None
             if not is_stock(system) and limit is not None:
-                reserve, how = reserve_of.get(system) or choose_reserve(fixed_reserve, model_dir, None)
-            budget = None if is_stock(system) else plugin_budget(limit, reserve)
-            entry = {"system": system, "limit_bytes": limit,
-                     "memory_budget_bytes": budget, "plugin_reserve_bytes": reserve,
-                     "page_cache_resident_at_start_bytes": resident,
-                     "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
-            if not is_stock(system) and limit is not None and budget == 0:
-                entry.update(status="skipped", reason=f"limit below the reserve ({measure.format_size(reserve)})",
-                             cgroup={})
-                runs.append(entry)
-                log(f"{system:>10} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
-                continue
-            cmd = bench_command(path, system, args, budget)
-            res = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=args.timeout, env=env, cwd=str(REPO),
-                                     account=ok)
-            entry.update(res.to_dict())
-            bj = extract_json(res.stdout) if res.status == "ok" else None
-            if res.status == "ok" and bj is None:
-                entry.update(status="error", stderr_tail="no JSON on stdout\n" + res.stderr[-2000:])
-            if bj is not None:
-                entry["result"] = summarize(bj)
-                if not is_stock(system) and limit is None and system not in reserve_of:
-                    reserve_of[system] = choose_reserve(fixed_reserve, model_dir, bj,
-                                                        res.cgroup.get("max_usage_bytes"))
+                reserve, _ = reserve_of.get(system) or choose_reserve(fixed_reserve, model_dir, None)
+            entry, bj = bench_run(system, path, limit, reserve, args, env=env, account=ok,
+                                  drop_cache=not args.no_drop_cache)
+            if bj is not None and not is_stock(system) and limit is None and system not in reserve_of:
+                reserve_of[system] = choose_reserve(fixed_reserve, model_dir, bj, entry["cgroup"].get("max_usage_bytes"))
             runs.append(entry)
-            r = entry.get("result") or {}
-            log(f"{system:>10} @ {measure.format_size(limit):>7}: {entry['status']:>7} "
-                f"decode {r.get('decode_tok_s') or 0:7.2f} tok/s  prefill {r.get('prefill_tok_s') or 0:7.1f} tok/s  "
-                f"peak RSS {measure.format_size(r.get('peak_rss_bytes'))}  "
-                f"cgroup peak {measure.format_size(entry['cgroup'].get('max_usage_bytes'))}  "
-                f"disk/decode-token {measure.format_size(int(r['disk_read_bytes_per_decode_token'])) if r.get('disk_read_bytes_per_decode_token') is not None else 'n/a'}  "
-                f"({entry['wall_s']:.0f} s)")
 
     # quality: held-out perplexity of every system, once, without a limit (see the docstring)
     ppl = {}
@@ -312,24 +113,10 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
         ppl = {s: dict(v, measured_in=Path(args.perplexity_from).name)
                for s, v in (earlier.get("perplexity") or {}).items() if s in systems}
     elif args.perplexity:
-        for system in systems:
-            path = ggufs[system] if is_stock(system) else model_dir
-            res = cgroup.run_command(perplexity_command(path, system, args), limit_bytes=None,
-                                     timeout_s=args.timeout * 4, env=env, cwd=str(REPO), account=ok)
-            pj = extract_json(res.stdout) if res.status == "ok" else None
-            ppl[system] = ({k: pj.get(k) for k in ("ppl", "n_scored", "n_chunks", "decode_scored", "sparsity")}
-                           if pj else {"status": res.status, "stderr_tail": res.stderr[-1000:]})
-            ppl[system]["loadavg_1min_at_start"] = round(os.getloadavg()[0], 2)
-            log(f"{system:>12} perplexity: {ppl[system].get('ppl')}")
+        ppl = measure_perplexities({s: ggufs[s] if is_stock(s) else model_dir for s in systems}, args,
+                                   env=env, account=ok)
 
-    # correctness before speed: each run's greedy continuation against stock's without a limit
-    ref = next((e["result"]["generated"] for e in runs
-                if e["system"] == STOCK and e.get("result") and e["limit_bytes"] is None), None)
-    ref = ref or next((e["result"]["generated"] for e in runs if e["system"] == STOCK and e.get("result")), None)
-    for e in runs:
-        if e.get("result"):
-            e["greedy_match_vs_stock"] = greedy_match(e["result"]["generated"], ref)
-
+    add_greedy_match(runs)
     stock_desc = next((e["result"]["stock"] for e in runs if e.get("result")), None)
     return {
         "benchmark": "side_by_side",
@@ -341,11 +128,9 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
         "stock": stock_desc,
         "systems": systems,
         "limits_bytes": limits,
-        "cgroup": {"writable": ok, ("path" if ok else "reason"): where,
-                   "note": "each run in its own child memory cgroup (v1) under ours; memory.limit_in_bytes "
-                           "= the limit (memsw too where present), page cache included"
-                   if ok else "no limits applied"},
-        "settings": {"ppl_ctx": args.ppl_ctx, "sparsity": args.sparsity, "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+        "cgroup": cgroup_doc(ok, where),
+        "settings": {"ppl_ctx": args.ppl_ctx, "ppl_chunks": args.ppl_chunks, "sparsity": args.sparsity,
+                     "n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
                      "n_ctx": args.ctx_size, "n_batch": args.batch_size, "n_threads": args.threads,
                      "timeout_s": args.timeout,
                      "plugin_reserve": {m: {"bytes": r, "how": how} for m, (r, how) in reserve_of.items()},
@@ -433,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--perplexity-from", default=None, metavar="JSON",
                     help="take the perplexities from an earlier run's JSON instead of measuring them again")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window (n_ctx; second half scored)")
+    ap.add_argument("--ppl-chunks", type=int, default=None, help="perplexity windows (default: every one of the text)")
     ap.add_argument("--sparsity", type=float, default=None, help="sparse LeanStream modes: fraction skipped")
     ap.add_argument("--reserve", default=None,
                     help="memory a LeanStream run keeps outside its weight budget (default: measured, see above)")

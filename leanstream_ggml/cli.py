@@ -34,6 +34,7 @@ COMMANDS = {
     "serve": ("leanstream_ggml.server", "llama-cpp-python's OpenAI-compatible server on a converted model"),
     "bench": ("leanstream_ggml.harness.cli", "decode/prefill speed, peak memory and disk reads"),
     "perplexity": ("leanstream_ggml.harness.cli", "perplexity on held-out text (optionally vs stock)"),
+    "compare": ("leanstream_ggml.harness.compare", "stock quants and the plugin side by side under a memory limit"),
     "eval": ("leanstream_ggml.harness.humaneval", "task quality: HumanEval pass@1 (greedy, chat template)"),
     "profile": ("converters.train.cli", "record FFN activations of a GGUF on calibration text"),
     "train-predictor": ("converters.train.cli", "train and export the hashing predictors from a profile"),

@@ -18,7 +18,7 @@ import pytest
 
 import bench_modules
 
-from leanstream_ggml.harness import cgroup, measure, perplexity
+from leanstream_ggml.harness import cgroup, compare, measure, perplexity
 
 
 
@@ -319,40 +319,40 @@ def test_compare_refuses_different_vocabularies():
 
 
 # ---------------------------------------------------------------------------------------------
-# bench/side_by_side.py and bench/make_readme_table.py helpers
+# the side-by-side runs (harness/compare.py, bench/side_by_side.py) and bench/make_readme_table.py
 
 def test_parse_limits_orders_none_first_then_largest():
     assert side_by_side.parse_limits("900MB,none,1500MB,1.2GB") == [None, 1500 * 10**6, 1200 * 10**6, 900 * 10**6]
     assert side_by_side.parse_limits("512MiB,512MiB") == [512 * 2**20]
-    assert side_by_side.parse_systems("stock, dense,,stock") == ["stock", "dense"]
+    assert compare.parse_systems("stock, dense,,stock") == ["stock", "dense"]
 
 
 def test_extract_json_takes_the_last_json_line():
     out = 'loading...\n{"a": 1}\nnoise\n{"decode_tok_s": 12.5}\n'
-    assert side_by_side.extract_json(out) == {"decode_tok_s": 12.5}
-    assert side_by_side.extract_json("no json here\n{broken") is None
+    assert compare.extract_json(out) == {"decode_tok_s": 12.5}
+    assert compare.extract_json("no json here\n{broken") is None
 
 
 def test_greedy_match_and_budget():
-    assert side_by_side.greedy_match([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
-    assert side_by_side.greedy_match([1, 2], [1, 2]) == 1.0
-    assert side_by_side.greedy_match(None, [1]) is None
-    assert side_by_side.plugin_budget(None, 100) is None
-    assert side_by_side.plugin_budget(1000, 300) == 700
-    assert side_by_side.plugin_budget(200, 300) == 0
+    assert compare.greedy_match([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert compare.greedy_match([1, 2], [1, 2]) == 1.0
+    assert compare.greedy_match(None, [1]) is None
+    assert compare.plugin_budget(None, 100) is None
+    assert compare.plugin_budget(1000, 300) == 700
+    assert compare.plugin_budget(200, 300) == 0
 
 
 def test_choose_reserve_from_an_unlimited_run(tmp_path):
-    r, how = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}})
-    assert r == 300 + side_by_side.RESERVE_MARGIN and how.startswith("measured")
-    assert side_by_side.choose_reserve(123, tmp_path, None) == (123, "--reserve")
-    r, how = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}},
-                                         charged_peak=450)
-    assert r == 250 + side_by_side.RESERVE_MARGIN and "cgroup peak" in how
+    r, how = compare.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}})
+    assert r == 300 + compare.RESERVE_MARGIN and how.startswith("measured")
+    assert compare.choose_reserve(123, tmp_path, None) == (123, "--reserve")
+    r, how = compare.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500, "engine_total": {"cache_bytes": 200}},
+                                    charged_peak=450)
+    assert r == 250 + compare.RESERVE_MARGIN and "cgroup peak" in how
     # the budget covers the resident sketch/predictors too: they are not part of the reserve
-    r, _ = side_by_side.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500,
-                                                        "engine_total": {"cache_bytes": 200, "resident_bytes": 120}})
-    assert r == 180 + side_by_side.RESERVE_MARGIN
+    r, _ = compare.choose_reserve(None, tmp_path, {"peak_rss_bytes": 500,
+                                                   "engine_total": {"cache_bytes": 200, "resident_bytes": 120}})
+    assert r == 180 + compare.RESERVE_MARGIN
 
 
 def test_private_copies(tmp_path):
@@ -363,7 +363,7 @@ def test_private_copies(tmp_path):
     (d / "ffn" / "blk.0.bin").write_bytes(b"x" * 4096)
     q = tmp_path / "m.Q2_K-from-Q4_K_M.gguf"
     q.write_bytes(b"GGUF" + b"\1" * 50)
-    g2, d2 = side_by_side.private_copies({"stock": g, "stock-q2_k": q}, d, tmp_path / "copies")
+    g2, d2 = compare.private_copies({"stock": g, "stock-q2_k": q}, d, tmp_path / "copies")
     assert g2["stock"].read_bytes() == g.read_bytes() and g2["stock-q2_k"].read_bytes() == q.read_bytes()
     assert (d2 / "ffn" / "blk.0.bin").read_bytes() == b"x" * 4096
     assert g2["stock"].parent == g2["stock-q2_k"].parent == d2.parent == tmp_path / "copies"
@@ -371,19 +371,19 @@ def test_private_copies(tmp_path):
 
 def test_bench_command_passes_identical_settings():
     args = side_by_side.build_parser().parse_args(["-p", "16", "-n", "4", "-r", "2", "-t", "2"])
-    stock = side_by_side.bench_command(Path("m.gguf"), "stock", args, None)
-    dense = side_by_side.bench_command(Path("m.lsm"), "dense", args, 12345)
+    stock = compare.bench_command(Path("m.gguf"), "stock", args, None)
+    dense = compare.bench_command(Path("m.lsm"), "dense", args, 12345)
     common = ["-p", "16", "-n", "4", "-r", "2", "-c", "512", "-b", "512", "-t", "2"]
     for c in (stock, dense):
         assert " ".join(common) in " ".join(c) and "--json" in c
     assert stock[stock.index("--system") + 1] == "stock"
     assert dense[dense.index("--mode") + 1] == "dense" and dense[dense.index("--memory-budget") + 1] == "12345"
     # a smaller quant is stock llama-cpp-python on another GGUF, with the same settings
-    q2 = side_by_side.bench_command(Path("m.Q2_K.gguf"), "stock-q2_k", args, None)
+    q2 = compare.bench_command(Path("m.Q2_K.gguf"), "stock-q2_k", args, None)
     assert q2 == [x if x != "m.gguf" else "m.Q2_K.gguf" for x in stock]
-    assert side_by_side.is_stock("stock-q3_k_m") and not side_by_side.is_stock("dense")
-    assert side_by_side.stock_quant("stock-q3_k_m") == "Q3_K_M" and side_by_side.stock_quant("stock") is None
-    ppl = side_by_side.perplexity_command(Path("m.lsm"), "dense", args)
+    assert compare.is_stock("stock-q3_k_m") and not compare.is_stock("dense")
+    assert compare.stock_quant("stock-q3_k_m") == "Q3_K_M" and compare.stock_quant("stock") is None
+    ppl = compare.perplexity_command(Path("m.lsm"), "dense", args)
     assert ppl[ppl.index("--mode") + 1] == "dense" and ppl[ppl.index("-c") + 1] == "512"
 
 

@@ -6,6 +6,7 @@
     bench.py       prefill / decode tokens/s, llama-bench style (`leanstream bench`)
     perplexity.py  llama-perplexity style scoring, top-1 agreement and KL vs a reference
     cli.py         the `bench` and `perplexity` subcommands
+    compare.py     `leanstream compare`: stock quants and the plugin side by side under one limit
 
 Every system runs through the same functions here, so a difference in a number is a difference
 in the system, not in how it was measured. Importing this package loads no llama.cpp.
