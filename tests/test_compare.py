@@ -1,0 +1,251 @@
+"""`leanstream compare` (leanstream_ggml/harness/compare.py): the decisions, the Pareto front, the
+report's shape, and one real run on SmolLM2 through the CLI (slow: it converts SmolLM2 with its
+sketch, and every setup runs in its own process)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leanstream_ggml import params
+from leanstream_ggml.harness import compare
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------
+# the Pareto front
+
+def reference_front(points: dict) -> set:
+    """Straight from the definition: not dominated by any other point (at least as fast and at
+    least as good, better in one)."""
+    def dominates(a, b):
+        return a[0] >= b[0] and a[1] <= b[1] and a != b
+    return {s for s, p in points.items() if not any(dominates(q, p) for t, q in points.items() if t != s)}
+
+
+def test_pareto_front_matches_the_definition():
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        # few distinct values: ties in speed, in quality and whole duplicates are common
+        points = {f"s{i}": (float(rng.randint(0, 5)), 1 + rng.randint(0, 4) / 10) for i in range(n)}
+        front = compare.pareto_front(points)
+        assert set(front) == reference_front(points), points
+        assert len(front) == len(set(front))
+        xs = [points[s][0] for s in front]
+        assert xs == sorted(xs, reverse=True)   # fastest first
+
+
+def test_pareto_front_small_cases():
+    assert compare.pareto_front({}) == []
+    pts = {"stock": (10.0, 1.0), "q2": (30.0, 1.6), "dense": (12.0, 1.01), "slow-bad": (5.0, 1.2),
+           "q3": (11.0, 1.1)}
+    assert compare.pareto_front(pts) == ["q2", "dense", "stock"]   # q3: dense is faster and better
+    assert compare.pareto_front({"a": (1.0, 1.0), "b": (1.0, 1.0)}) == ["a", "b"]   # equal: neither dominates
+
+
+# ---------------------------------------------------------------------------------------------
+# what runs
+
+def test_parse_limit():
+    assert compare.parse_limit("1GB") == 10**9
+    assert compare.parse_limit("600MiB") == 600 * 2**20
+    assert compare.parse_limit("none") is None and compare.parse_limit(None) is None
+    with pytest.raises(params.ParameterError, match="--memory-limit"):
+        compare.parse_limit("lots")
+
+
+def test_setup_names_are_checked():
+    assert compare.check_setups(list(compare.DEFAULT_SETUPS)) == list(compare.DEFAULT_SETUPS)
+    assert compare.plugin_mode("leanstream@ppl+5%") == ("leanstream", "ppl+5%")
+    assert compare.plugin_mode("dense") == ("dense", None)
+    for bad, why in (("stock-q9_z", "no quantization Q9_Z"), ("warp", "no engine mode 'warp'"),
+                     ("dense@ppl+5%", "write leanstream@ppl\\+5%"), ("leanstream@fast", "quality")):
+        with pytest.raises(params.ParameterError, match=why):
+            compare.check_setups([bad])
+
+
+def test_does_not_fit_decision():
+    mb = 10**6
+    # the source always runs (beyond the limit its mmap'd pages are re-read); the answer is whether it fits
+    assert compare.stock_fit(1100 * mb, 1100 * mb, 1000 * mb, source=True)[:2] == (True, False)
+    assert compare.stock_fit(1100 * mb, 1100 * mb, 2000 * mb, source=True) == (True, True, None)
+    assert compare.stock_fit(1100 * mb, 1100 * mb, None, source=True) == (True, None, None)
+    # a smaller quantization: runs if its file fits
+    assert compare.stock_fit(800 * mb, 1100 * mb, 1000 * mb, source=False) == (True, True, None)
+    runs, fits, why = compare.stock_fit(1050 * mb, 1100 * mb, 1000 * mb, source=False)
+    assert (runs, fits) == (False, False) and "does not fit" in why and "1.05GB" in why
+    runs, fits, why = compare.stock_fit(1200 * mb, 1100 * mb, 2000 * mb, source=False)
+    assert not runs and fits and "not smaller" in why
+    assert compare.stock_fit(800 * mb, 1100 * mb, None, source=False) == (True, None, None)
+
+
+def test_plan_of_stock_setups(tmp_path):
+    files = {}
+    for name, size in (("stock", 1000), ("stock-q3_k_m", 700), ("stock-q2_k", 500)):
+        files[name] = tmp_path / f"{name}.gguf"
+        files[name].write_bytes(b"\0" * size)
+    plans = compare.plan_setups(list(files), files, None, limit=600, enforced=True, sparsity=None)
+    assert {s: p["status"] for s, p in plans.items()} == \
+        {"stock": "planned", "stock-q3_k_m": "does not fit", "stock-q2_k": "planned"}
+    assert [plans[s]["fits"] for s in files] == [False, False, True]
+    assert plans["stock-q2_k"]["file_bytes"] == 500 and plans["stock-q2_k"]["file"] == "stock-q2_k.gguf"
+
+
+def test_commands_select_each_setup():
+    args = argparse.Namespace(n_prompt=16, n_gen=8, repetitions=1, ctx_size=512, batch_size=512, threads=2,
+                              sparsity=0.4, ppl_ctx=512, ppl_chunks=1)
+    preset = compare.bench_command(Path("m.lsm"), "leanstream@ppl+5%", args, 12345)
+    assert preset[preset.index("--mode") + 1] == "leanstream" and preset[preset.index("--quality") + 1] == "ppl+5%"
+    assert "--sparsity" not in preset and preset[preset.index("--memory-budget") + 1] == "12345"
+    lean = compare.bench_command(Path("m.lsm"), "leanstream", args, None)
+    assert lean[lean.index("--sparsity") + 1] == "0.4" and "--memory-budget" not in lean
+    dense = compare.perplexity_command(Path("m.lsm"), "dense", args)
+    assert "--sparsity" not in dense and dense[dense.index("--chunks") + 1] == "1"
+    stock = compare.bench_command(Path("m.gguf"), "stock-q2_k", args, 12345)
+    assert stock[stock.index("--system") + 1] == "stock" and "--memory-budget" not in stock
+
+
+def _parse(*argv):
+    from leanstream_ggml.cli import build_parser
+
+    args = build_parser("compare").parse_args(["compare", "m.gguf", *argv])
+    compare._sized(args)
+    return args
+
+
+def test_short_sizes_and_explicit_ones():
+    a = _parse("--short")
+    assert (a.n_prompt, a.n_gen, a.repetitions, a.ppl_chunks) == (16, 8, 1, 1)
+    a = _parse("--short", "-n", "4")
+    assert a.n_gen == 4 and a.repetitions == 1
+    a = _parse()
+    assert (a.n_prompt, a.n_gen, a.repetitions, a.ppl_chunks) == (64, 32, 3, None) and a.threads >= 1
+    assert a.setups.split(",") == list(compare.DEFAULT_SETUPS) and a.memory_limit is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+def _fake_doc(applied=True):
+    """A report as `run` assembles it, from made-up plans, runs and perplexities."""
+    systems = ["stock", "stock-q3_k_m", "stock-q2_k", "dense", "leanstream", "leanstream@ppl+5%"]
+    mb = 10**6
+    plans = {
+        "stock": {"kind": "stock", "file": "m.Q4_K_M.gguf", "file_bytes": 1100 * mb, "fits": False,
+                  "status": "planned", "reason": "its file is larger than the limit: mmap'd pages re-read from disk"},
+        "stock-q3_k_m": {"kind": "stock", "file": "m.Q3_K_M.gguf", "file_bytes": 1050 * mb, "fits": False,
+                         "status": "does not fit", "reason": "does not fit: its file alone (1.05GB) is larger than the limit"},
+        "stock-q2_k": {"kind": "stock", "file": "m.Q2_K.gguf", "file_bytes": 700 * mb, "fits": True,
+                       "status": "planned", "reason": None},
+        "dense": {"kind": "plugin", "fits": True, "sparsity": None, "status": "planned", "reason": None},
+        "leanstream": {"kind": "plugin", "fits": True, "sparsity": None, "status": "planned", "reason": None},
+        "leanstream@ppl+5%": {"kind": "plugin", "fits": True, "sparsity": 0.53, "status": "planned", "reason": None},
+    }
+
+    def ok(system, tok_s, peak, budget=None):
+        return {"system": system, "status": "ok", "limit_bytes": 1000 * mb, "memory_budget_bytes": budget,
+                "plugin_reserve_bytes": None if budget is None else 1000 * mb - budget,
+                "cgroup": {"max_usage_bytes": peak}, "wall_s": 9.0,
+                "result": {"decode_tok_s": tok_s, "prefill_tok_s": 5 * tok_s, "peak_rss_bytes": peak + mb,
+                           "generated": [1, 2, 3]}}
+
+    runs = {"stock": ok("stock", 1.2, 990 * mb), "stock-q2_k": ok("stock-q2_k", 24.0, 800 * mb),
+            "dense": ok("dense", 2.6, 995 * mb, budget=48 * mb),
+            "leanstream": {"system": "leanstream", "status": "skipped", "limit_bytes": 1000 * mb,
+                           "memory_budget_bytes": 0, "plugin_reserve_bytes": 1050 * mb, "cgroup": {},
+                           "reason": "limit below the reserve (1.05GB)"},
+            "leanstream@ppl+5%": {"system": "leanstream@ppl+5%", "status": "error", "limit_bytes": 1000 * mb,
+                                  "returncode": 1, "cgroup": {}, "wall_s": 3.0,
+                                  "stderr_tail": "Traceback ...\nValueError: budget too small\n"}}
+    ppl = {"stock": {"ppl": 10.0}, "stock-q2_k": {"ppl": 13.4}, "dense": {"ppl": 10.01}}
+    rows = compare.make_rows(systems, plans, runs, ppl, accounted=True)
+    return {"benchmark": "compare", "model": "m.Q4_K_M.gguf", "memory_limit_bytes": 1000 * mb, "limit_applied": applied,
+            "cgroup": {"writable": True, "path": "/x"} if applied else {"writable": False, "reason": "read-only"},
+            "setups": rows, "pareto_front": compare.front_of(rows),
+            "settings": {"n_prompt": 16, "n_gen": 8, "repetitions": 1, "ppl_ctx": 512, "ppl_chunks": 1, "n_threads": 2},
+            "machine": {"cpu": "AMD EPYC", "cores": 2, "date": "2026-12-01"}}
+
+
+def test_rows_ratios_and_reasons():
+    doc = _fake_doc()
+    rows = {r["setup"]: r for r in doc["setups"]}
+    assert list(rows) == list(compare.DEFAULT_SETUPS)
+    assert rows["stock"]["ppl_ratio"] == 1.0 and rows["dense"]["ppl_ratio"] == pytest.approx(1.001)
+    assert rows["stock-q2_k"]["ppl_ratio"] == pytest.approx(1.34) and rows["stock-q2_k"]["peak_bytes"] == 800 * 10**6
+    assert rows["stock-q3_k_m"]["status"] == "does not fit" and rows["stock-q3_k_m"]["decode_tok_s"] is None
+    assert rows["leanstream"]["fits"] is False and "reserve" in rows["leanstream"]["reason"]
+    assert rows["leanstream@ppl+5%"]["reason"] == "failed: ValueError: budget too small"
+    assert rows["leanstream@ppl+5%"]["sparsity"] == 0.53
+    for r in rows.values():   # every setup: a rate, or the reason it has none
+        assert (r["decode_tok_s"] or 0) > 0 or r["reason"]
+    assert doc["pareto_front"] == ["stock-q2_k", "dense", "stock"]
+    json.dumps(doc)   # the JSON --out writes
+
+
+def test_table_says_what_ran_and_what_did_not():
+    text = compare.format_table(_fake_doc())
+    assert text.splitlines()[0] == "m.Q4_K_M.gguf: 1GB whole-process memory limit (cgroup), page cache included"
+    assert "| setup | fits? | decode tok/s | peak MB (cgroup) | ppl × stock | note |" in text
+    assert "| stock * | no | 1.20 | 990 | 1.000 | m.Q4_K_M.gguf (1.10GB); its file is larger than the limit" in text
+    assert "| stock-q3_k_m | no | does not fit | – | – |" in text
+    assert "| dense * | yes | 2.60 | 995 | 1.001 | budget 48MB |" in text
+    assert "| leanstream | no | skipped | – | – | limit below the reserve (1.05GB) |" in text
+    assert "| leanstream@ppl+5% | yes | error | – | – | sparsity 0.53; failed: ValueError: budget too small |" in text
+
+
+def test_a_limit_not_applied_is_said():
+    doc = _fake_doc(applied=False)
+    assert "NOT APPLIED" in compare.limit_line(doc) and "read-only" in compare.limit_line(doc)
+    assert "NOT APPLIED" in compare.format_table(doc).splitlines()[0]
+    assert "peak MB (RSS)" in compare.format_table(doc)
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install matplotlib)")
+    out = tmp_path / "front.png"
+    compare.plot(_fake_doc(), str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end on SmolLM2
+
+def test_compare_on_smollm2(smollm2_sketch_dir, tmp_path):
+    """The CI form: every default setup at a 600 MB limit, --short. SmolLM2's files all fit, so
+    every setup runs; the plugin setups get 600 MB minus their measured reserve."""
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install matplotlib)")
+    out, png = tmp_path / "compare.json", tmp_path / "compare.png"
+    r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "compare", "smollm2-135m-instruct",
+                        "--model-dir", str(smollm2_sketch_dir), "--memory-limit", "600MB", "--short", "-t", "2",
+                        "--timeout", "300", "--out", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, cwd=REPO, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = {row["setup"]: row for row in doc["setups"]}
+    assert list(rows) == list(compare.DEFAULT_SETUPS)
+    for row in rows.values():
+        assert (row["decode_tok_s"] or 0) > 0 or row["reason"], row
+        assert f"| {row['setup']}" in r.stdout
+    assert rows["stock"]["ppl_ratio"] == 1.0
+    # dense computes every neuron (ffn_down in q8_0): within a few % of stock over 255 scored tokens
+    assert abs(rows["dense"]["ppl_ratio"] - 1) <= 0.03, rows["dense"]
+    assert 0 < rows["leanstream@ppl+5%"]["sparsity"] < 1
+    assert doc["pareto_front"] and set(doc["pareto_front"]) <= set(rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if doc["cgroup"]["writable"]:
+        assert doc["limit_applied"]
+        for row in rows.values():
+            if row["status"] == "ok":
+                assert row["peak_bytes"] <= 600 * 10**6
+            if row["kind"] == "plugin" and row["status"] == "ok":
+                assert row["memory_budget_bytes"] == 600 * 10**6 - row["plugin_reserve_bytes"]
+    else:
+        assert not doc["limit_applied"] and "NOT APPLIED" in r.stdout
