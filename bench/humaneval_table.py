@@ -29,17 +29,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from leanstream_ggml.harness import humaneval  # noqa: E402
+from leanstream_ggml.harness.compare import selecting_budget  # noqa: E402
 
 DEFAULT_SETUPS = "stock,stock-q3_k_m,stock-q2_k,dense,leanstream,leanstream@ppl+5%"
-
-
-def selecting_budget(model_dir: Path) -> int:
-    """Bytes one block short of every layer's blocks plus the sketch."""
-    from leanstream_ggml import manifest
-
-    m = manifest.load(model_dir)
-    ffn = sum(e.n_blocks * e.block_stride for e in m.layers)
-    return ffn + (m.sketch.bytes if m.sketch else 0) - max(e.block_stride for e in m.layers)
 
 
 def setup_args(setup: str, gguf: Path, model_dir: Path, budget: int, threads: int) -> list[str]:

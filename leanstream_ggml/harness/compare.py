@@ -31,7 +31,9 @@ Measured for each setup:
 - held-out perplexity ratio: `leanstream perplexity` over windows of --ppl-ctx tokens of the
   bundled held-out text (second halves scored; the sparse modes token by token, as they
   decode, because prefill is dense), measured without a limit (a limit changes where the
-  weights are read from, not what is computed), divided by stock's.
+  weights are read from, not what is computed; the sparse modes get a budget one block short
+  of their FFN + sketch, so that they select through the sketch as under every limit: a budget
+  holding everything selects from exact scores and does better), divided by stock's.
 
 Where cgroups are not writable every setup runs once without any limit (no cgroup, no plugin
 budget) and the table, the JSON and the plot say so. Prints a table; --out writes every
@@ -266,12 +268,28 @@ def bench_command(model: Path, system: str, args, budget: int | None) -> list[st
     return cmd
 
 
+def selecting_budget(model_dir: Path) -> int:
+    """A memory budget one block short of every layer's blocks plus the sketch: every op then
+    selects through the sketch's candidates, as under any smaller budget (one that holds
+    everything makes the layers resident, and they select from the exact scores of every block:
+    better than any limited run)."""
+    from leanstream_ggml import manifest
+
+    m = manifest.load(model_dir)
+    ffn = sum(e.n_blocks * e.block_stride for e in m.layers)
+    return ffn + (m.sketch.bytes if m.sketch else 0) - max(e.block_stride for e in m.layers)
+
+
 def perplexity_command(model: Path, system: str, args) -> list[str]:
-    """`leanstream perplexity --json` of one setup. args: ppl_ctx, ppl_chunks, threads, sparsity."""
+    """`leanstream perplexity --json` of one setup. args: ppl_ctx, ppl_chunks, threads, sparsity.
+    A sparse setup gets selecting_budget(): what it computes is then what it computes under the
+    limit."""
     cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "perplexity", str(model), "--json",
            "-c", str(args.ppl_ctx), "-t", str(args.threads)]
     if args.ppl_chunks is not None:
         cmd += ["--chunks", str(args.ppl_chunks)]
+    if not is_stock(system) and plugin_mode(system)[0] != "dense":
+        cmd += ["--memory-budget", str(selecting_budget(model))]
     return cmd + engine_args(system, args.sparsity)
 
 
@@ -371,7 +389,8 @@ def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, a
 
 def measure_perplexities(paths: dict, args, *, env: dict, account: bool) -> dict:
     """Held-out perplexity of each setup ({setup: model path}), once, without a limit: a memory
-    limit changes where the weights are read from, not what is computed."""
+    limit changes where the weights are read from, not what is computed (the sparse setups at a
+    budget that selects as every limited run does: perplexity_command)."""
     out = {}
     for system, path in paths.items():
         res = cgroup.run_command(perplexity_command(path, system, args), limit_bytes=None,
