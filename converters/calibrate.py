@@ -94,7 +94,7 @@ def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_
                 log(f"calibrate: the {name} text ({path.name}) is shorter than one window of {N_CTX} "
                     f"tokens; left out")
                 continue
-            domains[name] = [(w, _logits(stock, w, decode=False)) for w in ws]
+            domains[name] = [(w, _targets(_logits(stock, w, decode=False), w)) for w in ws]
     finally:
         stock.close()
     if not domains:
@@ -112,15 +112,22 @@ def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_
     return table
 
 
+def _targets(logp: np.ndarray, w: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Of a window's scored log-probabilities [positions, vocab]: the negative log-likelihood of
+    each next token and the top-1 token. Only these are kept per reference window: the whole
+    rows of a 262k vocabulary (gemma3) would hold ~0.5 GB per window."""
+    nxt = np.asarray(w)[N_CTX // 2 + 1:N_CTX]
+    return -logp[np.arange(len(nxt)), nxt], logp.argmax(-1)
+
+
 def _score(llm, windows_refs) -> dict:
-    """Decode-scored perplexity ratio and top-1 agreement of llm against the reference logits."""
+    """Decode-scored perplexity ratio and top-1 agreement of llm against the reference's
+    (next-token NLL, top-1) per window."""
     nll_t, nll_r, agree = [], [], []
-    for w, lr in windows_refs:
-        lt = _logits(llm, w, decode=True)
-        nxt = np.asarray(w)[N_CTX // 2 + 1:N_CTX]
-        idx = np.arange(len(nxt))
-        nll_t.append(-lt[idx, nxt])
-        nll_r.append(-lr[idx, nxt])
-        agree.append(lt.argmax(-1) == lr.argmax(-1))
+    for w, (ref_nll, ref_top) in windows_refs:
+        nll, top = _targets(_logits(llm, w, decode=True), w)
+        nll_t.append(nll)
+        nll_r.append(ref_nll)
+        agree.append(top == ref_top)
     ratio = math.exp(float(np.concatenate(nll_t).mean() - np.concatenate(nll_r).mean()))
     return {"ppl_ratio": round(ratio, 4), "agreement": round(float(np.concatenate(agree).mean()), 4)}

@@ -39,6 +39,35 @@ def test_corpus_adds_the_users_file_as_a_domain(tmp_path):
     assert calibrate.corpus(f) == {**calibrate.DOMAINS, "user": f}
 
 
+def test_score_keeps_only_each_windows_nll_and_top1(monkeypatch):
+    """The reference is kept as (next-token NLL, top-1) per window; the ratio and agreement are
+    those of the whole log-probability rows, computed with plain loops."""
+    import math
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n, vocab = calibrate.N_CTX, 50
+    w = list(rng.integers(0, vocab, n))
+    pos = range(n // 2, n - 1)
+
+    def logp(scale):
+        z = rng.normal(size=(len(pos), vocab)) * scale
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    ref, test = logp(1.0), logp(1.5)
+    nll, top = calibrate._targets(ref, w)
+    assert [round(float(v), 9) for v in nll] == [round(float(-ref[i, w[p + 1]]), 9) for i, p in enumerate(pos)]
+    assert list(top) == [int(np.argmax(ref[i])) for i in range(len(pos))]
+
+    # _score asks _logits for the model's rows; here they are given
+    monkeypatch.setattr(calibrate, "_logits", lambda llm, w_, decode: test)
+    got = calibrate._score(None, [(w, (nll, top))])
+    want_ratio = math.exp(sum(-test[i, w[p + 1]] + ref[i, w[p + 1]] for i, p in enumerate(pos)) / len(pos))
+    want_agree = sum(int(np.argmax(test[i]) == np.argmax(ref[i])) for i in range(len(pos))) / len(pos)
+    assert got == {"ppl_ratio": round(want_ratio, 4), "agreement": round(want_agree, 4)}
+
+
 def test_read_chats_names_the_bad_line(tmp_path):
     f = tmp_path / "c.jsonl"
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
