@@ -249,3 +249,21 @@ def test_compare_on_smollm2(smollm2_sketch_dir, tmp_path):
                 assert row["memory_budget_bytes"] == 600 * 10**6 - row["plugin_reserve_bytes"]
     else:
         assert not doc["limit_applied"] and "NOT APPLIED" in r.stdout
+
+
+def test_a_budget_below_the_sketch_is_skipped_before_running(smollm2_sketch_dir):
+    """A sparse setup whose budget (limit - reserve) cannot hold its resident sketch does not
+    fit: skipped with both sizes, no process started; dense at the same budget is not."""
+    import argparse
+
+    from leanstream_ggml.harness import compare
+
+    sketch = compare.sketch_bytes(smollm2_sketch_dir)
+    assert sketch > 0
+    reserve = 100 * 2**20
+    e, bj = compare.bench_run("leanstream", smollm2_sketch_dir, reserve + sketch // 2, reserve,
+                              argparse.Namespace(), env={}, account=False, drop_cache=False)
+    assert bj is None and e["status"] == "skipped" and "cannot hold the sketch" in e["reason"]
+    e, _ = compare.bench_run("leanstream", smollm2_sketch_dir, reserve, reserve, argparse.Namespace(),
+                             env={}, account=False, drop_cache=False)
+    assert e["status"] == "skipped" and "below the reserve" in e["reason"]

@@ -277,7 +277,15 @@ def selecting_budget(model_dir: Path) -> int:
 
     m = manifest.load(model_dir)
     ffn = sum(e.n_blocks * e.block_stride for e in m.layers)
-    return ffn + (m.sketch.bytes if m.sketch else 0) - max(e.block_stride for e in m.layers)
+    return ffn + sketch_bytes(model_dir) - max(e.block_stride for e in m.layers)
+
+
+def sketch_bytes(model_dir: Path) -> int:
+    """What leanstream mode's resident sketch takes of a budget (0 without one)."""
+    from leanstream_ggml import manifest
+
+    m = manifest.load(model_dir)
+    return m.sketch.bytes if m.sketch else 0
 
 
 def perplexity_command(model: Path, system: str, args) -> list[str]:
@@ -353,8 +361,9 @@ def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, a
     """One `leanstream bench --json` of ``system`` on ``path`` in a fresh process, in its own
     child memory cgroup limited to ``limit`` (None: unlimited; a cgroup for its accounting only
     if ``account``), after dropping the page cache of its model files. A plugin run gets
-    memory_budget = limit - reserve, and is skipped (status "skipped") if that leaves nothing.
-    Returns (the run's record, the bench JSON or None)."""
+    memory_budget = limit - reserve, and is skipped (status "skipped") if that leaves nothing,
+    or (a sparse mode) less than its resident sketch. Returns (the run's record, the bench JSON
+    or None)."""
     files = measure.model_files(path)
     if drop_cache:
         measure.drop_page_cache(files)
@@ -364,8 +373,12 @@ def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, a
              "plugin_reserve_bytes": None if is_stock(system) or limit is None else reserve,
              "page_cache_resident_at_start_bytes": None if any(r is None for r in resident) else sum(resident),
              "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
-    if budget == 0:
-        entry.update(status="skipped", reason=f"limit below the reserve ({measure.format_size(reserve)})", cgroup={})
+    sketch = 0 if budget is None or is_stock(system) or plugin_mode(system)[0] == "dense" else sketch_bytes(path)
+    if budget == 0 or (budget is not None and budget < sketch):
+        entry.update(status="skipped", cgroup={},
+                     reason=(f"limit below the reserve ({measure.format_size(reserve)})" if budget == 0 else
+                             f"the budget the reserve leaves ({measure.format_size(budget)}) cannot hold the "
+                             f"sketch ({measure.format_size(sketch)})"))
         log(f"{system:>18} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
         return entry, None
     res = cgroup.run_command(bench_command(path, system, args, budget), limit_bytes=limit, timeout_s=args.timeout,
