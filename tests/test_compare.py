@@ -267,3 +267,17 @@ def test_a_budget_below_the_sketch_is_skipped_before_running(smollm2_sketch_dir)
     e, _ = compare.bench_run("leanstream", smollm2_sketch_dir, reserve, reserve, argparse.Namespace(),
                              env={}, account=False, drop_cache=False)
     assert e["status"] == "skipped" and "below the reserve" in e["reason"]
+
+
+def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
+    """Without a converted directory compare converts one, through `leanstream convert` in a
+    child process (the runtime never imports the converter); an existing one is used as is."""
+    from leanstream_ggml import manifest
+    from leanstream_ggml.harness import compare
+
+    out = compare.resolve_model_dir(smollm2_gguf, str(smollm2_gguf), str(tmp_path / "m.lsm"))
+    m = manifest.load(out)
+    assert m.sketch is None and len(m.layers) == m.n_layer
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert compare.resolve_model_dir(smollm2_gguf, str(smollm2_gguf), str(out)) == out
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp

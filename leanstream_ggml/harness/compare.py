@@ -52,6 +52,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -159,14 +160,16 @@ def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch:
         return out
     except Exception:
         pass
-    import converters
-
+    # `leanstream convert` in a child process: the runtime never imports the converter
+    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "convert", str(gguf), str(out), "--quiet"]
     if sketch:
         log(f"converting {gguf} -> {out} (block files, sketch, calibration: minutes)")
-        converters.convert(gguf, out)
     else:
         log(f"converting {gguf} -> {out} (block files alone: dense mode)")
-        converters.convert(gguf, out, sketch="none")
+        cmd += ["--sketch", "none"]
+    r = subprocess.run(cmd, env=child_env(), cwd=str(ROOT), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"converting {gguf} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     return out
 
 
