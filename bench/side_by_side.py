@@ -57,7 +57,7 @@ if str(REPO) not in sys.path:
 from leanstream_ggml.harness import cgroup, measure  # noqa: E402
 from leanstream_ggml.harness.compare import (  # noqa: E402
     STOCK, add_greedy_match, bench_run, cgroup_doc, check_setups, child_env, choose_reserve, is_stock, log,
-    measure_perplexities, parse_systems, prepare_models, stock_files, stock_quant, workspace)
+    measure_perplexities, model_doc, parse_systems, prepare_models, stock_files, stock_quant, workspace)
 
 
 def parse_limits(text: str) -> list[int | None]:
@@ -120,11 +120,7 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
     stock_desc = next((e["result"]["stock"] for e in runs if e.get("result")), None)
     return {
         "benchmark": "side_by_side",
-        "model": gguf.name,
-        "model_path": str(gguf),
-        "model_bytes": gguf.stat().st_size,
-        "model_dir": str(model_dir) if model_dir else None,
-        "model_dir_bytes": measure.files_size(measure.model_files(model_dir)) if model_dir else None,
+        **model_doc(gguf, model_dir),
         "stock": stock_desc,
         "systems": systems,
         "limits_bytes": limits,

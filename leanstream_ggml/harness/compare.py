@@ -438,6 +438,13 @@ def add_greedy_match(runs: list[dict]) -> None:
             e["greedy_match_vs_stock"] = greedy_match(e["result"]["generated"], ref and ref["result"]["generated"])
 
 
+def model_doc(gguf: Path, model_dir: Path | None) -> dict:
+    """The models a report ran on: the GGUF and the converted directory, with their sizes."""
+    return {"model": gguf.name, "model_path": str(gguf), "model_bytes": gguf.stat().st_size,
+            "model_dir": str(model_dir) if model_dir else None,
+            "model_dir_bytes": measure.files_size(measure.model_files(model_dir)) if model_dir else None}
+
+
 def cgroup_doc(ok: bool, where: str) -> dict:
     return {"writable": ok, ("path" if ok else "reason"): where,
             "note": "each run in its own child memory cgroup (v1) under ours; memory.limit_in_bytes "
@@ -705,11 +712,7 @@ def run(args) -> dict:
     rows = make_rows(systems, plans, runs, ppl, accounted=ok)
     return {
         "benchmark": "compare",
-        "model": source.name,
-        "model_path": str(source),
-        "model_bytes": source.stat().st_size,
-        "model_dir": str(dir_orig) if dir_orig else None,
-        "model_dir_bytes": measure.files_size(measure.model_files(dir_orig)) if dir_orig else None,
+        **model_doc(source, dir_orig),
         "memory_limit_bytes": limit,
         "limit_applied": applied,
         "cgroup": cgroup_doc(ok, where),
