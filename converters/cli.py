@@ -148,8 +148,23 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"sparse modes     {_sparse_line(m, d)}",
     ]
     lines += _quality_lines(m)
+    lines.append(f"runtime          {runtime_line()}")
     print("\n".join(lines))
     return 0
+
+
+def runtime_line() -> str:
+    """Which of llama.cpp's CPU backend variants this machine runs, and the FFN kernels' ISA."""
+    try:
+        from leanstream_ggml import _native
+    except ImportError as e:
+        return f"not loadable: {e}"
+    lib, ffi = _native.lib, _native.ffi
+    lib.ls_kernels_select()
+    variant = ffi.string(lib.ls_ggml_cpu_variant()).decode()
+    have = ", ".join(_native.cpu_variants()) or "none"
+    return (f"ggml CPU backend {variant} (this build has {have}), "
+            f"FFN kernels {ffi.string(lib.ls_kernel_isa()).decode()}")
 
 
 def _sketch_line(m) -> str:

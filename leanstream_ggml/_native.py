@@ -7,6 +7,7 @@ to ``ffi.cdef`` as they are. Every status code is checked here and turned into
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -41,6 +42,58 @@ def _cdef_source(text: str) -> str:
     return body
 
 
+def cpu_variants() -> list[str]:
+    """The CPU backend variants this llama.cpp build has (``libggml-cpu-<variant>.so``)."""
+    import llama_cpp
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    return sorted(p.name[len("libggml-cpu-"):-len(".so")] for p in lib_dir.glob("libggml-cpu-*.so"))
+
+
+def _force_cpu_variant(name: str) -> None:
+    """LEANSTREAM_GGML_CPU=<variant>: load that CPU module instead of the one libggml would pick
+    (to compare variants, or to step around one that misbehaves on a CPU). It must run before
+    anything loads a backend (llama_backend_init, the first Llama)."""
+    if not name:
+        return
+    import ctypes
+
+    import llama_cpp
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    path = lib_dir / f"libggml-cpu-{name}.so"
+    if not path.exists():
+        raise ImportError(f"LEANSTREAM_GGML_CPU={name}: this llama.cpp build has no such CPU variant "
+                          f"(it has: {', '.join(cpu_variants()) or 'none'})")
+    # the libggml libllama loaded (by its soname, the same file): the wheel's libggml.so is a
+    # copy, not a link, and loading it (as llama_cpp._ggml does) makes a second registry
+    g = ctypes.CDLL(str(lib_dir / "libggml.so.0"))
+    g.ggml_backend_reg_count.restype = ctypes.c_size_t
+    g.ggml_backend_load.argtypes = [ctypes.c_char_p]
+    g.ggml_backend_load.restype = ctypes.c_void_p
+    if g.ggml_backend_reg_count() != 0:
+        raise ImportError(f"LEANSTREAM_GGML_CPU={name}: a ggml backend is already loaded in this process")
+    if not g.ggml_backend_load(str(path).encode()):
+        raise ImportError(f"LEANSTREAM_GGML_CPU={name}: ggml could not load {path} "
+                          "(does this CPU have its instruction set?)")
+
+
+def _load_backends(variant: str) -> None:
+    """Load ggml's backends now (what the first Llama would do): the CPU variant given or the one
+    libggml ranks best. llama-cpp-python prints ggml's log until a Llama sets its verbosity, so
+    this runs with its logger at ERROR unless someone set it."""
+    import logging
+
+    import llama_cpp
+    from llama_cpp import _logger
+    level = _logger.logger.level
+    if level == logging.NOTSET:
+        _logger.logger.setLevel(logging.ERROR)
+    try:
+        _force_cpu_variant(variant)
+        llama_cpp.llama_backend_init()
+    finally:
+        _logger.logger.setLevel(level)
+
+
 def _load():
     text = _header_text()
     ffi = cffi.FFI()
@@ -49,6 +102,7 @@ def _load():
         raise ImportError(f"{_LIB} is missing: build it with `python -m leanstream_ggml.build`")
     # libllama/ggml must be loaded first so libleanstream binds to the same ggml instance
     import llama_cpp  # noqa: F401
+    _load_backends(os.environ.get("LEANSTREAM_GGML_CPU", ""))
 
     lib = ffi.dlopen(str(_LIB))
     want = int(re.search(r"#define LS_ABI_VERSION (\d+)", text).group(1))

@@ -1,8 +1,11 @@
 """Build the two native pieces LeanStream needs, caching them outside the checkout.
 
-1. llama-cpp-python (pinned sdist) with `patches/` applied to its vendored llama.cpp,
-   built as a wheel without ggml's AMX path (it segfaults on the EPYC CPUs we target) and
-   without the multimodal library. The wheel is cached under
+1. llama-cpp-python (pinned sdist) with `patches/` applied to its vendored llama.cpp and
+   `patches/llama-cpp-python/` to the package itself, built as a wheel whose CPU backend is
+   one module per instruction set (``GGML_BACKEND_DL`` + the variants in ``CPU_VARIANTS``):
+   libggml loads the best one for the CPU it runs on, so one cached wheel runs AVX2 hosts
+   and AVX-512 hosts at full speed. ggml's AMX variant (sapphirerapids) is left out: its
+   path segfaults on the EPYC CPUs we target. No multimodal library. The wheel is cached under
    ``$LEANSTREAM_CACHE/llama-cpp-python/<version>-<key>/`` where ``key`` hashes the sdist
    version, the patch files and the CMake flags, so a second setup (or CI run) only installs it.
 2. ``native/`` -> ``libleanstream.so``, compiled against the same ggml headers and libraries,
@@ -27,15 +30,20 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 REPO = Path(__file__).resolve().parent.parent
-PATCH_DIR = REPO / "patches"
+PATCH_DIR = REPO / "patches"                    # applied in vendor/llama.cpp
+PACKAGE_PATCH_DIR = PATCH_DIR / "llama-cpp-python"  # applied in the sdist's root
 NATIVE_DIR = REPO / "native"
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 
-# x86-64 baseline + AVX2. GGML_NATIVE=OFF keeps -march=native (and with it AMX) out.
+# ggml's x86 CPU variants that are built (ggml/src/CMakeLists.txt names their features).
+# The project's own kernels need AVX2 (native/ is compiled with -mavx2), so nothing older
+# than haswell; cannonlake and cooperlake are rare steps between these and left out.
+CPU_VARIANTS = ["haswell", "skylakex", "cascadelake", "icelake", "zen4", "alderlake"]
+
+# GGML_NATIVE=OFF keeps -march=native (and with it AMX) out of every module.
 CMAKE_FLAGS = [
-    "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+    "-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
+    "-DGGML_CPU_VARIANTS=" + ";".join(CPU_VARIANTS),
     "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
 ]
@@ -61,14 +69,20 @@ def _require_tools() -> None:
 
 
 def patch_files() -> list[Path]:
+    """The patches to vendor/llama.cpp."""
     return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def package_patch_files() -> list[Path]:
+    """The patches to llama-cpp-python's own files."""
+    return sorted(PACKAGE_PATCH_DIR.glob("*.patch"))
 
 
 def build_key() -> str:
     h = hashlib.sha256()
     h.update(LLAMA_CPP_PYTHON_VERSION.encode())
-    for p in patch_files():
-        h.update(p.name.encode())
+    for p in patch_files() + package_patch_files():
+        h.update(p.parent.name.encode() + b"/" + p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join(CMAKE_FLAGS).encode())
     return h.hexdigest()[:16]
@@ -112,6 +126,8 @@ def build_llama_wheel(force: bool = False) -> Path:
         vendor = src / "vendor" / "llama.cpp"
         for p in patch_files():
             _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=vendor)
+        for p in package_patch_files():
+            _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=src)
         env = dict(os.environ)
         env["CMAKE_ARGS"] = " ".join(CMAKE_FLAGS)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 7
+#define LS_ABI_VERSION 8
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -138,6 +138,11 @@ LS_API int32_t     ls_mode_uses(int32_t mode);
 // first engine creation; ls_kernels_select() chooses again (LEANSTREAM_ISA=avx2 forces AVX2).
 LS_API const char * ls_kernel_isa(void);
 LS_API void        ls_kernels_select(void);
+// ggml's CPU backend module in use: the variant libggml chose for this CPU ("haswell", "zen4",
+// ...; "ggml-cpu" for a build without variants; "none" when no CPU backend could be loaded) and
+// the module's path ("" when none).
+LS_API const char * ls_ggml_cpu_variant(void);
+LS_API const char * ls_ggml_cpu_path(void);
 // Reads n bytes at p with n_threads threads (AVX2 loads) and returns their xor fold: the plain
 // memory-read speed the kernel benchmark compares the FFN kernels with.
 LS_API uint64_t    ls_memory_read(const void * p, size_t n, int32_t n_threads);

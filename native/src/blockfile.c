@@ -19,8 +19,8 @@ static uint64_t rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return
 
 static bool type_ok_for_rows(int32_t t) {
     if (t < 0 || t >= GGML_TYPE_COUNT) return false;
-    const struct ggml_type_traits_cpu * tc = ggml_get_type_traits_cpu((enum ggml_type) t);
-    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ggml_get_type_traits_cpu(tc->vec_dot_type) : NULL;
+    const struct ggml_type_traits_cpu * tc = ls_cpu_traits((enum ggml_type) t);
+    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ls_cpu_traits(tc->vec_dot_type) : NULL;
     return tc && tc->vec_dot && vt && vt->from_float;
 }
 

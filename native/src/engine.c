@@ -87,7 +87,10 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     ls_status st = ls_params_resolve(&rp);
     if (st != LS_OK) return st;
     *out = NULL;
-    ggml_cpu_init(); // fp16 tables for the CPU type traits (idempotent)
+    if (!ls_cpu_ready()) {
+        ls_set_error("ggml's CPU backend is not loaded (no libggml-cpu*.so next to libggml)");
+        return LS_ERR_UNSUPPORTED;
+    }
     ls_kernels_init();
 
     ls_engine * e = calloc(1, sizeof(*e));

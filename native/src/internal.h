@@ -330,6 +330,14 @@ void        ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void
 // picks the AVX2 or AVX-512 variants for this CPU, once (LEANSTREAM_ISA=avx2 forces AVX2)
 void        ls_kernels_init(void);
 
+// cpu.c: ggml's CPU backend module that libggml loaded for this CPU (loading it if nothing is
+// loaded yet). ls_cpu_ready: its type traits were found (and its fp16 tables initialised);
+// ls_cpu_traits: ggml_get_type_traits_cpu of that module (NULL when not ready).
+struct ggml_type_traits_cpu;
+enum ggml_type;
+bool        ls_cpu_ready(void);
+const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t);
+
 // op.c: the whole op for one of nth threads (the graph node and ls_ffn_eval both run it).
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
 // FFN, [n_embd] (sparse decode; may be NULL); y: output [n_tokens, n_embd].

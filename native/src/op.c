@@ -44,8 +44,8 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
     P->L = L;
     P->n_tokens = n_tokens;
     P->nth = nth;
-    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
-    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
+    const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
+    const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
     P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 2 * (size_t) n_tokens + 64;
@@ -60,14 +60,14 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
 // Quantize this thread's share of the input rows to the vec_dot types of gate and up.
 static void quantize_input(const ls_plan * P, const float * x, size_t x_row_stride, int ith, int nth) {
     const ls_layer_info * in = &P->L->info;
-    const enum ggml_type vg = ggml_get_type_traits_cpu(in->gate_type)->vec_dot_type;
-    const enum ggml_type vu = ggml_get_type_traits_cpu(in->up_type)->vec_dot_type;
+    const enum ggml_type vg = ls_cpu_traits(in->gate_type)->vec_dot_type;
+    const enum ggml_type vu = ls_cpu_traits(in->up_type)->vec_dot_type;
     const size_t rg = ggml_row_size(vg, in->n_embd), ru = ggml_row_size(vu, in->n_embd);
     for (int64_t t = ith; t < P->n_tokens; t += nth) {
         const float * xt = (const float *) ((const uint8_t *) x + (size_t) t * x_row_stride);
-        ggml_get_type_traits_cpu(vg)->from_float(xt, P->xq + (size_t) t * rg, in->n_embd);
+        ls_cpu_traits(vg)->from_float(xt, P->xq + (size_t) t * rg, in->n_embd);
         if (vu != vg) {
-            ggml_get_type_traits_cpu(vu)->from_float(xt, P->xq + (size_t) P->n_tokens * rg + (size_t) t * ru, in->n_embd);
+            ls_cpu_traits(vu)->from_float(xt, P->xq + (size_t) P->n_tokens * rg + (size_t) t * ru, in->n_embd);
         }
     }
 }
@@ -222,8 +222,8 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, T = P->n_tokens, k = in->neurons_per_block;
-    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
-    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
+    const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
+    const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
     const uint8_t * xg0 = P->xq;
     const uint8_t * xu0 = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
@@ -348,8 +348,8 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, k = in->neurons_per_block;
-    const struct ggml_type_traits_cpu * tg = ggml_get_type_traits_cpu(in->gate_type);
-    const struct ggml_type_traits_cpu * tu = ggml_get_type_traits_cpu(in->up_type);
+    const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
+    const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd);
     const uint8_t * xg = P->xq;
     const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + rg;
