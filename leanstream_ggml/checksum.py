@@ -70,17 +70,28 @@ def crc32c_rows(rows: np.ndarray) -> np.ndarray:
 
 
 def file_crc32(path: str | os.PathLike, *, fd: int | None = None, chunk: int = 8 << 20) -> int:
-    """zlib CRC-32 of a whole file (of the open descriptor ``fd`` if given, read from offset 0)."""
+    """zlib CRC-32 of a whole file (of the open descriptor ``fd`` if given, read from offset 0).
+
+    What the read brings into the page cache it drops again, chunk by chunk: checking base.gguf
+    when a model opens must not leave the whole file cached (charged to the process's memory
+    cgroup, where a memory limit binds), only what llama.cpp then maps and touches. Pages that
+    were cached before (another process, an earlier open) stay (pagecache.py)."""
+    from . import pagecache
+
     own = fd is None
     if own:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        before = pagecache.resident_pages(fd, os.fstat(fd).st_size)
         c, off = 0, 0
         while True:
             b = os.pread(fd, chunk, off)
             if not b:
+                pagecache.drop_not_resident(fd, before, 0, off)   # any readahead left over
                 return c
             c = zlib.crc32(b, c)
+            # this chunk and the readahead before it (the kernel reads ahead of the position)
+            pagecache.drop_not_resident(fd, before, max(off - chunk, 0), off + len(b))
             off += len(b)
     finally:
         if own:

@@ -4,6 +4,7 @@ manifest's checksums of the other files; stats per decoded token."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
@@ -234,3 +235,30 @@ def test_corrupt_block_keeps_failing_with_an_unlimited_budget(model):
         with pytest.raises(LeanstreamError, match=r"layer 0 block 2 (is corrupt|could not be loaded)"):
             llm.eval(toks)
     llm.close()
+
+
+def test_whole_file_checksum_leaves_the_page_cache_as_it_found_it(tmp_path):
+    """file_crc32 (base.gguf when a model opens) drops what it read from disk, keeps what was cached."""
+    import zlib
+
+    from leanstream_ggml.checksum import file_crc32
+    from leanstream_ggml.harness.measure import resident_bytes
+
+    data = np.random.default_rng(0).integers(0, 256, 24 << 20, dtype=np.uint8).tobytes() + b"tail"
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cold = resident_bytes(path)
+    if cold is None or cold > len(data) // 2:
+        pytest.skip(f"this file system keeps the file cached ({cold} bytes after DONTNEED): nothing to drop")
+    assert file_crc32(path, chunk=5 << 20) == zlib.crc32(data)
+    assert resident_bytes(path) <= cold + (1 << 20)           # read from disk, then dropped (edge pages stay)
+    assert path.read_bytes() == data                          # now cached by someone else's read
+    warm = resident_bytes(path)
+    assert file_crc32(path, chunk=5 << 20) == zlib.crc32(data)
+    assert resident_bytes(path) >= warm - (1 << 20)           # what was cached stays cached

@@ -14,8 +14,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import datetime as _dt
 import os
 import platform
@@ -121,53 +119,24 @@ def drop_page_cache(paths) -> None:
             os.close(fd)
 
 
-_libc = None
-
-
-def _get_libc():
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        _libc = libc
-    return _libc
-
-
 def resident_bytes(path: str | os.PathLike) -> int | None:
-    """Bytes of the file now in the page cache (mincore over a fresh read-only mapping, which
-    itself faults nothing in). None where it cannot be told."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    try:
-        libc = _get_libc()
-    except OSError:
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, 0x1, 0x01, fd, 0)  # PROT_READ, MAP_SHARED
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        try:
-            n_pages = (size + page - 1) // page
-            vec = ctypes.create_string_buffer(n_pages)
-            if libc.mincore(addr, size, vec) != 0:
-                return None
-            resident = sum(b & 1 for b in vec.raw)
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return min(resident * page, size)
+    """Bytes of the file now in the page cache (mincore; None where it cannot be told)."""
+    from ..pagecache import resident_bytes as rb
+
+    return rb(path)
 
 
 # ---------------------------------------------------------------------------------------------
 # the machine
+
+def _ggml_cpu_variant() -> str | None:
+    """The CPU backend variant llama.cpp runs here (haswell, zen4, ...); None if not loadable."""
+    try:
+        from .. import _native
+    except ImportError:
+        return None
+    return _native.ffi.string(_native.lib.ls_ggml_cpu_variant()).decode()
+
 
 def machine_info() -> dict:
     """What a reader needs to place the numbers: CPU model, cores, RAM, kernel, date."""
@@ -190,5 +159,6 @@ def machine_info() -> dict:
         "mem_total_bytes": mem,
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "ggml_cpu": _ggml_cpu_variant(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
     }
