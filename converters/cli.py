@@ -149,8 +149,33 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     lines += _quality_lines(m)
     lines.append(f"runtime          {runtime_line()}")
+    if args.memory_limit is not None:
+        try:
+            lines += [""] + _plan_lines(m, d, args)
+        except ValueError as e:   # ParameterError, MemoryPlanError: the plan says why
+            print("\n".join(lines), flush=True)
+            print(f"leanstream info: {e}", file=sys.stderr)
+            return 1
     print("\n".join(lines))
     return 0
+
+
+def _plan_lines(m, d: Path, args) -> list[str]:
+    """The memory plan (leanstream_ggml/memplan.py) a Llama would make under --memory-limit."""
+    from leanstream_ggml import memplan, params
+
+    limit = params.size_bytes(args.memory_limit, "memory_limit")
+    mode = args.mode or ("leanstream" if m.sketch else "dense")
+    resident = 0
+    if mode != "dense":
+        from leanstream_ggml._native import mode_uses
+
+        files = m.mode_files(d, mode_uses(mode), mode)
+        resident = sum(m.resolve(d, f).stat().st_size for f in (files.sketches or []) + (files.predictors or []))
+    plan = memplan.plan(d, m, limit, mode=mode, n_ctx=args.n_ctx, n_ubatch=args.batch_size, resident=resident)
+    out = plan.lines()
+    plan.check()
+    return out
 
 
 def runtime_line() -> str:
@@ -265,4 +290,10 @@ def register(subparsers) -> None:
                               description="Print what a model directory's manifest.json says.")
     q.add_argument("dir", nargs="?", default=None,
                    help="model directory, or a known model name (default: the default model's)")
+    q.add_argument("--memory-limit", default=None,
+                   help="also print the memory plan under this whole-process limit (e.g. 1000MB): what the "
+                        "process needs besides the FFN engine, and the engine's budget")
+    q.add_argument("--mode", default=None, help="the plan's mode (default: leanstream with a sketch, else dense)")
+    q.add_argument("-c", "--n-ctx", type=int, default=512, help="the plan's n_ctx (default 512)")
+    q.add_argument("-b", "--batch-size", type=int, default=512, help="the plan's n_ubatch (default 512)")
     q.set_defaults(func=cmd_info)

@@ -1,6 +1,6 @@
 """`leanstream chat`: interactive chat (like llama.cpp's chat) with a converted model.
 
-    leanstream chat [DIR | MODEL_NAME] [--memory-budget 512MiB] [--prompt "..."] [--system "..."] [-v]
+    leanstream chat [DIR | MODEL_NAME] [--memory-budget 512MiB | --memory-limit 1GB] [--prompt "..."] [--system "..."] [-v]
 
 Streams tokens as they are generated, keeps the conversation history, formats it with the
 GGUF's chat template. Ctrl-C while the model answers stops that answer; Ctrl-C or Ctrl-D at the
@@ -89,7 +89,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     try:
         model_dir = converted_model_dir(args.model or DEFAULT_MODEL, "chat")
         t0 = time.perf_counter()
-        llm = Llama(str(model_dir), memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity,
+        llm = Llama(str(model_dir), memory_budget=args.memory_budget, memory_limit=args.memory_limit,
+                    mode=args.mode, sparsity=args.sparsity,
                     quality=args.quality, n_ctx=args.n_ctx,
                     n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log)
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
@@ -134,6 +135,9 @@ def register(sub) -> None:
     p.add_argument("-p", "--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message")
     p.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
+    p.add_argument("--memory-limit", default=None,
+                   help="instead of --memory-budget, a limit for the whole process, e.g. 1000MB (the FFN engine "
+                        "gets what the rest leaves: `leanstream info MODEL --memory-limit 1000MB` shows the plan)")
     from ._native import MODES
 
     p.add_argument("--mode", default=None, choices=MODES,

@@ -29,7 +29,7 @@ _FIX = {
 
 def describe(exc: BaseException) -> str | None:
     """One line for an error the user can act on, or None for an unexpected one (a bug)."""
-    from . import manifest, params
+    from . import manifest, memplan, params
 
     if isinstance(exc, OSError) and exc.errno is not None:
         where = exc.filename if exc.filename is not None else ""
@@ -41,7 +41,7 @@ def describe(exc: BaseException) -> str | None:
         return f"{line} ({fix})" if fix and fix.split(":")[0].lower() != what.lower() else line
     from .models import FetchError
 
-    if isinstance(exc, (manifest.ManifestError, params.ParameterError, FetchError)):
+    if isinstance(exc, (manifest.ManifestError, params.ParameterError, memplan.MemoryPlanError, FetchError)):
         return str(exc)
     # by name: the runtime never imports the converter, nor the native library just to classify
     if type(exc).__name__ in ("ConvertError", "LeanstreamError"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp
 
 from . import manifest as manifest_mod
-from . import params
+from . import memplan, params
 from ._native import mode_uses
 from .engine import FFNEngine
 
@@ -46,7 +46,7 @@ def _llama_cpp_keywords() -> list[str]:
 
 def _refuse_unknown_keywords(kwargs: dict) -> None:
     """llama_cpp.Llama takes **kwargs and drops what it does not know: a misspelt option (or one
-    that does not exist, like memory_limit=) would run with its default unnoticed. A keyword that
+    that does not exist, like memory_limt=) would run with its default unnoticed. A keyword that
     neither this class nor llama_cpp.Llama names is a TypeError naming it and the nearest one."""
     known = _llama_cpp_keywords()
     unknown = [k for k in kwargs if k not in known]
@@ -91,6 +91,12 @@ class Llama(llama_cpp.Llama):
     Args:
         model_path: a directory written by ``leanstream convert``.
         memory_budget: bytes of FFN weights kept in RAM (int, or "512MiB"/"1.5GB"); None = all.
+        memory_limit: instead of memory_budget, a limit for the whole process (e.g. "1000MB", what
+            a memory cgroup or a small machine allows): the memory plan (memplan.py) takes from
+            it what the process needs besides the FFN engine (the interpreter, the non-FFN weights
+            each token reads, KV cache at n_ctx, llama.cpp's heap and compute buffers) and gives
+            the rest to the engine; MemoryPlanError (a ValueError, with the plan) when that leaves
+            too little. ``self.memory_plan`` is the plan (``leanstream info --memory-limit``).
         mode: "dense" (every neuron: reproduces stock llama.cpp), or a sparse decode mode that
             computes only the top (1 - sparsity) of each layer's neuron blocks: "leanstream"
             (with the converter's sketch, the default conversion: chosen from each layer's own
@@ -122,7 +128,8 @@ class Llama(llama_cpp.Llama):
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
-    def __init__(self, model_path: str, *, memory_budget: int | str | None = None, mode: str | None = None,
+    def __init__(self, model_path: str, *, memory_budget: int | str | None = None,
+                 memory_limit: int | str | None = None, mode: str | None = None,
                  sparsity: float | None = None, quality: str | None = None, n_io_threads: int | None = None,
                  hot_fraction: float | None = None, verify_checksums: bool = True,
                  candidate_ratio: float | None = None, bridge_bytes: int | None = None, _manifest=None, **kwargs):
@@ -141,6 +148,11 @@ class Llama(llama_cpp.Llama):
                                  n_io_threads=n_io_threads, hot_fraction=hot_fraction,
                                  candidate_ratio=candidate_ratio, bridge_bytes=bridge_bytes)
         mode = p["mode"]
+        limit = params.size_bytes(memory_limit, "memory_limit") if memory_limit is not None else 0
+        if limit and memory_budget is not None:
+            raise params.ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
+                                                        "(the FFN engine), not both")
+        self.memory_plan = None
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
             raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
@@ -172,6 +184,13 @@ class Llama(llama_cpp.Llama):
                     warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
                                   f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
                 p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
+        if limit:
+            resident = sum(f.stat().st_size for f in (sketch_paths or []) + (predictor_paths or []))
+            self.memory_plan = memplan.plan(path, m, limit, mode=mode, n_ctx=int(kwargs.get("n_ctx", 512)),
+                                            n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
+                                            resident=resident)
+            self.memory_plan.check()
+            p["memory_budget"] = self.memory_plan.budget
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
                                  activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
                                  predictor_paths=predictor_paths, block_rank=block_rank,

@@ -34,7 +34,7 @@ from pathlib import Path
 
 # Llama's engine options the server takes; only those the user gave are passed (the rest keep the
 # engine's own defaults)
-LEANSTREAM_OPTIONS = ("memory_budget", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
+LEANSTREAM_OPTIONS = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
                       "bridge_bytes", "reuse_prefix")
 
 
@@ -286,7 +286,7 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
 
     server_settings / model_settings: their ``ServerSettings`` / ``ModelSettings`` (default:
     their defaults; ``model_settings.model`` is set to model_dir). leanstream_options: any of
-    LEANSTREAM_OPTIONS (memory_budget, mode, sparsity, quality, n_io_threads, hot_fraction, candidate_ratio,
+    LEANSTREAM_OPTIONS (memory_budget or memory_limit, mode, sparsity, quality, n_io_threads, hot_fraction, candidate_ratio,
     bridge_bytes), and reuse_prefix (default False: every request starts from an empty context).
     max_waiting_requests: requests in flight (running + queued) beyond which a new one gets 429.
     """
@@ -326,7 +326,10 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
         if llm is None:
             return {"model": str(model_dir), "loaded": False}
         return {"model": str(model_dir), "loaded": True, "mode": llm.mode, "sparsity": llm.sparsity,
-                "memory_budget": llm.engine.memory_budget, "params": llm.engine.params, "stats": llm.stats()}
+                "memory_budget": llm.engine.memory_budget, "params": llm.engine.params, "stats": llm.stats(),
+                "memory_plan": (None if llm.memory_plan is None else
+                                {**llm.memory_plan.parts, "limit": llm.memory_plan.limit,
+                                 "budget": llm.memory_plan.budget, "resident": llm.memory_plan.resident})}
 
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest, CreateEmbeddingRequest
 
@@ -348,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model directory from `leanstream convert`, or a converted known model name")
     g = p.add_argument_group("leanstream")
     g.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
+    g.add_argument("--memory-limit", default=None,
+                   help="instead of --memory-budget, a limit for the whole process, e.g. 1000MB (the engine gets "
+                        "what the rest leaves; `leanstream info MODEL --memory-limit` shows the plan)")
     from ._native import MODES
 
     g.add_argument("--mode", default=None, choices=MODES,

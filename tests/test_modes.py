@@ -83,8 +83,8 @@ def test_unknown_llama_keyword_names_it_and_the_nearest():
     """llama_cpp.Llama drops unknown keywords; ours refuses them before anything is opened."""
     from leanstream_ggml import Llama
 
-    with pytest.raises(TypeError, match="'memory_limit'; did you mean 'memory_budget'"):
-        Llama("/nonexistent.lsm", memory_limit="1000MB")
+    with pytest.raises(TypeError, match="'memory_limt'; did you mean 'memory_limit'"):
+        Llama("/nonexistent.lsm", memory_limt="1000MB")
     with pytest.raises(TypeError, match="'n_ctxx'; did you mean 'n_ctx'"):
         Llama("/nonexistent.lsm", n_ctxx=512)
     with pytest.raises(ValueError, match="does not exist"):   # known keywords pass that check

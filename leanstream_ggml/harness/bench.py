@@ -133,7 +133,10 @@ def bench(model_path, system: str | None = None, *, n_prompt: int = 128, n_gen: 
         "stock": systems.stock_description(),
         "model": str(model_path),
         "model_bytes": measure.files_size(files),
-        "memory_budget_bytes": measure.parse_size(memory_budget) if system == "leanstream" else None,
+        "memory_budget_bytes": (llm.engine.memory_budget if getattr(llm, "memory_plan", None) is not None
+                                else measure.parse_size(memory_budget) if system == "leanstream" else None),
+        "memory_plan": ({**plan.parts, "limit": plan.limit, "budget": plan.budget, "resident": plan.resident}
+                        if (plan := getattr(llm, "memory_plan", None)) is not None else None),
         "n_prompt": n_prompt, "n_gen": n_gen, "repetitions_n": repetitions,
         "n_threads": n_threads, "n_ctx": n_ctx, "n_batch": n_batch,
         "load_s": load_s,

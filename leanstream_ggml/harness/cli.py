@@ -35,6 +35,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: leanstream for a directory, stock for a GGUF")
     p.add_argument("--mode", default="dense", help="leanstream engine mode (default: dense)")
     p.add_argument("--memory-budget", default=None, help="leanstream weight budget, e.g. 512MiB (default: none)")
+    p.add_argument("--memory-limit", default=None,
+                   help="leanstream: instead of --memory-budget, a limit for the whole process, e.g. 1000MB: the "
+                        "memory plan gives the FFN engine what the rest of the process leaves (`leanstream info "
+                        "MODEL --memory-limit` prints it)")
     p.add_argument("--sparsity", type=float, default=None, help="sparse modes: fraction of blocks skipped (default 0.5)")
     p.add_argument("--quality", default=None,
                    help='instead of --sparsity: the perplexity loss accepted, e.g. "ppl+5%%" (leanstream mode; '
@@ -82,6 +86,8 @@ def _engine_extra(args, system: str) -> dict:
         out["quality"] = args.quality
     if not args.verify_checksums:
         out["verify_checksums"] = False
+    if getattr(args, "memory_limit", None) is not None:
+        out["memory_limit"] = args.memory_limit
     return out
 
 
@@ -98,6 +104,10 @@ def _check_params(args) -> None:
             args.mode = "leanstream"   # quality= chooses leanstream mode's sparsity
     p = params.engine_params(memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity)
     args.memory_budget = p["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
+    if args.memory_limit is not None:
+        if args.memory_budget is not None:
+            raise params.ParameterError("memory_limit", "give --memory-limit or --memory-budget, not both")
+        args.memory_limit = params.size_bytes(args.memory_limit, "memory_limit") or None
 
 
 def _one_line_model_errors(fn):

@@ -24,10 +24,10 @@ Measured for each setup:
   cache of its mmap'd files included). Peak = the cgroup's charged peak, what the limit binds
   (peak RSS, VmHWM, where cgroups are not writable). Before each run the page cache of its
   model files is dropped; the files are private copies no other process reads. A plugin
-  setup gets memory_budget = limit - reserve; the reserve (non-FFN weights, KV cache, compute
-  buffers, Python) is measured by a run of the same setup without a limit first: its charged
-  peak minus what its cache and resident sketch held, plus 32 MiB. A limit below the reserve
-  does not fit.
+  setup runs with `--memory-limit` = the limit: the child's memory plan (memplan.py: the
+  interpreter, the non-FFN weights each token reads, KV cache, llama.cpp's heap and compute
+  buffers) gives its FFN engine the rest, and a limit the plan cannot hold does not fit (the
+  plan's numbers are the reason).
 - held-out perplexity ratio: `leanstream perplexity` over windows of --ppl-ctx tokens of the
   bundled held-out text (second halves scored; the sparse modes token by token, as they
   decode, because prefill is dense), measured without a limit (a limit changes where the
@@ -259,15 +259,18 @@ def engine_args(system: str, sparsity: float | None) -> list[str]:
     return out + (["--sparsity", str(sparsity)] if sparsity is not None and mode != "dense" else [])
 
 
-def bench_command(model: Path, system: str, args, budget: int | None) -> list[str]:
+def bench_command(model: Path, system: str, args, budget: int | None, memory_limit: int | None = None) -> list[str]:
     """`leanstream bench --json` of one setup. args: n_prompt, n_gen, repetitions, ctx_size,
-    batch_size, threads, sparsity (the same for every setup)."""
+    batch_size, threads, sparsity (the same for every setup). A plugin setup gets ``budget`` as
+    --memory-budget, or ``memory_limit`` as --memory-limit (its memory plan)."""
     cmd = [sys.executable, "-m", "leanstream_ggml.harness.cli", "bench", str(model), "--json",
            "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
            "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
     cmd += engine_args(system, args.sparsity)
     if budget is not None and not is_stock(system):
         cmd += ["--memory-budget", str(budget)]
+    elif memory_limit is not None and not is_stock(system):
+        cmd += ["--memory-limit", str(memory_limit)]
     return cmd
 
 
@@ -327,7 +330,8 @@ def summarize(bench_json: dict) -> dict:
     """The fields of `leanstream bench --json` the side-by-side reports keep."""
     keep = ("prefill_tok_s", "decode_tok_s", "prefill_tok_s_best", "decode_tok_s_best", "peak_rss_bytes",
             "rss_after_load_bytes", "load_s", "disk_read_bytes_load", "disk_read_bytes_total",
-            "disk_read_bytes_per_decode_token", "memory_budget_bytes", "engine_decode", "generated", "repetitions",
+            "disk_read_bytes_per_decode_token", "memory_budget_bytes", "memory_plan", "engine_decode", "generated",
+            "repetitions",
             "stock", "model_bytes")
     return {k: bench_json.get(k) for k in keep}
 
@@ -359,21 +363,27 @@ def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | Non
     return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
 
 
+# what MemoryPlanError says when the limit cannot hold the model (memplan.MemoryPlan.check)
+PLAN_REFUSED = "cannot hold this model"
+
+
 def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, args, *, env: dict,
               account: bool, drop_cache: bool = True) -> tuple[dict, dict | None]:
     """One `leanstream bench --json` of ``system`` on ``path`` in a fresh process, in its own
     child memory cgroup limited to ``limit`` (None: unlimited; a cgroup for its accounting only
-    if ``account``), after dropping the page cache of its model files. A plugin run gets
-    memory_budget = limit - reserve, and is skipped (status "skipped") if that leaves nothing,
-    or (a sparse mode) less than its resident sketch. Returns (the run's record, the bench JSON
-    or None)."""
+    if ``account``), after dropping the page cache of its model files. A plugin run under a
+    limit gets its memory plan (--memory-limit; status "does not fit" when the plan refuses),
+    or with a ``reserve`` memory_budget = limit - reserve, and is skipped (status "skipped") if
+    that leaves nothing, or (a sparse mode) less than its resident sketch. Returns (the run's
+    record, the bench JSON or None)."""
     files = measure.model_files(path)
     if drop_cache:
         measure.drop_page_cache(files)
     resident = [measure.resident_bytes(f) for f in files]
-    budget = None if is_stock(system) or limit is None else plugin_budget(limit, reserve)
+    planned = not is_stock(system) and limit is not None and reserve is None
+    budget = None if is_stock(system) or limit is None or planned else plugin_budget(limit, reserve)
     entry = {"system": system, "limit_bytes": limit, "memory_budget_bytes": budget,
-             "plugin_reserve_bytes": None if is_stock(system) or limit is None else reserve,
+             "plugin_reserve_bytes": None if is_stock(system) or limit is None or planned else reserve,
              "page_cache_resident_at_start_bytes": None if any(r is None for r in resident) else sum(resident),
              "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
     sketch = 0 if budget is None or is_stock(system) or plugin_mode(system)[0] == "dense" else sketch_bytes(path)
@@ -384,9 +394,12 @@ def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, a
                              f"sketch ({measure.format_size(sketch)})"))
         log(f"{system:>18} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
         return entry, None
-    res = cgroup.run_command(bench_command(path, system, args, budget), limit_bytes=limit, timeout_s=args.timeout,
-                             env=env, cwd=str(ROOT), account=account)
+    res = cgroup.run_command(bench_command(path, system, args, budget, limit if planned else None),
+                             limit_bytes=limit, timeout_s=args.timeout, env=env, cwd=str(ROOT), account=account)
     entry.update(res.to_dict())
+    if planned and res.status == "error" and PLAN_REFUSED in res.stderr:
+        line = next(ln for ln in res.stderr.splitlines() if PLAN_REFUSED in ln)
+        entry.update(status="does not fit", reason=line.split(": ", 1)[-1].strip())
     bj = extract_json(res.stdout) if res.status == "ok" else None
     if res.status == "ok" and bj is None:
         entry.update(status="error", stderr_tail="no JSON on stdout\n" + res.stderr[-2000:])
@@ -532,14 +545,15 @@ def make_rows(systems: list[str], plans: dict, runs: dict, ppl: dict, accounted:
         r = (e or {}).get("result") or {}
         p = (ppl.get(s) or {}).get("ppl")
         status = e["status"] if e is not None else plan["status"]
-        fits = False if status in ("skipped", "oom") else plan["fits"]
+        fits = False if status in ("skipped", "oom", "does not fit") else plan["fits"]
         peak = (e or {}).get("cgroup", {}).get("max_usage_bytes") if accounted else r.get("peak_rss_bytes")
         rows.append({
             "setup": s, "kind": plan["kind"], "file": plan.get("file"), "file_bytes": plan.get("file_bytes"),
             "sparsity": plan.get("sparsity"), "fits": fits, "status": status,
             "reason": (failure_reason(e) if e is not None else None) or plan.get("reason"),
-            "memory_budget_bytes": (e or {}).get("memory_budget_bytes"),
+            "memory_budget_bytes": (e or {}).get("memory_budget_bytes") or r.get("memory_budget_bytes"),
             "plugin_reserve_bytes": (e or {}).get("plugin_reserve_bytes"),
+            "memory_plan": r.get("memory_plan"),
             "decode_tok_s": r.get("decode_tok_s") if status == "ok" else None,
             "prefill_tok_s": r.get("prefill_tok_s") if status == "ok" else None,
             "peak_bytes": peak if status == "ok" else None,
@@ -688,27 +702,20 @@ def run(args) -> dict:
         if s not in todo:
             log(f"{s:>18}: {plans[s]['status']} ({plans[s]['reason']})")
     env = child_env()
-    runs, reserve_runs, reserve_of = {}, [], {}
+    runs = {}
     with workspace({s: ggufs_orig[s] for s in todo if is_stock(s)} | {STOCK: ggufs_orig[STOCK]},
                    dir_orig if any(not is_stock(s) for s in todo) else None, args.private_copy) as (ggufs, model_dir):
         def path_of(s):
             return ggufs[s] if is_stock(s) else model_dir
 
-        # the reserve of each plugin setup, from a run of it without a limit
-        if run_limit is not None:
-            for s in todo:
-                if not is_stock(s):
-                    e, bj = bench_run(s, model_dir, None, None, args, env=env, account=ok)
-                    reserve_runs.append(e)
-                    reserve_of[s] = choose_reserve(None, model_dir, bj, e["cgroup"].get("max_usage_bytes"))
-        # every setup under the limit, back to back
+        # every setup under the limit, back to back (the plugin setups by their memory plan)
         for s in todo:
-            runs[s], _ = bench_run(s, path_of(s), run_limit, reserve_of[s][0] if s in reserve_of else None, args,
+            runs[s], _ = bench_run(s, path_of(s), run_limit, None, args,
                                    env=env, account=ok)
         # quality: stock on the source (the reference of every ratio, a setup or not) and every setup that ran
         scored = [STOCK] + [s for s in todo if s != STOCK and runs[s]["status"] == "ok"]
         ppl = measure_perplexities({s: path_of(s) for s in scored}, args, env=env, account=ok)
-    add_greedy_match(list(runs.values()) + reserve_runs)
+    add_greedy_match(list(runs.values()))
     rows = make_rows(systems, plans, runs, ppl, accounted=ok)
     return {
         "benchmark": "compare",
@@ -723,13 +730,12 @@ def run(args) -> dict:
                      "ppl_ctx": args.ppl_ctx, "ppl_chunks": args.ppl_chunks, "sparsity": args.sparsity,
                      "short": args.short, "timeout_s": args.timeout, "private_copy": args.private_copy,
                      "page_cache_dropped": True,
-                     "plugin_reserve": {s: {"bytes": r, "how": how} for s, (r, how) in reserve_of.items()},
+                     "plugin_budget": "each plugin setup's memory plan under the limit (memplan.py)",
                      "prompt": "bundled held-out technical text (leanstream_ggml/harness/data)"},
         "stock": next((e["result"]["stock"] for e in runs.values() if e.get("result")), None),
         "stock_files": stock_files({s: ggufs_orig[s] for s in systems if is_stock(s)}, source),
         "machine": measure.machine_info(),
         "runs": list(runs.values()),
-        "reserve_runs": reserve_runs,
         "perplexity": ppl,
     }
 

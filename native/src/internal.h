@@ -330,6 +330,10 @@ void        ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void
 // picks the AVX2 or AVX-512 variants for this CPU, once (LEANSTREAM_ISA=avx2 forces AVX2)
 void        ls_kernels_init(void);
 
+// util.c: drop an open file's pages from the page cache (after reading it whole into memory:
+// the cache would be charged to the process's memory cgroup a second time). Best effort.
+void        ls_drop_cached(int fd);
+
 // cpu.c: ggml's CPU backend module that libggml loaded for this CPU (loading it if nothing is
 // loaded yet). ls_cpu_ready: its type traits were found (and its fp16 tables initialised);
 // ls_cpu_traits: ggml_get_type_traits_cpu of that module (NULL when not ready).

@@ -200,6 +200,7 @@ ls_status ls_predictor_load(const char * path, ls_predictor ** out) {
     uint8_t * buf = malloc(n > 0 ? (size_t) n : 1);
     if (!buf) { fclose(f); ls_set_error("ls_predictor_load: out of memory"); return LS_ERR_NOMEM; }
     size_t got = fread(buf, 1, (size_t) n, f);
+    ls_drop_cached(fileno(f));   // the bytes are in buf now
     fclose(f);
     if (got != (size_t) n) { free(buf); ls_set_error("%s: short read", path); return LS_ERR_IO; }
     ls_status st = ls_predictor_load_mem(buf, (size_t) n, out);

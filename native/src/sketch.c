@@ -51,6 +51,7 @@ ls_status ls_sketch_load(const char * path, const ls_layer * L, ls_sketch ** out
         if (r <= 0) { ls_set_error("%s: read failed: %s", path, r < 0 ? strerror(errno) : "short file"); s = LS_ERR_IO; goto fail; }
         got += (size_t) r;
     }
+    ls_drop_cached(fd);   // resident in mem now: the page cache would hold the file a second time
     if (memcmp(mem, SKETCH_MAGIC, 8) != 0) { ls_set_error("%s: bad magic (not a LeanStream sketch file)", path); s = LS_ERR_FORMAT; goto fail; }
     if (rd32(mem + 8) != 1) { ls_set_error("%s: sketch file version %u, expected 1 (re-run `leanstream convert`)", path, rd32(mem + 8)); s = LS_ERR_FORMAT; goto fail; }
     {

@@ -108,3 +108,7 @@ ls_status ls_open_regular(const char * path, int * fd_out, struct stat * st) {
     *fd_out = fd;
     return LS_OK;
 }
+
+void ls_drop_cached(int fd) {
+    (void) posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+}

@@ -1,0 +1,244 @@
+"""The memory plan: what a whole process needs besides the FFN engine, and the budget a memory
+limit leaves the engine.
+
+``Llama(model_dir, memory_limit="1000MB")`` (and ``--memory-limit`` on the command line) plans
+before anything is opened. What a process holds under a whole-process limit (a memory cgroup
+charges anonymous memory and the page cache of the files it reads alike):
+
+- ``process``: the interpreter and the libraries, as this process holds them now (VmRSS);
+- ``weights``: the non-FFN tensors of base.gguf that every token reads (attention, norms, the
+  output matrix; of the token embedding only the rows of the context's tokens, unless it is
+  also the output matrix), read from its GGUF header with ggml's own gguf reader;
+- ``kv_cache``: n_ctx x the layers' K and V widths x 2 bytes (f16);
+- ``compute``: llama.cpp's compute buffers and the op's scratch for a batch of n_ubatch tokens,
+  as measured (docs/design.md §18): a fixed part and a part per token of the batch;
+- ``margin``: what the measurements scatter by.
+
+The engine's budget (its cache and what it keeps resident: the sketch, the predictors) is the
+limit minus their sum; a limit that leaves less than the mode's least working set is refused with
+the numbers. ``leanstream info MODEL --memory-limit L`` prints the plan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 1 << 20
+
+# measured on Qwen2.5-Coder-1.5B and SmolLM2 (bench/memory_breakdown.py, docs/design.md §18)
+COMPUTE_FIXED = 24 * MiB
+MARGIN = 32 * MiB
+
+
+class MemoryPlanError(ValueError):
+    """The limit cannot hold the process besides the engine's least working set."""
+
+
+@dataclass
+class BaseModelInfo:
+    """What the plan needs from base.gguf's header."""
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    kv_width: int              # sum over layers of (n_embd_k_gqa + n_embd_v_gqa) per token
+    tensor_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def per_token_weights(self) -> int:
+        """Bytes of base.gguf's tensors every token reads (all but the token embedding, unless
+        that is the output matrix too)."""
+        tied = "output.weight" not in self.tensor_bytes
+        return sum(b for n, b in self.tensor_bytes.items() if tied or n != "token_embd.weight")
+
+    def embedding_rows(self, n_ctx: int) -> int:
+        """Bytes of the token embedding's rows a context of n_ctx tokens can touch (when it is not
+        counted whole), at most the whole matrix."""
+        if "output.weight" not in self.tensor_bytes:
+            return 0
+        emb = self.tensor_bytes.get("token_embd.weight", 0)
+        return min(emb, emb * n_ctx // max(self.n_vocab, 1) + 4096 * n_ctx)
+
+
+class _GGUF:
+    """ggml's gguf reader (libggml-base, the copy libllama loaded), header only."""
+
+    class Params(ctypes.Structure):
+        _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+    def __init__(self):
+        import llama_cpp
+
+        lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
+        sig = {"gguf_init_from_file": ([ctypes.c_char_p, self.Params], ctypes.c_void_p),
+               "gguf_free": ([ctypes.c_void_p], None),
+               "gguf_find_key": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int64),
+               "gguf_get_kv_type": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
+               "gguf_get_val_u32": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint32),
+               "gguf_get_val_str": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_char_p),
+               "gguf_get_arr_n": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_size_t),
+               "gguf_get_arr_data": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_void_p),
+               "gguf_get_arr_type": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
+               "gguf_get_n_tensors": ([ctypes.c_void_p], ctypes.c_int64),
+               "gguf_get_tensor_name": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_char_p),
+               "gguf_get_tensor_size": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_size_t)}
+        for name, (args, res) in sig.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, res
+        self.lib = lib
+
+
+_GGUF_TYPE_UINT32, _GGUF_TYPE_INT32, _GGUF_TYPE_STRING, _GGUF_TYPE_ARRAY = 4, 5, 8, 9
+
+
+def read_base(path: str | os.PathLike) -> BaseModelInfo:
+    """base.gguf's architecture, sizes and tensor bytes, from its header (nothing else is read)."""
+    g = _GGUF().lib
+    ctx = g.gguf_init_from_file(str(path).encode(), _GGUF.Params(True, None))
+    if not ctx:
+        raise MemoryPlanError(f"{path}: not a readable GGUF file")
+    try:
+        def key(name):
+            return g.gguf_find_key(ctx, name.encode())
+
+        def u32(name, default=None):
+            k = key(name)
+            if k < 0:
+                return default
+            t = g.gguf_get_kv_type(ctx, k)
+            if t == _GGUF_TYPE_ARRAY:           # per-layer values (e.g. head_count_kv): the largest
+                n = g.gguf_get_arr_n(ctx, k)
+                data = g.gguf_get_arr_data(ctx, k)
+                at = g.gguf_get_arr_type(ctx, k)
+                ct = ctypes.c_int32 if at == _GGUF_TYPE_INT32 else ctypes.c_uint32
+                return max((ct * n).from_address(data)) if n else default
+            return g.gguf_get_val_u32(ctx, k)
+
+        k = key("general.architecture")
+        arch = g.gguf_get_val_str(ctx, k).decode() if k >= 0 else "llama"
+        n_layer = u32(f"{arch}.block_count", 0)
+        n_embd = u32(f"{arch}.embedding_length", 0)
+        n_head = u32(f"{arch}.attention.head_count", 1) or 1
+        n_head_kv = u32(f"{arch}.attention.head_count_kv", n_head) or n_head
+        k_len = u32(f"{arch}.attention.key_length", n_embd // n_head)
+        v_len = u32(f"{arch}.attention.value_length", n_embd // n_head)
+        tk = key("tokenizer.ggml.tokens")
+        n_vocab = g.gguf_get_arr_n(ctx, tk) if tk >= 0 else u32(f"{arch}.vocab_size", 0)
+        tensors = {g.gguf_get_tensor_name(ctx, i).decode(): g.gguf_get_tensor_size(ctx, i)
+                   for i in range(g.gguf_get_n_tensors(ctx))}
+    finally:
+        g.gguf_free(ctx)
+    return BaseModelInfo(arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab,
+                         kv_width=n_layer * n_head_kv * (k_len + v_len), tensor_bytes=tensors)
+
+
+def process_bytes() -> int:
+    """This process's resident memory now (VmRSS)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _fmt(n: int) -> str:
+    return f"{n / MiB:8.1f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    """A whole-process memory limit split into what the process needs besides the FFN engine
+    (``parts``) and the engine's budget (its cache plus ``resident``: the sketch and predictors
+    the mode keeps in memory)."""
+    limit: int
+    parts: dict[str, int]
+    notes: dict[str, str]
+    resident: int
+    mode: str
+
+    @property
+    def reserve(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def budget(self) -> int:
+        return self.limit - self.reserve
+
+    @property
+    def cache(self) -> int:
+        return self.budget - self.resident
+
+    def lines(self) -> list[str]:
+        out = [f"memory plan for {self.mode} mode under a whole-process limit of {self.limit / 1e6:.0f} MB "
+               f"({self.limit / MiB:.0f} MiB):"]
+        for k, v in self.parts.items():
+            out.append(f"  {k:<12}{_fmt(v)}  {self.notes.get(k, '')}")
+        out.append(f"  {'engine':<12}{_fmt(self.budget)}  memory_budget = limit - the above")
+        if self.resident:
+            out.append(f"    {'resident':<10}{_fmt(self.resident)}  sketch/predictors the mode keeps in memory")
+        out.append(f"    {'cache':<10}{_fmt(self.cache)}  FFN weights kept between tokens")
+        return out
+
+    def check(self) -> None:
+        """Raise MemoryPlanError (with the plan) when the limit leaves the engine too little."""
+        if self.cache < MIN_CACHE:
+            need = self.reserve + self.resident + MIN_CACHE
+            raise MemoryPlanError(
+                f"memory_limit {self.limit / 1e6:.0f} MB cannot hold this model in {self.mode} mode: it needs at "
+                f"least {need / MiB:.0f} MiB ({self.reserve / MiB:.0f} MiB besides the engine"
+                + (f", {self.resident / MiB:.0f} MiB resident sketch/predictors" if self.resident else "")
+                + f", {MIN_CACHE / MiB:.0f} MiB of cache).\n" + "\n".join(self.lines())
+                + (f"\n(dense mode keeps nothing resident: it needs {(self.reserve + MIN_CACHE) / 1e6:.0f} MB)"
+                   if self.resident else ""))
+
+
+MIN_CACHE = 32 * MiB
+HEAP_FIXED = 16 * MiB
+HEAP_PER_VOCAB = 730          # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
+COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
+
+
+def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,
+         resident: int = 0, process: int | None = None, base: BaseModelInfo | None = None) -> MemoryPlan:
+    """The plan for one model directory (its manifest given) under ``limit`` bytes. ``resident``:
+    bytes of the sketch/predictor files the mode loads; ``process``: bytes the process holds
+    before the model (default: this process, now)."""
+    if base is None:
+        base = read_base(manifest.resolve(model_dir, manifest.base.file))
+    if n_ctx <= 0:
+        n_ctx = _context_length(manifest.resolve(model_dir, manifest.base.file)) or 4096
+    parts = {
+        "process": process_bytes() if process is None else process,
+        "weights": base.per_token_weights + base.embedding_rows(n_ctx),
+        "kv_cache": n_ctx * base.kv_width * 2,
+        "heap": HEAP_FIXED + HEAP_PER_VOCAB * base.n_vocab,
+        "compute": COMPUTE_FIXED + COMPUTE_PER_UBATCH_VALUE * n_ubatch * base.n_embd,
+        "margin": MARGIN,
+    }
+    tied = "output.weight" not in base.tensor_bytes
+    notes = {
+        "process": "the interpreter and libraries, before the model",
+        "weights": "base.gguf tensors every token reads (attention, norms, "
+                   + ("the embedding = output matrix)" if tied else "output matrix; embedding rows of the context)"),
+        "kv_cache": f"n_ctx {n_ctx} x {base.kv_width} K/V values x 2 bytes",
+        "heap": f"llama.cpp's vocabulary ({base.n_vocab} tokens) and sampling",
+        "compute": f"activations of a batch of n_ubatch {n_ubatch} tokens",
+        "margin": "measurement scatter",
+    }
+    return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode)
+
+
+def _context_length(path) -> int | None:
+    g = _GGUF().lib
+    ctx = g.gguf_init_from_file(str(path).encode(), _GGUF.Params(True, None))
+    if not ctx:
+        return None
+    try:
+        k = g.gguf_find_key(ctx, b"general.architecture")
+        arch = g.gguf_get_val_str(ctx, k).decode() if k >= 0 else "llama"
+        k = g.gguf_find_key(ctx, f"{arch}.context_length".encode())
+        return g.gguf_get_val_u32(ctx, k) if k >= 0 else None
+    finally:
+        g.gguf_free(ctx)

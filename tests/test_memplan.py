@@ -1,0 +1,133 @@
+"""The memory plan (leanstream_ggml/memplan.py): base.gguf's header read with ggml's own gguf reader
+against what gguf-py wrote; the plan's arithmetic and its refusal; Llama(memory_limit=) giving the
+engine the plan's budget; `leanstream info --memory-limit`; and a real run of SmolLM2 inside a
+memory cgroup at a limit the plan says is enough (no OOM kill)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from gguf_synth import write_tiny_model
+from leanstream_ggml import manifest as manifest_mod
+from leanstream_ggml import memplan, params
+
+REPO = Path(__file__).resolve().parent.parent
+MB = 10**6
+
+
+def test_the_header_reader_agrees_with_gguf_py(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, arch="qwen2", n_layer=3, n_embd=64, n_ff=96, n_head=4, n_head_kv=2)
+    info = memplan.read_base(path)
+    r = gguf.GGUFReader(str(path))
+    want = {t.name: int(t.n_bytes) for t in r.tensors}
+    assert info.tensor_bytes == want
+    assert (info.arch, info.n_layer, info.n_embd) == ("qwen2", 3, 64)
+    assert info.n_vocab == len(r.fields["tokenizer.ggml.tokens"].data)
+    assert info.kv_width == 3 * 2 * (16 + 16)          # layers x kv heads x (key + value head size)
+    # an output matrix of its own: every tensor but the token embedding, whose rows are counted apart
+    assert info.per_token_weights == sum(want.values()) - want["token_embd.weight"]
+    assert 0 < info.embedding_rows(8) <= want["token_embd.weight"]
+    assert info.embedding_rows(10**6) == want["token_embd.weight"]
+
+
+def test_a_tied_embedding_is_counted_whole():
+    info = memplan.BaseModelInfo(arch="llama", n_layer=1, n_embd=8, n_vocab=100, kv_width=16,
+                                 tensor_bytes={"token_embd.weight": 800, "blk.0.attn_q.weight": 64})
+    assert info.per_token_weights == 864 and info.embedding_rows(10) == 0
+
+
+def _plan(limit, resident=0, process=50 * MB):
+    base = memplan.BaseModelInfo(arch="llama", n_layer=30, n_embd=576, n_vocab=49152, kv_width=11520,
+                                 tensor_bytes={"token_embd.weight": 40 * MB, "blk.0.attn_q.weight": 4 * MB})
+    return memplan.plan(None, None, limit, mode="leanstream", n_ctx=512, n_ubatch=512, resident=resident,
+                        process=process, base=base)
+
+
+def test_the_budget_is_the_limit_less_every_part():
+    p = _plan(600 * MB, resident=20 * MB)
+    parts = p.parts
+    assert parts["weights"] == 44 * MB and parts["process"] == 50 * MB
+    assert parts["kv_cache"] == 512 * 11520 * 2
+    assert parts["heap"] == memplan.HEAP_FIXED + memplan.HEAP_PER_VOCAB * 49152
+    assert parts["compute"] == memplan.COMPUTE_FIXED + memplan.COMPUTE_PER_UBATCH_VALUE * 512 * 576
+    assert p.budget == 600 * MB - sum(parts.values()) and p.cache == p.budget - 20 * MB
+    p.check()
+    text = "\n".join(p.lines())
+    for k in (*parts, "engine", "resident", "cache"):
+        assert k in text
+
+
+def test_a_limit_that_cannot_hold_the_model_is_refused_with_the_numbers():
+    p = _plan(200 * MB, resident=20 * MB)
+    with pytest.raises(memplan.MemoryPlanError) as e:
+        p.check()
+    msg = str(e.value)
+    assert "cannot hold this model in leanstream mode" in msg
+    need = (p.reserve + 20 * MB + memplan.MIN_CACHE) / 2**20
+    assert f"at least {need:.0f} MiB" in msg and "weights" in msg and "dense mode" in msg
+
+
+def test_memory_limit_gives_the_engine_the_plans_budget(smollm2_sketch_dir):
+    from leanstream_ggml import Llama
+
+    # this process holds the test session (a conversion ran in it): the plan counts it, so the
+    # limit is generous here; the cgroup test below runs a fresh process at a tight one
+    llm = Llama(str(smollm2_sketch_dir), mode="leanstream", memory_limit="3000MB", n_ctx=256, verbose=False)
+    try:
+        plan = llm.memory_plan
+        assert plan.limit == 3000 * MB and plan.parts["process"] > 0 and plan.parts["kv_cache"] == 256 * memplan.read_base(
+            smollm2_sketch_dir / "base.gguf").kv_width * 2
+        assert llm.engine.memory_budget == plan.budget
+        m = manifest_mod.load(smollm2_sketch_dir)
+        assert plan.resident == sum((smollm2_sketch_dir / f).stat().st_size for f in m.sketch_files())
+        assert llm.create_completion("The capital of France is", max_tokens=4)["choices"][0]["text"]
+    finally:
+        llm.close()
+    with pytest.raises(params.ParameterError, match="not both"):
+        Llama(str(smollm2_sketch_dir), memory_limit="600MB", memory_budget="100MiB", verbose=False)
+    with pytest.raises(memplan.MemoryPlanError, match="cannot hold this model"):
+        Llama(str(smollm2_sketch_dir), mode="leanstream", memory_limit="150MB", verbose=False)
+
+
+def test_info_prints_the_plan_and_refuses_a_limit_too_small(smollm2_sketch_dir):
+    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "info", str(smollm2_sketch_dir)]
+    r = subprocess.run(cmd + ["--memory-limit", "600MB", "-c", "1024"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "memory plan for leanstream mode under a whole-process limit of 600 MB" in r.stdout
+    assert "n_ctx 1024" in r.stdout and "memory_budget = limit - the above" in r.stdout
+    r = subprocess.run(cmd + ["--memory-limit", "100MB"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "cannot hold this model" in r.stderr
+
+
+def test_the_plan_holds_inside_a_memory_cgroup(smollm2_sketch_dir):
+    """SmolLM2 under a real whole-process limit the plan says is enough (its reserve + the sketch +
+    64 MB of cache): the run finishes, is not OOM-killed, and its engine got the plan's budget."""
+    from leanstream_ggml.harness import cgroup, measure
+
+    ok, why = cgroup.availability()
+    if not ok:
+        pytest.skip(f"memory cgroups not writable here: {why}")
+    m = manifest_mod.load(smollm2_sketch_dir)
+    probe = memplan.plan(smollm2_sketch_dir, m, 10**12, mode="leanstream", n_ctx=512, n_ubatch=512,
+                         resident=m.sketch.bytes, process=60 * MB)
+    limit = probe.reserve + m.sketch.bytes + 64 * MB
+    measure.drop_page_cache([p for p in smollm2_sketch_dir.rglob("*") if p.is_file()])
+    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "bench", str(smollm2_sketch_dir), "--mode", "leanstream",
+           "--memory-limit", str(limit), "-p", "64", "-n", "16", "-r", "1", "-t", "2", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=600, env=env, cwd=str(REPO))
+    assert res.status == "ok", (res.status, res.stderr[-2000:])
+    assert res.cgroup.get("oom_kill", 0) == 0
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["memory_plan"]["limit"] == limit
+    assert doc["memory_budget_bytes"] == doc["memory_plan"]["budget"] >= m.sketch.bytes + 32 * MB
+    assert doc["decode_tok_s"] > 0 and np.isfinite(doc["decode_tok_s"])
