@@ -215,7 +215,36 @@ def _rows_as_bytes(t, n_rows: int) -> np.ndarray:
     return t.data.view(np.uint8).reshape(n_rows, -1)
 
 
-def down_columns(t, n_embd: int, n_ff: int):
+# the column formats a quantized ffn_down can be stored in (convert(down_type=...)): Q8_0 by default;
+# the K-quants need n_embd a multiple of 256 (a column of 1536 is six super-blocks)
+DOWN_TYPES = ("q8_0", "q6_k", "q5_k")
+
+
+def _ggml_quantize(cols: np.ndarray, type_name: str) -> np.ndarray:
+    """f32 [n, m] rows quantized by ggml's own quantizer (ggml_quantize_chunk, no importance
+    matrix) -> uint8 [n, row bytes]: gguf-py quantizes no K-quant."""
+    import ctypes
+
+    import llama_cpp
+
+    gguf = _gguf()
+    qt = gguf.GGMLQuantizationType[type_name.upper()]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    n, m = cols.shape
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
+    f = lib.ggml_quantize_chunk
+    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                  ctypes.c_void_p]
+    f.restype = ctypes.c_size_t
+    src = np.ascontiguousarray(cols, dtype=np.float32)
+    out = np.empty((n, m // bs * ts), dtype=np.uint8)
+    done = f(int(qt), src.ctypes.data, out.ctypes.data, 0, n, m, None)
+    if done != out.nbytes:
+        raise ConvertError(f"ggml_quantize_chunk({type_name}) wrote {done} bytes, expected {out.nbytes}")
+    return out
+
+
+def down_columns(t, n_embd: int, n_ff: int, want: str = "q8_0"):
     """Transposed ffn_down: (uint8 [n_ff, col_bytes], ggml type of the columns).
 
     ffn_down has ne = [n_ff, n_embd] (n_embd rows of n_ff values); neuron i needs column i
@@ -227,6 +256,8 @@ def down_columns(t, n_embd: int, n_ff: int):
       size as the first; Q8_0 (8.5 bits/weight, one f16 scale per 32 values) keeps the added error
       far below the source's own quantization noise while staying ~2x smaller than F16.
     - F16 source -> F16 (exact); F32 source -> F32 (exact); quantized with n_embd % 32 != 0 -> F16.
+    - ``want`` "q6_k" / "q5_k" (a quantized source, n_embd % 256 == 0): fewer bytes per neuron
+      (6.56 / 5.5 bits) for a larger second error, quantized by ggml (bench/results: the frontier).
     """
     gguf = _gguf()
     T = gguf.GGMLQuantizationType
@@ -241,21 +272,26 @@ def down_columns(t, n_embd: int, n_ff: int):
     w = gguf.quants.dequantize(t.data, src_type).reshape(n_embd, n_ff)   # f32 [n_embd, n_ff]
     cols = np.ascontiguousarray(w.T)                                      # f32 [n_ff, n_embd]
     del w
+    qt = _down_type(src_type, n_embd, want)
+    if qt in (T.Q6_K, T.Q5_K):
+        return _ggml_quantize(cols, qt.name), qt
     if n_embd % 32 == 0:
         return gguf.quants.quantize(cols, T.Q8_0).reshape(n_ff, -1), T.Q8_0
     return cols.astype(np.float16).view(np.uint8), T.F16
 
 
-def _down_type(src_type, n_embd: int):
+def _down_type(src_type, n_embd: int, want: str = "q8_0"):
     T = _gguf().GGMLQuantizationType
     if src_type in (T.F32, T.F16):
         return src_type
+    if want in ("q6_k", "q5_k") and n_embd % 256 == 0:
+        return T[want.upper()]
     return T.Q8_0 if n_embd % 32 == 0 else T.F16
 
 
-def _down_col_bytes(src_type, n_embd: int) -> int:
+def _down_col_bytes(src_type, n_embd: int, want: str = "q8_0") -> int:
     gguf = _gguf()
-    bs, ts = gguf.GGML_QUANT_SIZES[_down_type(src_type, n_embd)]
+    bs, ts = gguf.GGML_QUANT_SIZES[_down_type(src_type, n_embd, want)]
     return n_embd // bs * ts
 
 
@@ -441,6 +477,7 @@ class Source:
     k: int
     align: int
     orders: list[np.ndarray]    # per layer: neuron ids in on-disk order
+    down_type: str = "q8_0"     # the column format of a quantized ffn_down (DOWN_TYPES)
 
     @property
     def n_blocks(self) -> int:
@@ -454,12 +491,15 @@ class Source:
         """What the written files depend on (an interrupted conversion resumes only if equal)."""
         return {"source_sha256": self.sha256, "source_size": self.size, "k": self.k, "align": self.align,
                 "permutation_sha256": hashlib.sha256(b"".join(o.tobytes() for o in self.orders)).hexdigest(),
-                "block_file_version": blockfile.VERSION}
+                "block_file_version": blockfile.VERSION,
+                **({"down_type": self.down_type} if self.down_type != "q8_0" else {})}
 
 
 def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
-                permutation=None, progress: bool = True) -> Source:
+                permutation=None, progress: bool = True, down_type: str = "q8_0") -> Source:
     """Open and check the source GGUF, hash it, and fix the block geometry. Raises ConvertError."""
+    if down_type not in DOWN_TYPES:
+        raise ConvertError(f"down_type must be one of {', '.join(DOWN_TYPES)}, got {down_type!r}")
 
     src = Path(src)
     if not isinstance(k, int) or isinstance(k, bool) or k < 1 or k > 1 << 16:
@@ -471,8 +511,11 @@ def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 
     reader = _open_gguf(src)
     model = _inspect(reader, src)
     orders = _layer_orders(permutation, model.n_layer, model.n_ff)
+    if down_type != "q8_0" and model.n_embd % 256:
+        raise ConvertError(f"down_type {down_type} needs n_embd a multiple of 256 (K-quant super-blocks); "
+                           f"{src.name} has n_embd {model.n_embd}: use q8_0")
     sha = sha256_file(src, progress=progress, desc="hashing source")
-    return Source(src, model, sha, src.stat().st_size, k, align, orders)
+    return Source(src, model, sha, src.stat().st_size, k, align, orders, down_type)
 
 
 # ---- the write stage: base.gguf and the block files ---------------------------------------------
@@ -495,10 +538,10 @@ def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[li
         gate_rows = _rows_as_bytes(layer.gate, n_ff)      # uint8 [n_ff, gate_row_bytes]
         up_rows = _rows_as_bytes(layer.up, n_ff)          # uint8 [n_ff, up_row_bytes]
         down_type_src = layer.down.tensor_type
-        col_bytes = _down_col_bytes(down_type_src, n_embd)
+        col_bytes = _down_col_bytes(down_type_src, n_embd, source.down_type)
         h = blockfile.make_header(
             il=il, n_embd=n_embd, n_ff=n_ff, k=k, gate_type=int(layer.gate.tensor_type),
-            up_type=int(layer.up.tensor_type), down_type=int(_down_type(down_type_src, n_embd)),
+            up_type=int(layer.up.tensor_type), down_type=int(_down_type(down_type_src, n_embd, source.down_type)),
             align=align, gate_row_bytes=gate_rows.shape[1], up_row_bytes=up_rows.shape[1],
             down_col_bytes=col_bytes)
         slots = source.slots(il)
@@ -507,14 +550,14 @@ def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[li
         if _layer_done(path, h, slots):
             kept += 1
         else:
-            down_cols, down_type = down_columns(layer.down, n_embd, n_ff)   # uint8 [n_ff, col_bytes]
+            down_cols, down_type = down_columns(layer.down, n_embd, n_ff, source.down_type)  # uint8 [n_ff, col_bytes]
             assert int(down_type) == h.down_type and down_cols.shape[1] == col_bytes
             _write_layer(path, h, slots, pack_blocks(gate_rows, up_rows, down_cols, slots, h))
             del down_cols
         entries.append(mf.LayerEntry(
             il=il, file=rel, gate_type=ggml_type_name(layer.gate.tensor_type),
             up_type=ggml_type_name(layer.up.tensor_type),
-            down_type=ggml_type_name(_down_type(down_type_src, n_embd)),
+            down_type=ggml_type_name(_down_type(down_type_src, n_embd, source.down_type)),
             n_blocks=h.n_blocks, block_stride=h.block_stride, block_payload=h.block_payload,
             data_offset=h.data_offset, file_size=h.file_size))
         ffn_src += layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes

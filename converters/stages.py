@@ -145,7 +145,8 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
                   force: bool = False, progress: bool = True, permutation=None,
                   predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
-                  order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None) -> mf.Manifest:
+                  order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None,
+                  down_type: str = "q8_0") -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest. The
     defaults are `leanstream convert`'s (converters/cli.py passes only what its user gives).
 
@@ -153,7 +154,8 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     the device holding out_dir, at least 512). force: overwrite a directory holding another or a
     complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
     identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
-    when the source ffn_down is quantized (see ``convert_gguf.down_columns`` for why).
+    when the source ffn_down is quantized (see ``convert_gguf.down_columns`` for why), or as
+    ``down_type`` "q6_k" / "q5_k" (fewer bytes, a larger requantization error).
     predictors: "full" (profile the model on its own answers to the bundled prompts, or on
     ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
     training) or "none" (default: no training). sketch: the sketch row format ("ls2", default)
@@ -178,7 +180,8 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     try:
         return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation, order=order,
                               predictors=predictors, sketch=sketch, calibrate=calibrate, profile_dir=profile_dir, calibration=calibration,
-                              hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log)
+                              hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log,
+                              down_type=down_type)
     except OSError as e:
         remove_partials(out)
         if e.errno is None:   # numpy's tofile reports a short write without errno
@@ -191,9 +194,10 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
 
 
 def _convert_model(src, out: Path, *, k, align, force, progress, permutation, order, predictors, sketch, calibrate, profile_dir, calibration,
-                   hash_config, profile_kwargs, n_threads, log) -> mf.Manifest:
+                   hash_config, profile_kwargs, n_threads, log, down_type) -> mf.Manifest:
     # read: the source, its hash and the block geometry
-    source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress)
+    source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress,
+                         down_type=down_type)
     if predictors != "none" and source.model.arch not in PREDICTOR_ARCHS:
         log(f"no predictors: the predictor stage supports {', '.join(PREDICTOR_ARCHS)}, not "
             f"{source.model.arch}, yet; {out} runs in dense mode")

@@ -77,6 +77,8 @@ GGML_TYPE_IDS = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q8_1": 9,
     "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13, "q6_K": 14, "q8_K": 15, "bf16": 30,
 }
+# the formats the converter stores ffn_down columns in (converters/convert_gguf.py down_columns)
+DOWN_COLUMN_TYPES = ("q8_0", "q6_K", "q5_K", "f16", "f32")
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 ACTIVATIONS = ("silu", "gelu")
 # the FFN activation each supported architecture's llama.cpp graph uses
@@ -428,8 +430,8 @@ class Manifest:
             for t in (e.gate_type, e.up_type, e.down_type):
                 if t not in GGML_TYPE_IDS:
                     bad(f"{w}: unknown ggml type name {t!r}")
-            if e.down_type not in ("q8_0", "f16", "f32"):
-                bad(f"{w}.down_type {e.down_type!r} must be q8_0, f16 or f32")
+            if e.down_type not in DOWN_COLUMN_TYPES:
+                bad(f"{w}.down_type {e.down_type!r} must be one of {', '.join(DOWN_COLUMN_TYPES)}")
             if e.n_blocks != n_blocks:
                 bad(f"{w}.n_blocks {e.n_blocks} != ceil(n_ff / k) = {n_blocks}")
             if e.block_stride % align or e.block_stride < e.block_payload or e.block_payload <= 0:

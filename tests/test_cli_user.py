@@ -93,3 +93,19 @@ def test_chat_prints_load_time_and_verbose_per_token_stats(smollm2_dir, tmp_path
     stats = next(line for line in r.stderr.splitlines() if "per decoded token" in line)
     # under a budget of about half the FFN, dense decoding reads blocks from disk every token
     assert "blocks computed" in stats and "MB read" in stats and "miss ratio" in stats
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "bench"])
+def test_a_memory_limit_too_small_is_one_line_with_the_plan(tiny_gguf, tmp_path, command):
+    """--memory-limit below what the process needs besides the engine: refused before the model
+    runs, with the plan's numbers, no traceback (chat, serve and bench alike)."""
+    from converters import convert
+
+    d = tmp_path / "tiny.lsm"
+    convert(tiny_gguf, d, progress=False, sketch="none")
+    extra = ["-p", "hi"] if command == "chat" else ["-p", "4", "-n", "2", "-r", "1"] if command == "bench" else []
+    r = _cli(command, str(d), "--memory-limit", "20MB", *extra, timeout=120)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "memory_limit 20 MB cannot hold this model in dense mode" in r.stderr
+    assert "memory_budget = limit - the above" in r.stderr
+    assert "Traceback" not in r.stderr

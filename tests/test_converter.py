@@ -518,3 +518,30 @@ def test_usable_model_dir_check(models, tmp_path):
         f.seek(8)
         f.write((1).to_bytes(4, "little"))
     assert not _usable(out)
+
+
+@pytest.mark.parametrize("down_type,bits", [("q6_k", 6.5625), ("q5_k", 5.5)])
+def test_k_quant_down_columns(tmp_path, down_type, bits):
+    """down_type q6_k / q5_k: the columns are ggml's quantization of the source's columns (checked
+    by dequantizing with gguf-py), smaller than Q8_0 by their bits, with a larger but bounded error;
+    a model whose n_embd is not a multiple of 256 is refused."""
+    src = tmp_path / "tiny.gguf"
+    write_tiny_model(src, arch="llama", n_layer=2, n_embd=256, n_ff=96, types={"ffn": "Q4_0"}, seed=3)
+    m = convert(src, tmp_path / "out", progress=False, sketch="none", down_type=down_type)
+    reader = gguf.GGUFReader(src)
+    for il in range(m.n_layer):
+        h, perm, gate, up, down_t, _ = rebuild_layer(tmp_path / "out" / m.layers[il].file)
+        assert h.down_type == T[down_type.upper()] and m.layers[il].down_type == down_type[:-1] + "K"
+        assert h.down_col_bytes * 8 == 256 * bits
+        _, _, d_ref, _ = source_matrices(reader, il)
+        cols = np.ascontiguousarray(d_ref.T)
+        err = np.abs(down_t - cols)
+        scale = np.abs(cols).max(axis=1, keepdims=True)
+        assert (err <= scale / (16 if down_type == "q5_k" else 32)).all()
+        assert err.max() > 0                                   # a real second quantization
+    other = tmp_path / "odd.gguf"
+    write_tiny_model(other, arch="llama", n_layer=1, n_embd=64, n_ff=96, types={"ffn": "Q4_0"})
+    with pytest.raises(ConvertError, match="multiple of 256"):
+        convert(other, tmp_path / "odd", progress=False, sketch="none", down_type=down_type)
+    with pytest.raises(ConvertError, match="down_type must be one of"):
+        convert(other, tmp_path / "bad", progress=False, sketch="none", down_type="q4_k")

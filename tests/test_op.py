@@ -26,7 +26,7 @@ from reference import ffn_reference, load_layer
 N_EMBD, N_FF, N_LAYER = 256, 512, 2
 
 
-def _model(tmp_path_factory, types: dict, k: int = 1, shuffle: bool = False):
+def _model(tmp_path_factory, types: dict, k: int = 1, shuffle: bool = False, down_type: str = "q8_0"):
     d = tmp_path_factory.mktemp("m")
     src = d / "tiny.gguf"
     write_tiny_model(src, arch="llama", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF, types=types, seed=1)
@@ -34,7 +34,7 @@ def _model(tmp_path_factory, types: dict, k: int = 1, shuffle: bool = False):
     if shuffle:
         rng = np.random.default_rng(7)
         perm = {il: rng.permutation(N_FF) for il in range(N_LAYER)}
-    m = convert(src, d / "lsm", k=k, progress=False, permutation=perm, sketch="none")
+    m = convert(src, d / "lsm", k=k, progress=False, permutation=perm, sketch="none", down_type=down_type)
     return [m.layer_path(d / "lsm", il) for il in range(N_LAYER)]
 
 
@@ -46,12 +46,17 @@ TYPE_CASES = {
     "q8_0": {"ffn": "Q8_0"},
     "q4_K-q6_K": {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
     "q5_0-q8_0-mixed": {"gate": "Q5_0", "up": "Q8_0", "down": "Q4_1"},
+    # the down columns in a K-quant (convert(down_type=...)): staged through ggml's to_float
+    "q4_K-cols-q6_k": ({"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}, "q6_k"),
+    "q4_0-cols-q5_k": ({"ffn": "Q4_0"}, "q5_k"),
 }
 
 
 @pytest.fixture(scope="module", params=list(TYPE_CASES))
 def paths(request, tmp_path_factory):
-    return _model(tmp_path_factory, TYPE_CASES[request.param])
+    case = TYPE_CASES[request.param]
+    types, down_type = case if isinstance(case, tuple) else (case, "q8_0")
+    return _model(tmp_path_factory, types, down_type=down_type)
 
 
 @pytest.fixture(scope="module")
