@@ -109,3 +109,9 @@ def test_a_memory_limit_too_small_is_one_line_with_the_plan(tiny_gguf, tmp_path,
     assert "memory_limit 20 MB cannot hold this model in dense mode" in r.stderr
     assert "memory_budget = limit - the above" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_memory_limit_on_stock_is_refused(tiny_gguf):
+    r = _cli("bench", str(tiny_gguf), "--memory-limit", "1GB", "-p", "4", "-n", "2", "-r", "1", timeout=120)
+    assert r.returncode == 1 and "memory_limit" in r.stderr and "stock" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -80,6 +80,11 @@ def register(subparsers) -> None:
 def _engine_extra(args, system: str) -> dict:
     """--sparsity as a Llama keyword argument (leanstream only)."""
     if system != "leanstream":
+        if getattr(args, "memory_limit", None) is not None:
+            from leanstream_ggml import params
+
+            raise params.ParameterError("memory_limit", "plans the plugin's memory; stock llama.cpp takes no "
+                                                        "limit (run it in a memory cgroup: `leanstream compare`)")
         return {}
     out = {"sparsity": args.sparsity} if args.sparsity is not None else {}
     if getattr(args, "quality", None) is not None:
