@@ -131,3 +131,21 @@ def test_the_plan_holds_inside_a_memory_cgroup(smollm2_sketch_dir):
     assert doc["memory_plan"]["limit"] == limit
     assert doc["memory_budget_bytes"] == doc["memory_plan"]["budget"] >= m.sketch.bytes + 32 * MB
     assert doc["decode_tok_s"] > 0 and np.isfinite(doc["decode_tok_s"])
+
+
+def test_the_memory_breakdown_reports_every_stage(smollm2_sketch_dir, capsys):
+    """bench/memory_breakdown.py (where the plan's numbers come from) on SmolLM2: one snapshot per
+    stage, the engine's resident sketch seen, the page cache of each model file counted."""
+    import bench_modules
+
+    mb = bench_modules.load("memory_breakdown")
+    assert mb.main([str(smollm2_sketch_dir), "--mode", "leanstream", "-c", "256", "-b", "64", "-p", "8",
+                    "-n", "2", "-t", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [s["stage"] for s in doc["stages"]] == ["imports", "open", "prefill 8", "decode 2"]
+    m = manifest_mod.load(smollm2_sketch_dir)
+    for s in doc["stages"]:
+        assert s["rss"] > 0 and 0 < s["anonymous"] <= s["rss"]
+        assert set(s["page_cache"]) == set(doc["file_bytes"]) and "base.gguf" in s["page_cache"]
+    assert doc["stages"][-1]["engine"]["resident_bytes"] == m.sketch.bytes
+    assert doc["stages"][1]["anonymous"] > doc["stages"][0]["anonymous"]
