@@ -311,6 +311,9 @@ void        ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd
 typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;
 float       ls_act(int32_t activation, float g);                       // LS_ACT_* of a gate value
 void        ls_dequant_q8_0(float * out, const ls_block_q8_0 * col, int64_t n);
+// the same for a Q6_K column (ggml's block_q6_K, LS_Q6_K_BYTES per 256 values; n % 256 == 0)
+#define LS_Q6_K_BYTES 210
+void        ls_dequant_q6_K(float * out, const uint8_t * col, int64_t n);
 // acc[0..n) += sum_{j<m} h[j] * dequant(cols[j]) (Q8_0 columns, read in place)
 void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
 // acc[t] += sum_j h[j][t] * cols[j] for T token rows (f32 columns staged in a tile)

@@ -613,6 +613,45 @@ void ls_dequant_q8_0(float * restrict out, const ls_block_q8_0 * restrict col, i
     }
 }
 
+// ggml's block_q6_K: 256 values as 4 low bits (ql), 2 high bits (qh), 16 int8 scales and an f16
+// super-block scale; value = d * scale[group of 16] * (q - 32). The same products in the same
+// order as ggml's dequantize_row_q6_K ((d * scale) * q, in f32): the same bits, 32 values a step.
+void ls_dequant_q6_K(float * restrict out, const uint8_t * restrict col, int64_t n) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < n / 256; b++) {
+        const uint8_t * blk = col + b * LS_Q6_K_BYTES;
+        const uint8_t * ql = blk, * qh = blk + 128;
+        const int8_t * sc = (const int8_t *) (blk + 192);
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const float d = f16_to_f32(dh);
+        float * y = out + b * 256;
+        for (int half = 0; half < 2; half++) {           // 128 values: ql[64], qh[32], sc[8]
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *) ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (ql + 32));
+            const __m256i hh = _mm256_loadu_si256((const __m256i *) qh);
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m2), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m2), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m2), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m2), 4));
+            for (int j = 0; j < 4; j++) {                 // q[j]: values 32 j .. 32 j + 31 of the half
+                int8_t v[32];
+                _mm256_storeu_si256((__m256i *) v, _mm256_sub_epi8(q[j], m32));
+                for (int g = 0; g < 4; g++) {             // 8 values; groups of 16 share a scale
+                    const __m256 f = _mm256_set1_ps(d * (float) sc[2 * j + g / 2]);
+                    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (v + 8 * g))));
+                    _mm256_storeu_ps(y + 32 * j + 8 * g, _mm256_mul_ps(f, x));
+                }
+            }
+            y += 128; ql += 64; qh += 32; sc += 8;
+        }
+    }
+}
+
 void ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd) {
     axpy_tile_impl(acc, h, cols, n_staged, T, n_embd);
 }

@@ -186,10 +186,12 @@ static const uint8_t * fetch_entry(ls_engine * e, ls_layer * L, int32_t i, int32
     return blk;
 }
 
-// A down column as f32 into a staging tile (the decode path reads Q8_0 columns in place instead).
+// A down column as f32 into a staging tile (the decode path reads Q8_0 columns in place instead;
+// Q6_K columns have their own AVX2 dequantization, the other types ggml's to_float).
 static inline void stage_column(const ls_layer_info * in, const uint8_t * col, float * out) {
     if (in->down_type == GGML_TYPE_Q8_0) ls_dequant_q8_0(out, (const ls_block_q8_0 *) col, in->n_embd);
     else if (in->down_type == GGML_TYPE_F32) memcpy(out, col, sizeof(float) * (size_t) in->n_embd);
+    else if (in->down_type == GGML_TYPE_Q6_K) ls_dequant_q6_K(out, col, in->n_embd);
     else ggml_get_type_traits(in->down_type)->to_float(col, out, in->n_embd);
 }
 
