@@ -166,13 +166,7 @@ def _plan_lines(m, d: Path, args) -> list[str]:
 
     limit = params.size_bytes(args.memory_limit, "memory_limit")
     mode = args.mode or ("leanstream" if m.sketch else "dense")
-    resident = 0
-    if mode != "dense":
-        from leanstream_ggml._native import mode_uses
-
-        files = m.mode_files(d, mode_uses(mode), mode)
-        resident = sum(m.resolve(d, f).stat().st_size for f in (files.sketches or []) + (files.predictors or []))
-    plan = memplan.plan(d, m, limit, mode=mode, n_ctx=args.n_ctx, n_ubatch=args.batch_size, resident=resident)
+    plan = memplan.plan(d, m, limit, mode=mode, n_ctx=args.n_ctx, n_ubatch=args.batch_size)
     out = plan.lines()
     plan.check()
     return out

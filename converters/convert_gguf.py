@@ -225,13 +225,13 @@ def _ggml_quantize(cols: np.ndarray, type_name: str) -> np.ndarray:
     matrix) -> uint8 [n, row bytes]: gguf-py quantizes no K-quant."""
     import ctypes
 
-    import llama_cpp
+    from leanstream_ggml.ggml_libs import library
 
     gguf = _gguf()
     qt = gguf.GGMLQuantizationType[type_name.upper()]
     bs, ts = gguf.GGML_QUANT_SIZES[qt]
     n, m = cols.shape
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
+    lib = library("libggml-base.so.0")
     f = lib.ggml_quantize_chunk
     f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                   ctypes.c_void_p]

@@ -44,9 +44,9 @@ def _cdef_source(text: str) -> str:
 
 def cpu_variants() -> list[str]:
     """The CPU backend variants this llama.cpp build has (``libggml-cpu-<variant>.so``)."""
-    import llama_cpp
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    return sorted(p.name[len("libggml-cpu-"):-len(".so")] for p in lib_dir.glob("libggml-cpu-*.so"))
+    from .ggml_libs import lib_dir
+
+    return sorted(p.name[len("libggml-cpu-"):-len(".so")] for p in lib_dir().glob("libggml-cpu-*.so"))
 
 
 def _force_cpu_variant(name: str) -> None:
@@ -57,15 +57,12 @@ def _force_cpu_variant(name: str) -> None:
         return
     import ctypes
 
-    import llama_cpp
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
-    path = lib_dir / f"libggml-cpu-{name}.so"
+    from . import ggml_libs
+    path = ggml_libs.lib_dir() / f"libggml-cpu-{name}.so"
     if not path.exists():
         raise ImportError(f"LEANSTREAM_GGML_CPU={name}: this llama.cpp build has no such CPU variant "
                           f"(it has: {', '.join(cpu_variants()) or 'none'})")
-    # the libggml libllama loaded (by its soname, the same file): the wheel's libggml.so is a
-    # copy, not a link, and loading it (as llama_cpp._ggml does) makes a second registry
-    g = ctypes.CDLL(str(lib_dir / "libggml.so.0"))
+    g = ggml_libs.library("libggml.so.0")   # the registry libllama uses
     g.ggml_backend_reg_count.restype = ctypes.c_size_t
     g.ggml_backend_load.argtypes = [ctypes.c_char_p]
     g.ggml_backend_load.restype = ctypes.c_void_p

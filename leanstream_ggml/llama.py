@@ -185,10 +185,8 @@ class Llama(llama_cpp.Llama):
                                   f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
                 p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
         if limit:
-            resident = sum(f.stat().st_size for f in (sketch_paths or []) + (predictor_paths or []))
             self.memory_plan = memplan.plan(path, m, limit, mode=mode, n_ctx=int(kwargs.get("n_ctx", 512)),
-                                            n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
-                                            resident=resident)
+                                            n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))))
             self.memory_plan.check()
             p["memory_budget"] = self.memory_plan.budget
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],

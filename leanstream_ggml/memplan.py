@@ -29,8 +29,12 @@ from pathlib import Path
 MiB = 1 << 20
 
 # measured on Qwen2.5-Coder-1.5B and SmolLM2 (bench/memory_breakdown.py, docs/design.md §18)
+HEAP_FIXED = 16 * MiB
+HEAP_PER_VOCAB = 730           # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
 COMPUTE_FIXED = 24 * MiB
+COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
 MARGIN = 32 * MiB
+MIN_CACHE = 32 * MiB           # the least cache a plan gives the engine
 
 
 class MemoryPlanError(ValueError):
@@ -46,6 +50,7 @@ class BaseModelInfo:
     n_vocab: int
     kv_width: int              # sum over layers of (n_embd_k_gqa + n_embd_v_gqa) per token
     tensor_bytes: dict[str, int] = field(default_factory=dict)
+    n_ctx_train: int = 0       # <arch>.context_length (what n_ctx=0 means to llama.cpp)
 
     @property
     def per_token_weights(self) -> int:
@@ -70,9 +75,9 @@ class _GGUF:
         _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
     def __init__(self):
-        import llama_cpp
+        from .ggml_libs import library
 
-        lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
+        lib = library("libggml-base.so.0")
         sig = {"gguf_init_from_file": ([ctypes.c_char_p, self.Params], ctypes.c_void_p),
                "gguf_free": ([ctypes.c_void_p], None),
                "gguf_find_key": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int64),
@@ -129,10 +134,12 @@ def read_base(path: str | os.PathLike) -> BaseModelInfo:
         n_vocab = g.gguf_get_arr_n(ctx, tk) if tk >= 0 else u32(f"{arch}.vocab_size", 0)
         tensors = {g.gguf_get_tensor_name(ctx, i).decode(): g.gguf_get_tensor_size(ctx, i)
                    for i in range(g.gguf_get_n_tensors(ctx))}
+        n_ctx_train = u32(f"{arch}.context_length", 0)
     finally:
         g.gguf_free(ctx)
     return BaseModelInfo(arch=arch, n_layer=n_layer, n_embd=n_embd, n_vocab=n_vocab,
-                         kv_width=n_layer * n_head_kv * (k_len + v_len), tensor_bytes=tensors)
+                         kv_width=n_layer * n_head_kv * (k_len + v_len), tensor_bytes=tensors,
+                         n_ctx_train=n_ctx_train)
 
 
 def process_bytes() -> int:
@@ -194,21 +201,17 @@ class MemoryPlan:
                    if self.resident else ""))
 
 
-MIN_CACHE = 32 * MiB
-HEAP_FIXED = 16 * MiB
-HEAP_PER_VOCAB = 730          # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
-COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
-
-
 def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,
-         resident: int = 0, process: int | None = None, base: BaseModelInfo | None = None) -> MemoryPlan:
+         resident: int | None = None, process: int | None = None, base: BaseModelInfo | None = None) -> MemoryPlan:
     """The plan for one model directory (its manifest given) under ``limit`` bytes. ``resident``:
-    bytes of the sketch/predictor files the mode loads; ``process``: bytes the process holds
-    before the model (default: this process, now)."""
+    bytes of the sketch/predictor files the mode loads (default: as the manifest names them);
+    ``process``: bytes the process holds before the model (default: this process, now)."""
     if base is None:
         base = read_base(manifest.resolve(model_dir, manifest.base.file))
+    if resident is None:
+        resident = resident_bytes(model_dir, manifest, mode)
     if n_ctx <= 0:
-        n_ctx = _context_length(manifest.resolve(model_dir, manifest.base.file)) or 4096
+        n_ctx = base.n_ctx_train or 4096
     parts = {
         "process": process_bytes() if process is None else process,
         "weights": base.per_token_weights + base.embedding_rows(n_ctx),
@@ -230,15 +233,12 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
     return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode)
 
 
-def _context_length(path) -> int | None:
-    g = _GGUF().lib
-    ctx = g.gguf_init_from_file(str(path).encode(), _GGUF.Params(True, None))
-    if not ctx:
-        return None
-    try:
-        k = g.gguf_find_key(ctx, b"general.architecture")
-        arch = g.gguf_get_val_str(ctx, k).decode() if k >= 0 else "llama"
-        k = g.gguf_find_key(ctx, f"{arch}.context_length".encode())
-        return g.gguf_get_val_u32(ctx, k) if k >= 0 else None
-    finally:
-        g.gguf_free(ctx)
+
+def resident_bytes(model_dir, manifest, mode: str) -> int:
+    """Bytes of the files the mode keeps in memory: its sketch and predictor files (0 in dense)."""
+    if mode == "dense":
+        return 0
+    from ._native import mode_uses
+
+    files = manifest.mode_files(model_dir, mode_uses(mode), mode)
+    return sum(manifest.resolve(model_dir, f).stat().st_size for f in (files.sketches or []) + (files.predictors or []))

@@ -33,6 +33,7 @@ def test_the_header_reader_agrees_with_gguf_py(tmp_path):
     assert (info.arch, info.n_layer, info.n_embd) == ("qwen2", 3, 64)
     assert info.n_vocab == len(r.fields["tokenizer.ggml.tokens"].data)
     assert info.kv_width == 3 * 2 * (16 + 16)          # layers x kv heads x (key + value head size)
+    assert info.n_ctx_train == r.fields["qwen2.context_length"].parts[-1][0]
     # an output matrix of its own: every tensor but the token embedding, whose rows are counted apart
     assert info.per_token_weights == sum(want.values()) - want["token_embd.weight"]
     assert 0 < info.embedding_rows(8) <= want["token_embd.weight"]
