@@ -58,12 +58,15 @@ def capture(src: str, token_lists: dict[str, list[int]], n_threads: int, chunk: 
 
 
 def sketch_scores(gate_rows, up_rows, x: np.ndarray, act) -> np.ndarray:
-    """[T, n_rows] |act(g~) u~| of the sketch rows (tests/reference.py's scorer, batched)."""
+    """[T, n_rows] |act(g~) u~| of the sketch rows (tests/reference.py's scorer, batched); with
+    up_rows None, |act(g~)| (the gate-only scorer)."""
     from tests.reference import dequantize_rows, round_x
 
     n = x.shape[1]
     xr = np.stack([round_x(v) for v in x]).astype(np.float32)
     g = xr @ dequantize_rows(gate_rows, n).T
+    if up_rows is None:
+        return np.abs(act(g))
     u = xr @ dequantize_rows(up_rows, n).T
     return np.abs(act(g) * u)
 

@@ -63,8 +63,8 @@ def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
     """A memory budget one block short of the whole FFN (plus what the sketch takes). With a budget
     that holds everything, layers become resident for good after the first prefill and select
     from the exact h of every block, which is better than the sketch's candidates that every
-    smaller budget uses; one block short, every op selects through the sketch, so the table
-    holds for any budget."""
+    smaller budget uses; one block short (and with no hot set, calibrate's runs), every op
+    selects through the sketch's candidates, so the table holds for any budget."""
     llm = Llama(str(out), mode="leanstream", _manifest=manifest, **kw)
     try:
         eng = llm._engine
@@ -102,7 +102,10 @@ def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_
     budget = _sketch_budget(Llama, out, manifest, kw)
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
-        llm = Llama(str(out), mode="leanstream", sparsity=s, memory_budget=budget, _manifest=manifest, **kw)
+        # no hot set: hot blocks are always candidates (scored exactly, their rows are resident),
+        # which selects better than the sketch alone; the table holds for the smallest hot set
+        llm = Llama(str(out), mode="leanstream", sparsity=s, memory_budget=budget, hot_fraction=0.0,
+                    _manifest=manifest, **kw)
         try:
             per = {name: _score(llm, wr) for name, wr in domains.items()}
         finally:

@@ -159,7 +159,7 @@ def test_calibration_budget_selects_through_the_sketch(smollm2_sketch_dir):
     m = mf.load(d)
     kw = dict(n_ctx=64, n_batch=64, n_threads=2, verbose=False)
     budget = _sketch_budget(Llama, d, m, kw)
-    llm = Llama(str(d), mode="leanstream", sparsity=0.5, memory_budget=budget, **kw)
+    llm = Llama(str(d), mode="leanstream", sparsity=0.5, memory_budget=budget, hot_fraction=0.0, **kw)
     try:
         toks = llm.tokenize(b"The bridge was built of stone and iron over the river")
         llm.eval(toks[:8])
@@ -192,6 +192,61 @@ def test_budget_covers_the_sketch(smollm2_sketch_dir):
         assert eng.stats()["cache_capacity"] == ((need + 2 * stride - sketch) // stride) * stride
     with pytest.raises(LeanstreamError, match="sketches and predictors take"):
         _engine(d, memory_budget=sketch + stride)
+
+
+def test_hot_blocks_lose_their_sketch_rows(smollm2_sketch_dir):
+    """Under a budget, the hot set's blocks keep their exact gate/up rows resident, so their sketch
+    rows are dropped and the memory goes to more slots (numpy reference of the slot count: the
+    largest n, one short of every block, whose slots plus the sketch left after dropping the rows
+    of n slots' hot set fit); a dropped block scores +inf and is always a candidate, the other
+    blocks score as before and get the usual share of candidates, and the op's output is the
+    numpy FFN over the kept set."""
+    d = smollm2_sketch_dir
+    m = mf.load(d)
+    rank = np.load(m.resolve(d, m.block_freq_file())).astype(np.float32)
+    with _engine(d) as eng:
+        full = eng.sketch_scores(3, _inputs(m.n_embd, 1, seed=3)[0])
+    sketch = m.sketch.bytes
+    L0 = m.layers[0]
+    stride, nb, k = L0.block_stride, L0.n_blocks, m.block.k
+    total = nb * m.n_layer
+    budget = sketch + int(0.4 * total) * stride
+    sparsity, f = 0.5, 0.9
+    n_cand = int(lib.ls_candidate_blocks(nb, sparsity, 1.5))
+    per_block = 2 * skf.row_bytes(m.n_embd) * k
+    freed = np.concatenate([[0], np.cumsum(np.full(total, per_block, np.int64))])
+    hot_of = lambda n: max(0, min(int(np.floor(f * n)), n - 2 * n_cand))   # noqa: E731
+    n = (budget - sketch) // stride
+    while n + 1 <= total - 1 and (n + 1) * stride + sketch - freed[hot_of(n + 1)] <= budget:
+        n += 1
+    n_hot = hot_of(n)
+    assert n > (budget - sketch) // stride and n_hot > 0
+    with _engine(d, sparsity=sparsity, memory_budget=budget, hot_fraction=f, block_rank=rank) as eng:
+        st = eng.stats()
+        assert st["cache_capacity"] == n * stride and st["hot_blocks"] == n_hot
+        assert st["resident_bytes"] == sketch - n_hot * per_block
+        assert st["cache_capacity"] + st["resident_bytes"] <= budget
+        want_hot = np.zeros(rank.size, bool)
+        want_hot[np.argsort(-rank, axis=None, kind="stable")[:n_hot]] = True
+        want_hot = want_hot.reshape(rank.shape)
+        il = 3
+        x = _inputs(m.n_embd, 1, seed=3)[0]
+        sc = eng.sketch_scores(il, x)
+        assert np.array_equal(np.isinf(sc), want_hot[il]) and want_hot[il].any()
+        np.testing.assert_array_equal(sc[~want_hot[il]], full[~want_hot[il]])
+        w = ref.load_layer(m.resolve(d, m.layers[il].file))
+        y = eng.eval_layer(il, x[None], n_threads=2, x_res=x)
+        cand, kept = eng.last_candidates(il), eng.last_plan(il)
+        n_always = int(want_hot[il].sum())
+        assert len(cand) == min(nb, n_always + -(-n_cand * (nb - n_always) // nb))
+        assert set(np.flatnonzero(want_hot[il])) <= set(cand.tolist())
+        assert len(kept) == int(lib.ls_kept_blocks(nb, sparsity))
+        xr = ref.round_like_ggml(x, w.gate_type).astype(np.float64)
+        hb = np.abs(ref.act(w.gate.astype(np.float64) @ xr, m.activation) * (w.up.astype(np.float64) @ xr))[w.perm]
+        rest = np.setdiff1d(cand, kept)
+        assert hb[kept].min() >= hb[rest].max() - 1e-3 * hb.max()
+        want = ref.ffn_reference(w, x, activation=m.activation, neurons=w.perm[kept])[0]
+        np.testing.assert_allclose(y[0], want, rtol=0, atol=2e-3 * float(np.abs(want).max()))
 
 
 def test_corrupt_or_foreign_sketch_is_refused(smollm2_sketch_dir, tmp_path):

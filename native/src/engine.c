@@ -80,6 +80,73 @@ static ls_status pick_hot_set(ls_engine * e, const float * rank, int32_t working
     return st;
 }
 
+// Whether the hot set's blocks lose their sketch rows: a mode that selects through the sketch
+// and pins a ranked hot set.
+static bool drops_sketch_rows(const ls_engine * e, const ls_engine_params * p) {
+    if (!(e->policy->uses & LS_USES_SKETCH) || !(e->policy->hot_fraction > 0.0f) || !(e->params.hot_fraction > 0.0) || !p->block_rank)
+        return false;
+    for (int32_t il = 0; il < e->n_layers; il++) if (e->layers[il].sketch) return true;
+    return false;
+}
+
+// leanstream with a sketch: the hot set's blocks keep their exact gate/up rows resident, so
+// their sketch rows are dropped (ls_sketch_drop_blocks) and the memory they held goes to more
+// slots, which makes the hot set larger in turn. The largest slot count n whose slots plus the
+// sketches left after dropping the rows of the hot set that n slots give fits the budget (need(n)
+// grows with n: a block's sketch rows are smaller than its slot), found by bisection over the
+// ranking's prefix sums.
+static int64_t slots_with_dropped_rows(const ls_engine * e, const float * rank, int64_t n_slots, int32_t total_blocks,
+                                       uint64_t stride, uint64_t resident, uint64_t budget, int32_t working_set) {
+    int32_t * nb = malloc(sizeof(int32_t) * (size_t) e->n_layers);
+    int64_t * first = malloc(sizeof(int64_t) * (size_t) (e->n_layers + 1));
+    int32_t * order = NULL;
+    int64_t total = 0;
+    uint64_t * freed = NULL;
+    if (!nb || !first) goto done;
+    first[0] = 0;
+    for (int32_t il = 0; il < e->n_layers; il++) { nb[il] = e->layers[il].info.n_blocks; first[il + 1] = first[il] + nb[il]; }
+    if (ls_mode_rank_order(e->n_layers, nb, rank, &order, &total) != LS_OK) goto done;
+    freed = malloc(sizeof(uint64_t) * (size_t) (total + 1));   // freed[i]: sketch bytes of the i best-ranked blocks
+    if (!freed) goto done;
+    freed[0] = 0;
+    for (int64_t i = 0, il = 0; i < total; i++) {
+        const int64_t f = order[i];
+        for (il = 0; first[il + 1] <= f; il++) {}
+        const ls_layer * L = &e->layers[il];
+        freed[i + 1] = freed[i] + (L->sketch ? 2 * L->sketch->row_bytes * (uint64_t) L->info.neurons_per_block : 0);
+    }
+    // need(lo) <= budget holds (no rows dropped); at most one slot short of every block, so that
+    // the cache still evicts (a cache that holds every block keeps the whole sketch too)
+    int64_t lo = n_slots, hi = total_blocks - 1 > n_slots ? total_blocks - 1 : n_slots;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        const int64_t h = ls_hot_set_size((int32_t) mid, working_set, e->params.hot_fraction);
+        const uint64_t need = (uint64_t) mid * stride + resident - freed[h < total ? h : total];
+        if (need <= budget) lo = mid; else hi = mid - 1;
+    }
+    n_slots = lo;
+done:
+    free(nb); free(first); free(order); free(freed);
+    return n_slots;
+}
+
+// Drop the sketch rows of the hot set's blocks (the slots were sized for it, see above).
+static ls_status drop_hot_sketch_rows(ls_engine * e) {
+    uint64_t resident = 0;
+    for (int32_t il = 0; il < e->n_layers; il++) {
+        ls_layer * L = &e->layers[il];
+        if (L->sketch && L->hot) {
+            ls_status st = ls_sketch_drop_blocks(L->sketch, L->hot, L->info.neurons_per_block);
+            if (st != LS_OK) return st;
+            L->n_always = 0;
+            for (int32_t b = 0; b < L->info.n_blocks; b++) L->n_always += L->hot[b] != 0;
+        }
+        resident += (L->sketch ? L->sketch->bytes : 0) + predictor_bytes(L->pred);
+    }
+    e->resident_bytes = resident;
+    return LS_OK;
+}
+
 ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (!p || !out || p->n_layers <= 0 || !p->block_paths) { ls_set_error("ls_engine_create: bad arguments"); return LS_ERR_ARG; }
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("unknown activation %d", p->activation); return LS_ERR_ARG; }
@@ -167,6 +234,9 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
         e->resident_bytes = resident;
         if (p->memory_budget > 0 && p->memory_budget < (uint64_t) total_blocks * stride + resident) {
             n_slots = p->memory_budget > resident ? (int64_t) ((p->memory_budget - resident) / stride) : 0;
+            if (n_slots >= max_working_set && drops_sketch_rows(e, p))
+                n_slots = slots_with_dropped_rows(e, p->block_rank, n_slots, total_blocks, stride, resident,
+                                                  p->memory_budget, max_working_set);
         }
         if (n_slots < max_working_set && resident > 0 && p->memory_budget > 0) {
             ls_set_error("memory budget %llu bytes is too small: the sketches and predictors take %llu bytes and one "
@@ -221,6 +291,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     }
     // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
     if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
+    if (st == LS_OK && drops_sketch_rows(e, p) && !e->cache.never_evicts) st = drop_hot_sketch_rows(e);
     const ls_test_hook_values hooks = ls_test_hooks_now();
     if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, hooks);
     // the disk model: only a sparse mode under a budget reads blocks with gaps between them
@@ -371,6 +442,14 @@ ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * bl
     for (int32_t i = 0; i < n && st == LS_OK; i++) {
         if (blocks[i] < 0 || blocks[i] >= L->info.n_blocks) { ls_set_error("hot block %d out of range", blocks[i]); st = LS_ERR_ARG; }
         else if (!L->hot[blocks[i]]) { L->hot[blocks[i]] = 1; e->n_hot++; }
+    }
+    // a hot block is scored exactly: its sketch rows go (leanstream)
+    if (st == LS_OK && L->sketch && (e->policy->uses & LS_USES_SKETCH) && !e->cache.never_evicts) {
+        e->resident_bytes -= L->sketch->bytes;
+        st = ls_sketch_drop_blocks(L->sketch, L->hot, L->info.neurons_per_block);
+        e->resident_bytes += L->sketch->bytes;
+        L->n_always = 0;
+        for (int32_t b = 0; b < L->info.n_blocks; b++) L->n_always += L->hot[b] != 0;
     }
     pthread_mutex_unlock(&e->mu);
     return st;

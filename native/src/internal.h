@@ -47,10 +47,14 @@ typedef struct ls_sketch {
     int32_t         type;          // LS_SKETCH_LS2
     int64_t         n_rows;        // n_blocks * k, block file slot order
     uint64_t        row_bytes;
-    const uint8_t * gate, * up;    // [n_rows][row_bytes] each
-    const float *   weight;        // [n_rows] 1 or ||down column||; 0 for padding slots
-    uint8_t *       mem;           // the whole file
-    size_t          bytes;
+    const uint8_t * gate, * up;    // [n_stored][row_bytes] each
+    float *         weight;        // [n_rows] 1 or ||down column||; 0 for padding slots
+    int32_t *       row;           // [n_rows] stored row of slot r, -1: dropped (its block is in the
+                                   // hot set: scored exactly, an always-candidate); NULL: row r = r
+    int64_t         n_stored;      // rows still held
+    uint8_t *       mem;           // the file's header and rows (anonymous mapping of map_bytes)
+    size_t          map_bytes;
+    size_t          bytes;         // held: header + 2 * n_stored * row_bytes + the weights
 } ls_sketch;
 // Per-layer counters: each is a field of the public ls_stats of the same name (ls_engine_stats
 // sums them over layers); the list is written once, here.
@@ -96,6 +100,7 @@ typedef struct ls_layer {
     int32_t            n_last_plan;
     // exact-input selection (sketch.c, schedule.c)
     ls_sketch *        sketch;          // NULL: none (the layer selects by its predictor)
+    int32_t            n_always;        // hot blocks whose sketch rows were dropped: always candidates
     uint8_t *          spec;            // [n_blocks] 1: prefetched for this op (speculation recall)
     int32_t *          last_cand;       // [n_blocks] candidates of the last cascade op (gate/up computed)
     int32_t            n_last_cand;
@@ -251,6 +256,8 @@ ls_test_hook_values ls_test_hooks_now(void);
 ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
 int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
 // hot[il][b] = 1 for the n_hot best-ranked blocks of all layers (rank: layer after layer)
+// The flat indices (layer after layer) of all blocks, best-ranked first (ties: lower index first)
+ls_status   ls_mode_rank_order(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t ** order, int64_t * total);
 ls_status   ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
                              uint8_t ** hot);
 
@@ -303,7 +310,11 @@ ls_status   ls_sketch_load(const char * path, const ls_layer * L, ls_sketch ** o
 void        ls_sketch_free(ls_sketch * k);
 size_t      ls_sketch_xq_bytes(const ls_sketch * k, int64_t n_embd);
 void        ls_sketch_quantize_x(const ls_sketch * k, const float * x, void * xq, int64_t n_embd);
-// score[b] for blocks [b0, b1) of input xq (quantized by ls_sketch_quantize_x)
+// Drop the rows of the blocks with drop[b] != 0 (the hot set: their exact gate/up rows stay
+// resident, so the sketch need not score them) and give their memory back; idempotent.
+ls_status   ls_sketch_drop_blocks(ls_sketch * k, const uint8_t * drop, int32_t kk);
+// score[b] for blocks [b0, b1) of input xq (quantized by ls_sketch_quantize_x); a block whose
+// rows were dropped scores +inf (always a candidate)
 void        ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32_t act, int32_t kk,
                             int32_t b0, int32_t b1, float * score);
 

@@ -112,24 +112,38 @@ int32_t ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fractio
     return n < 0 ? 0 : (int32_t) n;
 }
 
-ls_status ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot, uint8_t ** hot) {
-    int64_t total = 0;
-    for (int32_t il = 0; il < n_layers; il++) total += n_blocks[il];
-    ranked * r = malloc(sizeof(ranked) * (size_t) (total > 0 ? total : 1));
-    if (!r) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    for (int64_t i = 0; i < total; i++) {
-        if (!isfinite(rank[i])) { free(r); ls_set_error("block rank %lld is not finite", (long long) i); return LS_ERR_ARG; }
+ls_status ls_mode_rank_order(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t ** order, int64_t * total) {
+    int64_t n = 0;
+    for (int32_t il = 0; il < n_layers; il++) n += n_blocks[il];
+    *order = NULL;
+    *total = n;
+    ranked * r = malloc(sizeof(ranked) * (size_t) (n > 0 ? n : 1));
+    int32_t * o = malloc(sizeof(int32_t) * (size_t) (n > 0 ? n : 1));
+    if (!r || !o) { free(r); free(o); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    for (int64_t i = 0; i < n; i++) {
+        if (!isfinite(rank[i])) { free(r); free(o); ls_set_error("block rank %lld is not finite", (long long) i); return LS_ERR_ARG; }
         r[i] = (ranked) { rank[i], (int32_t) i };
     }
-    qsort(r, (size_t) total, sizeof(ranked), by_rank);
+    qsort(r, (size_t) n, sizeof(ranked), by_rank);
+    for (int64_t i = 0; i < n; i++) o[i] = r[i].flat;
+    free(r);
+    *order = o;
+    return LS_OK;
+}
+
+ls_status ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot, uint8_t ** hot) {
+    int32_t * order;
+    int64_t total;
+    ls_status st = ls_mode_rank_order(n_layers, n_blocks, rank, &order, &total);
+    if (st != LS_OK) return st;
     // flat index -> (layer, block): mark the winners in a flat array, then walk it layer by layer
     uint8_t * flat = calloc((size_t) (total > 0 ? total : 1), 1);
-    if (!flat) { free(r); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    for (int64_t i = 0; i < n_hot && i < total; i++) flat[r[i].flat] = 1;
+    if (!flat) { free(order); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    for (int64_t i = 0; i < n_hot && i < total; i++) flat[order[i]] = 1;
     int64_t pos = 0;
     for (int32_t il = 0; il < n_layers; il++)
         for (int32_t b = 0; b < n_blocks[il]; b++, pos++) hot[il][b] = flat[pos];
     free(flat);
-    free(r);
+    free(order);
     return LS_OK;
 }

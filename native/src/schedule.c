@@ -66,10 +66,16 @@ ls_path ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens)
     return selects_by_sketch(e, L) ? LS_PATH_CASCADE : LS_PATH_PREDICTED;
 }
 
-// Blocks a sparse decode op pins: the candidates of a cascade, else the kept blocks.
+// Blocks a sparse decode op pins: the candidates of a cascade, else the kept blocks. A cascade's
+// hot blocks whose sketch rows were dropped are always candidates (their rows are resident, so
+// computing them exactly reads nothing); the other blocks get the usual share of candidates, so
+// that the blocks read per token stay what they were.
 static int32_t n_wanted(const ls_engine * e, const ls_layer * L) {
-    if (selects_by_sketch(e, L)) return ls_candidate_blocks(L->info.n_blocks, e->params.sparsity, e->params.candidate_ratio);
-    return n_kept(e, L);
+    if (!selects_by_sketch(e, L)) return n_kept(e, L);
+    const int32_t nb = L->info.n_blocks, nc = ls_candidate_blocks(nb, e->params.sparsity, e->params.candidate_ratio);
+    if (L->n_always == 0) return nc;
+    const int64_t n = L->n_always + ((int64_t) nc * (nb - L->n_always) + nb - 1) / nb;
+    return (int32_t) (n < nb ? n : nb);
 }
 
 static ls_status run_predictor(ls_engine * e, ls_layer * L, const float * x) {

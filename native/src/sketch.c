@@ -24,6 +24,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -43,7 +44,11 @@ ls_status ls_sketch_load(const char * path, const ls_layer * L, ls_sketch ** out
     ls_sketch * k = NULL;
     const ls_layer_info * in = &L->info;
     if ((uint64_t) st.st_size < SKETCH_HEADER) { ls_set_error("%s: too short for a sketch file", path); s = LS_ERR_FORMAT; goto fail; }
-    mem = malloc((size_t) st.st_size);
+    // an anonymous mapping, not malloc: dropping the hot set's rows (ls_sketch_drop_blocks) gives
+    // the tail back to the kernel, which free() of a heap chunk would not
+    size_t map_bytes = (size_t) st.st_size;
+    mem = mmap(NULL, map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) mem = NULL;
     if (!mem) { ls_set_error("%s: out of memory (%lld bytes)", path, (long long) st.st_size); s = LS_ERR_NOMEM; goto fail; }
     for (size_t got = 0; got < (size_t) st.st_size;) {
         ssize_t r = pread(fd, mem + got, (size_t) st.st_size - got, (off_t) got);
@@ -87,28 +92,71 @@ ls_status ls_sketch_load(const char * path, const ls_layer * L, ls_sketch ** out
     }
     if (ls_crc32c(0, mem + go, fs - go) != rd32(mem + 80)) { ls_set_error("%s: data checksum mismatch (corrupt file)", path); s = LS_ERR_CORRUPT; goto fail; }
     k = calloc(1, sizeof(*k));
-    if (!k) { ls_set_error("out of memory"); s = LS_ERR_NOMEM; goto fail; }
+    if (k) k->weight = malloc(sizeof(float) * (size_t) (n_rows > 0 ? n_rows : 1));
+    if (!k || !k->weight) { free(k); k = NULL; ls_set_error("out of memory"); s = LS_ERR_NOMEM; goto fail; }
+    memcpy(k->weight, mem + no, sizeof(float) * (size_t) n_rows);   // (the weights outlive dropped rows)
     k->type = type;
-    k->n_rows = (int64_t) n_rows;
+    k->n_rows = k->n_stored = (int64_t) n_rows;
     k->row_bytes = row_bytes;
     k->mem = mem;
+    k->map_bytes = map_bytes;
     k->bytes = (size_t) st.st_size;
     k->gate = mem + go;
     k->up = mem + uo;
-    k->weight = (const float *) (mem + no);
     close(fd);
     *out = k;
     return LS_OK;
 fail:
-    free(mem);
+    if (mem) munmap(mem, map_bytes);
     close(fd);
     return s;
 }
 
 void ls_sketch_free(ls_sketch * k) {
     if (!k) return;
-    free(k->mem);
+    if (k->mem) munmap(k->mem, k->map_bytes);
+    free(k->weight);
+    free(k->row);
     free(k);
+}
+
+ls_status ls_sketch_drop_blocks(ls_sketch * k, const uint8_t * drop, int32_t kk) {
+    int32_t * old = malloc(sizeof(int32_t) * (size_t) (k->n_rows > 0 ? k->n_rows : 1));   // row held before this call
+    if (!old) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    if (!k->row) {
+        k->row = malloc(sizeof(int32_t) * (size_t) (k->n_rows > 0 ? k->n_rows : 1));
+        if (!k->row) { free(old); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+        for (int64_t r = 0; r < k->n_rows; r++) k->row[r] = (int32_t) r;
+    }
+    int64_t n = 0;
+    for (int64_t r = 0; r < k->n_rows; r++) {
+        old[r] = k->row[r];
+        if (old[r] >= 0 && drop[r / kk]) k->row[r] = -1;
+        else if (old[r] >= 0) k->row[r] = (int32_t) n++;
+    }
+    // compact in place: gate rows to the front, then the up rows after them. Every row moves to
+    // a lower address than it had and the slots go in order, so no row is overwritten before it
+    // has moved; the gate pass writes below the old up rows.
+    const size_t rb = k->row_bytes;
+    uint8_t * gate = k->mem + SKETCH_HEADER, * up = gate + (size_t) n * rb;
+    const uint8_t * up_old = k->up;
+    for (int64_t r = 0; r < k->n_rows; r++)
+        if (k->row[r] >= 0 && k->row[r] != old[r]) memmove(gate + (size_t) k->row[r] * rb, gate + (size_t) old[r] * rb, rb);
+    for (int64_t r = 0; r < k->n_rows; r++)
+        if (k->row[r] >= 0) memmove(up + (size_t) k->row[r] * rb, up_old + (size_t) old[r] * rb, rb);
+    free(old);
+    k->gate = gate;
+    k->up = up;
+    k->n_stored = n;
+    // give the pages past the rows back
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE), used = SKETCH_HEADER + 2 * (size_t) n * rb;
+    const size_t keep = (used + page - 1) / page * page;
+    if (keep < k->map_bytes) {
+        munmap(k->mem + keep, k->map_bytes - keep);
+        k->map_bytes = keep;
+    }
+    k->bytes = used + sizeof(float) * (size_t) k->n_rows;
+    return LS_OK;
 }
 
 // x quantized for LS2 dot products: int8 x8[n], then per group of 32: float dx, float 1.5*dx*sum(x8)
@@ -177,14 +225,16 @@ void ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32
         float s = 0.0f;
         for (int32_t j = 0; j < kk; j++) {
             const int64_t r = (int64_t) b * kk + j;
+            const int64_t q = k->row ? k->row[r] : r;
+            if (q < 0) { s = INFINITY; break; }   // dropped: the block is hot, always a candidate
             const float w = k->weight[r];
             if (w == 0.0f) continue;   // padding slot
-            if (r + 4 < k->n_rows) {
-                __builtin_prefetch(k->gate + (size_t) (r + 4) * k->row_bytes);
-                __builtin_prefetch(k->up + (size_t) (r + 4) * k->row_bytes);
+            if (q + 4 < k->n_stored) {
+                __builtin_prefetch(k->gate + (size_t) (q + 4) * k->row_bytes);
+                __builtin_prefetch(k->up + (size_t) (q + 4) * k->row_bytes);
             }
-            const float g = ls2_dot(k->gate + (size_t) r * k->row_bytes, x8, dx, xo, n_embd);
-            const float u = ls2_dot(k->up + (size_t) r * k->row_bytes, x8, dx, xo, n_embd);
+            const float g = ls2_dot(k->gate + (size_t) q * k->row_bytes, x8, dx, xo, n_embd);
+            const float u = ls2_dot(k->up + (size_t) q * k->row_bytes, x8, dx, xo, n_embd);
             s += fabsf(ls_act(act, g) * u) * w;
         }
         score[b] = s;
