@@ -18,7 +18,10 @@ the policy's most valuable parts of what it held and what was read): bytes read 
   belady     keeps the parts needed soonest (needs the future: the lower bound)
 
 Prints one JSON object: per cache size and policy the MB read per decoded token and its ratio to
-Belady's, and the MB a token needs.
+Belady's, and the MB a token needs; and what the disk would read for those misses with the
+engine's read rule (gaps up to --bridge-bytes read through, reads cut at 256 KiB; "parts" as a
+split block file would lay them out: every gate/up row of a layer, then every down column), next
+to dense mode's reads at the same cache (a fixed prefix of the scan cached).
 """
 
 from __future__ import annotations
@@ -33,12 +36,33 @@ import numpy as np
 POLICIES = ("lru", "frequency", "reuse", "belady")
 
 
-def replay(needs: list[np.ndarray], size: np.ndarray, capacity: float, policy: str, n_calib: int) -> float:
+def disk_reads(ids: np.ndarray, offset: np.ndarray, size: np.ndarray, file_of: np.ndarray, bridge: float,
+               max_read: float = 256 << 10) -> tuple[int, float]:
+    """(reads, bytes read) of the engine's read rule (native/src/io.c) for the part ids a token
+    misses, with part p at byte offset[p] of file file_of[p]: a read goes on through a gap of
+    unselected bytes no longer than bridge, within one file, and is cut every max_read bytes
+    (the 64-piece limit is left out: at these sizes max_read binds first)."""
+    if ids.size == 0:
+        return 0, 0.0
+    ids = np.sort(ids)
+    start, end = offset[ids], offset[ids] + size[ids]
+    gap = start[1:] - end[:-1]
+    cut = np.flatnonzero((gap > bridge) | (file_of[ids][1:] != file_of[ids][:-1]))
+    first = np.concatenate([[0], cut + 1])
+    last = np.concatenate([cut, [ids.size - 1]])
+    span = end[last] - start[first]
+    return int(np.ceil(span / max_read).sum()), float(span.sum())
+
+
+def replay(needs: list[np.ndarray], size: np.ndarray, capacity: float, policy: str, n_calib: int,
+           disk=None):
     """Bytes read per token over tokens [n_calib, T) of needs (part ids per token; size: bytes per
     part id) through a cache of capacity bytes run from token 0 (the calibration half warms it).
     A token reads the parts it needs that are not cached; after it, the cache holds the most
     valuable parts of what it held and what the token read, by the policy's value, as many as fit
-    (a part may be read and not kept: with that choice Belady is the lower bound)."""
+    (a part may be read and not kept: with that choice Belady is the lower bound).
+    disk: (offset, file_of, bridge) of the parts on disk: returns (bytes needed, bytes read,
+    reads) per token instead, the reads by disk_reads."""
     n_parts, T = size.size, len(needs)
     in_cache = np.zeros(n_parts, bool)
     last = np.full(n_parts, -1, np.int64)
@@ -49,11 +73,16 @@ def replay(needs: list[np.ndarray], size: np.ndarray, capacity: float, policy: s
     for t in range(n_calib):
         freq[needs[t]] += 1
     coef = _fit_reuse(needs[:n_calib], n_parts) if policy == "reuse" else None
-    read = 0.0
+    read = disk_bytes = n_reads = 0.0
     for t in range(T):
         need = needs[t]
         if t >= n_calib:
-            read += float(size[need[~in_cache[need]]].sum())
+            miss = need[~in_cache[need]]
+            read += float(size[miss].sum())
+            if disk is not None:
+                r, b = disk_reads(miss, disk[0], size, disk[1], disk[2])
+                n_reads += r
+                disk_bytes += b
         seen = last[need] >= 0
         g = np.where(seen, t - last[need], 0.0)
         gap2[need] = np.where(seen, gap1[need], gap2[need])
@@ -80,7 +109,8 @@ def replay(needs: list[np.ndarray], size: np.ndarray, capacity: float, policy: s
         keep = order[: int(np.searchsorted(np.cumsum(size[order]), capacity, side="right"))]
         in_cache[:] = False
         in_cache[keep] = True
-    return read / max(1, T - n_calib)
+    n = max(1, T - n_calib)
+    return (read / n, disk_bytes / n, n_reads / n) if disk is not None else read / n
 
 
 def _next_uses(needs: list[np.ndarray], n_parts: int) -> list[np.ndarray]:
@@ -125,13 +155,14 @@ def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_
     ffn = sum(e.n_blocks * e.block_stride for e in m.layers)
     resident = (m.sketch.bytes if m.sketch else 0)
     llm = Llama(model_dir, mode="leanstream", sparsity=sparsity, candidate_ratio=candidate_ratio,
-                memory_budget=int(0.95 * ffn) + resident, n_ctx=max(512, n_tokens + 8), n_threads=2, verbose=False)
+                memory_budget=int(0.95 * ffn) + resident, hot_fraction=0.0, n_ctx=max(512, n_tokens + 8), n_threads=2,
+                verbose=False)
     try:
         e = llm.engine
         infos = [e.layer_info(il) for il in range(e.n_layers)]
-        offs, sizes = [], []
+        offs, sizes, where, files = [], [], [], []
         off = 0
-        for info in infos:
+        for il, info in enumerate(infos):
             k, n_embd, nb = info["neurons_per_block"], info["n_embd"], info["n_blocks"]
 
             def row(t):
@@ -146,7 +177,11 @@ def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_
             else:   # part ids: [gate/up of blocks 0..nb) then [down of blocks 0..nb)
                 sizes.append(np.concatenate([np.full(nb, gu, float), np.full(nb, dn, float)]))
                 off += 2 * nb
-        size = np.concatenate(sizes)
+            # on disk: blocks in file order; parts as a split file would hold them (the gate/up
+            # rows of every block, then the down columns)
+            where.append(np.concatenate([[0.0], np.cumsum(sizes[-1])[:-1]]))
+            files.append(np.full(sizes[-1].size, il))
+        size, offset, file_of = np.concatenate(sizes), np.concatenate(where), np.concatenate(files)
         toks = llm.tokenize(text.encode())[: n_tokens + 1]
         llm.reset()
         llm.eval(toks[:1])
@@ -161,7 +196,7 @@ def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_
             needs.append(np.unique(np.concatenate(per)).astype(np.int64))
     finally:
         llm.close()
-    return needs, size
+    return needs, size, offset, file_of
 
 
 def main() -> int:
@@ -172,21 +207,33 @@ def main() -> int:
     ap.add_argument("--candidate-ratio", type=float, default=1.5)
     ap.add_argument("--cache-mb", type=float, nargs="+", default=[200, 265, 450])
     ap.add_argument("--granularity", choices=("parts", "blocks"), default="parts")
+    ap.add_argument("--bridge-bytes", type=int, default=24 << 10,
+                    help="the read rule's longest bridged gap (the engine measures c*B at start: 22-30 KiB on the "
+                         "disk the project measured on)")
     ap.add_argument("--text", default=None, help="held-out text (default: the bench's bundled text)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from leanstream_ggml.harness.bench import DEFAULT_TEXT
 
     text = Path(a.text or DEFAULT_TEXT).read_text(encoding="utf-8")
-    needs, size = record(a.model_dir, text, a.tokens, a.sparsity, a.candidate_ratio, a.granularity)
+    needs, size, offset, file_of = record(a.model_dir, text, a.tokens, a.sparsity, a.candidate_ratio, a.granularity)
     n_calib = len(needs) // 2
     need_mb = float(np.mean([size[n].sum() for n in needs[n_calib:]])) / 1e6
+    disk = (offset, file_of, float(a.bridge_bytes))
+    everything = np.arange(size.size)
     rows = []
     for c in a.cache_mb:
-        got = {p: replay(needs, size, c * 1e6, p, n_calib) / 1e6 for p in POLICIES}
-        rows.append({"cache_mb": c, **{f"{p}_mb_per_token": round(v, 2) for p, v in got.items()},
-                     **{f"{p}_vs_belady": round(v / got["belady"], 3) if got["belady"] else None
-                        for p, v in got.items() if p != "belady"}})
+        got = {p: replay(needs, size, c * 1e6, p, n_calib, disk=disk) for p in POLICIES}
+        # dense mode: every part, a fixed prefix of the scan cached (what the engine pins)
+        prefix = everything[np.cumsum(size) > c * 1e6]
+        d_reads, d_bytes = disk_reads(prefix, offset, size, file_of, float(a.bridge_bytes))
+        rows.append({"cache_mb": c, **{f"{p}_mb_per_token": round(v[0] / 1e6, 2) for p, v in got.items()},
+                     **{f"{p}_vs_belady": round(v[0] / got["belady"][0], 3) if got["belady"][0] else None
+                        for p, v in got.items() if p != "belady"},
+                     # what the disk reads for those misses (bridged gaps included) and in how many reads
+                     **{f"{p}_disk_mb_per_token": round(v[1] / 1e6, 1) for p, v in got.items()},
+                     **{f"{p}_reads_per_token": int(v[2]) for p, v in got.items()},
+                     "dense_disk_mb_per_token": round(d_bytes / 1e6, 1), "dense_reads_per_token": d_reads})
     out = {"model": a.model_dir, "tokens": len(needs), "scored_tokens": len(needs) - n_calib, "sparsity": a.sparsity,
            "candidate_ratio": a.candidate_ratio, "granularity": a.granularity, "needed_mb_per_token": round(need_mb, 2),
            "rows": rows}

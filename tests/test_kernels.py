@@ -93,14 +93,15 @@ def test_prefill_tile_covers_widths_not_a_multiple_of_its_block(tmp_path, isa):
     assert np.abs(y - want).max() <= 1e-3 * np.abs(want).max() + 1e-5, isa
 
 
-@pytest.fixture(scope="module")
-def sketched(tmp_path_factory):
-    """A Q4_K layer converted with the sketch (leanstream mode), no calibration."""
+@pytest.fixture(scope="module", params=["q8_0", "q6_k"])
+def sketched(request, tmp_path_factory):
+    """A Q4_K layer converted with the sketch (leanstream mode), no calibration; its down columns
+    in Q8_0 or Q6_K (each added in place by its own kernel)."""
     from converters.stages import convert_model
 
     d = tmp_path_factory.mktemp("ks")
     write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=CASES["q4_K"], seed=6)
-    m = convert_model(d / "m.gguf", d / "lsm", calibrate=False, progress=False)
+    m = convert_model(d / "m.gguf", d / "lsm", calibrate=False, progress=False, down_type=request.param)
     return m.resolve(d / "lsm", m.layers[0].file), m.resolve(d / "lsm", m.sketch_files()[0])
 
 
@@ -126,6 +127,25 @@ def test_split_layout_cascade_matches_reference(sketched, isa):
             h = np.abs(act(w.gate.astype(np.float64) @ xr, "silu") * (w.up.astype(np.float64) @ xr))[w.perm]
             rest = np.setdiff1d(np.arange(nb), kept)
             assert h[kept].min() >= h[rest].max() - 1e-3 * h.max()
+
+
+def test_streamed_cascade_matches_reference(sketched, isa):
+    """Under a budget (blocks streamed, the plain layout) the cascade's down pass adds the kept
+    columns in place: the FFN over the kept blocks."""
+    path, sketch = sketched
+    w = load_layer(path)
+    rng = np.random.default_rng(5)
+    with FFNEngine([path], mode="leanstream", sketch_paths=[sketch], sparsity=0.5) as e0:
+        info = e0.layer_info(0)
+        budget = e0.stats()["resident_bytes"] + (info["n_blocks"] - 1) * info["block_stride"]
+    with FFNEngine([path], mode="leanstream", sketch_paths=[sketch], sparsity=0.5, memory_budget=budget) as e:
+        for _ in range(3):
+            x = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+            y = e.eval_layer(0, x, n_threads=2, x_res=x)
+            kept = e.last_plan(0)
+            want = ffn_reference(w, x, neurons=w.perm[kept])
+            assert np.abs(y - want).max() <= 2e-3 * np.abs(want).max() + 1e-5, isa
+        assert e.layer_info(0)["split_layout"] == 0
 
 
 @pytest.mark.parametrize("n,threads", [(64 * 1024, 1), (3 * 64 * 1000, 3), (1000, 2)])

@@ -64,3 +64,57 @@ def test_replay_matches_the_reference_and_belady_bounds_every_policy(seed):
     want = sum(size[p] for p in first_in_scored) / (len(needs) - n_calib)
     for p in replay_eviction.POLICIES:
         assert replay_eviction.replay(needs, size, everything, p, n_calib) == pytest.approx(want)
+
+
+def _disk_reference(ids, offset, size, file_of, bridge, max_read):
+    reads, total = 0, 0.0
+    cur = None   # [file, start, end]
+    for p in sorted(ids.tolist()):
+        if cur is not None and file_of[p] == cur[0] and offset[p] - cur[2] <= bridge:
+            cur[2] = offset[p] + size[p]
+            continue
+        if cur is not None:
+            reads += int(np.ceil((cur[2] - cur[1]) / max_read))
+            total += cur[2] - cur[1]
+        cur = [file_of[p], offset[p], offset[p] + size[p]]
+    if cur is not None:
+        reads += int(np.ceil((cur[2] - cur[1]) / max_read))
+        total += cur[2] - cur[1]
+    return reads, total
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_disk_reads_bridge_gaps_within_a_file(seed):
+    rng = np.random.default_rng(seed)
+    size = rng.integers(1, 6, 400).astype(float)
+    file_of = np.repeat(np.arange(4), 100)
+    offset = np.concatenate([np.concatenate([[0.0], np.cumsum(size[f * 100:(f + 1) * 100])[:-1]]) for f in range(4)])
+    for density in (0.05, 0.3, 0.8):
+        ids = np.flatnonzero(rng.random(400) < density)
+        for bridge in (0.0, 4.0, 20.0):
+            got = replay_eviction.disk_reads(ids, offset, size, file_of, bridge, max_read=16.0)
+            assert got == pytest.approx(_disk_reference(ids, offset, size, file_of, bridge, 16.0))
+    # every part of one file, no gaps: one span, the file's bytes
+    ids = np.arange(100)
+    assert replay_eviction.disk_reads(ids, offset, size, file_of, 0.0, max_read=1e9) == (1, size[:100].sum())
+
+
+def test_replay_on_smollm2_reports_disk_reads(smollm2_sketch_dir, tmp_path):
+    """The script end to end on the real SmolLM2: the engine's own needs, every policy within
+    Belady's bound, and the disk reading at least what it misses (bridged gaps on top)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "replay.json"
+    subprocess.run([sys.executable, str(bench_modules.BENCH / "replay_eviction.py"), str(smollm2_sketch_dir),
+                    "--tokens", "24", "--cache-mb", "10", "30", "--out", str(out)], check=True,
+                   capture_output=True, timeout=600)
+    got = json.loads(out.read_text())
+    assert got["needed_mb_per_token"] > 0 and len(got["rows"]) == 2
+    for r in got["rows"]:
+        for p in ("lru", "frequency", "reuse"):
+            assert r["belady_mb_per_token"] <= r[f"{p}_mb_per_token"] + 1e-6
+        for p in replay_eviction.POLICIES:
+            assert r[f"{p}_disk_mb_per_token"] >= r[f"{p}_mb_per_token"] - 0.1
+        assert r["dense_disk_mb_per_token"] > 0 and r["dense_reads_per_token"] > 0

@@ -327,6 +327,8 @@ void        ls_dequant_q8_0(float * out, const ls_block_q8_0 * col, int64_t n);
 void        ls_dequant_q6_K(float * out, const uint8_t * col, int64_t n);
 // acc[0..n) += sum_{j<m} h[j] * dequant(cols[j]) (Q8_0 columns, read in place)
 void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
+// the same for m Q6_K columns (n % 256 == 0), added in place
+void        ls_axpy_q6_K_multi(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t n);
 // acc[t] += sum_j h[j][t] * cols[j] for T token rows (f32 columns staged in a tile)
 void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd);
 // gate and up of one neuron in one pass: *ra = a . x, *rb = b . x for Q4_K rows a, b (n values)

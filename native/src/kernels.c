@@ -652,6 +652,54 @@ void ls_dequant_q6_K(float * restrict out, const uint8_t * restrict col, int64_t
     }
 }
 
+// acc[0, n) += sum_j h[j] * column j, m Q6_K columns added in place (no f32 staging): 8 columns
+// per pass over the output, 32 outputs in registers while each column's 32 values are unpacked
+// (as ls_dequant_q6_K does) and added with the factor h * d * scale of their group of 16; the
+// next 8 columns are prefetched a line per column and step.
+void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * const * cols, int m, int64_t n) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
+    for (int j0 = 0; j0 < m; j0 += 8) {
+        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const uint8_t * const * nx = cols + j0 + 8;
+        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        for (int64_t b = 0; b < n / 256; b++) {
+            float hd[8];   // h * d of each column's super-block
+            for (int j = 0; j < mj; j++) {
+                uint16_t dh;
+                memcpy(&dh, cols[j0 + j] + b * LS_Q6_K_BYTES + 208, 2);
+                hd[j] = h[j0 + j] * f16_to_f32(dh);
+            }
+            for (int half = 0; half < 2; half++) {
+                for (int seg = 0; seg < 4; seg++) {   // values 128 half + 32 seg .. + 31
+                    for (int j = 0; j < n_next; j++)
+                        _mm_prefetch((const char *) (nx[j] + b * LS_Q6_K_BYTES + (half * 4 + seg) * 26), _MM_HINT_T0);
+                    float * a = acc + b * 256 + half * 128 + seg * 32;
+                    __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8);
+                    __m256 v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
+                    for (int j = 0; j < mj; j++) {
+                        const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
+                        const uint8_t * ql = blk + half * 64, * qh = blk + 128 + half * 32;
+                        const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
+                        const __m256i l = _mm256_loadu_si256((const __m256i *) (ql + (seg & 1) * 32));
+                        const __m256i hh = _mm256_loadu_si256((const __m256i *) qh);
+                        const __m256i lo = seg < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hh, _mm_cvtsi32_si128(2 * seg)), m2), 4);
+                        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), m32);
+                        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                        const __m256 f0 = _mm256_set1_ps(hd[j] * (float) sc[0]), f1 = _mm256_set1_ps(hd[j] * (float) sc[1]);
+                        v0 = _mm256_fmadd_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), v0);
+                        v1 = _mm256_fmadd_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), v1);
+                        v2 = _mm256_fmadd_ps(f1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), v2);
+                        v3 = _mm256_fmadd_ps(f1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), v3);
+                    }
+                    _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1);
+                    _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
+                }
+            }
+        }
+    }
+}
+
 void ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd) {
     axpy_tile_impl(acc, h, cols, n_staged, T, n_embd);
 }

@@ -96,7 +96,16 @@ static const uint8_t * ready_block(ls_engine * e, ls_layer * L, int32_t b, uint6
     return blk;
 }
 
-static void flush(float * acc, const float * h, const float * cols, const ls_block_q8_0 * const * qcols,
+// Q8_0 and Q6_K columns are added in place by their own kernels (few tokens); the others are
+// staged as f32 first
+static inline bool adds_in_place(int32_t down_type) { return down_type == GGML_TYPE_Q8_0 || down_type == GGML_TYPE_Q6_K; }
+
+static inline void axpy_in_place(int32_t down_type, float * acc, const float * h, const uint8_t * const * cols, int m, int64_t n) {
+    if (down_type == GGML_TYPE_Q6_K) ls_axpy_q6_K_multi(acc, h, cols, m, n);
+    else ls_axpy_q8_0_multi(acc, h, (const ls_block_q8_0 * const *) cols, m, n);
+}
+
+static void flush(float * acc, const float * h, const float * cols, const uint8_t * const * qcols, int32_t down_type,
                   int n_staged, int64_t T, int64_t n_embd, bool direct) {
     if (n_staged == 0) return;
     if (!direct) {
@@ -106,7 +115,7 @@ static void flush(float * acc, const float * h, const float * cols, const ls_blo
     float hs[LS_TILE_MAX];
     for (int64_t t = 0; t < T; t++) {
         for (int j = 0; j < n_staged; j++) hs[j] = h[(size_t) j * T + t];
-        ls_axpy_q8_0_multi(acc + (size_t) t * n_embd, hs, qcols, n_staged, n_embd);
+        axpy_in_place(down_type, acc + (size_t) t * n_embd, hs, qcols, n_staged, n_embd);
     }
 }
 
@@ -232,7 +241,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
-    const bool direct = in->down_type == GGML_TYPE_Q8_0 && T < 4;
+    const bool direct = adds_in_place(in->down_type) && T < 4;
     // the next block's bytes fetched while one computes (a split layer: its gate/up rows; the
     // down columns are fetched when staged)
     const uint64_t next_bytes = L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload;
@@ -241,7 +250,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     float * h    = work;                          // [tile][Tc]     act(g)*u per staged neuron
     float * cols = work + (size_t) tile * T;      // [tile][n_embd] dequantized down columns
     float * gu_tmp = cols + (size_t) tile * n_embd; // [2][Tc] gate and up values of one neuron
-    const ls_block_q8_0 * qcols[LS_TILE_MAX]; // direct mode: staged int8 columns
+    const uint8_t * qcols[LS_TILE_MAX];   // direct mode: the staged columns themselves
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
     const int32_t s0 = share_lo(lo, hi, ith, nth), s1 = share_lo(lo, hi, ith + 1, nth);
@@ -255,7 +264,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         float * acc_c = acc + (size_t) t0 * n_embd;
         for (int32_t i = s0; i < s1; i++) {
             if (n_staged + k > tile) {
-                flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
+                flush(acc_c, h, cols, qcols, in->down_type, n_staged, Tc, n_embd, direct);
                 n_staged = 0;
             }
             const int32_t b = P->blocks[i];
@@ -283,7 +292,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
                     }
                 }
                 const uint8_t * col = down + j * L->down_col_bytes;
-                if (direct) qcols[n_staged++] = (const ls_block_q8_0 *) col;   // decode: the int8 column itself
+                if (direct) qcols[n_staged++] = col;   // decode: the quantized column itself
                 else stage_column(in, col, cols + (size_t) n_staged++ * n_embd);
             }
             if (t0 == 0) {
@@ -291,7 +300,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
                 bytes_computed += in->block_payload;
             }
         }
-        flush(acc_c, h, cols, qcols, n_staged, Tc, n_embd, direct);
+        flush(acc_c, h, cols, qcols, in->down_type, n_staged, Tc, n_embd, direct);
         n_staged = 0;
     }
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
@@ -392,12 +401,12 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, k = in->neurons_per_block, tile = tile_of(k);
     const int32_t q0 = share_lo(0, P->n_sel, ith, nth), q1 = share_lo(0, P->n_sel, ith + 1, nth);
-    if (in->down_type == GGML_TYPE_Q8_0) {
-        // Q8_0 columns: this thread's share of the kept entries (a contiguous range, in plan
-        // order) as one list, accumulated in one call that fetches each group of 8 columns while
-        // it computes the one before
+    if (adds_in_place(in->down_type)) {
+        // Q8_0 / Q6_K columns: this thread's share of the kept entries (a contiguous range, in
+        // plan order) as one list, accumulated in one call that fetches each group of 8 columns
+        // while it computes the one before
         float * dh = P->dh + (size_t) q0 * k;
-        const ls_block_q8_0 ** dc = (const ls_block_q8_0 **) (P->dcols + (size_t) q0 * k);
+        const uint8_t ** dc = (const uint8_t **) (P->dcols + (size_t) q0 * k);
         int m = 0;
         for (int32_t q = q0; q < q1; q++) {
             const int32_t i = P->sel[q], b = P->blocks[i];
@@ -405,11 +414,11 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
             for (int64_t j = 0; j < k; j++) {
                 if (L->perm[(size_t) b * k + j] < 0) continue;
                 dh[m] = P->hval[(size_t) i * k + j];
-                dc[m++] = (const ls_block_q8_0 *) (down + j * L->down_col_bytes);
+                dc[m++] = down + j * L->down_col_bytes;
             }
         }
-        for (int j = 0; j < m && j < 8; j++) prefetch_bytes((const uint8_t *) dc[j], L->down_col_bytes);
-        if (m) ls_axpy_q8_0_multi(acc, dh, dc, m, n_embd);
+        for (int j = 0; j < m && j < 8; j++) prefetch_bytes(dc[j], L->down_col_bytes);
+        if (m) axpy_in_place(in->down_type, acc, dh, dc, m, n_embd);
         return;
     }
     float * h = work, * cols = work + tile;   // other column types: staged as f32 in tiles

@@ -26,25 +26,38 @@ void ls_layer_split(ls_engine * e, ls_layer * L) {
     const uint64_t stride = e->cache.stride;
     const size_t gu = (size_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
     const size_t dn = (size_t) L->info.neurons_per_block * L->down_col_bytes;
-    const int32_t gpp = (int32_t) (stride / gu), dpp = (int32_t) (stride / dn);   // parts per slot
-    if (gpp < 1 || dpp < 1) return;
-    const int32_t n_gu_slots = (nb + gpp - 1) / gpp, n_dn_slots = (nb + dpp - 1) / dpp;
-    if (n_gu_slots + n_dn_slots > nb) return;   // the parts do not fit the layer's slots
     int32_t * slots = malloc(sizeof(int32_t) * (size_t) nb);
+    if (!slots) return;
+    for (int32_t b = 0; b < nb; b++) slots[b] = L->slot_of_block[b];
+    qsort(slots, (size_t) nb, sizeof(int32_t), cmp_i32);   // by address: the parts stream in order
+    // slots in one range (a cache that never evicts hands them out in order): the layer's memory
+    // is one run of nb * stride bytes, and the parts are packed back to back across slot bounds;
+    // else whole parts per slot, which needs a slot to hold two parts of one kind (not the case
+    // for Q4_K rows with Q6_K columns: 1728 + 1260 bytes in 3072-byte slots)
+    bool one_range = true;
+    for (int32_t b = 1; b < nb && one_range; b++) one_range = slots[b] == slots[b - 1] + 1;
+    const int32_t gpp = (int32_t) (stride / gu), dpp = (int32_t) (stride / dn);   // parts per slot
+    const int32_t n_gu_slots = gpp > 0 ? (nb + gpp - 1) / gpp : nb + 1, n_dn_slots = dpp > 0 ? (nb + dpp - 1) / dpp : nb + 1;
+    if (!one_range && n_gu_slots + n_dn_slots > nb) { free(slots); return; }   // the parts do not fit the layer's slots
     uint8_t * tmp = malloc((size_t) nb * (gu + dn));
     const uint8_t ** gp = malloc(sizeof(*gp) * (size_t) nb);
     const uint8_t ** dp = malloc(sizeof(*dp) * (size_t) nb);
-    if (!slots || !tmp || !gp || !dp) { free(slots); free(tmp); free(gp); free(dp); return; }   // stays unsplit
+    if (!tmp || !gp || !dp) { free(slots); free(tmp); free(gp); free(dp); return; }   // stays unsplit
     for (int32_t b = 0; b < nb; b++) {
-        slots[b] = L->slot_of_block[b];
-        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, slots[b]);
+        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
         memcpy(tmp + (size_t) b * gu, blk, gu);
         memcpy(tmp + (size_t) nb * gu + (size_t) b * dn, blk + gu, dn);
     }
-    qsort(slots, (size_t) nb, sizeof(int32_t), cmp_i32);   // by address: the parts stream in order
+    uint8_t * base = ls_cache_slot_ptr(&e->cache, slots[0]);
     for (int32_t b = 0; b < nb; b++) {
-        uint8_t * g = ls_cache_slot_ptr(&e->cache, slots[b / gpp]) + (size_t) (b % gpp) * gu;
-        uint8_t * d = ls_cache_slot_ptr(&e->cache, slots[n_gu_slots + b / dpp]) + (size_t) (b % dpp) * dn;
+        uint8_t * g, * d;
+        if (one_range) {
+            g = base + (size_t) b * gu;
+            d = base + (size_t) nb * gu + (size_t) b * dn;
+        } else {
+            g = ls_cache_slot_ptr(&e->cache, slots[b / gpp]) + (size_t) (b % gpp) * gu;
+            d = ls_cache_slot_ptr(&e->cache, slots[n_gu_slots + b / dpp]) + (size_t) (b % dpp) * dn;
+        }
         memcpy(g, tmp + (size_t) b * gu, gu);
         memcpy(d, tmp + (size_t) nb * gu + (size_t) b * dn, dn);
         gp[b] = g;
