@@ -256,9 +256,11 @@ def register(subparsers) -> None:
     p.add_argument("--k", type=int, default=None, help="neurons per block (default 1)")
     p.add_argument("--align", type=int, default=None,
                    help="block alignment in bytes (default: logical block size of the output device, >= 512)")
-    p.add_argument("--down-type", choices=["q8_0", "q6_k", "q5_k"], default=None,
-                   help="format of the ffn_down columns of a quantized model (default q8_0, 8.5 bits; q6_k / "
-                        "q5_k: 6.56 / 5.5 bits for a larger requantization error; need n_embd a multiple of 256)")
+    p.add_argument("--down-type", choices=["auto", "q8_0", "q6_k", "q5_k"], default=None,
+                   help="format of the ffn_down columns of a quantized model: q8_0 (8.5 bits), q6_k / q5_k "
+                        "(6.56 / 5.5 bits, a larger requantization error; n_embd a multiple of 256); default "
+                        "auto: q6_k where the source's ffn_down has at most 6.56 bits and n_embd allows, else "
+                        "q8_0 (q6_k decodes faster under a memory limit, q8_0 in RAM)")
     p.add_argument("--force", action="store_true", help="overwrite an existing conversion in OUT_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--profile-dir", default=None,

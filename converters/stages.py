@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from leanstream_ggml import manifest as mf
 
-from .convert_gguf import (PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest, read_source,
+from .convert_gguf import (DEFAULT_DOWN_TYPE, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest, read_source,
                            remove_partials, save_manifest, write_model)
 from .fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
 from .order import DEFAULT_METHOD as DEFAULT_ORDER, METHODS as ORDER_METHODS
@@ -146,16 +146,17 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
                   predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
                   order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None,
-                  down_type: str = "q8_0") -> mf.Manifest:
+                  down_type: str = DEFAULT_DOWN_TYPE) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest. The
     defaults are `leanstream convert`'s (converters/cli.py passes only what its user gives).
 
     k: neurons per block. align: O_DIRECT alignment of blocks (default: the logical block size of
     the device holding out_dir, at least 512). force: overwrite a directory holding another or a
     complete conversion. permutation: order of neuron ids (blocks take k consecutive ids of it;
-    identity by default), one for all layers or one per layer. ffn_down columns are stored as Q8_0
-    when the source ffn_down is quantized (see ``convert_gguf.down_columns`` for why), or as
-    ``down_type`` "q6_k" / "q5_k" (fewer bytes, a larger requantization error).
+    identity by default), one for all layers or one per layer. down_type: the format of the
+    ffn_down columns of a quantized source (``convert_gguf.down_columns``): "auto" (default)
+    is Q6_K where the source's ffn_down has at most 6.56 bits and n_embd is a multiple of 256,
+    else Q8_0; "q8_0", "q6_k", "q5_k" choose one.
     predictors: "full" (profile the model on its own answers to the bundled prompts, or on
     ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
     training) or "none" (default: no training). sketch: the sketch row format ("ls2", default)

@@ -105,22 +105,42 @@ def test_round_trip(models, tmp_path, case):
         np.testing.assert_array_equal(gate, g_ref)
         np.testing.assert_array_equal(up, u_ref)
         cols = np.ascontiguousarray(d_ref.T)                 # [n_ff, n_embd]: column i = neuron i
+        # the default ("auto"): Q6_K columns where every source ffn_down has at most Q6_K's bits
+        # and n_embd is a multiple of 256, else Q8_0
+        auto = cg.resolve_down_type("auto", {source_matrices(reader, j)[3] for j in range(m.n_layer)},
+                                              h.n_embd)
         if d_src_type in (T.F16, T.F32):
             assert h.down_type == d_src_type
             np.testing.assert_array_equal(down_t, cols)
-        else:
+        elif auto == "q8_0":
             assert h.down_type == T.Q8_0
             err = np.abs(down_t - cols)
             bound = q8_0_bound(cols)
             assert (err <= bound).all(), f"max excess {(err - bound).max()}"
             # and the added error is far below the values themselves
             assert err.max() <= np.abs(cols).max() / 127
-        assert m.layers[il].down_type == {T.F16: "f16", T.F32: "f32"}.get(d_src_type, "q8_0")
+        else:
+            assert h.down_type == T.Q6_K
+            err = np.abs(down_t - cols)
+            assert (err <= np.abs(cols).max(axis=1, keepdims=True) / 32).all()
+        assert m.layers[il].down_type == {T.F16: "f16", T.F32: "f32"}.get(d_src_type, auto[:-1] + auto[-1].upper()
+                                                                          if auto == "q6_k" else "q8_0")
+
+
+def test_auto_down_type():
+    """"auto" takes Q6_K columns only where the source's ffn_down has at most Q6_K's bits in every
+    layer and n_embd is a multiple of 256."""
+    r = cg.resolve_down_type
+    assert r("auto", {T.Q6_K}, 1536) == r("auto", {T.Q4_K, T.Q6_K}, 256) == r("auto", {T.Q4_0}, 512) == "q6_k"
+    assert r("auto", {T.Q6_K}, 576) == "q8_0"                 # SmolLM2's n_embd
+    assert r("auto", {T.Q8_0}, 1536) == r("auto", {T.Q8_0, T.Q4_1}, 1536) == "q8_0"
+    assert r("auto", {T.F16}, 1536) == r("auto", {T.BF16}, 1536) == "q8_0"
+    assert r("q5_k", {T.Q8_0}, 1536) == "q5_k" and r("q8_0", {T.Q4_K}, 1536) == "q8_0"
 
 
 def test_header_fields(models, tmp_path):
     src = models["qwen2-kquants"]
-    m = convert(src, tmp_path / "out", k=2, align=4096, progress=False, sketch="none")
+    m = convert(src, tmp_path / "out", k=2, align=4096, progress=False, sketch="none", down_type="q8_0")
     reader = gguf.GGUFReader(src)
     tensors = {t.name: t for t in reader.tensors}
     for il, e in enumerate(m.layers):

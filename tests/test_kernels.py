@@ -26,14 +26,17 @@ CASES = {
     "q4_K": {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},   # Qwen2.5's Q4_K_M FFN
     "q4_1": {"ffn": "Q4_1"},                                   # SmolLM2's Q4_1
 }
+# (case, the down columns' format): both in-place down kernels on each row format
+LAYERS = [(c, d) for c in CASES for d in ("q8_0", "q6_k")]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=LAYERS, ids=[f"{c}-{d}" for c, d in LAYERS])
 def layer(request, tmp_path_factory):
+    case, down = request.param
     d = tmp_path_factory.mktemp("k")
-    write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=CASES[request.param], seed=5)
-    m = convert(d / "m.gguf", d / "lsm", progress=False, sketch="none")
-    return request.param, m.layer_path(d / "lsm", 0)
+    write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=CASES[case], seed=5)
+    m = convert(d / "m.gguf", d / "lsm", progress=False, sketch="none", down_type=down)
+    return case, m.layer_path(d / "lsm", 0)
 
 
 def _isas() -> list[str]:
