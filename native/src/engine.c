@@ -98,23 +98,22 @@ static bool drops_sketch_rows(const ls_engine * e, const ls_engine_params * p) {
 static int64_t slots_with_dropped_rows(const ls_engine * e, const float * rank, int64_t n_slots, int32_t total_blocks,
                                        uint64_t stride, uint64_t resident, uint64_t budget, int32_t working_set) {
     int32_t * nb = malloc(sizeof(int32_t) * (size_t) e->n_layers);
-    int64_t * first = malloc(sizeof(int64_t) * (size_t) (e->n_layers + 1));
+    uint64_t * per = malloc(sizeof(uint64_t) * (size_t) (total_blocks > 0 ? total_blocks : 1));   // sketch bytes of flat block i
     int32_t * order = NULL;
     int64_t total = 0;
     uint64_t * freed = NULL;
-    if (!nb || !first) goto done;
-    first[0] = 0;
-    for (int32_t il = 0; il < e->n_layers; il++) { nb[il] = e->layers[il].info.n_blocks; first[il + 1] = first[il] + nb[il]; }
+    if (!nb || !per) goto done;
+    for (int32_t il = 0, pos = 0; il < e->n_layers; il++) {
+        const ls_layer * L = &e->layers[il];
+        nb[il] = L->info.n_blocks;
+        const uint64_t bytes = L->sketch ? 2 * L->sketch->row_bytes * (uint64_t) L->info.neurons_per_block : 0;
+        for (int32_t b = 0; b < nb[il]; b++) per[pos++] = bytes;
+    }
     if (ls_mode_rank_order(e->n_layers, nb, rank, &order, &total) != LS_OK) goto done;
     freed = malloc(sizeof(uint64_t) * (size_t) (total + 1));   // freed[i]: sketch bytes of the i best-ranked blocks
     if (!freed) goto done;
     freed[0] = 0;
-    for (int64_t i = 0, il = 0; i < total; i++) {
-        const int64_t f = order[i];
-        for (il = 0; first[il + 1] <= f; il++) {}
-        const ls_layer * L = &e->layers[il];
-        freed[i + 1] = freed[i] + (L->sketch ? 2 * L->sketch->row_bytes * (uint64_t) L->info.neurons_per_block : 0);
-    }
+    for (int64_t i = 0; i < total; i++) freed[i + 1] = freed[i] + per[order[i]];
     // need(lo) <= budget holds (no rows dropped); at most one slot short of every block, so that
     // the cache still evicts (a cache that holds every block keeps the whole sketch too)
     int64_t lo = n_slots, hi = total_blocks - 1 > n_slots ? total_blocks - 1 : n_slots;
@@ -126,25 +125,20 @@ static int64_t slots_with_dropped_rows(const ls_engine * e, const float * rank, 
     }
     n_slots = lo;
 done:
-    free(nb); free(first); free(order); free(freed);
+    free(nb); free(per); free(order); free(freed);
     return n_slots;
 }
 
-// Drop the sketch rows of the hot set's blocks (the slots were sized for it, see above).
-static ls_status drop_hot_sketch_rows(ls_engine * e) {
-    uint64_t resident = 0;
-    for (int32_t il = 0; il < e->n_layers; il++) {
-        ls_layer * L = &e->layers[il];
-        if (L->sketch && L->hot) {
-            ls_status st = ls_sketch_drop_blocks(L->sketch, L->hot, L->info.neurons_per_block);
-            if (st != LS_OK) return st;
-            L->n_always = 0;
-            for (int32_t b = 0; b < L->info.n_blocks; b++) L->n_always += L->hot[b] != 0;
-        }
-        resident += (L->sketch ? L->sketch->bytes : 0) + predictor_bytes(L->pred);
-    }
-    e->resident_bytes = resident;
-    return LS_OK;
+// Drop the sketch rows of layer L's hot blocks (they become always-candidates); the budget's
+// resident share shrinks with them.
+static ls_status drop_hot_sketch_rows(ls_engine * e, ls_layer * L) {
+    if (!L->sketch || !L->hot) return LS_OK;
+    e->resident_bytes -= L->sketch->bytes;
+    const ls_status st = ls_sketch_drop_blocks(L->sketch, L->hot, L->info.neurons_per_block);
+    e->resident_bytes += L->sketch->bytes;
+    L->n_always = 0;
+    for (int32_t b = 0; b < L->info.n_blocks; b++) L->n_always += L->hot[b] != 0;
+    return st;
 }
 
 ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
@@ -291,7 +285,9 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     }
     // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
     if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
-    if (st == LS_OK && drops_sketch_rows(e, p) && !e->cache.never_evicts) st = drop_hot_sketch_rows(e);
+    // (the slots were sized for it: slots_with_dropped_rows)
+    if (st == LS_OK && drops_sketch_rows(e, p) && !e->cache.never_evicts)
+        for (int32_t il = 0; il < e->n_layers && st == LS_OK; il++) st = drop_hot_sketch_rows(e, &e->layers[il]);
     const ls_test_hook_values hooks = ls_test_hooks_now();
     if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, hooks);
     // the disk model: only a sparse mode under a budget reads blocks with gaps between them
@@ -444,13 +440,7 @@ ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * bl
         else if (!L->hot[blocks[i]]) { L->hot[blocks[i]] = 1; e->n_hot++; }
     }
     // a hot block is scored exactly: its sketch rows go (leanstream)
-    if (st == LS_OK && L->sketch && (e->policy->uses & LS_USES_SKETCH) && !e->cache.never_evicts) {
-        e->resident_bytes -= L->sketch->bytes;
-        st = ls_sketch_drop_blocks(L->sketch, L->hot, L->info.neurons_per_block);
-        e->resident_bytes += L->sketch->bytes;
-        L->n_always = 0;
-        for (int32_t b = 0; b < L->info.n_blocks; b++) L->n_always += L->hot[b] != 0;
-    }
+    if (st == LS_OK && (e->policy->uses & LS_USES_SKETCH) && !e->cache.never_evicts) st = drop_hot_sketch_rows(e, L);
     pthread_mutex_unlock(&e->mu);
     return st;
 }

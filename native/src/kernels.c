@@ -616,38 +616,36 @@ void ls_dequant_q8_0(float * restrict out, const ls_block_q8_0 * restrict col, i
 // ggml's block_q6_K: 256 values as 4 low bits (ql), 2 high bits (qh), 16 int8 scales and an f16
 // super-block scale; value = d * scale[group of 16] * (q - 32). The same products in the same
 // order as ggml's dequantize_row_q6_K ((d * scale) * q, in f32): the same bits, 32 values a step.
-void ls_dequant_q6_K(float * restrict out, const uint8_t * restrict col, int64_t n) {
+// The 32 signed quants (q - 32) of values 128 half + 32 seg .. + 31 of a Q6_K super-block: the
+// low 4 bits from ql (the low nibbles for seg 0-1, the high ones for 2-3), the high 2 from qh.
+static inline __m256i q6_K_quants(const uint8_t * blk, int half, int seg) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
+    const __m256i l = _mm256_loadu_si256((const __m256i *) (blk + half * 64 + (seg & 1) * 32));
+    const __m256i hh = _mm256_loadu_si256((const __m256i *) (blk + 128 + half * 32));
+    const __m256i lo = seg < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hh, _mm_cvtsi32_si128(2 * seg)), m2), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), m32);
+}
+
+void ls_dequant_q6_K(float * restrict out, const uint8_t * restrict col, int64_t n) {
     for (int64_t b = 0; b < n / 256; b++) {
         const uint8_t * blk = col + b * LS_Q6_K_BYTES;
-        const uint8_t * ql = blk, * qh = blk + 128;
         const int8_t * sc = (const int8_t *) (blk + 192);
         uint16_t dh;
         memcpy(&dh, blk + 208, 2);
         const float d = f16_to_f32(dh);
         float * y = out + b * 256;
         for (int half = 0; half < 2; half++) {           // 128 values: ql[64], qh[32], sc[8]
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *) ql);
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (ql + 32));
-            const __m256i hh = _mm256_loadu_si256((const __m256i *) qh);
-            __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m2), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m2), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m2), 4));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m2), 4));
-            for (int j = 0; j < 4; j++) {                 // q[j]: values 32 j .. 32 j + 31 of the half
+            for (int j = 0; j < 4; j++) {                 // values 32 j .. 32 j + 31 of the half
                 int8_t v[32];
-                _mm256_storeu_si256((__m256i *) v, _mm256_sub_epi8(q[j], m32));
+                _mm256_storeu_si256((__m256i *) v, q6_K_quants(blk, half, j));
                 for (int g = 0; g < 4; g++) {             // 8 values; groups of 16 share a scale
                     const __m256 f = _mm256_set1_ps(d * (float) sc[2 * j + g / 2]);
                     const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (v + 8 * g))));
                     _mm256_storeu_ps(y + 32 * j + 8 * g, _mm256_mul_ps(f, x));
                 }
             }
-            y += 128; ql += 64; qh += 32; sc += 8;
+            y += 128; sc += 8;
         }
     }
 }
@@ -657,7 +655,6 @@ void ls_dequant_q6_K(float * restrict out, const uint8_t * restrict col, int64_t
 // (as ls_dequant_q6_K does) and added with the factor h * d * scale of their group of 16; the
 // next 8 columns are prefetched a line per column and step.
 void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * const * cols, int m, int64_t n) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
     for (int j0 = 0; j0 < m; j0 += 8) {
         const int mj = m - j0 < 8 ? m - j0 : 8;
         const uint8_t * const * nx = cols + j0 + 8;
@@ -678,13 +675,8 @@ void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * c
                     __m256 v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
                     for (int j = 0; j < mj; j++) {
                         const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
-                        const uint8_t * ql = blk + half * 64, * qh = blk + 128 + half * 32;
                         const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
-                        const __m256i l = _mm256_loadu_si256((const __m256i *) (ql + (seg & 1) * 32));
-                        const __m256i hh = _mm256_loadu_si256((const __m256i *) qh);
-                        const __m256i lo = seg < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hh, _mm_cvtsi32_si128(2 * seg)), m2), 4);
-                        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), m32);
+                        const __m256i q = q6_K_quants(blk, half, seg);
                         const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
                         const __m256 f0 = _mm256_set1_ps(hd[j] * (float) sc[0]), f1 = _mm256_set1_ps(hd[j] * (float) sc[1]);
                         v0 = _mm256_fmadd_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), v0);
