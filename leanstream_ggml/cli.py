@@ -36,6 +36,7 @@ COMMANDS = {
     "perplexity": ("leanstream_ggml.harness.cli", "perplexity on held-out text (optionally vs stock)"),
     "compare": ("leanstream_ggml.harness.compare", "stock quants and the plugin side by side under a memory limit"),
     "eval": ("leanstream_ggml.harness.humaneval", "task quality: HumanEval pass@1 (greedy, chat template)"),
+    "tune": ("leanstream_ggml.tune", "synthesize the streaming controller's table on this machine and disk"),
     "profile": ("converters.train.cli", "record FFN activations of a GGUF on calibration text"),
     "train-predictor": ("converters.train.cli", "train and export the hashing predictors from a profile"),
 }

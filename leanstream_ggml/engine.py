@@ -96,6 +96,7 @@ class FFNEngine:
     table). ``test_hooks``: for tests only (ls_test_hooks; see _set_test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
+    controller = None  # the installed controller policy (set_controller), None: off
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
                  memory_budget: int | str | None = None, mode: str = "dense",
@@ -266,11 +267,55 @@ class FFNEngine:
         blocks = np.ascontiguousarray(blocks, dtype=np.int32)
         check(lib.ls_engine_set_hot_blocks(self.handle, il, ffi.cast("const int32_t *", blocks.ctypes.data), blocks.size))
 
+    # -- streaming controller (control.py) ------------------------------------------------
+    def set_controller(self, mode: str = "off", **policy) -> None:
+        """Installs a controller policy (control.native_policy's arguments): "off" (the parameters
+        as given), "fixed" (actions[fixed_action] everywhere), "table" or "profile" (random actions,
+        recorded)."""
+        from .control import native_policy
+
+        p, keep = native_policy(mode, **policy)
+        check(lib.ls_engine_set_controller(self.handle, p), "cannot install the controller")
+        n = p.n_actions if mode != "off" else 0
+        self.controller = {"mode": mode, "actions": [tuple(a) for a in policy.get("actions", ())][:n]}
+        del keep
+
+    def controller_samples(self) -> dict[str, np.ndarray]:
+        """The ops the controller recorded since the last call (control.SAMPLE_FIELDS as arrays)."""
+        from .control import SAMPLE_FIELDS
+
+        cap = 4096
+        buf = ffi.new("ls_ctrl_sample[]", cap)
+        dropped = ffi.new("uint64_t *")
+        rows = []
+        while True:
+            n = lib.ls_engine_ctrl_samples(self.handle, buf, cap, dropped)
+            rows += [tuple(getattr(buf[i], f) for f in SAMPLE_FIELDS) for i in range(n)]
+            if n < cap:
+                break
+        self.controller_dropped = int(dropped[0])
+        cols = list(zip(*rows)) if rows else [()] * len(SAMPLE_FIELDS)
+        return {f: np.asarray(c, dtype=np.float64 if f == "disk_ns_per_mib" else np.int64)
+                for f, c in zip(SAMPLE_FIELDS, cols)}
+
+    def controller_decisions(self) -> list[int]:
+        """How many ops took each action since the policy was installed."""
+        n = len(getattr(self, "controller", {}).get("actions", ()))
+        out = ffi.new("uint64_t[]", max(n, 1))
+        check(lib.ls_engine_ctrl_decisions(self.handle, out, n))
+        return [int(out[i]) for i in range(n)]
+
     # -- counters --------------------------------------------------------------------------
     def stats(self, layer: int | None = None) -> dict:
         s = ffi.new("ls_stats *")
         check(lib.ls_engine_stats(self.handle, -1 if layer is None else layer, s))
-        return derived_stats({f: int(getattr(s, f)) for f in STAT_FIELDS})
+        d = derived_stats({f: int(getattr(s, f)) for f in STAT_FIELDS})
+        ctrl = getattr(self, "controller", None)
+        if ctrl and ctrl["mode"] != "off" and layer is None:
+            d["controller"] = {"mode": ctrl["mode"], "actions": ctrl["actions"],
+                               "decisions": self.controller_decisions(),
+                               "ns_per_decision": d["ctrl_ns"] / d["ctrl_decisions"] if d["ctrl_decisions"] else 0.0}
+        return d
 
     def reset_stats(self) -> None:
         lib.ls_engine_reset_stats(self.handle)

@@ -119,6 +119,11 @@ class Llama(llama_cpp.Llama):
         hot_fraction: "powerinfer2" and "leanstream": share of the budget pinned for the blocks
             most often active in calibration (default 0.5; leanstream without predictors 0.9;
             0 pins nothing).
+        controller: the streaming controller of leanstream mode's decode ops: "off" (default:
+            the fixed settings above), "table" (the policy `leanstream tune` wrote into the model
+            directory for this budget and sparsity: per layer, its remaining load and the disk's
+            speed pick the candidate ratio and bridge), or "fixed:K" (action K of that policy's
+            actions, or of control.DEFAULT_ACTIONS where none was tuned, on every layer).
         verify_checksums: check every block's CRC-32C as it is read (default True; a mismatch
             raises LeanstreamError naming the file, layer and block). The other files of the
             model directory are checked against the manifest's checksums when it is opened.
@@ -132,7 +137,8 @@ class Llama(llama_cpp.Llama):
                  memory_limit: int | str | None = None, mode: str | None = None,
                  sparsity: float | None = None, quality: str | None = None, n_io_threads: int | None = None,
                  hot_fraction: float | None = None, verify_checksums: bool = True,
-                 candidate_ratio: float | None = None, bridge_bytes: int | None = None, _manifest=None, **kwargs):
+                 candidate_ratio: float | None = None, bridge_bytes: int | None = None,
+                 controller: str | None = None, _manifest=None, **kwargs):
         self._engine = None
         _refuse_unknown_keywords(kwargs)
         if quality is not None:
@@ -148,6 +154,9 @@ class Llama(llama_cpp.Llama):
                                  n_io_threads=n_io_threads, hot_fraction=hot_fraction,
                                  candidate_ratio=candidate_ratio, bridge_bytes=bridge_bytes)
         mode = p["mode"]
+        controller = params.controller(controller)
+        if controller != "off" and mode != "leanstream":
+            raise params.ParameterError("controller", f"steers leanstream mode's decode; mode={mode!r} was given")
         limit = params.size_bytes(memory_limit, "memory_limit") if memory_limit is not None else 0
         if limit and memory_budget is not None:
             raise params.ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
@@ -197,6 +206,7 @@ class Llama(llama_cpp.Llama):
                                                       "bridge_bytes")})
         self._check_layers_match_manifest()
         self.mode, self.sparsity = mode, self._engine.sparsity
+        self.controller_policy = self._install_controller(controller)
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
         self.hot_blocks = self._engine.stats()["hot_blocks"] if mode != "dense" else 0
         super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
@@ -252,6 +262,27 @@ class Llama(llama_cpp.Llama):
                 f"{freq_path}: block frequencies must be finite floats of shape [n_layer, n_blocks] = "
                 f"[{m.n_layer}, {m.layers[0].n_blocks}], got {getattr(freq, 'dtype', '?')} {getattr(freq, 'shape', '?')}")
         return freq
+
+    def _install_controller(self, controller: str):
+        """The tuned policy in force (None: off, or fixed on the default actions)."""
+        if controller == "off":
+            return None
+        from . import control
+
+        policies = control.load_policies(self.model_dir, self.manifest)
+        if controller == "table":
+            pol = control.pick_policy(policies, self._engine.memory_budget, self.sparsity)
+            self._engine.set_controller("table", actions=pol.actions, load_edges=pol.load_edges,
+                                        disk_edges=pol.disk_edges, table=pol.table)
+            return pol
+        k = int(controller.split(":")[1])
+        pol = next((q for q in policies if abs(q.memory_budget - self._engine.memory_budget)
+                    <= 0.02 * max(self._engine.memory_budget, 1)), None)
+        actions = pol.actions if pol else list(control.DEFAULT_ACTIONS)
+        if k >= len(actions):
+            raise params.ParameterError("controller", f"fixed:{k}: there are {len(actions)} actions (0..{len(actions) - 1})")
+        self._engine.set_controller("fixed", actions=actions, fixed_action=k)
+        return pol
 
     @property
     def engine(self) -> FFNEngine:

@@ -269,12 +269,19 @@ class Manifest:
             return self.predictor.block_freq
         return self.sketch.block_freq if self.sketch else None
 
+    def controller_file(self) -> str | None:
+        """The streaming controller's policy file (``leanstream tune`` writes it), if tuned."""
+        c = self.extra.get("controller")
+        return c.get("file") if isinstance(c, dict) and isinstance(c.get("file"), str) else None
+
     def checksummed_files(self) -> list[str]:
         """Every file the manifest names except the block files (which carry their own)."""
         out = [self.base.file] + self.predictor_files() + self.sketch_files()
         for info in (self.predictor, self.sketch):
             if info is not None and info.block_freq:
                 out.append(info.block_freq)
+        if self.controller_file():
+            out.append(self.controller_file())
         return out
 
     @staticmethod
@@ -466,6 +473,10 @@ class Manifest:
                 _check_rel(self.sketch.block_freq, "sketch.block_freq", bad)
             if self.sketch.type != "ls2":
                 bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
+        if "controller" in self.extra and self.controller_file() is None:
+            bad("controller must be an object naming its file ({\"file\": ...})")
+        if self.controller_file() is not None:
+            _check_rel(self.controller_file(), "controller.file", bad)
         if not 0.0 <= self.totals.padding_waste < 1.0:
             bad(f"totals.padding_waste {self.totals.padding_waste} must be in [0, 1)")
 

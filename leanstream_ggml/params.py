@@ -147,6 +147,18 @@ def sparsity_for_quality(table: list[dict], max_ppl_ratio: float) -> float:
     return round(best, 3)
 
 
+_CONTROLLER_RE = re.compile(r"^(off|table|fixed:[0-9]{1,2})$")
+
+
+def controller(value) -> str:
+    """The streaming controller: None/"off", "table", or "fixed:K" (an action index)."""
+    if value is None:
+        return "off"
+    if not isinstance(value, str) or not _CONTROLLER_RE.match(value.strip()):
+        raise ParameterError("controller", f"expected 'off', 'table' or 'fixed:K', got {value!r}")
+    return value.strip()
+
+
 def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_io_threads=None,
                   hot_fraction=None, candidate_ratio=None, bridge_bytes=None) -> dict:
     """Validated, normalized engine parameters (raises ParameterError naming the bad one).

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 8
+#define LS_ABI_VERSION 9
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -249,11 +249,71 @@ typedef struct ls_stats {
     uint64_t io_per_io_ns;     // disk model: time of one more small read at full queue depth (0: not probed)
     uint64_t io_bandwidth;     // disk model: bytes/s of large reads (0: not probed)
     uint64_t bridge_bytes;     // the largest gap a read goes through, in use
+    // streaming controller (ls_engine_set_controller)
+    uint64_t ctrl_decisions;   // ops whose knobs the controller set (cascade decode ops)
+    uint64_t ctrl_ns;          // thread 0's time measuring the state and choosing (summed)
 } ls_stats;
 
 // il = -1: totals over all layers.
 LS_API ls_status   ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out);
 LS_API void        ls_engine_reset_stats(ls_engine * e);
+
+// ---- streaming controller (docs/design.md §20) --------------------------------------------------
+// Per cascade decode op, at the layer boundary, the engine measures a state and picks an action:
+//   load state  R = bytes of the layer's candidates (at params.candidate_ratio) that are not
+//               resident, binned by load_edges (ascending, n_load - 1 of them)
+//   disk state  an EWMA of the I/O workers' read time per MiB read (each op's reads), binned by
+//               disk_edges (n_disk - 1); the measurement that moves when another process shares
+//               the disk
+//   action      actions[a]: the op's candidate ratio and its bridge (bridge_scale x the bridge in
+//               use; 0: every gap is skipped)
+// LS_CTRL_OFF: params as given (today's fixed default); LS_CTRL_FIXED: actions[fixed_action] on
+// every layer; LS_CTRL_TABLE: table[(il * n_load + load) * n_disk + disk]; LS_CTRL_PROFILE: a
+// uniformly random action per op (seeded), every op recorded as an ls_ctrl_sample (what
+// `leanstream tune` estimates its transitions from). The other paths (prefill, dense, predicted)
+// are not steered.
+enum { LS_CTRL_OFF = 0, LS_CTRL_FIXED = 1, LS_CTRL_TABLE = 2, LS_CTRL_PROFILE = 3 };
+#define LS_CTRL_MAX_ACTIONS 16
+#define LS_CTRL_MAX_LOAD 16
+#define LS_CTRL_MAX_DISK 4
+
+typedef struct ls_ctrl_action {
+    float candidate_ratio;   // >= 1
+    float bridge_scale;      // >= 0
+} ls_ctrl_action;
+
+typedef struct ls_ctrl_policy {
+    int32_t        mode;                       // LS_CTRL_*
+    int32_t        n_actions;                  // 1..LS_CTRL_MAX_ACTIONS (OFF: may be 0)
+    ls_ctrl_action actions[16];                // LS_CTRL_MAX_ACTIONS
+    int32_t        fixed_action;               // LS_CTRL_FIXED
+    int32_t        n_load;                     // 1..LS_CTRL_MAX_LOAD
+    double         load_edges[16];             // LS_CTRL_MAX_LOAD; bytes, n_load - 1 used
+    int32_t        n_disk;                     // 1..LS_CTRL_MAX_DISK
+    double         disk_edges[4];              // LS_CTRL_MAX_DISK; ns per MiB read, n_disk - 1 used
+    const uint8_t * table;                     // [n_layers * n_load * n_disk] action indices (copied)
+    uint64_t       seed;                       // LS_CTRL_PROFILE
+    int32_t        record;                     // 1: record every op as a sample in any mode (PROFILE: always)
+} ls_ctrl_policy;
+
+// One controlled op (LS_CTRL_PROFILE records them; read with ls_engine_ctrl_samples).
+typedef struct ls_ctrl_sample {
+    uint64_t seq;              // ops recorded before this one (a token's layers are consecutive)
+    int32_t  layer;
+    int32_t  load_state, disk_state, action;
+    uint64_t remaining_bytes;  // R at the boundary
+    double   disk_ns_per_mib;  // the disk measurement the state was binned from (0: none yet)
+    uint64_t op_ns;            // the op, boundary to boundary
+    uint64_t bytes_read;       // what the op's reads brought in (bridged gaps included)
+} ls_ctrl_sample;
+
+// Installs a policy (copied; LS_CTRL_OFF restores the parameters as given). Between ops only.
+LS_API ls_status   ls_engine_set_controller(ls_engine * e, const ls_ctrl_policy * p);
+// Moves up to cap recorded samples (oldest first) into out and returns how many; the recorder
+// holds 65536 and drops the oldest beyond that (counted in *dropped, may be NULL).
+LS_API int32_t     ls_engine_ctrl_samples(ls_engine * e, ls_ctrl_sample * out, int32_t cap, uint64_t * dropped);
+// decisions[a] = how many ops took action a since the policy was installed (n <= LS_CTRL_MAX_ACTIONS).
+LS_API ls_status   ls_engine_ctrl_decisions(const ls_engine * e, uint64_t * decisions, int32_t n);
 
 // ---- checksums ---------------------------------------------------------------------------
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of data[len], continuing from crc

@@ -323,6 +323,7 @@ void ls_engine_free(ls_engine * e) {
         free(L->gu_ptr); free(L->dn_ptr);
     }
     free(e->layers);
+    ls_ctrl_free(e);
     ls_cache_free(&e->cache);
     free(e->plan.blocks);
     free(e->plan.scratch);

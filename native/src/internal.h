@@ -62,7 +62,7 @@ typedef struct ls_sketch {
     X(op_calls) X(tokens) X(blocks_computed) X(blocks_read) X(bytes_read) X(bytes_computed) \
     X(bytes_unused) X(reads_issued) X(io_stall_ns) X(op_ns) X(predictor_ns) X(blocks_prefetched) \
     X(checksum_ns) X(blocks_candidates) X(down_skipped) X(spec_hits) X(spec_selected) X(scorer_ns) \
-    X(bytes_bridged)
+    X(bytes_bridged) X(ctrl_decisions) X(ctrl_ns)
 #define LS_COUNTER_FIELD(name) _Atomic uint64_t name;
 typedef struct ls_layer_stats { LS_LAYER_COUNTERS(LS_COUNTER_FIELD) } ls_layer_stats;
 
@@ -136,6 +136,9 @@ typedef struct ls_io {
     uint64_t        per_io_ns;  // the disk model (io_probe): time of one small read at full depth
     uint64_t        bandwidth;  // bytes/s of large reads
     _Atomic uint64_t cpu_ns;    // CPU time of the I/O workers (summed)
+    uint64_t        op_bridge;  // the bridge of the reads being submitted (the controller's; else bridge_bytes)
+    uint64_t        bridge_cap; // bytes the bridge buffer holds (the largest bridge any op may use)
+    _Atomic uint64_t read_ns, read_bytes; // time inside preadv and bytes it brought (the controller's disk state)
 } ls_io;
 
 // Budgeted weight cache: fixed-size slots, LRU list of unpinned resident slots.
@@ -199,6 +202,23 @@ typedef struct ls_plan {
     size_t     work_cap, work_per_thread;
 } ls_plan;
 
+// The streaming controller (control.c): the policy in force and what it measured.
+#define LS_CTRL_RING 65536
+typedef struct ls_ctrl {
+    ls_ctrl_policy   pol;            // table pointer replaced by the owned copy below
+    uint8_t *        table;          // [n_layers * n_load * n_disk]
+    uint64_t         rng;
+    double           disk_ewma;      // ns per MiB read (0: nothing measured yet)
+    uint64_t         last_read_ns, last_read_bytes;
+    uint64_t         decisions[LS_CTRL_MAX_ACTIONS];
+    // the op being controlled (thread 0)
+    bool             active;
+    ls_ctrl_sample   cur;
+    uint64_t         bytes0;         // the layer's bytes_read when the op was planned
+    ls_ctrl_sample * ring;           // LS_CTRL_PROFILE
+    uint64_t         ring_head, ring_count, dropped, seq;
+} ls_ctrl;
+
 struct ls_engine {
     ls_engine_params params;         // defaults resolved (ls_params_resolve)
     const ls_mode_policy * policy;   // params.mode's row of the mode table
@@ -216,13 +236,15 @@ struct ls_engine {
     int32_t          n_hot;          // blocks marked hot (kept resident once loaded)
     uint64_t         resident_bytes; // sketches + predictors (taken from the memory budget)
     _Atomic int32_t  block_sleepers; // compute threads asleep on a block's state (io.c wakes them)
+    ls_ctrl          ctrl;           // the streaming controller (control.c)
 };
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
-//   op.c         the op's three paths, ls_ffn_eval            -> schedule.c engine.c sketch.c kernels.c checksum.c cache.c util.c
-//   schedule.c   selection, chunks, pins, prefetch            -> cache.c io.c predictor.c mode.c util.c
-//   engine.c     lifetime, budget -> slots, counters          -> blockfile.c sketch.c cache.c io.c predictor.c mode.c util.c
+//   op.c         the op's three paths, ls_ffn_eval            -> schedule.c control.c engine.c sketch.c kernels.c checksum.c cache.c util.c
+//   schedule.c   selection, chunks, pins, prefetch            -> control.c cache.c io.c predictor.c mode.c util.c
+//   control.c    the streaming controller: state, lookup       -> util.c
+//   engine.c     lifetime, budget -> slots, counters          -> control.c blockfile.c sketch.c cache.c io.c predictor.c mode.c util.c
 //   sketch.c     resident gate/up sketch, exact-input scores   -> kernels.c checksum.c util.c
 //   io.c         O_DIRECT read workers                        -> cache.c util.c
 //   cache.c      budgeted slots, eviction                     -> util.c
@@ -287,6 +309,14 @@ ls_status   ls_io_plan_model(ls_engine * e, bool probe);
 // Queue reads for the given blocks (state LOADING, slots acquired, in file order within runs),
 // merging blocks whose gap costs less than another I/O, up to max_read_bytes per read.
 void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
+
+// control.c (thread 0, under e->mu): choose the cascade op's candidate count and bridge from the
+// measured state (scores in e->plan.score); the op's sample is closed by ls_ctrl_end
+// remaining: bytes of the default candidates not resident; returns the op's candidate ratio (and
+// sets e->io.op_bridge), or params.candidate_ratio when no policy is in force
+float       ls_ctrl_choose(ls_engine * e, ls_layer * L, uint64_t remaining);
+void        ls_ctrl_end(ls_engine * e, ls_layer * L, uint64_t op_ns);
+void        ls_ctrl_free(ls_engine * e);
 
 // schedule.c (thread 0, under e->mu)
 ls_path     ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens);

@@ -71,6 +71,7 @@ static void do_read(ls_engine * e, ls_read * r) {
     struct iovec * cur = iov;
     int n_iov = r->n_iov;
     size_t done = 0;
+    const uint64_t t0 = ls_now_ns();
     while (done < want) {
         ssize_t got = preadv(L->fd, cur, n_iov, (off_t) (r->offset + done));
         if (got < 0) {
@@ -88,6 +89,8 @@ static void do_read(ls_engine * e, ls_read * r) {
         while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
         if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
     }
+    atomic_fetch_add(&e->io.read_ns, ls_now_ns() - t0);   // the controller's disk state (control.c)
+    atomic_fetch_add(&e->io.read_bytes, (uint64_t) want);
     if (fault == LS_FAULT_CORRUPT) {   // the bytes of the read's first block arrive with one bit flipped
         for (int32_t i = 0; i < r->n_iov; i++)
             if (r->block[i] >= 0) { ((uint8_t *) r->iov[i].iov_base)[r->iov[i].iov_len / 2] ^= 0x10; break; }
@@ -180,7 +183,7 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
     ls_io * io = &e->io;
     const uint64_t stride = L->info.block_stride;
     const uint64_t max_bytes = e->params.max_read_bytes > stride ? e->params.max_read_bytes : stride;
-    const int64_t max_gap = (int64_t) (io->bridge_bytes / stride);   // whole blocks bridged
+    const int64_t max_gap = (int64_t) (io->op_bridge / stride);   // whole blocks bridged
     pthread_mutex_lock(&io->mu);
     ls_read r;
     r.n_iov = 0;
@@ -320,10 +323,13 @@ ls_status ls_io_plan_model(ls_engine * e, bool probe) {
     const uint64_t cap = e->params.max_read_bytes / 2;
     if (io->bridge_bytes > cap) io->bridge_bytes = cap;
     if (stride && io->bridge_bytes < stride) io->bridge_bytes = 0;   // not even one block
+    io->op_bridge = io->bridge_bytes;
+    // the buffer holds the largest bridge an op may use (the controller scales bridge_bytes up to cap)
+    io->bridge_cap = io->bridge_bytes ? cap : 0;
     free(io->bridge);
     io->bridge = NULL;
-    if (io->bridge_bytes) {
-        io->bridge = aligned_alloc(4096, (io->bridge_bytes + 4095) & ~(uint64_t) 4095);
+    if (io->bridge_cap) {
+        io->bridge = aligned_alloc(4096, (io->bridge_cap + 4095) & ~(uint64_t) 4095);
         if (!io->bridge) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     }
     return LS_OK;

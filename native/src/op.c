@@ -510,9 +510,11 @@ static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
         L->pinned_forever = true;
         ls_layer_split(e, L);
     }
+    const uint64_t op_ns = ls_now_ns() - t0;
     atomic_fetch_add(&L->stats.op_calls, 1);
     atomic_fetch_add(&L->stats.tokens, (uint64_t) n_tokens);
-    atomic_fetch_add(&L->stats.op_ns, ls_now_ns() - t0);
+    atomic_fetch_add(&L->stats.op_ns, op_ns);
+    ls_ctrl_end(e, L, op_ns);
 }
 
 // The whole op for one of nth threads; the same code serves the ggml graph and ls_ffn_eval.

@@ -70,13 +70,15 @@ ls_path ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens)
 // hot blocks whose sketch rows were dropped are always candidates (their rows are resident, so
 // computing them exactly reads nothing); the other blocks get the usual share of candidates, so
 // that the blocks read per token stay what they were.
-static int32_t n_wanted(const ls_engine * e, const ls_layer * L) {
+static int32_t n_wanted_at(const ls_engine * e, const ls_layer * L, float candidate_ratio) {
     if (!selects_by_sketch(e, L)) return n_kept(e, L);
-    const int32_t nb = L->info.n_blocks, nc = ls_candidate_blocks(nb, e->params.sparsity, e->params.candidate_ratio);
+    const int32_t nb = L->info.n_blocks, nc = ls_candidate_blocks(nb, e->params.sparsity, candidate_ratio);
     if (L->n_always == 0) return nc;
     const int64_t n = L->n_always + ((int64_t) nc * (nb - L->n_always) + nb - 1) / nb;
     return (int32_t) (n < nb ? n : nb);
 }
+
+static int32_t n_wanted(const ls_engine * e, const ls_layer * L) { return n_wanted_at(e, L, e->params.candidate_ratio); }
 
 static ls_status run_predictor(ls_engine * e, ls_layer * L, const float * x) {
     const uint64_t t0 = ls_now_ns();
@@ -250,8 +252,17 @@ ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res
         for (int32_t b = 0; b < nb; b++) P->blocks[b] = b;
         P->n = nb;
     } else {
+        // the controller's state is the remaining load of the default candidates; its action may
+        // change how many there are (control.c)
         P->n = n_wanted(e, L);
         select_in_file_order(L, P->score, P->n, P->blocks);
+        int32_t missing = 0;
+        for (int32_t i = 0; i < P->n; i++) missing += L->slot_of_block[P->blocks[i]] < 0;
+        const int32_t n = n_wanted_at(e, L, ls_ctrl_choose(e, L, (uint64_t) missing * L->info.block_stride));
+        if (n != P->n) {
+            P->n = n;
+            select_in_file_order(L, P->score, P->n, P->blocks);
+        }
     }
     L->prio_ready = false;
     return pin_sparse_plan(e, L, x_res);

@@ -1,0 +1,274 @@
+"""`leanstream tune MODEL`: synthesize the streaming controller's table on this machine and disk.
+
+    leanstream tune MODEL --memory-limit 1000MB          # or --memory-budget 35% / 400MB
+        [--sparsity S | --quality ppl+5%] [--tokens 192] [--no-contend] [--quality-target 1.05]
+
+Four steps, each with a progress bar:
+
+1. quality band: perplexity of every candidate ratio among the actions (decode-scored, held-out
+   prose, most of the FFN cached: the selection does not depend on the budget) against dense; a ratio whose perplexity exceeds --quality-target x dense is not offered to the table.
+2. profile: leanstream decode under the budget with a random action per layer and token
+   (LS_CTRL_PROFILE), every op recorded: its state, action, time and bytes read. With
+   contention (the default), the second half runs beside a reader streaming the model's
+   base.gguf with O_DIRECT, so that the table has seen a shared disk. Samples are saved as they
+   come (``<model>/controller.profile-<budget>-<sparsity>.npz``): an interrupted run resumes.
+3. solve: load states at the profile's quartiles of remaining load, two disk states split
+   between the quiet and the shared phase's disk speed, Bellman backward recursion over the
+   layers (control.solve).
+4. write: the policy into ``controller.json`` (manifest: named, checksummed).
+
+`Llama(..., controller="table")` / `leanstream chat --controller table` use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tune", help="synthesize the streaming controller's table for a memory budget",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a converted model directory")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--memory-limit", help="the whole process's memory limit (the engine gets what the memory plan leaves)")
+    g.add_argument("--memory-budget", help="the FFN engine's budget: bytes (400MB) or a share of the FFN on disk (35%%)")
+    p.add_argument("--sparsity", type=float, default=None, help="sparsity (default: the engine's, 0.5)")
+    p.add_argument("--quality", default=None, help="instead of --sparsity: a perplexity budget like ppl+5%%")
+    p.add_argument("--tokens", type=int, default=192, help="decoded tokens profiled (default 192)")
+    p.add_argument("--no-contend", action="store_true", help="profile on a quiet disk only")
+    p.add_argument("--quality-target", type=float, default=1.05,
+                   help="largest perplexity ratio vs dense an action may cost (default 1.05)")
+    p.add_argument("--quality-tokens", type=int, default=256,
+                   help="tokens per quality window; its second half is decoded and scored (default 256)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--restart", action="store_true", help="discard a saved profile and start again")
+    p.set_defaults(func=run)
+
+
+def budget_of(model_dir: Path, manifest, args) -> dict:
+    """The Llama keywords that set the budget: memory_limit, or memory_budget (a share of the FFN
+    on disk when given as N%)."""
+    if args.memory_limit is not None:
+        return {"memory_limit": args.memory_limit}
+    b = args.memory_budget.strip()
+    if b.endswith("%"):
+        share = float(b[:-1]) / 100.0
+        if not 0 < share <= 1:
+            from .params import ParameterError
+            raise ParameterError("memory_budget", f"a share must be in (0, 100%], got {b!r}")
+        ffn = sum((model_dir / e.file).stat().st_size for e in manifest.layers)
+        return {"memory_budget": int(ffn * share)}
+    return {"memory_budget": b}
+
+
+def text_tokens(llm, path: Path, n: int) -> list[int]:
+    toks = llm.tokenize(path.read_text(encoding="utf-8").encode(), add_bos=False)
+    if len(toks) < n:
+        toks = (toks * (n // max(1, len(toks)) + 1))
+    return toks[:n]
+
+
+def quality_band(model_dir: Path, actions, sparsity_kw: dict, n_tokens: int, threads: int, target: float) -> dict:
+    """Decode-scored perplexity of each candidate ratio (FFN in RAM) and of dense."""
+    from tqdm import tqdm
+
+    from . import Llama, manifest as mf
+    from .harness.bench import DEFAULT_TEXT
+    from .harness.perplexity import window_logits, window_nll
+
+    ratios = sorted({c for c, _ in actions})
+    # the budget: nine tenths of the FFN on disk. The selection does not depend on the budget, as
+    # long as no layer is resident for good (a layer all in RAM is computed exactly, every block)
+    m = mf.load(model_dir)
+    budget = int(0.9 * sum((model_dir / e.file).stat().st_size for e in m.layers))
+    out = {}
+    bar = tqdm(total=len(ratios) + 1, desc="quality band", unit="setting")
+    for name, kw in [("dense", {"mode": "dense"})] + [(c, {"mode": "leanstream", "candidate_ratio": c, "memory_budget": budget, **sparsity_kw})
+                                                      for c in ratios]:
+        llm = Llama(str(model_dir), n_ctx=n_tokens + 8, n_batch=n_tokens + 8, logits_all=True, n_threads=threads,
+                    n_threads_batch=threads, verbose=False, **kw)
+        try:
+            # the window's first half is the prompt (prefill), its second half is decoded and scored
+            toks = [llm.token_bos()] + text_tokens(llm, DEFAULT_TEXT, n_tokens)
+            out[name] = float(np.exp(np.mean(window_nll(window_logits(llm, toks, decode=True), toks))))
+            sparsity = llm.sparsity
+        finally:
+            llm.close()
+        bar.update(1)
+    bar.close()
+    dense = out.pop("dense")
+    return {"dense_ppl": dense, "sparsity": sparsity,
+            "ratio": {str(c): out[c] / dense for c in ratios},
+            "allowed": {str(c): out[c] / dense <= target for c in ratios}}
+
+
+class DiskReader:
+    """A second process streaming a file with O_DIRECT reads of 1 MiB, round and round, until
+    stopped: a competing reader on the same disk (what `tune` profiles beside, and what
+    bench/controller.py measures under)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.proc = None
+
+    def __enter__(self):
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "leanstream_ggml.tune", "--read-forever", str(self.path)])
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def read_forever(path: str) -> None:
+    import mmap
+    import os
+
+    buf = mmap.mmap(-1, 1 << 20)   # page aligned, as O_DIRECT wants
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)   # a file system without O_DIRECT: page cache reads
+    size = os.fstat(fd).st_size // (1 << 20) * (1 << 20)
+    off = 0
+    while True:
+        n = os.preadv(fd, [buf], off)
+        off = off + (1 << 20) if n == (1 << 20) and off + (1 << 21) <= size else 0
+
+
+def profile(model_dir: Path, budget_kw: dict, sparsity_kw: dict, actions, n_tokens: int, contend: bool,
+            threads: int, save: Path) -> dict[str, np.ndarray]:
+    """Random-action decode under the budget, samples saved after every token (resumable)."""
+    from tqdm import tqdm
+
+    from . import Llama
+    from .control import SAMPLE_FIELDS
+    from .harness.bench import DEFAULT_TEXT
+
+    got = {f: np.zeros(0, dtype=np.int64) for f in SAMPLE_FIELDS}
+    got["phase"] = np.zeros(0, dtype=np.int64)
+    done = 0
+    if save.exists():
+        with np.load(save) as z:
+            got = {k: z[k] for k in z.files if k != "done"}
+            done = int(z["done"])
+    if done >= n_tokens:
+        return got
+    text = Path(DEFAULT_TEXT).with_name("heldout-code.txt")   # profiling measures time: any text will do
+    llm = Llama(str(model_dir), mode="leanstream", n_ctx=n_tokens + 64, n_threads=threads, n_threads_batch=threads,
+                verbose=False, **budget_kw, **sparsity_kw)
+    try:
+        toks = llm.tokenize(b"def main():", add_bos=True)
+        cont = text_tokens(llm, text, n_tokens)
+        llm.eval(toks + cont[:done])    # (a resumed run: its context again, in one prefill)
+        llm.engine.set_controller("profile", actions=actions, seed=1 + done)
+        seq0 = int(got["seq"].max()) + 2 if len(got["seq"]) else 0
+        reader = None
+        bar = tqdm(total=n_tokens, initial=done, desc="profile", unit="tok")
+        try:
+            for i in range(done, n_tokens):
+                phase = int(contend and i >= n_tokens // 2)
+                if phase and reader is None:
+                    reader = DiskReader(llm.manifest.resolve(model_dir, llm.manifest.base.file)).__enter__()
+                llm.eval([cont[i]])
+                s = llm.engine.controller_samples()
+                s["seq"] = s["seq"] + seq0
+                s["phase"] = np.full(len(s["seq"]), phase, dtype=np.int64)
+                got = {k: np.concatenate([got[k], s[k]]) for k in got}
+                if (i + 1) % 8 == 0 or i + 1 == n_tokens:
+                    tmp = save.with_name(save.name + ".tmp.npz")
+                    np.savez(tmp, done=i + 1, **got)
+                    tmp.replace(save)
+                bar.update(1)
+        finally:
+            bar.close()
+            if reader is not None:
+                reader.__exit__(None, None, None)
+        return got
+    finally:
+        llm.close()
+
+
+def run(args) -> int:
+    from . import control, manifest as mf, params
+
+    model_dir = Path(args.model)
+    m = mf.load(model_dir)
+    if m.sketch is None:
+        raise ValueError(f"{model_dir}: the controller steers leanstream's cascade, which needs the sketch; "
+                         f"convert again with the sketch")
+    budget_kw = budget_of(model_dir, m, args)
+    if args.quality is not None and args.sparsity is not None:
+        raise params.ParameterError("quality", "give --quality or --sparsity, not both")
+    sparsity_kw = {"quality": args.quality} if args.quality else ({"sparsity": args.sparsity} if args.sparsity is not None else {})
+    actions = list(control.DEFAULT_ACTIONS)
+    t0 = time.perf_counter()
+
+    band = quality_band(model_dir, actions, sparsity_kw, args.quality_tokens, args.threads, args.quality_target)
+    allowed = np.array([band["allowed"][str(c)] for c, _ in actions])
+    sparsity = band["sparsity"]
+    print(f"quality band at sparsity {sparsity:g} (perplexity vs dense): "
+          + ", ".join(f"candidates x{c}: x{r:.3f}{'' if band['allowed'][c] else ' (over the target: not offered)'}"
+                      for c, r in band["ratio"].items()))
+
+    from . import Llama
+
+    probe = Llama(str(model_dir), mode="leanstream", n_ctx=64, verbose=False, **budget_kw, **sparsity_kw)
+    budget = probe.engine.memory_budget
+    probe.close()
+    save = model_dir / f"controller.profile-{budget}-{sparsity:g}.npz"
+    if args.restart and save.exists():
+        save.unlink()
+    samples = profile(model_dir, budget_kw, sparsity_kw, actions, args.tokens, not args.no_contend, args.threads, save)
+    if len(samples["seq"]) == 0:
+        raise RuntimeError("the profile recorded no controlled op (is the whole FFN resident at this budget?)")
+
+    load_edges = control.quantile_edges(samples["remaining_bytes"], 4)
+    disk_edges = []
+    ph = samples["phase"]
+    disk = samples["disk_ns_per_mib"]
+    if (ph == 1).any() and (ph == 0).any():
+        q, s = np.median(disk[(ph == 0) & (disk > 0)]), np.median(disk[(ph == 1) & (disk > 0)])
+        if s > q * 1.1:
+            disk_edges = [float(np.sqrt(q * s))]
+    binned = control.bin_states(samples, load_edges, disk_edges)
+    table, V, Q, counts = control.solve(binned, m.n_layer, len(actions), len(load_edges) + 1, len(disk_edges) + 1,
+                                        allowed=allowed)
+    info = {"tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tokens": args.tokens,
+            "samples": int(len(samples["seq"])), "contended": bool((ph == 1).any()), "quality_band": band,
+            "allowed": [bool(a) for a in allowed], "seconds": round(time.perf_counter() - t0, 1),
+            "disk_median_ns_per_mib": {"quiet": float(np.median(disk[(ph == 0) & (disk > 0)])) if ((ph == 0) & (disk > 0)).any() else None,
+                                       "shared": float(np.median(disk[(ph == 1) & (disk > 0)])) if ((ph == 1) & (disk > 0)).any() else None}}
+    pol = control.Policy(memory_budget=budget, sparsity=sparsity, actions=actions, load_edges=load_edges,
+                         disk_edges=disk_edges, table=table, value=V[0], info=info)
+    path = control.save_policy(model_dir, m, pol)
+    print(f"wrote {path} ({budget / 1e6:.0f} MB budget, sparsity {sparsity:g}, {info['samples']} samples, "
+          f"{info['seconds']:.0f} s)")
+    print(format_table(pol))
+    return 0
+
+
+def format_table(pol) -> str:
+    """The table as text: one row per layer, one column per (load, disk) state, the action's
+    (candidate ratio, bridge scale)."""
+    cols = [f"L{l}{'/D' + str(d) if pol.n_disk > 1 else ''}" for l in range(pol.n_load) for d in range(pol.n_disk)]
+    lines = ["layer " + " ".join(f"{c:>9}" for c in cols)]
+    for il, row in enumerate(pol.table.reshape(len(pol.table), -1)):
+        lines.append(f"{il:>5} " + " ".join(f"{pol.actions[a][0]:>4g}/{pol.actions[a][1]:<4g}" for a in row))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--read-forever":
+        read_forever(sys.argv[2])
