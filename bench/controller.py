@@ -4,9 +4,10 @@
         --configs off,table,fixed:0,...,fixed:8 --rounds 2 --out bench/results/controller-....json
     python bench/controller.py MODEL_DIR --regimes 1000MB --slowdown --out ...   # the disk slows mid-run
 
-A regime is a budget: "35%" (a share of the FFN on disk, the engine's budget) or "1000MB" (a
+A regime is a budget: "35%" (a share of the FFN on disk, the engine's budget), "1000MB" (a
 whole-process limit: each run in its own memory cgroup of that size, the engine's budget from the
-memory plan). --contend 1 runs the regime beside a second process that streams the model's
+memory plan) or "budget=415MB" (the engine's budget, no cgroup: --ppl at a limit's budget, since
+logits_all's buffers are not in the memory plan). --contend 1 runs the regime beside a second process that streams the model's
 base.gguf with O_DIRECT reads of 1 MiB (leanstream_ggml.tune.DiskReader). A config is "off"
 (today's fixed default: the parameters as given), "table" (the tuned policy for that budget) or
 "fixed:K" (action K of the tuned policy's actions on every layer).
@@ -18,8 +19,8 @@ the median tok/s of every config, its ratio to "off", the best fixed config and 
 
 --slowdown: one table run of 2 x --tokens tokens whose second half runs beside the reader; the
 controller's recorded decisions per half (state and action histograms) and the disk measure.
---ppl: decode-scored perplexity (held-out prose, 256-token window, second half scored) of off,
-table and the best fixed config per regime, quiet, with dense as reference.
+--ppl: decode-scored perplexity (held-out code, the domain sparsity costs most; 256-token window,
+second half scored) of each --configs entry per regime, quiet ("dense" for the reference).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def llama_kwargs(model_dir: Path, regime: str) -> dict:
         m = mf.load(model_dir)
         ffn = sum((model_dir / e.file).stat().st_size for e in m.layers)
         return {"memory_budget": int(ffn * float(regime[:-1]) / 100)}
+    if regime.startswith("budget="):
+        return {"memory_budget": regime.split("=", 1)[1]}
     return {"memory_limit": regime}
 
 
@@ -131,7 +134,7 @@ def child_ppl(a: dict) -> dict:
                 logits_all=True, n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False, **kw,
                 **({"sparsity": a["sparsity"]} if a.get("sparsity") is not None and mode != "dense" else {}))
     try:
-        toks = [llm.token_bos()] + text_tokens(llm, DEFAULT_TEXT, 256)
+        toks = [llm.token_bos()] + text_tokens(llm, DEFAULT_TEXT.with_name(a.get("text", "heldout-code.txt")), 256)
         return {"ppl": float(np.exp(np.mean(window_nll(window_logits(llm, toks, decode=True), toks))))}
     finally:
         llm.close()
@@ -143,7 +146,8 @@ def run(a: dict, timeout_s: float = 1800) -> dict:
     from leanstream_ggml.harness import cgroup
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(a)]
-    limit = None if a["regime"].endswith("%") else params.size_bytes(a["regime"], "regime")
+    limit = None if a["regime"].endswith("%") or a["regime"].startswith("budget=") else \
+        params.size_bytes(a["regime"], "regime")
     r = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=timeout_s)
     if r.status != "ok":
         return {"error": f"{r.status}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}

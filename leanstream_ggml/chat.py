@@ -91,7 +91,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         llm = Llama(str(model_dir), memory_budget=args.memory_budget, memory_limit=args.memory_limit,
                     mode=args.mode, sparsity=args.sparsity,
-                    quality=args.quality, n_ctx=args.n_ctx,
+                    quality=args.quality, controller=args.controller, n_ctx=args.n_ctx,
                     n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log)
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
@@ -147,6 +147,9 @@ def register(sub) -> None:
     p.add_argument("--quality", default=None,
                    help="e.g. ppl+5%%: leanstream mode at the largest sparsity whose perplexity cost, measured "
                         "by the converter on the model's own text, stays within it")
+    p.add_argument("--controller", default=None,
+                   help="leanstream mode: 'table' steers each layer by the table `leanstream tune` wrote for this "
+                        "budget; 'off' (default): fixed settings")
     p.add_argument("-c", "--n-ctx", type=int, default=2048, help="context size (default: 2048)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama-cpp-python's)")
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")

@@ -219,10 +219,11 @@ def quantile_edges(values: np.ndarray, n_bins: int) -> list[float]:
     """n_bins - 1 ascending, distinct edges at the values' quantiles (fewer if values repeat)."""
     if n_bins <= 1 or len(values) == 0:
         return []
-    qs = np.quantile(np.asarray(values, dtype=np.float64), np.linspace(0, 1, n_bins + 1)[1:-1])
+    v = np.asarray(values, dtype=np.float64)
+    qs = np.quantile(v, np.linspace(0, 1, n_bins + 1)[1:-1])
     out: list[float] = []
     for q in qs:
-        if not out or q > out[-1]:
+        if q > v.min() and (not out or q > out[-1]):   # an edge at the minimum leaves its bin empty
             out.append(float(q))
     return out
 
@@ -272,19 +273,25 @@ def load_policies(model_dir, manifest) -> list[Policy]:
     return [Policy.from_dict(p, manifest.n_layer, f"{path}: policies[{i}]") for i, p in enumerate(d.get("policies", []))]
 
 
+# how far the budget a policy was tuned at may be from the run's: under a whole-process limit the
+# engine's budget moves with what the process holds when the memory plan is made (a few %)
+BUDGET_TOLERANCE = 0.10
+
+
 def pick_policy(policies: list[Policy], memory_budget: int, sparsity: float) -> Policy:
-    """The policy tuned at this budget and sparsity (the budget within 2 %); ControllerError
-    naming what was tuned otherwise."""
-    for p in policies:
-        if abs(p.sparsity - sparsity) < 1e-3 and abs(p.memory_budget - memory_budget) <= 0.02 * max(memory_budget, 1):
-            return p
+    """The policy tuned at this sparsity whose budget is nearest this one, within
+    BUDGET_TOLERANCE; ControllerError naming what was tuned otherwise."""
+    near = [p for p in policies if abs(p.sparsity - sparsity) < 1e-3
+            and abs(p.memory_budget - memory_budget) <= BUDGET_TOLERANCE * max(memory_budget, 1)]
+    if near:
+        return min(near, key=lambda p: abs(p.memory_budget - memory_budget))
     have = ", ".join(f"{p.memory_budget / 1e6:.0f} MB at sparsity {p.sparsity:g}" for p in policies) or "none"
     raise ControllerError(f"no controller table for a {memory_budget / 1e6:.0f} MB budget at sparsity {sparsity:g} "
                           f"(tuned: {have}); run `leanstream tune` with this budget")
 
 
 def save_policy(model_dir, manifest, policy: Policy) -> Path:
-    """Adds (or replaces: same budget and sparsity) a policy in the model directory's controller
+    """Adds (or replaces: the same sparsity, the budget within 2 %) a policy in the model directory's controller
     file and names it, with its checksum, in the manifest. Both files are replaced atomically."""
     from .manifest import MANIFEST_NAME, file_checksum
 
@@ -293,8 +300,9 @@ def save_policy(model_dir, manifest, policy: Policy) -> Path:
         policies = load_policies(d, manifest)
     except ControllerError:
         policies = []   # another conversion's or a corrupt file: replaced
-    policies = [p for p in policies
-                if not (abs(p.sparsity - policy.sparsity) < 1e-3 and p.memory_budget == policy.memory_budget)]
+    # a policy tuned again at (nearly) the same budget replaces the old one
+    policies = [p for p in policies if not (abs(p.sparsity - policy.sparsity) < 1e-3 and
+                                            abs(p.memory_budget - policy.memory_budget) <= 0.02 * policy.memory_budget)]
     policies.append(policy)
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "conversion": conversion_id(manifest),
            "policies": [p.to_dict() for p in sorted(policies, key=lambda p: (p.memory_budget, p.sparsity))]}

@@ -276,8 +276,10 @@ class Llama(llama_cpp.Llama):
                                         disk_edges=pol.disk_edges, table=pol.table)
             return pol
         k = int(controller.split(":")[1])
-        pol = next((q for q in policies if abs(q.memory_budget - self._engine.memory_budget)
-                    <= 0.02 * max(self._engine.memory_budget, 1)), None)
+        try:
+            pol = control.pick_policy(policies, self._engine.memory_budget, self.sparsity)
+        except control.ControllerError:
+            pol = None
         actions = pol.actions if pol else list(control.DEFAULT_ACTIONS)
         if k >= len(actions):
             raise params.ParameterError("controller", f"fixed:{k}: there are {len(actions)} actions (0..{len(actions) - 1})")

@@ -35,7 +35,7 @@ from pathlib import Path
 # Llama's engine options the server takes; only those the user gave are passed (the rest keep the
 # engine's own defaults)
 LEANSTREAM_OPTIONS = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
-                      "bridge_bytes", "reuse_prefix")
+                      "bridge_bytes", "controller", "reuse_prefix")
 
 
 def _server_modules():
@@ -368,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leanstream with a sketch: candidates per kept block (default 1.5)")
     g.add_argument("--bridge-bytes", type=int, default=None,
                    help="largest gap of unselected blocks a read goes through (default: measured)")
+    g.add_argument("--controller", default=None,
+                   help="leanstream mode: 'table' (the table `leanstream tune` wrote for this budget) or 'off'")
     g.add_argument("--reuse-prefix", action="store_true", default=None,
                    help="evaluate only what a prompt adds to the previous request's (faster for chats; an answer "
                         "may then differ in rounding from the same request alone). Default: every request "

@@ -6,7 +6,8 @@
 Four steps, each with a progress bar:
 
 1. quality band: perplexity of every candidate ratio among the actions (decode-scored, held-out
-   prose, most of the FFN cached: the selection does not depend on the budget) against dense; a ratio whose perplexity exceeds --quality-target x dense is not offered to the table.
+   prose and code, most of the FFN cached: the selection does not depend on the budget) against
+   a ratio whose perplexity exceeds --quality-target x dense in either domain is not offered.
 2. profile: leanstream decode under the budget with a random action per layer and token
    (LS_CTRL_PROFILE), every op recorded: its state, action, time and bytes read. With
    contention (the default), the second half runs beside a reader streaming the model's
@@ -23,6 +24,7 @@ Four steps, each with a progress bar:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -73,8 +75,12 @@ def text_tokens(llm, path: Path, n: int) -> list[int]:
     return toks[:n]
 
 
+# the held-out texts (never seen by the converter) the quality band is scored on
+DOMAINS = {"prose": "heldout-technical.txt", "code": "heldout-code.txt"}
+
+
 def quality_band(model_dir: Path, actions, sparsity_kw: dict, n_tokens: int, threads: int, target: float) -> dict:
-    """Decode-scored perplexity of each candidate ratio (FFN in RAM) and of dense."""
+    """Decode-scored perplexity of each candidate ratio and of dense, on prose and code."""
     from tqdm import tqdm
 
     from . import Llama, manifest as mf
@@ -82,29 +88,61 @@ def quality_band(model_dir: Path, actions, sparsity_kw: dict, n_tokens: int, thr
     from .harness.perplexity import window_logits, window_nll
 
     ratios = sorted({c for c, _ in actions})
-    # the budget: nine tenths of the FFN on disk. The selection does not depend on the budget, as
-    # long as no layer is resident for good (a layer all in RAM is computed exactly, every block)
+    # the budget: nine tenths of the FFN on disk, without a hot set. The selection then is the
+    # worst case of every budget: a hot block is always a candidate (more exact candidates, never
+    # fewer), and a layer resident for good is computed exactly from every block (which would
+    # hide the ratio)
     m = mf.load(model_dir)
     budget = int(0.9 * sum((model_dir / e.file).stat().st_size for e in m.layers))
     out = {}
     bar = tqdm(total=len(ratios) + 1, desc="quality band", unit="setting")
-    for name, kw in [("dense", {"mode": "dense"})] + [(c, {"mode": "leanstream", "candidate_ratio": c, "memory_budget": budget, **sparsity_kw})
-                                                      for c in ratios]:
+    sparse = {"mode": "leanstream", "memory_budget": budget, "hot_fraction": 0.0, **sparsity_kw}
+    for name, kw in [("dense", {"mode": "dense"})] + [(c, {**sparse, "candidate_ratio": c}) for c in ratios]:
         llm = Llama(str(model_dir), n_ctx=n_tokens + 8, n_batch=n_tokens + 8, logits_all=True, n_threads=threads,
                     n_threads_batch=threads, verbose=False, **kw)
         try:
-            # the window's first half is the prompt (prefill), its second half is decoded and scored
-            toks = [llm.token_bos()] + text_tokens(llm, DEFAULT_TEXT, n_tokens)
-            out[name] = float(np.exp(np.mean(window_nll(window_logits(llm, toks, decode=True), toks))))
+            # per domain (prose, code) one window: its first half is the prompt (prefill), its
+            # second half is decoded and scored
+            out[name] = {}
+            for domain, text in DOMAINS.items():
+                toks = [llm.token_bos()] + text_tokens(llm, Path(DEFAULT_TEXT).with_name(text), n_tokens)
+                out[name][domain] = float(np.exp(np.mean(window_nll(window_logits(llm, toks, decode=True), toks))))
             sparsity = llm.sparsity
         finally:
             llm.close()
         bar.update(1)
     bar.close()
     dense = out.pop("dense")
-    return {"dense_ppl": dense, "sparsity": sparsity,
-            "ratio": {str(c): out[c] / dense for c in ratios},
-            "allowed": {str(c): out[c] / dense <= target for c in ratios}}
+    # an action's cost: its worse domain
+    ratio = {str(c): max(out[c][dm] / dense[dm] for dm in DOMAINS) for c in ratios}
+    return {"dense_ppl": dense, "sparsity": sparsity, "ppl": {str(c): out[c] for c in ratios}, "ratio": ratio,
+            "allowed": {c: r <= target for c, r in ratio.items()}}
+
+
+def reused_band(model_dir: Path, m, actions, sparsity: float, args) -> dict | None:
+    """The quality band another budget's tuning measured with the same settings (measured
+    without a hot set, it is every budget's worst case), re-judged against this --quality-target;
+    None if there is none."""
+    from . import control
+
+    try:
+        policies = control.load_policies(model_dir, m)
+    except control.ControllerError:
+        policies = []
+    saved = model_dir / f"controller.quality-{sparsity:g}.json"
+    bands = [(p.memory_budget, p.sparsity, p.info.get("quality_band") or {}) for p in policies]
+    if saved.is_file():
+        try:
+            bands.insert(0, (None, sparsity, json.loads(saved.read_text(encoding="utf-8"))))
+        except ValueError:
+            pass
+    for budget, s, b in bands:
+        if (isinstance(b, dict) and abs(s - sparsity) < 1e-3 and b.get("tokens") == args.quality_tokens
+                and b.get("hot_fraction") == 0.0 and set(b.get("ratio", {})) >= {str(c) for c, _ in actions}):
+            print("quality band: as measured " + (f"when tuning the {budget / 1e6:.0f} MB budget" if budget else
+                                                  f"before ({saved.name})") + " (without a hot set: every budget's worst case)")
+            return {**b, "allowed": {c: r <= args.quality_target for c, r in b["ratio"].items()}}
+    return None
 
 
 class DiskReader:
@@ -215,22 +253,30 @@ def run(args) -> int:
     actions = list(control.DEFAULT_ACTIONS)
     t0 = time.perf_counter()
 
-    band = quality_band(model_dir, actions, sparsity_kw, args.quality_tokens, args.threads, args.quality_target)
-    allowed = np.array([band["allowed"][str(c)] for c, _ in actions])
-    sparsity = band["sparsity"]
-    print(f"quality band at sparsity {sparsity:g} (perplexity vs dense): "
-          + ", ".join(f"candidates x{c}: x{r:.3f}{'' if band['allowed'][c] else ' (over the target: not offered)'}"
-                      for c, r in band["ratio"].items()))
-
     from . import Llama
 
+    # the engine's budget and sparsity as a run would resolve them
     probe = Llama(str(model_dir), mode="leanstream", n_ctx=64, verbose=False, **budget_kw, **sparsity_kw)
-    budget = probe.engine.memory_budget
+    budget, sparsity = probe.engine.memory_budget, probe.sparsity
     probe.close()
+    band = reused_band(model_dir, m, actions, sparsity, args)
+    if band is None:
+        band = quality_band(model_dir, actions, {"sparsity": sparsity}, args.quality_tokens, args.threads,
+                            args.quality_target)
+        band.update(tokens=args.quality_tokens, target=args.quality_target, hot_fraction=0.0)
+        # kept apart from the policies too: an interrupted tune does not measure it again
+        control._atomic_write(model_dir / f"controller.quality-{sparsity:g}.json", json.dumps(band, indent=1) + "\n")
+    allowed = np.array([band["allowed"][str(c)] for c, _ in actions])
+    print(f"quality band at sparsity {sparsity:g} (perplexity vs dense, the worse of prose and code): "
+          + ", ".join(f"candidates x{c}: x{r:.3f}{'' if band['allowed'][c] else ' (over the target: not offered)'}"
+                      for c, r in band["ratio"].items()))
     save = model_dir / f"controller.profile-{budget}-{sparsity:g}.npz"
     if args.restart and save.exists():
         save.unlink()
-    samples = profile(model_dir, budget_kw, sparsity_kw, actions, args.tokens, not args.no_contend, args.threads, save)
+    # (the budget as resolved: a memory plan made later in this process would count what the
+    # quality band left behind)
+    samples = profile(model_dir, {"memory_budget": budget}, {"sparsity": sparsity}, actions, args.tokens,
+                      not args.no_contend, args.threads, save)
     if len(samples["seq"]) == 0:
         raise RuntimeError("the profile recorded no controlled op (is the whole FFN resident at this budget?)")
 
