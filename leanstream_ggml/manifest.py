@@ -473,8 +473,6 @@ class Manifest:
                 _check_rel(self.sketch.block_freq, "sketch.block_freq", bad)
             if self.sketch.type != "ls2":
                 bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
-        if "controller" in self.extra and self.controller_file() is None:
-            bad("controller must be an object naming its file ({\"file\": ...})")
         if self.controller_file() is not None:
             _check_rel(self.controller_file(), "controller.file", bad)
         if not 0.0 <= self.totals.padding_waste < 1.0:
