@@ -193,7 +193,6 @@ def test_quantile_edges_and_binning():
 # ---- leanstream tune on the real SmolLM2 ---------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="fails after the policy is written (a LeanstreamError/ControllerError not yet diagnosed)", strict=False)
 def test_tune_writes_a_checked_policy(smollm2_sketch_dir, tmp_path):
     from leanstream_ggml import Llama
     from leanstream_ggml.cli import main
@@ -219,9 +218,11 @@ def test_tune_writes_a_checked_policy(smollm2_sketch_dir, tmp_path):
         assert st["controller"]["mode"] == "table" and sum(st["controller"]["decisions"]) >= 7 * m.n_layer
     finally:
         llm.close()
-    # no table for another budget: the error names what was tuned
+    # no table for another budget (20 % off: outside the 10 % a policy is matched within, and still
+    # above the sketch's share, so the engine opens and the controller is what refuses): the error
+    # names what was tuned
     with pytest.raises(control.ControllerError, match="tuned: "):
-        Llama(str(d), mode="leanstream", memory_budget=budget // 2, controller="table", n_ctx=64, verbose=False)
+        Llama(str(d), mode="leanstream", memory_budget=int(budget * 0.8), controller="table", n_ctx=64, verbose=False)
     with pytest.raises(params.ParameterError, match="leanstream"):
         Llama(str(d), mode="dense", controller="table", n_ctx=64, verbose=False)
     # made for another conversion: refused (its checksum recorded again, so only the identity differs)
