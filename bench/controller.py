@@ -10,7 +10,8 @@ memory plan) or "budget=415MB" (the engine's budget, no cgroup: --ppl at a limit
 logits_all's buffers are not in the memory plan). --contend 1 runs the regime beside a second process that streams the model's
 base.gguf with O_DIRECT reads of 1 MiB (leanstream_ggml.tune.DiskReader). A config is "off"
 (today's fixed default: the parameters as given), "table" (the tuned policy for that budget) or
-"fixed:K" (action K of the tuned policy's actions on every layer).
+"fixed:K" (action K of the tuned policy's actions on every layer); "dense" is plugin dense. A
+config may end in "@ioN": the engine with N I/O threads (reads in flight) instead of its default.
 
 Every run is a fresh process: a prompt, --warmup decoded tokens (the cache fills), then --tokens
 decoded tokens of the bundled held-out code, teacher-forced, timed. Per round every (regime,
@@ -52,6 +53,16 @@ def llama_kwargs(model_dir: Path, regime: str) -> dict:
     return {"memory_limit": regime}
 
 
+def split_io(config: str) -> tuple[str, int | None]:
+    """("fixed:7", 64) from "fixed:7@io64"; (config, None) without the suffix."""
+    name, sep, io = config.partition("@io")
+    if not sep:
+        return config, None
+    if not io.isdigit() or int(io) < 1:
+        raise SystemExit(f"bad config {config!r}: the suffix is @ioN with N >= 1 I/O threads")
+    return name, int(io)
+
+
 def child(a: dict) -> dict:
     """One run (in this process): the decode rate and what the engine did."""
     import numpy as np
@@ -62,8 +73,11 @@ def child(a: dict) -> dict:
 
     model_dir = Path(a["model"])
     kw = llama_kwargs(model_dir, a["regime"])
-    mode = "dense" if a["config"] == "dense" else "leanstream"
-    ctrl = a["config"] if mode == "leanstream" else None
+    config, io = split_io(a["config"])
+    if io:
+        kw["n_io_threads"] = io
+    mode = "dense" if config == "dense" else "leanstream"
+    ctrl = config if mode == "leanstream" else None
     llm = Llama(str(model_dir), mode=mode, controller=ctrl, n_ctx=512, n_threads=a["threads"], n_threads_batch=a["threads"],
                 verbose=False, **kw, **({"sparsity": a["sparsity"]} if a.get("sparsity") is not None and mode != "dense" else {}))
     try:
@@ -129,8 +143,11 @@ def child_ppl(a: dict) -> dict:
 
     model_dir = Path(a["model"])
     kw = llama_kwargs(model_dir, a["regime"])
-    mode = "dense" if a["config"] == "dense" else "leanstream"
-    llm = Llama(str(model_dir), mode=mode, controller=a["config"] if mode != "dense" else None, n_ctx=264, n_batch=264,
+    config, io = split_io(a["config"])
+    if io:
+        kw["n_io_threads"] = io
+    mode = "dense" if config == "dense" else "leanstream"
+    llm = Llama(str(model_dir), mode=mode, controller=config if mode != "dense" else None, n_ctx=264, n_batch=264,
                 logits_all=True, n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False, **kw,
                 **({"sparsity": a["sparsity"]} if a.get("sparsity") is not None and mode != "dense" else {}))
     try:

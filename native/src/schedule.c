@@ -256,8 +256,9 @@ ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res
         // change how many there are (control.c)
         P->n = n_wanted(e, L);
         select_in_file_order(L, P->score, P->n, P->blocks);
-        int32_t missing = 0;
-        for (int32_t i = 0; i < P->n; i++) missing += L->slot_of_block[P->blocks[i]] < 0;
+        int32_t missing = 0;   // (only a controller reads it)
+        if (e->ctrl.pol.mode != LS_CTRL_OFF)
+            for (int32_t i = 0; i < P->n; i++) missing += L->slot_of_block[P->blocks[i]] < 0;
         const int32_t n = n_wanted_at(e, L, ls_ctrl_choose(e, L, (uint64_t) missing * L->info.block_stride));
         if (n != P->n) {
             P->n = n;
