@@ -12,6 +12,13 @@ and reports per layer: the cascade's recall of the oracle set, and the FFN outpu
 squared error |sum_dropped a_i d_i|^2 / |sum a_i d_i|^2 (d_i: the dequantized down column) for
 oracle and cascade; per domain the share of the error carried by the worst 10 % of tokens.
 
+Layer-ahead speculation (from layer 1 on): while layer n-1 computes, the sketch of layer n scored
+with layer n-1's input picks n_cand neurons to prefetch. Per layer: the share of layer n's own
+candidates (ahead_recall_cand) and of its kept neurons (ahead_recall_keep) that speculation
+picked, against two baselines: the previous token's candidates of the same layer
+(prev_token_recall_cand: what a cache of the last token holds) and a random set of the same size
+(random_recall = n_cand / n_ff).
+
     python bench/selection_analysis.py model.lsm source.gguf [--tokens 384] [--sparsity 0.3]
         [--ratio 1.2] [--domain code=path ...] [--out bench/results/x.jsonl]
 """
@@ -94,6 +101,16 @@ def rel_error(a: np.ndarray, down: np.ndarray, keep: np.ndarray) -> np.ndarray:
     return (drop.astype(np.float64) ** 2).sum(1) / np.maximum((full.astype(np.float64) ** 2).sum(1), 1e-30)
 
 
+def ahead_recall(sk_ahead: np.ndarray, sk: np.ndarray, keep: np.ndarray, n_cand: int) -> dict:
+    """Layer-ahead speculation's recall (module doc) from the layer's sketch scores on the layer
+    before's input (sk_ahead) and on its own (sk), and its kept mask, all [T, n_ff]."""
+    spec, cand = topk_mask(sk_ahead, n_cand), topk_mask(sk, n_cand)
+    return {"ahead_recall_cand": float((spec & cand).sum() / cand.sum()),
+            "ahead_recall_keep": float((spec & keep).sum() / keep.sum()),
+            "prev_token_recall_cand": float((cand[:-1] & cand[1:]).sum() / cand[1:].sum()),
+            "random_recall": n_cand / sk.shape[1]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -130,6 +147,7 @@ def main() -> int:
             sink.write(line + "\n")
 
     per_token = {k: [] for k in domains}
+    prev_x = {}   # domain -> layer n-1's input
     for il in range(m.n_layer):
         lw = load_layer(m.layer_path(a.model, il))
         perm = lw.perm
@@ -149,9 +167,13 @@ def main() -> int:
             e_o, e_c = rel_error(af, down, oracle), rel_error(af, down, keep)
             per_token[name].append(e_c)
             # (an oracle neuron among the candidates is always kept: recall = the candidates' recall)
-            emit({"layer": il, "domain": name, "recall": float((keep & oracle).sum() / oracle.sum()),
-                  "err_oracle": float(e_o.mean()), "err_cascade": float(e_c.mean()),
-                  "n_tokens": int(len(x))})
+            row = {"layer": il, "domain": name, "recall": float((keep & oracle).sum() / oracle.sum()),
+                   "err_oracle": float(e_o.mean()), "err_cascade": float(e_c.mean()),
+                   "n_tokens": int(len(x))}
+            if name in prev_x:
+                row.update(ahead_recall(sketch_scores(gate_rows, up_rows, prev_x[name], act) * w, sk, keep, n_cand))
+            prev_x[name] = x
+            emit(row)
     for name, v in per_token.items():
         tot = np.sum(v, axis=0)                                # per token, summed over layers
         worst = np.sort(tot)[::-1][: max(1, len(tot) // 10)]
