@@ -53,14 +53,21 @@ def llama_kwargs(model_dir: Path, regime: str) -> dict:
     return {"memory_limit": regime}
 
 
-def split_io(config: str) -> tuple[str, int | None]:
-    """("fixed:7", 64) from "fixed:7@io64"; (config, None) without the suffix."""
-    name, sep, io = config.partition("@io")
-    if not sep:
-        return config, None
-    if not io.isdigit() or int(io) < 1:
-        raise SystemExit(f"bad config {config!r}: the suffix is @ioN with N >= 1 I/O threads")
-    return name, int(io)
+def engine_kwargs(a: dict) -> dict:
+    """Llama's engine keywords for run a: the regime's budget, the mode and controller of its
+    config ("dense", else leanstream with that controller), "@ioN" as n_io_threads, the sparsity."""
+    kw = llama_kwargs(Path(a["model"]), a["regime"])
+    config, sep, io = a["config"].partition("@io")
+    if sep:
+        if not io.isdigit() or int(io) < 1:
+            raise SystemExit(f"bad config {a['config']!r}: the suffix is @ioN with N >= 1 I/O threads")
+        kw["n_io_threads"] = int(io)
+    if config == "dense":
+        return {**kw, "mode": "dense"}
+    kw.update(mode="leanstream", controller=config)
+    if a.get("sparsity") is not None:
+        kw["sparsity"] = a["sparsity"]
+    return kw
 
 
 def child(a: dict) -> dict:
@@ -72,14 +79,8 @@ def child(a: dict) -> dict:
     from leanstream_ggml.tune import DiskReader, text_tokens
 
     model_dir = Path(a["model"])
-    kw = llama_kwargs(model_dir, a["regime"])
-    config, io = split_io(a["config"])
-    if io:
-        kw["n_io_threads"] = io
-    mode = "dense" if config == "dense" else "leanstream"
-    ctrl = config if mode == "leanstream" else None
-    llm = Llama(str(model_dir), mode=mode, controller=ctrl, n_ctx=512, n_threads=a["threads"], n_threads_batch=a["threads"],
-                verbose=False, **kw, **({"sparsity": a["sparsity"]} if a.get("sparsity") is not None and mode != "dense" else {}))
+    llm = Llama(str(model_dir), n_ctx=512, n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False,
+                **engine_kwargs(a))
     try:
         text = DEFAULT_TEXT.with_name("heldout-code.txt")
         n = a["tokens"] * (2 if a.get("slowdown") else 1)
@@ -142,14 +143,8 @@ def child_ppl(a: dict) -> dict:
     from leanstream_ggml.tune import text_tokens
 
     model_dir = Path(a["model"])
-    kw = llama_kwargs(model_dir, a["regime"])
-    config, io = split_io(a["config"])
-    if io:
-        kw["n_io_threads"] = io
-    mode = "dense" if config == "dense" else "leanstream"
-    llm = Llama(str(model_dir), mode=mode, controller=config if mode != "dense" else None, n_ctx=264, n_batch=264,
-                logits_all=True, n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False, **kw,
-                **({"sparsity": a["sparsity"]} if a.get("sparsity") is not None and mode != "dense" else {}))
+    llm = Llama(str(model_dir), n_ctx=264, n_batch=264, logits_all=True, n_threads=a["threads"],
+                n_threads_batch=a["threads"], verbose=False, **engine_kwargs(a))
     try:
         toks = [llm.token_bos()] + text_tokens(llm, DEFAULT_TEXT.with_name(a.get("text", "heldout-code.txt")), 256)
         return {"ppl": float(np.exp(np.mean(window_nll(window_logits(llm, toks, decode=True), toks))))}

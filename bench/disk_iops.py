@@ -63,8 +63,7 @@ def run_cell(exe: Path, files: list[str], size: int, depth: int, n_reads: int, s
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"disk_iops: {p.stderr.strip() or 'failed'}")
-    reads, seconds = p.stdout.split()
-    return float(seconds)
+    return float(p.stdout.split()[1])   # "reads seconds"
 
 
 def measure(exe: Path, files: list[str], size: int, depth: int, seconds: float, seed: int) -> dict:

@@ -276,13 +276,18 @@ def load_policies(model_dir, manifest) -> list[Policy]:
 # how far the budget a policy was tuned at may be from the run's: under a whole-process limit the
 # engine's budget moves with what the process holds when the memory plan is made (a few %)
 BUDGET_TOLERANCE = 0.10
+# a policy tuned again within this of an existing one's budget (same sparsity) replaces it
+REPLACE_TOLERANCE = 0.02
+
+
+def _tuned_for(p: Policy, memory_budget: int, sparsity: float, tolerance: float) -> bool:
+    return abs(p.sparsity - sparsity) < 1e-3 and abs(p.memory_budget - memory_budget) <= tolerance * max(memory_budget, 1)
 
 
 def pick_policy(policies: list[Policy], memory_budget: int, sparsity: float) -> Policy:
     """The policy tuned at this sparsity whose budget is nearest this one, within
     BUDGET_TOLERANCE; ControllerError naming what was tuned otherwise."""
-    near = [p for p in policies if abs(p.sparsity - sparsity) < 1e-3
-            and abs(p.memory_budget - memory_budget) <= BUDGET_TOLERANCE * max(memory_budget, 1)]
+    near = [p for p in policies if _tuned_for(p, memory_budget, sparsity, BUDGET_TOLERANCE)]
     if near:
         return min(near, key=lambda p: abs(p.memory_budget - memory_budget))
     have = ", ".join(f"{p.memory_budget / 1e6:.0f} MB at sparsity {p.sparsity:g}" for p in policies) or "none"
@@ -301,8 +306,7 @@ def save_policy(model_dir, manifest, policy: Policy) -> Path:
     except ControllerError:
         policies = []   # another conversion's or a corrupt file: replaced
     # a policy tuned again at (nearly) the same budget replaces the old one
-    policies = [p for p in policies if not (abs(p.sparsity - policy.sparsity) < 1e-3 and
-                                            abs(p.memory_budget - policy.memory_budget) <= 0.02 * policy.memory_budget)]
+    policies = [p for p in policies if not _tuned_for(p, policy.memory_budget, policy.sparsity, REPLACE_TOLERANCE)]
     policies.append(policy)
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "conversion": conversion_id(manifest),
            "policies": [p.to_dict() for p in sorted(policies, key=lambda p: (p.memory_budget, p.sparsity))]}
