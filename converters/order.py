@@ -88,14 +88,17 @@ def runs(m: np.ndarray, order: np.ndarray, max_gap: int = 0) -> float:
     return total / max(len(mm), 1)
 
 
-def profile_read_sets(src, text_path, *, n_read_of, n_threads: int = 2, progress: bool = True) -> list[np.ndarray]:
+def profile_read_sets(src, text_path, *, n_read_of, n_threads: int = 2,
+                      progress: bool = True) -> tuple[list[np.ndarray], np.ndarray]:
     """Per layer, uint8 [T, n_ff] read sets of the kept positions of the calibration text(s)
-    (``text_path``: one file or several); n_read_of(n_ff) is how many neurons a token reads."""
+    (``text_path``: one file or several); n_read_of(n_ff) is how many neurons a token reads. And
+    f32 [n_layer, n_ff]: each neuron's mean |h| over those positions (GGUF order)."""
     from tqdm import tqdm
 
     from .profile import Profiler, text_sequences
 
     sets: list[list[np.ndarray]] = []
+    abs_sum: list[np.ndarray] = []
     paths = [text_path] if isinstance(text_path, (str, Path)) else list(text_path)
     with Profiler(src, n_ctx=N_CTX, n_threads=n_threads) as prof:
         # the files' chunks taken in turn, so that every domain is in the first MAX_TOKENS
@@ -109,20 +112,27 @@ def profile_read_sets(src, text_path, *, n_read_of, n_threads: int = 2, progress
             start = seq["start"]
             if not sets:
                 sets = [[] for _ in range(prof.n_layer)]
+            take = min(len(seq["tokens"]) - start, MAX_TOKENS - kept)
             for il in range(prof.n_layer):
                 a = got[("ffn_swiglu", il)][start:]
                 sets[il].append(read_sets(a, n_read_of(a.shape[1])))
-            kept += len(seq["tokens"]) - start
-    return [np.concatenate(s)[:MAX_TOKENS] for s in sets]
+                s = np.abs(a[:take]).sum(axis=0, dtype=np.float64)
+                if len(abs_sum) <= il:
+                    abs_sum.append(s)
+                else:
+                    abs_sum[il] += s
+            kept += take
+    mean_abs = (np.stack(abs_sum) / max(kept, 1)).astype(np.float32)
+    return [np.concatenate(s)[:MAX_TOKENS] for s in sets], mean_abs
 
 
 def neuron_orders(src, text_path, *, method: str, n_read_of, n_threads: int = 2,
-                  progress: bool = True, log=print) -> tuple[list[np.ndarray], np.ndarray]:
-    """One on-disk neuron order per layer (module doc), and f32 [n_layer, n_ff]: how often each
-    neuron was read on the calibration text, in that order (the hot set's ranking)."""
+                  progress: bool = True, log=print) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """One on-disk neuron order per layer (module doc), and f32 [n_layer, n_ff] in that order: how
+    often each neuron was read on the calibration text (the hot set's ranking), and its mean |h|."""
     from tqdm import tqdm
 
-    sets = profile_read_sets(src, text_path, n_read_of=n_read_of, n_threads=n_threads, progress=progress)
+    sets, mean_abs = profile_read_sets(src, text_path, n_read_of=n_read_of, n_threads=n_threads, progress=progress)
     orders, freqs, before, after = [], [], 0.0, 0.0
     for m in tqdm(sets, desc=f"ordering neurons ({method})", unit="layer", disable=not progress):
         o = order_from_sets(m, method)
@@ -134,4 +144,4 @@ def neuron_orders(src, text_path, *, method: str, n_read_of, n_threads: int = 2,
     if progress and sets:
         log(f"order: {len(sets[0])} calibration tokens; runs of read neurons per token "
             f"{before:.0f} in GGUF order, {after:.0f} in {method} order (before read bridging)")
-    return orders, np.stack(freqs)
+    return orders, np.stack(freqs), np.stack([mean_abs[il][o] for il, o in enumerate(orders)])

@@ -185,9 +185,12 @@ def _complete(path: Path, il: int, n_rows: int) -> bool:
 
 
 def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: str = DEFAULT_WEIGHT,
-                   progress: bool = True, block_freq: np.ndarray | None = None) -> mf.SketchInfo:
+                   progress: bool = True, block_freq: np.ndarray | None = None,
+                   block_abs_h: np.ndarray | None = None) -> mf.SketchInfo:
     """Write one sketch file per layer (a complete one from an interrupted run is kept), and
-    block_freq (f32 [n_layer, n_blocks], the order stage's calibration frequencies) if given."""
+    block_freq (f32 [n_layer, n_blocks], the order stage's calibration frequencies) if given; with
+    block_abs_h (the order stage's mean |h| per block, k = 1) the blocks' importance, mean |h| x
+    ||down column|| (dense mode's pinned set: the draft FFN of speculative decoding)."""
     from tqdm import tqdm
 
     if type_name not in TYPES:
@@ -200,6 +203,7 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
                          f"convert with --sketch none (dense mode) or with predictors")
     (out / mf.SKETCH_DIR).mkdir(exist_ok=True)
     files, total = [], 0
+    importance = []
     for layer in tqdm(model.layers, desc=f"writing {type_name} sketches", unit="layer", disable=not progress):
         rel = mf.SKETCH_FILE.format(il=layer.il)
         path = out / rel
@@ -208,6 +212,9 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
             data = _layer_sketch(layer, slots, model.n_embd, model.n_ff, source.k, weight)
             with atomic_writer(path, durable=False) as f:
                 f.write(data)
+        if block_abs_h is not None and source.k == 1:
+            norm = np.linalg.norm(_dequantized_rows(layer.down, model.n_embd), axis=0)   # [n_ff], GGUF order
+            importance.append(block_abs_h[layer.il] * norm[np.where(slots < 0, 0, slots)].astype(np.float32))
         files.append(rel)
         total += path.stat().st_size
     freq_rel = None
@@ -215,5 +222,11 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
         freq_rel = mf.SKETCH_BLOCK_FREQ
         with atomic_writer(out / freq_rel, durable=False) as f:
             np.save(f, np.ascontiguousarray(block_freq, dtype=np.float32), allow_pickle=False)
+    imp_rel = None
+    if importance:
+        imp_rel = mf.SKETCH_IMPORTANCE
+        with atomic_writer(out / imp_rel, durable=False) as f:
+            np.save(f, np.ascontiguousarray(np.stack(importance), dtype=np.float32), allow_pickle=False)
     fsync_dir(out / mf.SKETCH_DIR)
-    return mf.SketchInfo(files=files, type=type_name, weight=weight, bytes=total, block_freq=freq_rel)
+    return mf.SketchInfo(files=files, type=type_name, weight=weight, bytes=total, block_freq=freq_rel,
+                         block_importance=imp_rel)

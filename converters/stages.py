@@ -231,9 +231,9 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
             + (f" (finished: {', '.join(done)})" if done else ""))
 
     # order: neurons read together placed together (before anything is written in slot order)
-    block_freq = None
+    block_freq = block_absh = None
     if profile_order:
-        source.orders, block_freq = _neuron_orders(source, state, order, calibration, n_threads, progress, log)
+        source.orders, block_freq, block_absh = _neuron_orders(source, state, order, calibration, n_threads, progress, log)
 
     predictor = None
     if predictors != "none":
@@ -252,7 +252,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     sketch_info = None
     if sketch != "none":
         sketch_info = write_sketches(source, out, type_name=sketch, weight=params["sketch"]["weight"],
-                                     progress=progress, block_freq=block_freq)
+                                     progress=progress, block_freq=block_freq, block_abs_h=block_absh)
         state.mark("sketch")
 
     m = make_manifest(source, out, entries, totals, predictor)
@@ -292,21 +292,22 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
     path = state.dir / "order.npz"
     if state.done("order"):
         with np.load(path) as z:
-            return [z[f"l{il}"] for il in range(source.model.n_layer)], z["freq"] if "freq" in z else None
+            return ([z[f"l{il}"] for il in range(source.model.n_layer)], z["freq"] if "freq" in z else None,
+                    z["absh"] if "absh" in z else None)
     try:
-        orders, freq = neuron_orders(source.path, list(corpus(calibration).values()), method=method,
+        orders, freq, absh = neuron_orders(source.path, list(corpus(calibration).values()), method=method,
                                      n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
                                      n_threads=n_threads, progress=progress, log=log)
     except UnsupportedProfile as e:
         # (an architecture whose graph names none of the tensors the profile captures) the model keeps
         # GGUF order and no hot-set ranking
         log(f"order: {e}; neurons stay in GGUF order")
-        orders, freq = source.orders, None
+        orders, freq, absh = source.orders, None, None
     tmp = state.dir / "order.partial.npz"
-    np.savez(tmp, **({} if freq is None else {"freq": freq}), **{f"l{il}": o for il, o in enumerate(orders)})
+    np.savez(tmp, **({} if freq is None else {"freq": freq, "absh": absh}), **{f"l{il}": o for il, o in enumerate(orders)})
     tmp.replace(path)
     state.mark("order")
-    return orders, freq
+    return orders, freq, absh
 
 
 def _blocks_of_layer(source):

@@ -46,7 +46,13 @@ def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, aft
         parts.append(f"first token after {t_first - t0:.2f} s, answer {t_end - t0:.2f} s")
     print("[" + " | ".join(parts) + "]", file=sys.stderr)
     if after_prefill is not None:
-        print("[" + _per_token_stats(llm, after_prefill, llm.stats()) + "]", file=sys.stderr)
+        now = llm.stats()
+        print("[" + _per_token_stats(llm, after_prefill, now) + "]", file=sys.stderr)
+        sp = now.get("speculative")
+        if sp and sp["passes"]:
+            print(f"[speculative: {sp['passes']} verify passes, {sp['tokens_per_pass']:.2f} tokens per pass, "
+                  f"{sp['accepted']}/{sp['drafted']} drafted tokens accepted, draft {sp['draft_time_s']:.2f} s, "
+                  f"verify {sp['verify_time_s']:.2f} s (since the model was loaded)]", file=sys.stderr)
 
 
 def _stream_answer(llm, messages, args) -> str:
@@ -85,6 +91,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .manifest import ManifestError
 
     from .models import DEFAULT_MODEL, converted_model_dir
+    from .options import given
 
     try:
         model_dir = converted_model_dir(args.model or DEFAULT_MODEL, "chat")
@@ -92,7 +99,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         llm = Llama(str(model_dir), memory_budget=args.memory_budget, memory_limit=args.memory_limit,
                     mode=args.mode, sparsity=args.sparsity,
                     quality=args.quality, controller=args.controller, n_ctx=args.n_ctx,
-                    n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log)
+                    n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log,
+                    **given(args, "chat"))
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
         return 1
@@ -150,6 +158,9 @@ def register(sub) -> None:
     p.add_argument("--controller", default=None,
                    help="leanstream mode: 'table' steers each layer by the table `leanstream tune` wrote for this "
                         "budget; 'off' (default): fixed settings")
+    from .options import add_flags
+
+    add_flags(p, "chat")
     p.add_argument("-c", "--n-ctx", type=int, default=2048, help="context size (default: 2048)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama-cpp-python's)")
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")

@@ -227,6 +227,11 @@ class FFNEngine:
                                      ffi.cast("float *", y.ctypes.data), x.shape[0], n_threads))
         return y
 
+    def set_draft(self, on: bool, fraction: float = 1.0) -> None:
+        """Speculative decoding's draft FFN: while on, ops compute only resident blocks (of each
+        layer's best-ranked ``fraction``) and read nothing."""
+        check(lib.ls_engine_set_draft(self.handle, 1 if on else 0, float(fraction)))
+
     def set_priorities(self, il: int, prio: np.ndarray) -> None:
         """Priorities of layer il's blocks for its next decode op (oracle / external scheduler)."""
         prio = np.ascontiguousarray(prio, dtype=np.float32)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import difflib
 import inspect
+import time
 import warnings
 from pathlib import Path
 
@@ -124,6 +125,18 @@ class Llama(llama_cpp.Llama):
             directory for this budget and sparsity: per layer, its remaining load and the disk's
             speed pick the candidate ratio and bridge), or "fixed:K" (action K of that policy's
             actions, or of control.DEFAULT_ACTIONS where none was tuned, on every layer).
+        speculative: exact speculative decoding in dense mode (docs/design.md §21): "auto" (drafts
+            from the engine's resident blocks and from prompt lookup, the longer one verified in
+            one pass, the controller deciding how far to draft), "self" (the resident-block draft
+            only), "ngram" (prompt lookup only), "off" (the default for now; sparse modes: always).
+            Every emitted token is sampled from the model's own logits; ``stats()["speculative"]``
+            counts passes, drafted and accepted tokens, draft and verify time.
+        draft_max: the longest draft (default 8); the verify pass returns draft_max + 1 logit rows.
+        draft_fraction: the self draft computes each layer's most important fraction of its blocks
+            (those resident; default 1: every resident block): a cheaper, less faithful draft.
+        draft_stop: how far to draft: "controller" (default: the table solved from the costs
+            `leanstream tune --speculative` profiled, or that this process measures), "fixed"
+            (always draft_max), "p_min:X" (stop below top-1 probability X, as llama.cpp does).
         verify_checksums: check every block's CRC-32C as it is read (default True; a mismatch
             raises LeanstreamError naming the file, layer and block). The other files of the
             model directory are checked against the manifest's checksums when it is opened.
@@ -138,8 +151,9 @@ class Llama(llama_cpp.Llama):
                  sparsity: float | None = None, quality: str | None = None, n_io_threads: int | None = None,
                  hot_fraction: float | None = None, verify_checksums: bool = True,
                  candidate_ratio: float | None = None, bridge_bytes: int | None = None,
-                 controller: str | None = None, _manifest=None, **kwargs):
-        self._engine = None
+                 controller: str | None = None, speculative: str | None = None, draft_max: int | None = None,
+                 draft_stop: str | None = None, draft_fraction: float | None = None, _manifest=None, **kwargs):
+        self._engine = self._drafter = None
         _refuse_unknown_keywords(kwargs)
         if quality is not None:
             if sparsity is not None:
@@ -157,6 +171,15 @@ class Llama(llama_cpp.Llama):
         controller = params.controller(controller)
         if controller != "off" and mode != "leanstream":
             raise params.ParameterError("controller", f"steers leanstream mode's decode; mode={mode!r} was given")
+        spec = params.speculative(speculative, mode) if kwargs.get("draft_model") is None else "off"
+        k_max, spec_stop = params.draft_max(draft_max), params.draft_stop(draft_stop)
+        spec_fraction = params.draft_fraction(draft_fraction)
+        if spec != "off":
+            # the verify pass decodes several rows at once; in llama.cpp's CPU backend only flash
+            # attention computes each row as decoding it alone would (without it rows >= 5 of a
+            # batch differ by up to ~0.6 in logit), so speculative decoding uses it unless told
+            # otherwise: its answers are then plain decoding's token for token (docs/design.md §21)
+            kwargs.setdefault("flash_attn", True)
         limit = params.size_bytes(memory_limit, "memory_limit") if memory_limit is not None else 0
         if limit and memory_budget is not None:
             raise params.ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
@@ -193,9 +216,14 @@ class Llama(llama_cpp.Llama):
                     warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
                                   f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
                 p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
+        elif spec in ("auto", "self") and (m.block_importance_file() or m.block_freq_file()):
+            # dense mode pins each layer's most important blocks (not a prefix of the scan): the
+            # draft FFN; by mean |h| x ||down|| where the converter measured it, else by frequency
+            block_rank = self._block_rank(path, m.block_importance_file())
         if limit:
             self.memory_plan = memplan.plan(path, m, limit, mode=mode, n_ctx=int(kwargs.get("n_ctx", 512)),
-                                            n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))))
+                                            n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
+                                            n_outputs=k_max + 1 if spec != "off" else 1)
             self.memory_plan.check()
             p["memory_budget"] = self.memory_plan.budget
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
@@ -219,6 +247,39 @@ class Llama(llama_cpp.Llama):
             self._engine.raise_pending()
 
         self._ctx.decode = decode
+        self.speculative = spec
+        self._drafter = None
+        if spec != "off":
+            from . import speculative as spec_mod
+
+            tuned = spec_mod.load_tuned(path, m, self._engine.memory_budget)
+            self._drafter = spec_mod.Drafter(self, spec, k_max, spec_stop, tuned, spec_fraction)
+            self.draft_model = self._drafter   # llama-cpp-python's generate verifies what it proposes
+
+    def eval(self, tokens):
+        """llama_cpp.Llama.eval; a speculative verify pass (the drafter said so) gets the logits of
+        every row it decodes, not only the last (sampling compares them with the draft), without
+        logits_all's n_ctx x n_vocab array. Passes are timed for the draft controller."""
+        rows = self.__dict__.pop("_verify_rows", None)
+        d = self._drafter
+        t0 = time.perf_counter()
+        if rows is None or rows != len(tokens) or self._logits_all:
+            super().eval(tokens)
+        else:
+            self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+            n_past = self.n_tokens
+            self._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+            self._ctx.decode(self._batch)
+            self.input_ids[n_past:n_past + len(tokens)] = tokens
+            self.n_tokens += len(tokens)
+            self._requires_eval = False
+        if d is not None and (rows is not None or len(tokens) == 1):
+            d.verify_timed(len(tokens), time.perf_counter() - t0)
+
+    def generate(self, tokens, *args, **kwargs):
+        if self._drafter is not None:
+            self._drafter.finish()   # the last answer's final verify, counted before the KV cache changes
+        return super().generate(tokens, *args, **kwargs)
 
     def _check_layers_match_manifest(self) -> None:
         """The block files' headers (checksummed) agree with what the manifest says of them."""
@@ -235,7 +296,7 @@ class Llama(llama_cpp.Llama):
                     f"{self.model_dir / e.file}: its header does not match the manifest's layers[{e.il}] "
                     f"(file: {have}, manifest: {want}); re-run `leanstream convert` with --force")
 
-    def _block_rank(self, path: Path):
+    def _block_rank(self, path: Path, rel: str | None = None):
         """The calibration frequencies of every block (predictor/block_freq.npy, or without
         predictors the order stage's sketch/block_freq.npy: [n_layer, n_blocks] f32), checked, or
         None: the engine pins the best-ranked ones (the hot set of powerinfer2 and leanstream).
@@ -246,7 +307,7 @@ class Llama(llama_cpp.Llama):
         import numpy as np
 
         m = self.manifest
-        rel = m.block_freq_file()
+        rel = rel or m.block_freq_file()
         if not rel:
             return None
         freq_path = m.resolve(path, rel)
@@ -292,11 +353,21 @@ class Llama(llama_cpp.Llama):
 
     def stats(self, layer: int | None = None) -> dict:
         """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ...
-        (totals: summed over layers, except ``tokens``, the token rows the model processed)."""
-        return self._live_engine().stats(layer)
+        (totals: summed over layers, except ``tokens``, the token rows the model processed);
+        ``speculative``: passes, drafted, accepted, tokens per pass, draft and verify seconds."""
+        s = self._live_engine().stats(layer)
+        if self._drafter is not None:
+            self._drafter.finish()
+            s["speculative"] = self._drafter.stats.as_dict()
+        return s
 
     def reset_stats(self) -> None:
         self._live_engine().reset_stats()
+        if self._drafter is not None:
+            from .speculative import SpecStats
+
+            self._drafter.finish()
+            self._drafter.stats = SpecStats()
 
     def _live_engine(self) -> FFNEngine:
         if self._engine is None:
@@ -313,6 +384,9 @@ class Llama(llama_cpp.Llama):
             for name in _HANDLE_ATTRS:
                 if name in self.__dict__:
                     setattr(self, name, _Closed(name))
+        if getattr(self, "_drafter", None) is not None:
+            self._drafter._batch.close()
+            self._drafter = self.draft_model = None
         if getattr(self, "_engine", None) is not None:
             self._engine.close()
             self._engine = None

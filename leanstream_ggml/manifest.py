@@ -16,6 +16,8 @@ else; the file formats are in docs/formats.md)::
     BLOCK_FILE            ffn/blk.<il>.bin           one block file per layer
     SKETCH_FILE           sketch/blk.<il>.lssk       (``sketch``) leanstream's exact-input scorer
     SKETCH_BLOCK_FREQ     sketch/block_freq.npy      (``sketch.block_freq``) the order stage's block ranking
+    SKETCH_IMPORTANCE     sketch/block_importance.npy (``sketch.block_importance``) mean |h| x ||down|| per block
+    SPECULATIVE_FILE      speculative.json           (``leanstream tune --speculative``) draft costs per budget
     PREDICTOR_FILE        predictor/blk.<il>.lspred  (``predictor``) one predictor per layer
     PREDICTOR_BLOCK_FREQ  predictor/block_freq.npy   (``predictor.block_freq``) the training's block ranking
     PREDICTOR_SUMMARY     predictor/predictor.json   (``predictor.summary``) training settings and metrics
@@ -71,6 +73,8 @@ BLOCK_FREQ_NAME = "block_freq.npy"
 SKETCH_BLOCK_FREQ = SKETCH_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_BLOCK_FREQ = PREDICTOR_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_SUMMARY = PREDICTOR_DIR + "/predictor.json"
+SKETCH_IMPORTANCE = SKETCH_DIR + "/block_importance.npy"
+SPECULATIVE_FILE = "speculative.json"
 
 # enum ggml_type values of ggml's type names (ggml.h); only what a model directory may hold
 GGML_TYPE_IDS = {
@@ -183,6 +187,9 @@ class SketchInfo:
     quality: list[dict[str, float]] = field(default_factory=list)
     block_freq: str | None = None  # "sketch/block_freq.npy": f32 [n_layer, n_blocks], how often each block
                                    # was a candidate on the calibration text (the hot set's ranking)
+    block_importance: str | None = None  # "sketch/block_importance.npy": f32 [n_layer, n_blocks], mean |h| x
+                                         # ||down column|| on the calibration text (dense mode's pinned set:
+                                         # the draft FFN of speculative decoding)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -205,11 +212,13 @@ class SketchInfo:
             if not isinstance(doms, dict) or not all(
                     isinstance(v, dict) and _type_ok(v.get("ppl_ratio"), float) for v in doms.values()):
                 raise ManifestError(f"{where}: quality domains must map a name to {{ppl_ratio, ...}}")
-        freq = d.get("block_freq")
+        freq, imp = d.get("block_freq"), d.get("block_importance")
         if freq is not None and not isinstance(freq, str):
             raise ManifestError(f"{where}: block_freq must be a path or null")
+        if imp is not None and not isinstance(imp, str):
+            raise ManifestError(f"{where}: block_importance must be a path or null")
         return cls(files=files, type=_get(d, "type", str, where), weight=weight,
-                   bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq)
+                   bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq, block_importance=imp)
 
 
 class ModeFilesError(ValueError):
@@ -269,6 +278,10 @@ class Manifest:
             return self.predictor.block_freq
         return self.sketch.block_freq if self.sketch else None
 
+    def block_importance_file(self) -> str | None:
+        """The draft's ranking (mean |h| x ||down||), else None."""
+        return self.sketch.block_importance if self.sketch else None
+
     def controller_file(self) -> str | None:
         """The streaming controller's policy file (``leanstream tune`` writes it), if tuned."""
         c = self.extra.get("controller")
@@ -280,6 +293,8 @@ class Manifest:
         for info in (self.predictor, self.sketch):
             if info is not None and info.block_freq:
                 out.append(info.block_freq)
+        if self.block_importance_file():
+            out.append(self.block_importance_file())
         if self.controller_file():
             out.append(self.controller_file())
         return out
@@ -471,6 +486,8 @@ class Manifest:
                 bad("sketch.files names a file twice")
             if self.sketch.block_freq is not None:
                 _check_rel(self.sketch.block_freq, "sketch.block_freq", bad)
+            if self.sketch.block_importance is not None:
+                _check_rel(self.sketch.block_importance, "sketch.block_importance", bad)
             if self.sketch.type != "ls2":
                 bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
         if self.controller_file() is not None:

@@ -202,10 +202,12 @@ class MemoryPlan:
 
 
 def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,
-         resident: int | None = None, process: int | None = None, base: BaseModelInfo | None = None) -> MemoryPlan:
+         resident: int | None = None, process: int | None = None, base: BaseModelInfo | None = None,
+         n_outputs: int = 1) -> MemoryPlan:
     """The plan for one model directory (its manifest given) under ``limit`` bytes. ``resident``:
     bytes of the sketch/predictor files the mode loads (default: as the manifest names them);
-    ``process``: bytes the process holds before the model (default: this process, now)."""
+    ``process``: bytes the process holds before the model (default: this process, now);
+    ``n_outputs``: logit rows one decode returns (speculative decoding's verify pass: draft_max + 1)."""
     if base is None:
         base = read_base(manifest.resolve(model_dir, manifest.base.file))
     if resident is None:
@@ -220,6 +222,8 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         "compute": COMPUTE_FIXED + COMPUTE_PER_UBATCH_VALUE * n_ubatch * base.n_embd,
         "margin": MARGIN,
     }
+    if n_outputs > 1:
+        parts["logits"] = (n_outputs - 1) * base.n_vocab * 4
     tied = "output.weight" not in base.tensor_bytes
     notes = {
         "process": "the interpreter and libraries, before the model",
@@ -228,6 +232,7 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         "kv_cache": f"n_ctx {n_ctx} x {base.kv_width} K/V values x 2 bytes",
         "heap": f"llama.cpp's vocabulary ({base.n_vocab} tokens) and sampling",
         "compute": f"activations of a batch of n_ubatch {n_ubatch} tokens",
+        "logits": f"{n_outputs - 1} more rows of {base.n_vocab} logits (a speculative verify pass)",
         "margin": "measurement scatter",
     }
     return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode)

@@ -175,3 +175,46 @@ def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_i
         "candidate_ratio": opt(candidate_ratio, lambda v: _real_in(v, "candidate_ratio", 1.0, 1000.0, hi_open=False)),
         "bridge_bytes": opt(bridge_bytes, lambda v: _int_in(v, "bridge_bytes", 0, 1 << 30)),
     }
+
+
+SPECULATIVE_KINDS = ("auto", "self", "ngram", "off")
+DEFAULT_DRAFT_MAX = 8
+MAX_DRAFT = 64
+
+
+def speculative(value, mode: str) -> str:
+    """speculative: None/"off" (the default until its speed bar is met; docs/design.md §21), "auto" (self draft + prompt lookup, the controller choosing how far; in
+    a sparse mode "off"), "self", "ngram" or "off". Speculative decoding verifies with the dense
+    pass, so a sparse mode refuses self and ngram (its answers would change)."""
+    v = "off" if value is None else value
+    if not isinstance(v, str) or v not in SPECULATIVE_KINDS:
+        raise ParameterError("speculative", f"expected one of {', '.join(SPECULATIVE_KINDS)}, got {value!r}")
+    if mode != "dense":
+        if v in ("self", "ngram"):
+            raise ParameterError("speculative", f"verifies drafts with the dense pass; mode={mode!r} decodes sparse "
+                                                f"(use mode='dense', or speculative='off')")
+        return "off"
+    return v
+
+
+def draft_max(value) -> int:
+    return DEFAULT_DRAFT_MAX if value is None else _int_in(value, "draft_max", 1, MAX_DRAFT)
+
+
+def draft_fraction(value) -> float:
+    if value is None:
+        return 1.0
+    f = _real_in(value, "draft_fraction", 0.0, 1.0, hi_open=False)
+    if f <= 0.0:
+        raise ParameterError("draft_fraction", f"must be in (0, 1], got {value!r}")
+    return f
+
+
+def draft_stop(value) -> str | None:
+    from .speculative import parse_stop
+
+    try:
+        parse_stop(value)
+    except ValueError as e:
+        raise ParameterError("draft_stop", str(e)) from None
+    return value

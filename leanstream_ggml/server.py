@@ -34,8 +34,10 @@ from pathlib import Path
 
 # Llama's engine options the server takes; only those the user gave are passed (the rest keep the
 # engine's own defaults)
+from .options import for_command as _options_for
+
 LEANSTREAM_OPTIONS = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
-                      "bridge_bytes", "controller", "reuse_prefix")
+                      "bridge_bytes", "controller", "reuse_prefix") + tuple(o.name for o in _options_for("serve"))
 
 
 def _server_modules():
@@ -370,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest gap of unselected blocks a read goes through (default: measured)")
     g.add_argument("--controller", default=None,
                    help="leanstream mode: 'table' (the table `leanstream tune` wrote for this budget) or 'off'")
+    from .options import add_flags
+
+    add_flags(g, "serve")
     g.add_argument("--reuse-prefix", action="store_true", default=None,
                    help="evaluate only what a prompt adds to the previous request's (faster for chats; an answer "
                         "may then differ in rounding from the same request alone). Default: every request "

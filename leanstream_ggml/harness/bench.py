@@ -63,10 +63,20 @@ def run_bench(llm, prompt: list[int], n_gen: int, repetitions: int = 3) -> dict:
         tok = int(np.argmax(last_logits(llm)))
         generated = [tok]
         t2 = time.perf_counter()
-        for _ in range(n_gen):
-            llm.eval([tok])
-            tok = int(np.argmax(last_logits(llm)))
-            generated.append(tok)
+        if getattr(llm, "speculative", "off") != "off":
+            # decode through generate, where speculative decoding drafts and verifies (greedy: the
+            # same tokens); its first token is the argmax above, from the prompt already evaluated
+            gen = llm.generate(prompt + [tok], temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+            for t in gen:
+                generated.append(int(t))
+                if len(generated) > n_gen:
+                    break
+            gen.close()
+        else:
+            for _ in range(n_gen):
+                llm.eval([tok])
+                tok = int(np.argmax(last_logits(llm)))
+                generated.append(tok)
         t3 = time.perf_counter()
         r2 = measure.disk_read_bytes()
         reps.append({

@@ -52,9 +52,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
+    from leanstream_ggml.options import add_flags
+
     b = subparsers.add_parser("bench", help="prefill/decode tokens/s, peak RSS, disk bytes (llama-bench style)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(b)
+    add_flags(b, "bench")
     b.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (prefill test)")
     b.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens (decode test)")
     b.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions; medians are reported")
@@ -86,7 +89,10 @@ def _engine_extra(args, system: str) -> dict:
             raise params.ParameterError("memory_limit", "plans the plugin's memory; stock llama.cpp takes no "
                                                         "limit (run it in a memory cgroup: `leanstream compare`)")
         return {}
+    from leanstream_ggml.options import given
+
     out = {"sparsity": args.sparsity} if args.sparsity is not None else {}
+    out.update(given(args, args.command))
     if getattr(args, "quality", None) is not None:
         out["quality"] = args.quality
     if not args.verify_checksums:

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 9
+#define LS_ABI_VERSION 10
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -252,6 +252,11 @@ typedef struct ls_stats {
     // streaming controller (ls_engine_set_controller)
     uint64_t ctrl_decisions;   // ops whose knobs the controller set (cascade decode ops)
     uint64_t ctrl_ns;          // thread 0's time measuring the state and choosing (summed)
+    // the draft FFN of speculative decoding (ls_engine_set_draft); not in the counters above
+    uint64_t draft_ops;        // FFN ops run as the draft
+    uint64_t draft_tokens;     // token rows they processed
+    uint64_t draft_blocks;     // blocks they computed (resident ones only: they read nothing)
+    uint64_t draft_ns;         // wall time inside them (thread 0)
 } ls_stats;
 
 // il = -1: totals over all layers.
@@ -314,6 +319,17 @@ LS_API ls_status   ls_engine_set_controller(ls_engine * e, const ls_ctrl_policy 
 LS_API int32_t     ls_engine_ctrl_samples(ls_engine * e, ls_ctrl_sample * out, int32_t cap, uint64_t * dropped);
 // decisions[a] = how many ops took action a since the policy was installed (n <= LS_CTRL_MAX_ACTIONS).
 LS_API ls_status   ls_engine_ctrl_decisions(const ls_engine * e, uint64_t * decisions, int32_t n);
+
+// ---- the draft FFN of speculative decoding (docs/design.md §21) ------------------------------
+// While the draft is on, every FFN op computes the blocks that are resident at that moment (the
+// pinned set and whatever the cache holds, loaded and checked) exactly, skips the others, and
+// reads nothing: the same model with an FFN made of what RAM holds, whose next-token guesses a
+// normal (exact) pass then verifies several at a time. Dense mode under a budget given a
+// block_rank pins, in every layer, its best-ranked blocks (an equal share of each layer), so that
+// this FFN is each layer's most important part; fraction (0, 1] then keeps the draft to each
+// layer's best-ranked fraction of its blocks (those resident; 1: every resident block), a
+// cheaper draft. Between ops only; counted in the draft_* counters.
+LS_API ls_status   ls_engine_set_draft(ls_engine * e, int32_t on, float fraction);
 
 // ---- checksums ---------------------------------------------------------------------------
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of data[len], continuing from crc

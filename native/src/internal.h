@@ -1,6 +1,6 @@
 // internal.h — structures shared by the engine's source files (not part of the ABI).
 //
-// One FFN op on layer il (op.c) takes one of three paths, chosen per op by ls_sched_path:
+// One FFN op on layer il (op.c) takes one of four paths, chosen per op by ls_sched_path:
 //   dense      every block in file order, in chunks the budget holds (prefill in every mode, and
 //              decode in mode dense): all threads compute their share of a chunk, then thread 0
 //              lets it go and pins the next
@@ -10,6 +10,8 @@
 //   cascade    sparse decode selected from the layer's own input (leanstream with a sketch): score
 //              the sketch -> thread 0 pins the candidates -> exact gate/up of the candidates ->
 //              thread 0 keeps the largest |h| -> down columns of the kept
+//   draft      speculative decoding's draft (ls_engine_set_draft, any mode, any batch): the
+//              blocks resident now, exactly; nothing pinned, nothing read
 // In every path each thread accumulates its share of the plan (the ith of nth contiguous parts)
 // into its own partial output, and the output is their sum in thread order (deterministic,
 // independent of I/O timing). Thread 0 plans under e->mu, which it holds for the whole op.
@@ -62,7 +64,7 @@ typedef struct ls_sketch {
     X(op_calls) X(tokens) X(blocks_computed) X(blocks_read) X(bytes_read) X(bytes_computed) \
     X(bytes_unused) X(reads_issued) X(io_stall_ns) X(op_ns) X(predictor_ns) X(blocks_prefetched) \
     X(checksum_ns) X(blocks_candidates) X(down_skipped) X(spec_hits) X(spec_selected) X(scorer_ns) \
-    X(bytes_bridged) X(ctrl_decisions) X(ctrl_ns)
+    X(bytes_bridged) X(ctrl_decisions) X(ctrl_ns) X(draft_ops) X(draft_tokens) X(draft_blocks) X(draft_ns)
 #define LS_COUNTER_FIELD(name) _Atomic uint64_t name;
 typedef struct ls_layer_stats { LS_LAYER_COUNTERS(LS_COUNTER_FIELD) } ls_layer_stats;
 
@@ -91,6 +93,7 @@ typedef struct ls_layer {
     bool               prio_ready;
     int32_t *          prefetch;        // [n_blocks] blocks pinned ahead of this layer's op
     int32_t            n_prefetch;
+    int32_t *          rank_order;      // [n_blocks] dense mode given a block_rank: blocks best first (NULL: none)
     uint8_t *          hot;             // [n_blocks] powerinfer2: keep resident once loaded
     uint8_t *          hot_pinned;      // [n_blocks] the permanent pin has been taken
     int32_t *          order;           // [n_blocks] scratch: blocks sorted by priority
@@ -166,7 +169,7 @@ typedef struct ls_barrier {
 } ls_barrier;
 
 // The path an op takes (op.c: one function each), chosen by thread 0 before the first barrier.
-typedef enum { LS_PATH_FAILED = 0, LS_PATH_DENSE, LS_PATH_PREDICTED, LS_PATH_CASCADE } ls_path;
+typedef enum { LS_PATH_FAILED = 0, LS_PATH_DENSE, LS_PATH_PREDICTED, LS_PATH_CASCADE, LS_PATH_DRAFT } ls_path;
 
 // Plan of the op being executed (written by thread 0, read by all between barriers).
 #define LS_MAX_CHUNKS 64
@@ -237,6 +240,8 @@ struct ls_engine {
     uint64_t         resident_bytes; // sketches + predictors (taken from the memory budget)
     _Atomic int32_t  block_sleepers; // compute threads asleep on a block's state (io.c wakes them)
     ls_ctrl          ctrl;           // the streaming controller (control.c)
+    bool             draft;          // ops compute the resident blocks only (ls_engine_set_draft)
+    float            draft_fraction; // of each layer's blocks by rank (1: every resident block)
 };
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
@@ -282,6 +287,16 @@ int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fra
 ls_status   ls_mode_rank_order(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t ** order, int64_t * total);
 ls_status   ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
                              uint8_t ** hot);
+// hot[il][b] = 1 for n_hot blocks shared out over the layers in proportion to their blocks (the
+// remainder to the first layers), each layer's best-ranked ones (dense mode's pinned set: every
+// layer keeps its most used part for the draft FFN)
+// out[b] = the mean rank of the run of `run` consecutive blocks b is in (a run ranks as one;
+// within it, file order)
+void        ls_mode_run_rank(int32_t n_blocks, const float * rank, int32_t run, float * out);
+// *order: one layer's blocks best-ranked first (ties: lower index first), malloc'd
+ls_status   ls_mode_rank_layer(int32_t n_blocks, const float * rank, int32_t ** order);
+ls_status   ls_mode_pick_hot_per_layer(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
+                                       uint8_t ** hot);
 
 // blockfile.c: open layer il's block file into L (info, perm, fd). *direct_io is cleared when
 // the file system refuses O_DIRECT.
@@ -326,6 +341,8 @@ ls_status   ls_sched_plan_dense(ls_engine * e, ls_layer * L);
 ls_status   ls_sched_next_chunk(ls_engine * e, int32_t c);
 // predicted: the top (1 - sparsity) blocks by priority, in file order, pinned; layer il+1 prefetched
 ls_status   ls_sched_plan_predicted(ls_engine * e, ls_layer * L, const float * x_res);
+// draft: the layer's blocks that are resident and loaded now, in file order; nothing pinned
+void        ls_sched_plan_draft(ls_engine * e, ls_layer * L);
 // cascade: the candidates from P->score pinned (layer il+1 prefetched); the kept set from P->hscore
 ls_status   ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res);
 // A resident layer (pinned for good) whose gate/up rows cost no more bytes than its sketch plus
@@ -359,6 +376,8 @@ void        ls_dequant_q6_K(float * out, const uint8_t * col, int64_t n);
 void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
 // the same for m Q6_K columns (n % 256 == 0), added in place
 void        ls_axpy_q6_K_multi(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t n);
+// the same for T rows (h [m][T], acc [T][n]); each row bit for bit as ls_axpy_q6_K_multi on it alone
+void        ls_axpy_q6_K_rows(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n);
 // acc[t] += sum_j h[j][t] * cols[j] for T token rows (f32 columns staged in a tile)
 void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd);
 // gate and up of one neuron in one pass: *ra = a . x, *rb = b . x for Q4_K rows a, b (n values)

@@ -692,6 +692,57 @@ void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * c
     }
 }
 
+// The same for T token rows: acc[t][0, n) += sum_j h[j][t] * column j (h [m][T]). Each column
+// group's 32 values are unpacked once for all rows; every row then takes exactly the single-row
+// kernel's products and fused adds in its order (columns in order, the same factors), so each row
+// equals ls_axpy_q6_K_multi on that row alone, bit for bit (a verify pass agrees with decoding).
+void ls_axpy_q6_K_rows(float * restrict acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n) {
+    float qf[8][32] __attribute__((aligned(32)));
+    for (int j0 = 0; j0 < m; j0 += 8) {
+        const int mj = m - j0 < 8 ? m - j0 : 8;
+        for (int64_t b = 0; b < n / 256; b++) {
+            float d[8];
+            for (int j = 0; j < mj; j++) {
+                uint16_t dh;
+                memcpy(&dh, cols[j0 + j] + b * LS_Q6_K_BYTES + 208, 2);
+                d[j] = f16_to_f32(dh);
+            }
+            for (int half = 0; half < 2; half++) {
+                for (int seg = 0; seg < 4; seg++) {
+                    float s0[8], s1[8];
+                    for (int j = 0; j < mj; j++) {
+                        const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
+                        const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
+                        const __m256i q = q6_K_quants(blk, half, seg);
+                        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                        _mm256_store_ps(qf[j],      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
+                        _mm256_store_ps(qf[j] + 8,  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
+                        _mm256_store_ps(qf[j] + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
+                        _mm256_store_ps(qf[j] + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
+                        s0[j] = (float) sc[0];
+                        s1[j] = (float) sc[1];
+                    }
+                    for (int64_t t = 0; t < T; t++) {
+                        float * a = acc + (size_t) t * (size_t) n + b * 256 + half * 128 + seg * 32;
+                        __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8);
+                        __m256 v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
+                        for (int j = 0; j < mj; j++) {
+                            const float hd = h[(size_t) (j0 + j) * (size_t) T + (size_t) t] * d[j];
+                            const __m256 f0 = _mm256_set1_ps(hd * s0[j]), f1 = _mm256_set1_ps(hd * s1[j]);
+                            v0 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j]), v0);
+                            v1 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j] + 8), v1);
+                            v2 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 16), v2);
+                            v3 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 24), v3);
+                        }
+                        _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1);
+                        _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
+                    }
+                }
+            }
+        }
+    }
+}
+
 void ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd) {
     axpy_tile_impl(acc, h, cols, n_staged, T, n_embd);
 }

@@ -147,3 +147,54 @@ ls_status ls_mode_pick_hot(int32_t n_layers, const int32_t * n_blocks, const flo
     free(order);
     return LS_OK;
 }
+
+ls_status ls_mode_pick_hot_per_layer(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
+                                     uint8_t ** hot) {
+    int64_t total = 0;
+    int32_t max_nb = 0;
+    for (int32_t il = 0; il < n_layers; il++) {
+        total += n_blocks[il];
+        if (n_blocks[il] > max_nb) max_nb = n_blocks[il];
+    }
+    if (total <= 0) return LS_OK;
+    if (n_hot > total) n_hot = (int32_t) total;
+    ranked * r = malloc(sizeof(ranked) * (size_t) max_nb);
+    int32_t * share = malloc(sizeof(int32_t) * (size_t) n_layers);
+    if (!r || !share) { free(r); free(share); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    int64_t given = 0;
+    for (int32_t il = 0; il < n_layers; il++) {
+        share[il] = (int32_t) ((int64_t) n_hot * n_blocks[il] / total);
+        given += share[il];
+    }
+    for (int32_t il = 0; il < n_layers && given < n_hot; il++)
+        if (share[il] < n_blocks[il]) { share[il]++; given++; }
+    ls_status st = LS_OK;
+    const float * lr = rank;   // layer il's ranks
+    for (int32_t il = 0; il < n_layers && st == LS_OK; lr += n_blocks[il], il++) {
+        for (int32_t b = 0; b < n_blocks[il] && st == LS_OK; b++) {
+            if (!isfinite(lr[b])) { ls_set_error("block rank %lld is not finite", (long long) (lr - rank + b)); st = LS_ERR_ARG; }
+            r[b] = (ranked) { lr[b], b };
+        }
+        if (st != LS_OK) break;
+        qsort(r, (size_t) n_blocks[il], sizeof(ranked), by_rank);
+        memset(hot[il], 0, (size_t) n_blocks[il]);
+        for (int32_t i = 0; i < share[il]; i++) hot[il][r[i].flat] = 1;
+    }
+    free(r);
+    free(share);
+    return st;
+}
+
+ls_status ls_mode_rank_layer(int32_t n_blocks, const float * rank, int32_t ** order) {
+    int64_t total;
+    return ls_mode_rank_order(1, &n_blocks, rank, order, &total);
+}
+
+void ls_mode_run_rank(int32_t n_blocks, const float * rank, int32_t run, float * out) {
+    for (int32_t lo = 0; lo < n_blocks; lo += run) {
+        const int32_t hi = lo + run < n_blocks ? lo + run : n_blocks;
+        double sum = 0.0;
+        for (int32_t b = lo; b < hi; b++) sum += isfinite(rank[b]) ? rank[b] : 0.0;
+        for (int32_t b = lo; b < hi; b++) out[b] = isfinite(rank[b]) ? (float) (sum / (hi - lo)) : rank[b];
+    }
+}

@@ -23,6 +23,13 @@
 #define LS_TILE 32
 #define LS_TOKEN_CHUNK 64    // prefill tokens per pass over a thread's blocks
 #define LS_TILE_MAX 256 // k above this is refused at load
+// Batches up to this many tokens (speculative decoding's verify passes) compute every row with the
+// one-token kernels, so that each row's output is bit for bit what decoding that token alone
+// gives: a draft's verification then agrees with plain decoding even at a near-tie. Larger
+// batches (prefill) take the batched kernels.
+#ifndef LS_ROWWISE_MAX_TOKENS
+#define LS_ROWWISE_MAX_TOKENS 16
+#endif
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
 static bool grow(void ** p, size_t * cap, size_t need, size_t elem) {
@@ -110,6 +117,10 @@ static void flush(float * acc, const float * h, const float * cols, const uint8_
     if (n_staged == 0) return;
     if (!direct) {
         ls_axpy_tile(acc, h, cols, n_staged, T, n_embd);
+        return;
+    }
+    if (down_type == GGML_TYPE_Q6_K && T > 1) {   // the columns unpacked once for every row
+        ls_axpy_q6_K_rows(acc, h, qcols, n_staged, T, n_embd);
         return;
     }
     float hs[LS_TILE_MAX];
@@ -227,7 +238,7 @@ static void reduce_partials(const ls_plan * P, float * y, int ith, int nth) {
 }
 
 // One thread's share of plan entries [lo, hi) (share_lo), every neuron of each block, accumulated
-// into acc [n_tokens, n_embd].
+// into acc [n_tokens, n_embd]; counted in the layer's compute counters unless it is the draft's.
 static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t hi, float * acc, float * work) {
     const ls_plan * P = &e->plan;
     ls_layer * L = P->L;
@@ -241,7 +252,8 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
-    const bool direct = adds_in_place(in->down_type) && T < 4;
+    const bool rowwise = T <= LS_ROWWISE_MAX_TOKENS;
+    const bool direct = adds_in_place(in->down_type) && rowwise;
     // the next block's bytes fetched while one computes (a split layer: its gate/up rows; the
     // down columns are fetched when staged)
     const uint64_t next_bytes = L->gu_ptr ? (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes) : in->block_payload;
@@ -278,7 +290,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             for (int64_t j = 0; j < k; j++) {
                 if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
                 float * hj = h + (size_t) n_staged * Tc;
-                if (fused == LS_FUSED_Q4_K && Tc > 1) {   // prefill: every token against the rows, 4 tokens per pass
+                if (fused == LS_FUSED_Q4_K && !rowwise) {   // prefill: every token against the rows, 4 tokens per pass
                     float * g = gu_tmp, * u = gu_tmp + Tc;
                     ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) Tc, g, u);
                     for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
@@ -303,6 +315,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
         flush(acc_c, h, cols, qcols, in->down_type, n_staged, Tc, n_embd, direct);
         n_staged = 0;
     }
+    if (P->path == LS_PATH_DRAFT) return;   // (op_end counts the draft's blocks)
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
     atomic_fetch_add(&L->stats.blocks_computed, n_computed);
     atomic_fetch_add(&L->stats.bytes_computed, bytes_computed);
@@ -332,9 +345,11 @@ static void op_dense(ls_engine * e, const float * x, size_t x_row_stride, float 
     reduce_partials(P, y, ith, nth);
 }
 
-// ---- path 2: predicted ----------------------------------------------------------------------------
+// ---- path 2: predicted (and the draft) ------------------------------------------------------------
 // Sparse decode selected by the predictors (oneshot, dejavu+, powerinfer2; leanstream on a layer
-// without a sketch): thread 0 planned and pinned the kept blocks before the op began.
+// without a sketch): thread 0 planned and pinned the kept blocks before the op began. The draft
+// FFN of speculative decoding takes the same path over the blocks resident now (no pins: nothing
+// evicts while thread 0 holds e->mu).
 
 static void op_predicted(ls_engine * e, const float * x, size_t x_row_stride, float * y, int ith, int nth) {
     ls_plan * P = &e->plan;
@@ -491,6 +506,7 @@ static void op_begin(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth, con
     ls_status st = grow_scratch(e, L, n_tokens, nth);
     if (st == LS_OK && P->path == LS_PATH_DENSE) st = ls_sched_plan_dense(e, L);
     if (st == LS_OK && P->path == LS_PATH_PREDICTED) st = ls_sched_plan_predicted(e, L, x_res);
+    if (st == LS_OK && P->path == LS_PATH_DRAFT) ls_sched_plan_draft(e, L);
     if (st == LS_OK) return;
     ls_engine_record_error(e, st, "layer %d: %s", L->il,
                            st == LS_ERR_BUDGET ? "memory budget too small for this layer's working set" :
@@ -503,6 +519,13 @@ static void op_begin(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth, con
 // cache that never evicts stays so for good (and is split for the sparse paths).
 static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
     ls_plan * P = &e->plan;
+    if (P->path == LS_PATH_DRAFT) {   // nothing pinned; the target's counters and last plan untouched
+        atomic_fetch_add(&L->stats.draft_ops, 1);
+        atomic_fetch_add(&L->stats.draft_tokens, (uint64_t) n_tokens);
+        atomic_fetch_add(&L->stats.draft_blocks, (uint64_t) P->n);
+        atomic_fetch_add(&L->stats.draft_ns, ls_now_ns() - t0);
+        return;
+    }
     bool all_ready;
     ls_sched_finish(e, &all_ready);
     if (P->path == LS_PATH_FAILED) return;
@@ -532,7 +555,8 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
     ls_barrier_wait(&e->barrier, nth);
     switch (P->path) {
     case LS_PATH_DENSE:     op_dense(e, x, x_row_stride, y, ith, nth); break;
-    case LS_PATH_PREDICTED: op_predicted(e, x, x_row_stride, y, ith, nth); break;
+    case LS_PATH_PREDICTED:
+    case LS_PATH_DRAFT:     op_predicted(e, x, x_row_stride, y, ith, nth); break;
     case LS_PATH_CASCADE:   op_cascade(e, x, x_row_stride, x_res, y, ith, nth); break;
     case LS_PATH_FAILED:
         for (int64_t t = ith; t < n_tokens; t += nth) memset(y + (size_t) t * L->info.n_embd, 0, sizeof(float) * (size_t) L->info.n_embd);

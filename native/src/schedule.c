@@ -11,6 +11,7 @@
 //              exact gate/up, the kept blocks are the candidates with the largest sum |h|
 //   prefetch   (sparse paths, modes that prefetch) layer il+1's predictor on x_il picks its likely
 //              blocks, pinned and queued behind this layer's reads
+//   draft      (speculative decoding's draft) the resident, loaded blocks, in file order
 //   finish     unpin; blocks stay cached (LRU) except in oneshot mode (no cache)
 
 #include "internal.h"
@@ -62,6 +63,7 @@ static bool selects_by_sketch(const ls_engine * e, const ls_layer * L) {
 }
 
 ls_path ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens) {
+    if (e->draft) return LS_PATH_DRAFT;
     if (n_tokens != 1 || !e->policy->sparse) return LS_PATH_DENSE;
     return selects_by_sketch(e, L) ? LS_PATH_CASCADE : LS_PATH_PREDICTED;
 }
@@ -211,6 +213,27 @@ ls_status ls_sched_next_chunk(ls_engine * e, int32_t c) {
     P->pin_lo = lo;
     P->n_pinned = lo + acquire_and_read(e, P->L, P->blocks + lo, hi - lo, P->scratch2);
     return P->n_pinned == hi ? LS_OK : LS_ERR_BUDGET;
+}
+
+// ---- draft ---------------------------------------------------------------------------------------
+
+void ls_sched_plan_draft(ls_engine * e, ls_layer * L) {
+    ls_plan * P = &e->plan;
+    const int32_t nb = L->info.n_blocks;
+    P->n = P->pin_lo = P->n_pinned = 0;
+    // a loaded block cannot be evicted while the op runs: only thread 0, under e->mu, evicts
+    uint8_t * mark = L->mark;   // 0xFF between calls
+    const bool ranked = L->rank_order && e->draft_fraction < 1.0f;
+    if (ranked) {   // each layer's best-ranked fraction, in file order
+        const int32_t n = (int32_t) ((double) e->draft_fraction * nb + 0.5);
+        for (int32_t i = 0; i < n && i < nb; i++) mark[L->rank_order[i]] = 1;
+    }
+    for (int32_t b = 0; b < nb; b++) {
+        const bool want = !ranked || mark[b] == 1;
+        mark[b] = 0xFF;
+        if (want && L->slot_of_block[b] >= 0 && atomic_load_explicit(&L->state[b], memory_order_acquire) == LS_BLK_READY)
+            P->blocks[P->n++] = b;
+    }
 }
 
 // ---- predicted -------------------------------------------------------------------------------

@@ -1,0 +1,395 @@
+"""Speculative decoding (docs/design.md §21): the draft FFN against the numpy reference over the
+blocks it holds, dense mode's ranked pinned set, the draft-length solver against brute force,
+and on SmolLM2 that speculative output equals plain decoding token for token through every API
+path (completion, chat, streaming, stops, max_tokens, logprobs, grammars), with a read fault
+in a verify pass leaving the next request correct."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from converters import blockfile, convert
+from gguf_synth import write_tiny_model
+from leanstream_ggml import params
+from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.speculative import N_Q, Costs, Meter, P_GRID, parse_stop, q_bucket, solve
+from reference import ffn_reference, load_layer
+
+N_EMBD, N_FF, N_LAYER = 256, 512, 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    write_tiny_model(d / "tiny.gguf", arch="llama", n_layer=N_LAYER, n_embd=N_EMBD, n_ff=N_FF, types={"ffn": "Q4_0"},
+                     seed=3)
+    m = convert(d / "tiny.gguf", d / "lsm", k=2, progress=False, sketch="none", down_type="q8_0")
+    return [m.layer_path(d / "lsm", il) for il in range(N_LAYER)]
+
+
+def _x(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, N_EMBD)).astype(np.float32)
+
+
+def _check(y, ref):
+    assert np.abs(y - ref).max() <= 1e-3 * np.abs(ref).max() + 1e-5
+
+
+def test_dense_pins_each_layers_best_ranked_blocks(tiny):
+    """Given a block_rank, dense mode under a budget pins an equal share of every layer (its
+    best-ranked runs of blocks, not a prefix of the scan); its output does not change."""
+    h = blockfile.read_header(tiny[0])
+    rank = np.random.default_rng(1).random((N_LAYER, h.n_blocks)).astype(np.float32)
+    budget = (2 * h.n_blocks) * h.block_stride        # 2 of 3 layers' blocks: one layer streams
+    with FFNEngine(tiny, memory_budget=budget, block_rank=rank) as e, FFNEngine(tiny) as ref:
+        for il in range(N_LAYER):
+            assert np.array_equal(e.eval_layer(il, _x(1, il)), ref.eval_layer(il, _x(1, il)))
+        n_pin = budget // h.block_stride - h.n_blocks
+        assert e.stats()["hot_blocks"] == n_pin
+        for _ in range(2):   # (the streaming slots keep what the LRU left; the pinned set stays)
+            for il in range(N_LAYER):
+                e.eval_layer(il, _x(1, il))
+                res = set(np.flatnonzero(e.resident(il)))
+                share = n_pin // N_LAYER + (il < n_pin % N_LAYER)
+                assert len(res) >= share   # (ranked by runs of one read's length: native/src/engine.c)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_draft_computes_the_resident_blocks_and_reads_nothing(tiny, n_tokens):
+    h = blockfile.read_header(tiny[0])
+    rank = np.random.default_rng(2).random((N_LAYER, h.n_blocks)).astype(np.float32)
+    budget = (2 * h.n_blocks) * h.block_stride
+    with FFNEngine(tiny, memory_budget=budget, block_rank=rank) as e:
+        for il in range(N_LAYER):
+            e.eval_layer(il, _x(1, il))          # a dense pass: pinned blocks in, the last layer's kept
+        before = e.stats()
+        e.set_draft(True, 1.0)
+        drafted = 0
+        for il in range(N_LAYER):
+            res = e.resident(il).astype(bool)
+            w = load_layer(tiny[il])
+            slots = w.perm.reshape(-1, w.k)[res]
+            neurons = slots[slots >= 0]
+            x = _x(n_tokens, 10 + il)
+            _check(e.eval_layer(il, x, n_threads=2), ffn_reference(w, x, neurons=neurons))
+            drafted += res.sum()
+        e.set_draft(False)
+        s = e.stats()
+        for k in ("blocks_read", "bytes_read", "op_calls", "tokens", "blocks_computed"):
+            assert s[k] == before[k], k          # the target's counters: untouched
+        assert s["draft_ops"] == N_LAYER and s["draft_blocks"] == drafted and s["draft_tokens"] == n_tokens
+        # the draft off: exact again
+        x = _x(1, 99)
+        with FFNEngine(tiny) as ref:
+            assert np.array_equal(e.eval_layer(0, x), ref.eval_layer(0, x))
+
+
+@pytest.fixture(scope="module", params=["q4_0-cols-q8_0", "q4_K-cols-q6_k"])
+def row_model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("rows")
+    types = {"ffn": "Q4_0"} if request.param.startswith("q4_0") else {"gate": "Q4_K", "up": "Q4_K", "down": "Q4_K"}
+    write_tiny_model(d / "t.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=types, seed=4)
+    m = convert(d / "t.gguf", d / "lsm", progress=False, sketch="none", down_type=request.param.split("-")[-1])
+    return [m.layer_path(d / "lsm", 0)]
+
+
+@pytest.mark.parametrize("n_tokens", [2, 5, 9, 16])
+def test_a_verify_pass_row_equals_decoding_that_token_alone(row_model, n_tokens):
+    """Up to 16 rows (a verify pass) every row of the op's output is bit for bit the one-token
+    op's on that row: speculative decoding agrees with plain decoding even at near-ties."""
+    x = _x(n_tokens, 5)
+    with FFNEngine(row_model) as e:
+        batch = e.eval_layer(0, x, n_threads=2)
+        alone = np.concatenate([e.eval_layer(0, x[t:t + 1], n_threads=2) for t in range(n_tokens)])
+    assert np.array_equal(batch, alone)
+
+
+def test_draft_fraction_keeps_the_best_ranked_share(tiny):
+    h = blockfile.read_header(tiny[0])
+    rank = np.random.default_rng(2).random((N_LAYER, h.n_blocks)).astype(np.float32)
+    with FFNEngine(tiny, memory_budget=(2 * h.n_blocks) * h.block_stride, block_rank=rank) as e:
+        for il in range(N_LAYER):
+            e.eval_layer(il, _x(1, il))
+        e.reset_stats()
+        e.set_draft(True, 0.2)
+        x = _x(1, 3)
+        w = load_layer(tiny[0])
+        keep = sorted(np.flatnonzero(e.resident(0)))
+        slots = w.perm.reshape(-1, w.k)[keep]
+        y = e.eval_layer(0, x)
+        assert 0 < e.stats()["draft_blocks"] <= min(len(keep), int(0.2 * h.n_blocks + 0.5))
+        assert np.isfinite(y).all()
+        with pytest.raises(Exception, match="fraction"):
+            e.set_draft(True, 0.0)
+
+
+# ---- how far to draft ----------------------------------------------------------------------
+
+def _costs(k, t1, slope, td, accept, freq=None):
+    c = Costs(k_max=k)
+    c.t_pass[1:] = t1 + slope * np.arange(k + 1)
+    c.t_draft = td
+    c.accept = np.asarray(accept, float)
+    c.q_freq = np.full(N_Q, 1.0 / N_Q) if freq is None else np.asarray(freq, float)
+    return c
+
+
+def test_in_ram_costs_never_draft():
+    """A pass of B tokens costs about B times one and a draft step most of one: drafting loses."""
+    t = solve(_costs(8, 0.04, 0.035, 0.03, np.linspace(0.3, 0.99, N_Q)))
+    assert not t.draft[0].any()
+    assert t.tokens_per_pass == pytest.approx(1.0)
+
+
+def test_streamed_costs_draft_far_when_drafts_agree():
+    """Under a limit a pass of 9 costs 1.6x one and a draft step an eighth of one."""
+    t = solve(_costs(8, 0.22, 0.016, 0.028, np.full(N_Q, 0.95)))
+    assert t.draft[:8, 0].all()                    # at P = 1: draft to draft_max
+    assert t.rate > 2.5 / 0.22
+    low = solve(_costs(8, 0.22, 0.016, 0.028, np.full(N_Q, 0.05)))
+    assert not low.draft[0].any()                  # drafts that never agree: plain decoding
+
+
+def _exact_rate(c: Costs, policy) -> float:
+    """Expected tokens / expected seconds of a history-dependent policy, by enumerating every
+    sequence of q bins (policy(bins) -> draft one more?)."""
+    T, a, f = c.pass_cost(), c.accept, c.q_freq / c.q_freq.sum()
+    n_tok = cost = 0.0
+
+    def walk(bins, prob, p_alive, acc_tokens, secs):
+        nonlocal n_tok, cost
+        if len(bins) < c.k_max and policy(tuple(bins)):
+            for b in range(N_Q):
+                pn = p_alive * a[b]
+                walk(bins + [b], prob * f[b], pn, acc_tokens + pn, secs + c.t_draft)
+            return
+        n_tok += prob * (acc_tokens + 1.0)
+        cost += prob * (secs + T[len(bins) + 1])
+
+    walk([], 1.0, 1.0, 0.0, 0.0)
+    return n_tok / cost
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_solver_against_brute_force(seed):
+    """k_max 2: every deterministic policy on the bin history (2^(1 + N_Q)) enumerated; the
+    solved table's policy, evaluated exactly, is within 2 % of the best."""
+    rng = np.random.default_rng(seed)
+    c = _costs(2, 0.2, rng.uniform(0.005, 0.15), rng.uniform(0.01, 0.15), rng.uniform(0.05, 1.0, N_Q),
+               rng.uniform(0.1, 1.0, N_Q))
+    best = 0.0
+    for d0 in (False, True):
+        for d1 in itertools.product((False, True), repeat=N_Q):
+            best = max(best, _exact_rate(c, lambda bins: d0 if not bins else d1[bins[0]]))
+    t = solve(c)
+
+    def table_policy(bins):
+        p = float(np.prod([c.accept[b] for b in bins])) if bins else 1.0
+        return t.more(len(bins), p)
+
+    assert _exact_rate(c, table_policy) >= 0.98 * best
+    assert t.rate == pytest.approx(_exact_rate(c, table_policy), rel=0.02)
+
+
+def test_meter_learns_acceptance_and_costs():
+    m = Meter(4)
+    assert m.table() is None                       # nothing timed yet: no drafting
+    m.pass_timed(1, 0.2)
+    m.draft_timed(0.02)
+    for _ in range(50):
+        m.outcome([N_Q - 1] * 4, 1)   # the first accepted, the second not, the rest unobserved
+    assert m.costs.accept[N_Q - 1] == pytest.approx((50 + 4 * 0.99) / (100 + 4))
+    assert m.table() is not None
+
+
+def test_q_bins_and_grid():
+    assert q_bucket(0.0) == 0 and q_bucket(1.0) == N_Q - 1 and q_bucket(0.5) == 2
+    assert P_GRID[0] == 1.0 and np.all(np.diff(P_GRID) < 0)
+
+
+def test_options_are_checked():
+    assert params.speculative(None, "dense") == "off"
+    assert params.speculative(None, "leanstream") == "off"      # sparse decode: no verify pass
+    with pytest.raises(params.ParameterError, match="speculative"):
+        params.speculative("yes", "dense")
+    with pytest.raises(params.ParameterError, match="dense pass"):
+        params.speculative("self", "leanstream")
+    with pytest.raises(params.ParameterError, match="draft_max"):
+        params.draft_max(0)
+    with pytest.raises(params.ParameterError, match="draft_stop"):
+        params.draft_stop("p_min:2")
+    assert parse_stop("p_min:0.75") == ("p_min", 0.75)
+    assert parse_stop(None) == ("controller", 0.0)
+
+
+def test_costs_round_trip():
+    c = _costs(4, 0.2, 0.01, 0.02, np.linspace(0.2, 0.9, N_Q))
+    c.t_pass[3] = math.nan
+    d = Costs.from_dict(c.to_dict())
+    assert np.allclose(d.accept, c.accept) and math.isnan(d.t_pass[3]) and d.t_draft == c.t_draft
+
+
+# ---- on SmolLM2 --------------------------------------------------------------------------------
+
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "The three most important things to know about compound interest are"]
+CHAT = [{"role": "user", "content": "Write a Python function that reverses the words of a sentence."}]
+BUDGET = "32MiB"
+
+
+@pytest.fixture(scope="module")
+def spec_dir(smollm2_sketch_dir):
+    return smollm2_sketch_dir
+
+
+def _llama(d, **kw):
+    from leanstream_ggml import Llama
+
+    kw.setdefault("memory_budget", BUDGET)
+    return Llama(str(d), n_ctx=512, n_threads=2, verbose=False, seed=7, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain(spec_dir):
+    # plain decoding with the attention speculative decoding uses (flash attention: Llama.__init__)
+    llm = _llama(spec_dir, speculative="off", flash_attn=True)
+    out = {"completion": [llm.create_completion(p, max_tokens=64, temperature=0)["choices"][0]["text"] for p in PROMPTS],
+           "chat": llm.create_chat_completion(messages=CHAT, max_tokens=64, temperature=0)["choices"][0]["message"]["content"]}
+    llm.close()
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(speculative="auto"), dict(speculative="self", draft_stop="fixed"),
+                                dict(speculative="self", draft_stop="p_min:0.5", draft_max=4),
+                                dict(speculative="ngram", draft_stop="fixed")],
+                         ids=["auto", "self-fixed", "self-pmin", "ngram"])
+def test_speculative_greedy_equals_plain(spec_dir, plain, kw):
+    llm = _llama(spec_dir, **kw)
+    try:
+        got = [llm.create_completion(p, max_tokens=64, temperature=0)["choices"][0]["text"] for p in PROMPTS]
+        chat = llm.create_chat_completion(messages=CHAT, max_tokens=64, temperature=0)["choices"][0]["message"]["content"]
+        s = llm.stats()["speculative"]
+    finally:
+        llm.close()
+    assert got == plain["completion"]
+    assert chat == plain["chat"]
+    if kw.get("draft_stop") == "fixed":
+        assert s["passes"] > 0 and s["drafted"] > 0
+        assert s["tokens_per_pass"] == pytest.approx((s["accepted"] + s["passes"]) / s["passes"])
+    if kw["speculative"] == "self" and kw.get("draft_stop") == "fixed":
+        assert s["draft_steps"] > 0 and s["draft_time_s"] > 0 and s["proposals"]["self"] > 0
+
+
+def test_streaming_stops_and_max_tokens(spec_dir):
+    """Nothing past a stop sequence or max_tokens is emitted, streamed or not."""
+    ref = _llama(spec_dir, speculative="off", flash_attn=True)
+    spec = _llama(spec_dir, speculative="self", draft_stop="fixed")
+    try:
+        for llm in (ref, spec):
+            llm.reset()
+        for kw in (dict(max_tokens=7), dict(max_tokens=64, stop=["\n\n", "return"])):
+            a = ref.create_completion(PROMPTS[0], temperature=0, **kw)
+            b = "".join(c["choices"][0]["text"] for c in spec.create_completion(PROMPTS[0], temperature=0, stream=True, **kw))
+            c = spec.create_completion(PROMPTS[0], temperature=0, **kw)
+            assert b == a["choices"][0]["text"] == c["choices"][0]["text"]
+            assert c["usage"]["completion_tokens"] <= kw["max_tokens"]
+            for s in kw.get("stop", []):
+                assert s not in b
+    finally:
+        ref.close()
+        spec.close()
+
+
+def test_logprobs_and_grammar(spec_dir):
+    from llama_cpp import LlamaGrammar
+
+    grammar = 'root ::= "[" [0-9]+ ("," [0-9]+)* "]"'
+    outs = []
+    for spec in ("off", "self"):
+        llm = _llama(spec_dir, speculative=spec, draft_stop="fixed", logits_all=True, flash_attn=True)
+        try:
+            lp = llm.create_completion(PROMPTS[1], max_tokens=24, temperature=0, logprobs=3)["choices"][0]
+            g = llm.create_completion("A list of prime numbers: ", max_tokens=24, temperature=0,
+                                      grammar=LlamaGrammar.from_string(grammar, verbose=False))["choices"][0]["text"]
+            outs.append((lp["text"], lp["logprobs"]["token_logprobs"], g))
+        finally:
+            llm.close()
+    (t0, l0, g0), (t1, l1, g1) = outs
+    assert t0 == t1 and g0 == g1
+    assert g0.startswith("[")
+    assert np.allclose(l0, l1, atol=2e-3)
+
+
+def test_temperature_samples_and_stays_within_max_tokens(spec_dir):
+    llm = _llama(spec_dir, speculative="self", draft_stop="fixed")
+    try:
+        a = llm.create_completion(PROMPTS[1], max_tokens=40, temperature=0.8, seed=3)
+        b = llm.create_completion(PROMPTS[1], max_tokens=40, temperature=0.8, seed=3)
+        # top_k=1 at a temperature is greedy: the same answer as plain greedy decoding
+        g = llm.create_completion(PROMPTS[1], max_tokens=40, temperature=0.8, top_k=1)["choices"][0]["text"]
+    finally:
+        llm.close()
+    ref = _llama(spec_dir, speculative="off", flash_attn=True)
+    try:
+        r = ref.create_completion(PROMPTS[1], max_tokens=40, temperature=0)["choices"][0]["text"]
+    finally:
+        ref.close()
+    assert a["usage"]["completion_tokens"] <= 40 and a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert g == r
+
+
+def test_read_fault_in_a_verify_pass_is_a_clean_error(spec_dir, plain, monkeypatch):
+    """A block read that fails during a verify pass raises; the KV cache is left consistent, so
+    the next request's answer is the plain one."""
+    from leanstream_ggml._native import LeanstreamError
+
+    probe = _llama(spec_dir, speculative="off")
+    try:
+        probe.eval(probe.tokenize(PROMPTS[0].encode()))
+        after_prefill = probe.stats()["reads_issued"]
+        probe.eval([probe.token_bos()])
+        per_pass = probe.stats()["reads_issued"] - after_prefill
+    finally:
+        probe.close()
+    # (the first pass is the prompt's, then a draft reads nothing): the third verify pass's reads
+    fault_read = after_prefill + 2 * per_pass + per_pass // 2
+    monkeypatch.setenv("LEANSTREAM_TEST_HOOKS", f'{{"fault": "eio", "fault_read": {fault_read}}}')
+    llm = _llama(spec_dir, speculative="self", draft_stop="fixed")
+    monkeypatch.delenv("LEANSTREAM_TEST_HOOKS")
+    try:
+        with pytest.raises(LeanstreamError):
+            llm.create_completion(PROMPTS[0], max_tokens=64, temperature=0)
+        assert llm.stats()["speculative"]["passes"] >= 1
+        assert llm.create_completion(PROMPTS[0], max_tokens=64, temperature=0)["choices"][0]["text"] == plain["completion"][0]
+    finally:
+        llm.close()
+
+
+def test_sparse_modes_refuse_self_drafts(spec_dir):
+    with pytest.raises(params.ParameterError, match="speculative"):
+        _llama(spec_dir, mode="leanstream", speculative="self")
+    llm = _llama(spec_dir, mode="leanstream")
+    try:
+        assert llm.speculative == "off" and "speculative" not in llm.stats()
+    finally:
+        llm.close()
+
+
+def test_memory_plan_counts_the_verify_rows(spec_dir):
+    from leanstream_ggml import manifest, memplan
+
+    m = manifest.load(spec_dir)
+    one = memplan.plan(spec_dir, m, 10**9, mode="dense", process=0)
+    nine = memplan.plan(spec_dir, m, 10**9, mode="dense", process=0, n_outputs=9)
+    assert nine.reserve - one.reserve == 8 * one_vocab(spec_dir) * 4
+
+
+def one_vocab(d) -> int:
+    from leanstream_ggml import manifest, memplan
+
+    m = manifest.load(d)
+    return memplan.read_base(m.resolve(d, m.base.file)).n_vocab
