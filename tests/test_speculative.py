@@ -279,7 +279,7 @@ def test_speculative_greedy_equals_plain(spec_dir, plain, kw):
     assert chat == plain["chat"]
     if kw.get("draft_stop") == "fixed":
         assert s["passes"] > 0 and s["drafted"] > 0
-        assert s["tokens_per_pass"] == pytest.approx((s["accepted"] + s["passes"]) / s["passes"])
+        assert s["tokens_per_pass"] == pytest.approx((s["accepted"] + s["passes"]) / s["passes"], abs=1e-3)
     if kw["speculative"] == "self" and kw.get("draft_stop") == "fixed":
         assert s["draft_steps"] > 0 and s["draft_time_s"] > 0 and s["proposals"]["self"] > 0
 
