@@ -134,8 +134,8 @@ class Llama(llama_cpp.Llama):
         draft_max: the longest draft (default 8); the verify pass returns draft_max + 1 logit rows.
         draft_fraction: the self draft computes each layer's most important fraction of its blocks
             (those resident; default 1: every resident block): a cheaper, less faithful draft.
-        draft_stop: how far to draft: "controller" (default: the table solved from the costs
-            `leanstream tune --speculative` profiled, or that this process measures), "fixed"
+        draft_stop: how far to draft: "controller" (default: the table solved from the costs and
+            acceptance this process measures), "fixed"
             (always draft_max), "p_min:X" (stop below top-1 probability X, as llama.cpp does).
         verify_checksums: check every block's CRC-32C as it is read (default True; a mismatch
             raises LeanstreamError naming the file, layer and block). The other files of the
@@ -248,12 +248,10 @@ class Llama(llama_cpp.Llama):
 
         self._ctx.decode = decode
         self.speculative = spec
-        self._drafter = None
         if spec != "off":
-            from . import speculative as spec_mod
+            from .speculative import Drafter
 
-            tuned = spec_mod.load_tuned(path, m, self._engine.memory_budget)
-            self._drafter = spec_mod.Drafter(self, spec, k_max, spec_stop, tuned, spec_fraction)
+            self._drafter = Drafter(self, spec, k_max, spec_stop, spec_fraction)
             self.draft_model = self._drafter   # llama-cpp-python's generate verifies what it proposes
 
     def eval(self, tokens):

@@ -17,7 +17,6 @@ else; the file formats are in docs/formats.md)::
     SKETCH_FILE           sketch/blk.<il>.lssk       (``sketch``) leanstream's exact-input scorer
     SKETCH_BLOCK_FREQ     sketch/block_freq.npy      (``sketch.block_freq``) the order stage's block ranking
     SKETCH_IMPORTANCE     sketch/block_importance.npy (``sketch.block_importance``) mean |h| x ||down|| per block
-    SPECULATIVE_FILE      speculative.json           (``leanstream tune --speculative``) draft costs per budget
     PREDICTOR_FILE        predictor/blk.<il>.lspred  (``predictor``) one predictor per layer
     PREDICTOR_BLOCK_FREQ  predictor/block_freq.npy   (``predictor.block_freq``) the training's block ranking
     PREDICTOR_SUMMARY     predictor/predictor.json   (``predictor.summary``) training settings and metrics
@@ -74,7 +73,6 @@ SKETCH_BLOCK_FREQ = SKETCH_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_BLOCK_FREQ = PREDICTOR_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_SUMMARY = PREDICTOR_DIR + "/predictor.json"
 SKETCH_IMPORTANCE = SKETCH_DIR + "/block_importance.npy"
-SPECULATIVE_FILE = "speculative.json"
 
 # enum ggml_type values of ggml's type names (ggml.h); only what a model directory may hold
 GGML_TYPE_IDS = {

@@ -23,13 +23,11 @@ estimated from each draft token's top-1 probability bucket through the measured 
 rate of that bucket; the action is *draft one more* (cost: a draft step) or *verify now* (cost:
 a pass of i + 1 tokens). Solved by backward recursion for tokens per second (Dinkelbach: maximise
 tokens - lambda * seconds, lambda updated to the policy's rate until it settles). The costs and
-acceptance rates come from ``leanstream tune --speculative`` (``speculative.json`` in the model
-directory, per memory budget) or, without one, from what this process measures as it decodes.
+acceptance rates are what this process measures as it decodes (``Meter``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -87,20 +85,6 @@ class Costs:
             for b in range(known[-1] + 1, len(t)):
                 out[b] = ys[-1] + slope * (b - known[-1])
         return out
-
-    def to_dict(self) -> dict:
-        return {"k_max": self.k_max, "t_draft": self.t_draft, "t_pass": [None if not math.isfinite(x) else x
-                                                                         for x in self.t_pass.tolist()],
-                "accept": self.accept.tolist(), "q_freq": self.q_freq.tolist(), "q_edges": list(Q_EDGES)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Costs:
-        if list(d.get("q_edges", [])) != list(Q_EDGES):
-            raise ValueError("tuned with other probability bins; run `leanstream tune --speculative` again")
-        k = int(d["k_max"])
-        return cls(k_max=k, t_draft=float(d["t_draft"]),
-                   t_pass=np.array([math.nan if x is None else float(x) for x in d["t_pass"]], float),
-                   accept=np.array(d["accept"], float), q_freq=np.array(d["q_freq"], float))
 
 
 @dataclass
@@ -167,13 +151,11 @@ class Meter:
     PRIOR = 4.0
     ALPHA = 0.3
 
-    def __init__(self, k_max: int, tuned: Costs | None = None):
+    def __init__(self, k_max: int):
         self.k_max = k_max
-        self.tuned = tuned is not None
-        self.costs = tuned if tuned is not None else Costs(k_max=k_max)
-        mids = np.array([_q_mid(b) for b in range(N_Q)])
+        self.costs = Costs(k_max=k_max)
         self.acc_n = np.full(N_Q, self.PRIOR)
-        self.acc_hit = self.acc_n * (self.costs.accept if tuned is not None else mids)
+        self.acc_hit = self.acc_n * np.array([_q_mid(b) for b in range(N_Q)])
         self.q_n = np.full(N_Q, 1.0)
         self._table: DraftTable | None = None
         self._dirty = True
@@ -182,21 +164,18 @@ class Meter:
         return new if not math.isfinite(old) else (1 - self.ALPHA) * old + self.ALPHA * new
 
     def pass_timed(self, n_rows: int, seconds: float) -> None:
-        if self.tuned or not 1 <= n_rows <= self.k_max + 1:
+        if not 1 <= n_rows <= self.k_max + 1:
             return
         self.costs.t_pass[n_rows] = self._ewma(self.costs.t_pass[n_rows], seconds)
         self._dirty = True
 
     def draft_timed(self, seconds: float) -> None:
-        if not self.tuned:
-            self.costs.t_draft = self._ewma(self.costs.t_draft, seconds)
-            self._dirty = True
+        self.costs.t_draft = self._ewma(self.costs.t_draft, seconds)
+        self._dirty = True
 
     def outcome(self, qbins: list[int], n_accepted: int) -> None:
         """A verified draft: its tokens' q bins and how many were accepted (the first rejected
         one counts as a miss; the ones after it are not observed)."""
-        if self.tuned:
-            return
         for i, b in enumerate(qbins[: n_accepted + 1]):
             self.acc_n[b] += 1
             self.acc_hit[b] += i < n_accepted
@@ -263,17 +242,17 @@ class Drafter:
     ``len(input_ids) - llm.n_tokens`` tokens); it returns the draft and tells the Llama that the
     next eval is a verify pass (logits for every row)."""
 
-    def __init__(self, llm, kind: str, draft_max: int, stop: str | None, tuned: Costs | None,
-                 fraction: float = 1.0, ngram_size: int = 3):
+    def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float = 1.0,
+                 ngram_size: int = 3):
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self.llm, self.kind, self.k_max, self.fraction = llm, kind, draft_max, fraction
         self.stop, self.p_min = parse_stop(stop)
-        self.meter = Meter(draft_max, tuned)
+        self.meter = Meter(draft_max)
         # prompt lookup's proposals are free; how much of one to verify is solved from its own
         # acceptance (one bin) and the same pass costs
-        self.lookup_meter = Meter(draft_max, None)
+        self.lookup_meter = Meter(draft_max)
         self.lookup_meter.costs.t_pass = self.meter.costs.t_pass
         self.lookup_meter.costs.t_draft = 0.0
         self.lookup_meter.costs.q_freq = np.eye(N_Q)[N_Q - 1]
@@ -387,30 +366,3 @@ class Drafter:
             self.stats.plain_passes += 1
         self.meter.pass_timed(n_rows, seconds)
         self.lookup_meter._dirty = True   # (it shares the pass costs)
-
-
-SPEC_FORMAT = "leanstream-speculative"
-
-
-def load_tuned(model_dir, manifest, memory_budget: int) -> Costs | None:
-    """The profile `leanstream tune --speculative` measured at this engine budget (within 10 %),
-    or None."""
-    from pathlib import Path
-
-    from . import manifest as manifest_mod
-
-    path = Path(model_dir) / manifest_mod.SPECULATIVE_FILE
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise manifest_mod.ManifestError(f"{path}: not readable JSON ({e})") from None
-    if doc.get("format") != SPEC_FORMAT:
-        raise manifest_mod.ManifestError(f"{path}: not a {SPEC_FORMAT} file")
-    best = None
-    for entry in doc.get("profiles", []):
-        b = int(entry.get("memory_budget", -1))
-        if b == memory_budget or (memory_budget and b and abs(b - memory_budget) <= 0.1 * memory_budget):
-            best = entry
-    return Costs.from_dict(best["costs"]) if best else None

@@ -226,13 +226,6 @@ def test_options_are_checked():
     assert parse_stop(None) == ("controller", 0.0)
 
 
-def test_costs_round_trip():
-    c = _costs(4, 0.2, 0.01, 0.02, np.linspace(0.2, 0.9, N_Q))
-    c.t_pass[3] = math.nan
-    d = Costs.from_dict(c.to_dict())
-    assert np.allclose(d.accept, c.accept) and math.isnan(d.t_pass[3]) and d.t_draft == c.t_draft
-
-
 # ---- on SmolLM2 --------------------------------------------------------------------------------
 
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
