@@ -128,7 +128,7 @@ def check(status: int, what: str = "") -> None:
 
 MODES: tuple[str, ...] = tuple(ffi.string(lib.ls_mode_name(i)).decode() for i in range(lib.LS_N_MODES))
 _USES = {"sketch": lib.LS_USES_SKETCH, "predictors": lib.LS_USES_PREDICTORS, "rank": lib.LS_USES_RANK,
-         "needs_rank": lib.LS_NEEDS_RANK}
+         "needs_rank": lib.LS_NEEDS_RANK, "sparse": lib.LS_DECODES_SPARSE}
 
 
 def mode_id(mode: str) -> int:
@@ -140,7 +140,8 @@ def mode_id(mode: str) -> int:
 
 
 def mode_uses(mode: str) -> frozenset[str]:
-    """What a mode reads from a model directory: a subset of {"sketch", "predictors", "rank",
-    "needs_rank"} (ls_mode_uses; dense: nothing)."""
+    """What a mode reads from a model directory and does: a subset of {"sketch", "predictors",
+    "rank", "needs_rank", "sparse"} (ls_mode_uses; dense: nothing). "sparse": its decode computes
+    a selection of each layer's blocks."""
     bits = lib.ls_mode_uses(mode_id(mode))
     return frozenset(name for name, bit in _USES.items() if bits & bit)

@@ -16,9 +16,9 @@ def test_mode_list_and_uses_come_from_the_engine():
     assert [_native.mode_id(m) for m in _native.MODES] == list(range(lib.LS_N_MODES))
     assert ffi.NULL == lib.ls_mode_name(lib.LS_N_MODES) and lib.ls_mode_name(-1) == ffi.NULL
     assert _native.mode_uses("dense") == frozenset()
-    assert _native.mode_uses("oneshot") == _native.mode_uses("dejavu+") == {"predictors"}
-    assert _native.mode_uses("powerinfer2") == {"predictors", "rank", "needs_rank"}
-    assert _native.mode_uses("leanstream") == {"sketch", "predictors", "rank"}
+    assert _native.mode_uses("oneshot") == _native.mode_uses("dejavu+") == {"predictors", "sparse"}
+    assert _native.mode_uses("powerinfer2") == {"predictors", "rank", "needs_rank", "sparse"}
+    assert _native.mode_uses("leanstream") == {"sketch", "predictors", "rank", "sparse"}
     assert params.MODES is _native.MODES
     with pytest.raises(ValueError, match="unknown mode 'turbo'"):
         _native.mode_id("turbo")

@@ -84,6 +84,7 @@ enum {
     LS_USES_PREDICTORS = 2,   // selects (without a sketch) or prefetches through the predictors
     LS_USES_RANK       = 4,   // pins a hot set ranked by calibration frequency (block_rank)
     LS_NEEDS_RANK      = 8,   // ... and is meaningless without it
+    LS_DECODES_SPARSE  = 16,  // decodes a selection of each layer's blocks (every mode but dense)
 };
 
 // ---- engine -------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ LS_API const char * ls_errmsg(void);
 LS_API ls_status   ls_engine_get_params(const ls_engine * e, ls_engine_params * out);  // message of the last failed call on this thread
 LS_API int32_t     ls_abi_version(void);
 // The mode table, as callers ask it: the mode's name ("dense", "oneshot", "dejavu+", "powerinfer2",
-// "leanstream"; NULL outside [0, LS_N_MODES)), and what it reads (LS_USES_* bits; 0 for dense).
+// "leanstream"; NULL outside [0, LS_N_MODES)), and what it reads and does (LS_USES_*, LS_NEEDS_RANK, LS_DECODES_SPARSE bits; 0 for dense).
 LS_API const char * ls_mode_name(int32_t mode);
 LS_API int32_t     ls_mode_uses(int32_t mode);
 // The instruction set the FFN kernels run with on this CPU: "avx512" or "avx2". Chosen once at the

@@ -44,7 +44,7 @@ const char * ls_mode_name(int32_t mode) {
 
 int32_t ls_mode_uses(int32_t mode) {
     const ls_mode_policy * m = ls_mode_policy_of(mode);
-    return m ? m->uses : 0;
+    return m ? m->uses | (m->sparse ? LS_DECODES_SPARSE : 0) : 0;
 }
 
 void ls_engine_params_init(ls_engine_params * p) {
