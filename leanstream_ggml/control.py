@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from ._native import ffi, lib
+from .manifest import CONTROLLER_FILE  # noqa: F401 (the model directory's names are the manifest module's)
 
-CONTROLLER_FILE = "controller.json"
 FORMAT = "leanstream-controller"
 FORMAT_VERSION = 1
 

@@ -20,8 +20,12 @@ else; the file formats are in docs/formats.md)::
     PREDICTOR_FILE        predictor/blk.<il>.lspred  (``predictor``) one predictor per layer
     PREDICTOR_BLOCK_FREQ  predictor/block_freq.npy   (``predictor.block_freq``) the training's block ranking
     PREDICTOR_SUMMARY     predictor/predictor.json   (``predictor.summary``) training settings and metrics
+    CONTROLLER_FILE       controller.json            (``controller.file``) the streaming controller's policy
+    controller_quality_file(s)        controller.quality-<s>.json         tune's measured quality band
+    controller_profile_file(b, s)     controller.profile-<b>-<s>.npz      tune's recorded samples
 
-The sketch and predictor files are optional. The runtime finds every file through the paths the
+The sketch, predictor and controller files are optional; tune's quality and profile files
+resume an interrupted `leanstream tune` and are neither checksummed nor read at run time. The runtime finds every file through the paths the
 manifest records; the names above are what the converter writes.
 
 Integrity: block files carry their own checksums (a CRC-32C per block and of their tables);
@@ -73,6 +77,18 @@ SKETCH_BLOCK_FREQ = SKETCH_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_BLOCK_FREQ = PREDICTOR_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_SUMMARY = PREDICTOR_DIR + "/predictor.json"
 SKETCH_IMPORTANCE = SKETCH_DIR + "/block_importance.npy"
+CONTROLLER_FILE = "controller.json"
+
+
+def controller_quality_file(sparsity: float) -> str:
+    """``leanstream tune``'s quality band at one sparsity (JSON; resumes an interrupted tune)."""
+    return f"controller.quality-{sparsity:g}.json"
+
+
+def controller_profile_file(budget: int, sparsity: float) -> str:
+    """``leanstream tune``'s recorded samples at one budget and sparsity (npz; resumes a tune)."""
+    return f"controller.profile-{budget}-{sparsity:g}.npz"
+
 
 # enum ggml_type values of ggml's type names (ggml.h); only what a model directory may hold
 GGML_TYPE_IDS = {
