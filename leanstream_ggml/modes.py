@@ -3,9 +3,9 @@
 Callers ask what a mode does instead of comparing its name: ``is_sparse(mode)`` (its decode
 computes a selection of each layer's blocks; every mode but dense), ``uses(mode)`` (what it reads
 from a model directory: "sketch", "predictors", "rank", "needs_rank"; and "sparse"),
-``steered(mode)`` (the streaming controller steers its decode: a mode that uses the sketch
-cascade). ``DEFAULT`` is the mode ``Llama`` runs without mode=, ``QUALITY`` the one quality=
-chooses the sparsity of.
+``is_cascade(mode)`` (its decode is the sketch cascade: the streaming controller steers it, and
+the converter calibrated its perplexity cost, which quality= reads). ``DEFAULT`` is the mode
+``Llama`` runs without mode=, ``QUALITY`` the one quality= implies.
 
     >>> from leanstream_ggml import modes
     >>> modes.MODES
@@ -33,8 +33,9 @@ def is_sparse(mode: str) -> bool:
     return "sparse" in uses(mode)
 
 
-def steered(mode: str) -> bool:
-    """The streaming controller (controller=) steers its decode ops: the sketch cascade's."""
+def is_cascade(mode: str) -> bool:
+    """Its decode ops run the sketch cascade (sketch scores -> exact gate/up of the candidates ->
+    the kept blocks' down columns): what controller= steers and quality= is calibrated for."""
     return "sketch" in uses(mode)
 
 
