@@ -240,19 +240,13 @@ def resolve_down_type(want: str, down_types, n_embd: int) -> str:
 def _ggml_quantize(cols: np.ndarray, type_name: str) -> np.ndarray:
     """f32 [n, m] rows quantized by ggml's own quantizer (ggml_quantize_chunk, no importance
     matrix) -> uint8 [n, row bytes]: gguf-py quantizes no K-quant."""
-    import ctypes
-
-    from leanstream_ggml.ggml_libs import library
+    from leanstream_ggml import ggml_ctypes
 
     gguf = _gguf()
     qt = gguf.GGMLQuantizationType[type_name.upper()]
     bs, ts = gguf.GGML_QUANT_SIZES[qt]
     n, m = cols.shape
-    lib = library("libggml-base.so.0")
-    f = lib.ggml_quantize_chunk
-    f.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                  ctypes.c_void_p]
-    f.restype = ctypes.c_size_t
+    f = ggml_ctypes.base().ggml_quantize_chunk
     src = np.ascontiguousarray(cols, dtype=np.float32)
     out = np.empty((n, m // bs * ts), dtype=np.uint8)
     done = f(int(qt), src.ctypes.data, out.ctypes.data, 0, n, m, None)

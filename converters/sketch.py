@@ -19,6 +19,10 @@ import numpy as np
 
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.checksum import crc32c
+from leanstream_ggml.formats import HEADER_BYTES
+from leanstream_ggml.formats import SKETCH_LS2 as LS2
+from leanstream_ggml.formats import SKETCH_MAGIC as MAGIC
+from leanstream_ggml.formats import SKETCH_VERSION as VERSION
 
 from .fileio import atomic_writer, fsync_dir
 
@@ -29,10 +33,7 @@ DEFAULT_WEIGHT = "one"    # ranking by |h| alone measured as good or better (doc
 
 # ---- the sketch file (docs/formats.md) -----------------------------------------------------------
 
-LS2 = 1               # LS_SKETCH_LS2: the row format
-MAGIC = b"LSSKETCH"
-VERSION = 1
-HEADER_BYTES = 4096
+# magic, version, header size and row format: leanstream_ggml/formats.py (HEADER_BYTES, LS2, MAGIC, VERSION)
 _FMT = "<8sIIQQiIQQQQQII"     # magic .. meta_crc, 88 bytes
 assert struct.calcsize(_FMT) == 88
 META_CRC_OFFSET = 84

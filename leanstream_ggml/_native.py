@@ -44,7 +44,7 @@ def _cdef_source(text: str) -> str:
 
 def cpu_variants() -> list[str]:
     """The CPU backend variants this llama.cpp build has (``libggml-cpu-<variant>.so``)."""
-    from .ggml_libs import lib_dir
+    from .ggml_ctypes import lib_dir
 
     return sorted(p.name[len("libggml-cpu-"):-len(".so")] for p in lib_dir().glob("libggml-cpu-*.so"))
 
@@ -55,17 +55,13 @@ def _force_cpu_variant(name: str) -> None:
     anything loads a backend (llama_backend_init, the first Llama)."""
     if not name:
         return
-    import ctypes
+    from . import ggml_ctypes
 
-    from . import ggml_libs
-    path = ggml_libs.lib_dir() / f"libggml-cpu-{name}.so"
+    path = ggml_ctypes.lib_dir() / f"libggml-cpu-{name}.so"
     if not path.exists():
         raise ImportError(f"LEANSTREAM_GGML_CPU={name}: this llama.cpp build has no such CPU variant "
                           f"(it has: {', '.join(cpu_variants()) or 'none'})")
-    g = ggml_libs.library("libggml.so.0")   # the registry libllama uses
-    g.ggml_backend_reg_count.restype = ctypes.c_size_t
-    g.ggml_backend_load.argtypes = [ctypes.c_char_p]
-    g.ggml_backend_load.restype = ctypes.c_void_p
+    g = ggml_ctypes.ggml()   # the registry libllama uses
     if g.ggml_backend_reg_count() != 0:
         raise ImportError(f"LEANSTREAM_GGML_CPU={name}: a ggml backend is already loaded in this process")
     if not g.ggml_backend_load(str(path).encode()):

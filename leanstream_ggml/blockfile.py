@@ -12,11 +12,11 @@ import struct
 from dataclasses import astuple, dataclass
 
 from leanstream_ggml.checksum import crc32c
+from leanstream_ggml.formats import BLOCK_MAGIC as MAGIC
+from leanstream_ggml.formats import BLOCK_VERSION as VERSION
+from leanstream_ggml.formats import HEADER_BYTES
 
-MAGIC = b"LSBLOCKS"
-VERSION = 2            # LS_BLOCK_FILE_VERSION
-HEADER_BYTES = 4096
-PERM_OFFSET = 4096
+PERM_OFFSET = HEADER_BYTES   # the perm table follows the header
 _FMT = "<8sIIQQIIiiiIQQQQQQQQI"   # the header's fields (docs/formats.md), in order; 124 bytes
 assert struct.calcsize(_FMT) == 124
 META_CRC_OFFSET = 120

@@ -32,9 +32,7 @@ def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
 
 
 def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, after_prefill: dict | None) -> None:
-    import llama_cpp
-
-    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    perf = llm.perf_context()
     parts = []
     if perf.n_p_eval:
         parts.append(f"prefill {perf.n_p_eval} tokens {perf.t_p_eval_ms / 1e3:.2f} s "
@@ -58,9 +56,7 @@ def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, aft
 def _stream_answer(llm, messages, args) -> str:
     out = []
     if args.verbose:
-        import llama_cpp
-
-        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        llm.reset_perf()
     t0, t_first, after_prefill = time.perf_counter(), None, None
     stream = llm.create_chat_completion(messages=messages, stream=True, max_tokens=args.max_tokens,
                                         temperature=args.temp, seed=args.seed)

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ._native import ffi, lib
-from .manifest import CONTROLLER_FILE  # noqa: F401 (the model directory's names are the manifest module's)
+from .manifest import CONTROLLER_FILE
 
 FORMAT = "leanstream-controller"
 FORMAT_VERSION = 1

@@ -8,7 +8,6 @@ per-context hook ``llama_set_ffn_builder``.
 
 from __future__ import annotations
 
-import ctypes
 import difflib
 import inspect
 import time
@@ -17,15 +16,10 @@ from pathlib import Path
 
 import llama_cpp
 
+from . import _llama_cpp, memplan, params
 from . import manifest as manifest_mod
-from . import memplan, params
 from ._native import mode_uses
 from .engine import FFNEngine
-
-_lib = llama_cpp.llama_cpp._lib
-_lib.llama_set_ffn_builder.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-_lib.llama_set_ffn_builder.restype = None
-
 
 def _is_gguf_file(p: Path) -> bool:
     try:
@@ -64,26 +58,6 @@ def _refuse_unknown_keywords(kwargs: dict) -> None:
 
 class ClosedError(ValueError):
     """A method of a closed Llama was called."""
-
-
-# llama_cpp.Llama's attributes that hold native handles (model, context, batch, sampler, tokenizer)
-_HANDLE_ATTRS = ("_model", "_ctx", "_batch", "_sampler", "tokenizer_", "_candidates")
-
-
-class _Closed:
-    """Stands in for a native handle of a closed Llama: any use raises ClosedError."""
-
-    def __init__(self, name: str):
-        object.__setattr__(self, "_name", name)
-
-    def __getattr__(self, attr):
-        raise ClosedError("this Llama is closed (close() was called); create a new one to continue")
-
-    def __call__(self, *a, **k):
-        raise ClosedError("this Llama is closed (close() was called); create a new one to continue")
-
-    def __bool__(self):
-        return True
 
 
 class Llama(llama_cpp.Llama):
@@ -238,15 +212,9 @@ class Llama(llama_cpp.Llama):
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
         self.hot_blocks = self._engine.stats()["hot_blocks"] if mode != "dense" else 0
         super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
-        _lib.llama_set_ffn_builder(self._ctx.ctx, FFNEngine.builder_address(), self._engine.address)
+        _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
-        ctx_decode = self._ctx.decode
-
-        def decode(batch):
-            ctx_decode(batch)
-            self._engine.raise_pending()
-
-        self._ctx.decode = decode
+        _llama_cpp.wrap_decode(self, self._engine.raise_pending)
         self.speculative = spec
         if spec != "off":
             from .speculative import Drafter
@@ -261,16 +229,10 @@ class Llama(llama_cpp.Llama):
         rows = self.__dict__.pop("_verify_rows", None)
         d = self._drafter
         t0 = time.perf_counter()
-        if rows is None or rows != len(tokens) or self._logits_all:
+        if rows is None or rows != len(tokens) or _llama_cpp.logits_all(self):
             super().eval(tokens)
         else:
-            self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
-            n_past = self.n_tokens
-            self._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
-            self._ctx.decode(self._batch)
-            self.input_ids[n_past:n_past + len(tokens)] = tokens
-            self.n_tokens += len(tokens)
-            self._requires_eval = False
+            _llama_cpp.decode_all_rows(self, tokens)
         if d is not None and (rows is not None or len(tokens) == 1):
             d.verify_timed(len(tokens), time.perf_counter() - t0)
 
@@ -367,23 +329,31 @@ class Llama(llama_cpp.Llama):
             self._drafter.finish()
             self._drafter.stats = SpecStats()
 
+    def perf_context(self):
+        """llama.cpp's counters of this context since it was created or ``reset_perf()``
+        (``llama_perf_context_data``: n_p_eval / t_p_eval_ms the prompt's tokens and
+        milliseconds, n_eval / t_eval_ms the decoded ones')."""
+        return _llama_cpp.perf_context(self)
+
+    def reset_perf(self) -> None:
+        _llama_cpp.reset_perf(self)
+
+    def logits(self, i: int = -1):
+        """f32 [n_vocab]: the logits of row i of the last decode (-1: the last row; without
+        logits_all only the last row has them), a view valid until the next decode."""
+        return _llama_cpp.logits(self, i)
+
     def _live_engine(self) -> FFNEngine:
         if self._engine is None:
             raise ClosedError("this Llama is closed")
         return self._engine
 
     def close(self) -> None:
-        # the context (whose graphs point at the engine) goes first, then the engine
-        if hasattr(self, "_stack") and not self.__dict__.get("_closed"):
-            self._closed = True
-            super().close()
-            # llama-cpp-python leaves dangling native handles behind: any later call would use
-            # freed memory. Every handle-holding attribute now raises ClosedError instead.
-            for name in _HANDLE_ATTRS:
-                if name in self.__dict__:
-                    setattr(self, name, _Closed(name))
+        # the context (whose graphs point at the engine) goes first, then the engine; every
+        # handle llama-cpp-python leaves behind raises ClosedError from now on
+        _llama_cpp.close(self, ClosedError)
         if getattr(self, "_drafter", None) is not None:
-            self._drafter._batch.close()
+            self._drafter.close()
             self._drafter = self.draft_model = None
         if getattr(self, "_engine", None) is not None:
             self._engine.close()

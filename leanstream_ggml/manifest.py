@@ -25,8 +25,13 @@ else; the file formats are in docs/formats.md)::
     controller_profile_file(b, s)     controller.profile-<b>-<s>.npz      tune's recorded samples
 
 The sketch, predictor and controller files are optional; tune's quality and profile files
-resume an interrupted `leanstream tune` and are neither checksummed nor read at run time. The runtime finds every file through the paths the
-manifest records; the names above are what the converter writes.
+resume an interrupted `leanstream tune` and are neither checksummed nor read at run time. The
+runtime finds every file through the paths the manifest records; the names above are what the
+converter (and `leanstream tune`) write.
+
+This module holds the names, the ``Manifest`` and ``load``; the sections' dataclasses are in
+manifest_sections.py, the checks of files on disk in model_files.py, what a sparse mode reads
+in mode_files.py. Every public name of those is importable from here.
 
 Integrity: block files carry their own checksums (a CRC-32C per block and of their tables);
 base.gguf, the sketch and predictor files and the block frequencies (``checksummed_files``)
@@ -53,14 +58,21 @@ import json
 import math
 import os
 import stat
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .formats import HEADER_BYTES   # a block file's header; data_offset is a multiple of it
+# the sections, the files on disk and the modes' files, each in its module; every name is also
+# this module's (the converter, the tests and the tools import them from here)
+from .manifest_sections import (BaseInfo, BlockGeometry, LayerEntry, ManifestError, PredictorInfo,  # noqa: F401
+                                SketchInfo, SourceInfo, Totals, _dc, _get)
+from .mode_files import ModeFiles, ModeFilesError  # noqa: F401
+from .model_files import check_size, file_checksum, open_regular, resolve_inside  # noqa: F401
 
 FORMAT = "leanstream-model"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
-HEADER_BYTES = 4096  # block file header; perm table starts here (docs/formats.md)
 
 # ---- the model directory's files: their names, relative to the directory ('/'-separated, as the
 # manifest records them); per-layer names take .format(il=<layer index>)
@@ -99,156 +111,9 @@ GGML_TYPE_IDS = {
 DOWN_COLUMN_TYPES = ("q8_0", "q6_K", "q5_K", "f16", "f32")
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 ACTIVATIONS = ("silu", "gelu")
-# the FFN activation each supported architecture's llama.cpp graph uses
 # the gated FFN's activation of each supported architecture, as its llama.cpp graph computes it
 # (gemma3: GELU, tanh form); the converter writes it, the runtime checks it
 ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
-
-
-class ManifestError(ValueError):
-    """A model directory is missing, incomplete, malformed or of another format version."""
-
-
-@dataclass
-class SourceInfo:
-    filename: str   # basename of the source GGUF
-    sha256: str     # hex digest of the whole source file
-    size: int       # bytes
-
-
-@dataclass
-class BlockGeometry:
-    k: int          # neurons per block
-    align: int      # O_DIRECT alignment of data_offset and block_stride (bytes, power of two >= 512)
-
-
-@dataclass
-class LayerEntry:
-    il: int
-    file: str            # relative to the model directory, "ffn/blk.<il>.bin"
-    gate_type: str       # ggml type name of each gate row
-    up_type: str
-    down_type: str       # type of the transposed down columns (q8_0, f16 or f32)
-    n_blocks: int        # ceil(n_ff / k)
-    block_stride: int    # bytes per block on disk, multiple of align
-    block_payload: int   # k * (gate_row + up_row + down_col) bytes; the rest of a stride is padding
-    data_offset: int     # first block's offset in the file, multiple of 4096
-    file_size: int       # data_offset + n_blocks * block_stride
-
-
-@dataclass
-class Totals:
-    ffn_bytes_source: int
-    ffn_bytes_on_disk: int
-    padding_bytes: int
-    padding_waste: float  # fraction of block bytes that are padding
-
-
-@dataclass
-class BaseInfo:
-    file: str   # "base.gguf"
-    size: int
-
-
-@dataclass
-class PredictorInfo:
-    """The sparse modes' predictors (written by the converter's train stage)."""
-    files: list[str]            # one per layer, in layer order: "predictor/blk.<il>.lspred"
-    version: int                # predictor file format version (docs/formats.md)
-    bytes: int                  # total size of the files
-    block_freq: str | None = None  # "predictor/block_freq.npy": f32 [n_layer, n_blocks], how often each
-                                   # block was in the calibration top half (the hot set's ranking)
-    summary: str | None = None     # "predictor/predictor.json": training settings and metrics
-    config: dict[str, Any] = field(default_factory=dict)  # the hashing configuration (informational)
-    format: str = "lspred"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str) -> PredictorInfo:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: expected an object or null")
-        files = _paths(d, "files", where)
-        opt = {}
-        for key in ("block_freq", "summary"):
-            v = d.get(key)
-            if v is not None and not isinstance(v, str):
-                raise ManifestError(f"{where}: {key} must be a path or null")
-            opt[key] = v
-        config = d.get("config", {})
-        if not isinstance(config, dict):
-            raise ManifestError(f"{where}: config must be an object")
-        fmt = d.get("format", "lspred")
-        if fmt != "lspred":
-            raise ManifestError(f"{where}: unknown predictor format {fmt!r}")
-        return cls(files=files, version=_get(d, "version", int, where), bytes=_get(d, "bytes", int, where),
-                   config=config, format=fmt, **opt)
-
-
-@dataclass
-class SketchInfo:
-    """leanstream mode's exact-input scorer: a low-bit copy of every gate/up row (converter's
-    sketch stage; file format in docs/formats.md), and the quality calibration of the sparse
-    decode on the converter's corpus (``quality``: [{"sparsity", "ppl_ratio", "agreement",
-    "domains": {name: {"ppl_ratio", "agreement"}}}], ppl_ratio the worst domain's; the table
-    ``quality=`` chooses the sparsity from; empty if not calibrated; directories converted before
-    the corpus had domains have rows without "domains", measured on prose)."""
-    files: list[str]            # one per layer, in layer order: "sketch/blk.<il>.lssk"
-    type: str                   # row format: "ls2" (docs/formats.md)
-    weight: str                 # "one" (score |h|) or "down_norm" (score |h| * ||down column||)
-    bytes: int                  # total size of the files
-    quality: list[dict[str, float]] = field(default_factory=list)
-    block_freq: str | None = None  # "sketch/block_freq.npy": f32 [n_layer, n_blocks], how often each block
-                                   # was a candidate on the calibration text (the hot set's ranking)
-    block_importance: str | None = None  # "sketch/block_importance.npy": f32 [n_layer, n_blocks], mean |h| x
-                                         # ||down column|| on the calibration text (dense mode's pinned set:
-                                         # the draft FFN of speculative decoding)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str) -> SketchInfo:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: expected an object or null")
-        files = _paths(d, "files", where)
-        weight = _get(d, "weight", str, where)
-        if weight not in ("one", "down_norm"):
-            raise ManifestError(f"{where}: weight must be 'one' or 'down_norm', got {weight!r}")
-        quality = d.get("quality", [])
-        if not isinstance(quality, list) or not all(
-                isinstance(q, dict) and all(_type_ok(q.get(k), float) for k in ("sparsity", "ppl_ratio"))
-                for q in quality):
-            raise ManifestError(f"{where}: quality must be a list of {{sparsity, ppl_ratio, ...}} objects")
-        for q in quality:
-            doms = q.get("domains", {})
-            if not isinstance(doms, dict) or not all(
-                    isinstance(v, dict) and _type_ok(v.get("ppl_ratio"), float) for v in doms.values()):
-                raise ManifestError(f"{where}: quality domains must map a name to {{ppl_ratio, ...}}")
-        freq, imp = d.get("block_freq"), d.get("block_importance")
-        if freq is not None and not isinstance(freq, str):
-            raise ManifestError(f"{where}: block_freq must be a path or null")
-        if imp is not None and not isinstance(imp, str):
-            raise ManifestError(f"{where}: block_importance must be a path or null")
-        return cls(files=files, type=_get(d, "type", str, where), weight=weight,
-                   bytes=_get(d, "bytes", int, where), quality=list(quality), block_freq=freq, block_importance=imp)
-
-
-class ModeFilesError(ValueError):
-    """A sparse mode cannot run on this model directory: ``reason`` says what it lacks."""
-
-    def __init__(self, mode: str, reason: str, fix: str):
-        super().__init__(f"mode={mode!r} {reason}: {fix}")
-        self.mode, self.reason = mode, reason
-
-
-@dataclass(frozen=True)
-class ModeFiles:
-    """What one sparse mode reads from a model directory (relative paths; empty: not used)."""
-    sketches: list[str]
-    predictors: list[str]
-    block_freq: str | None
 
 
 @dataclass
@@ -319,52 +184,20 @@ class Manifest:
         directory, a regular file (not a FIFO, device or directory). Raises ManifestError."""
         return resolve_inside(model_dir, rel)
 
-    # ---- what the sparse modes need -------------------------------------------------------
+    # ---- what the sparse modes need (mode_files.py) ---------------------------------------
     def mode_files(self, model_dir: str | os.PathLike, uses: frozenset[str], mode: str) -> ModeFiles:
         """The files of this directory a sparse mode reads, given what it uses (the engine's mode
-        table, ``_native.mode_uses(mode)``): its sketch and predictor files where it uses them and
-        all are present, the block frequencies where it ranks a hot set and they are present.
-        ModeFilesError (a ValueError) saying what is missing and how to get it when the mode has
-        none of the selectors it uses, or lacks a ranking it needs."""
-        d = Path(model_dir)
+        table, ``_native.mode_uses(mode)``); ModeFilesError saying what is missing."""
+        from .mode_files import mode_files
 
-        def present(files: list[str]) -> bool:
-            return bool(files) and all((d / f).is_file() for f in files)
-
-        sketches = self.sketch_files() if "sketch" in uses and present(self.sketch_files()) else []
-        predictors = self.predictor_files() if "predictors" in uses and present(self.predictor_files()) else []
-        freq = self.block_freq_file() if "rank" in uses else None
-        freq = freq if freq and (d / freq).is_file() else None
-        if not sketches and not predictors:
-            missing = next((f for f in self.predictor_files() if not (d / f).is_file()), None)
-            reason = (f"needs predictors (predictor file {missing} is missing)" if missing else
-                      "needs a sketch or predictors" if "sketch" in uses else "needs predictors")
-            fix = "" if "sketch" in uses else " --predictors quick"
-            raise ModeFilesError(mode, reason, f"convert again (`leanstream convert SRC {d} --force{fix}`) or use "
-                                               f"mode='dense'")
-        if "needs_rank" in uses and not freq:
-            raise ModeFilesError(mode, "needs the calibration block frequencies",
-                                 "convert again with --predictors quick")
-        return ModeFiles(sketches=sketches, predictors=predictors, block_freq=freq)
+        return mode_files(self, model_dir, uses, mode)
 
     def sparse_modes(self, model_dir: str | os.PathLike) -> tuple[list[str], str | None]:
         """(sparse modes this directory can run, in the engine's order; why the others cannot, or
         None)."""
-        from ._native import MODES, mode_uses   # the engine's mode table (lazy: this module stays light)
+        from .mode_files import sparse_modes
 
-        ready, why = [], {}
-        for mode in MODES:
-            uses = mode_uses(mode)
-            if not uses:
-                continue   # dense
-            try:
-                self.mode_files(model_dir, uses, mode)
-                ready.append(mode)
-            except ModeFilesError as e:
-                why.setdefault(e.reason, []).append(mode)
-        if not ready and not self.sketch_files() and not self.predictor_files():
-            return [], "no sketch and no predictors (convert again without --sketch none)"
-        return ready, "; ".join(f"{', '.join(modes)}: {reason}" for reason, modes in why.items()) or None
+        return sparse_modes(self, model_dir)
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -474,7 +307,7 @@ class Manifest:
                 bad(f"{w}: block_stride {e.block_stride} must be a multiple of align {align} "
                     f"and hold block_payload {e.block_payload}")
             if e.data_offset % HEADER_BYTES or e.data_offset < HEADER_BYTES + 4 * n_blocks * k:
-                bad(f"{w}.data_offset {e.data_offset} must be a multiple of 4096 past the perm table")
+                bad(f"{w}.data_offset {e.data_offset} must be a multiple of {HEADER_BYTES} past the perm table")
             if e.file_size != e.data_offset + e.n_blocks * e.block_stride:
                 bad(f"{w}.file_size {e.file_size} != data_offset + n_blocks * block_stride")
             _check_rel(e.file, f"{w}.file", bad)
@@ -513,8 +346,8 @@ class Manifest:
         """Every file the manifest names resolves to a regular file inside the model directory;
         block files and base.gguf have the sizes it records. Raises ManifestError."""
         for e in self.layers:
-            _check_size(self.resolve(model_dir, e.file), e.file_size)
-        _check_size(self.resolve(model_dir, self.base.file), self.base.size)
+            check_size(self.resolve(model_dir, e.file), e.file_size)
+        check_size(self.resolve(model_dir, self.base.file), self.base.size)
         for rel in self.checksummed_files()[1:]:
             self.resolve(model_dir, rel)
 
@@ -537,17 +370,6 @@ class Manifest:
         self.checksums = {rel: file_checksum(self.resolve(model_dir, rel)) for rel in self.checksummed_files()}
 
 
-def file_checksum(path: Path) -> str:
-    """The manifest's checksum of one file, "crc32:<8 hex digits>" (opened as a regular file only)."""
-    from .checksum import file_crc32
-
-    fd = _open_regular(path)
-    try:
-        return f"crc32:{file_crc32(path, fd=fd):08x}"
-    finally:
-        os.close(fd)
-
-
 _KNOWN_KEYS = {"format", "format_version", "source", "architecture", "n_layer", "n_embd", "n_ff",
                "activation", "block", "layers", "totals", "base", "predictor", "sketch", "checksums"}
 
@@ -555,85 +377,6 @@ _KNOWN_KEYS = {"format", "format_version", "source", "architecture", "n_layer", 
 def _check_rel(rel: Any, what: str, bad) -> None:
     if not isinstance(rel, str) or not rel or "\0" in rel or os.path.isabs(rel) or ".." in Path(rel).parts:
         bad(f"{what} {rel!r} must be a relative path inside the model directory")
-
-
-def resolve_inside(model_dir: str | os.PathLike, rel: str) -> Path:
-    """Real path of model_dir/rel, which must be a regular file inside model_dir (symlinks
-    resolved first: a link pointing outside the directory is refused)."""
-    root = os.path.realpath(model_dir)
-    real = os.path.realpath(os.path.join(root, rel))
-    if os.path.commonpath([root, real]) != root or real == root:
-        raise ManifestError(f"{Path(model_dir) / rel}: resolves to {real}, outside the model directory {root}; "
-                            f"model files must stay inside it")
-    try:
-        st = os.stat(real)
-    except FileNotFoundError:
-        raise ManifestError(f"{Path(model_dir) / rel}: missing (the model directory is incomplete)") from None
-    except OSError as e:
-        raise ManifestError(f"{Path(model_dir) / rel}: cannot stat: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ManifestError(f"{Path(model_dir) / rel}: not a regular file (a FIFO, device or directory); "
-                            f"model files must be regular files")
-    return Path(real)
-
-
-def _open_regular(path: Path) -> int:
-    """Open without following a last-component symlink or blocking on a FIFO; regular files only."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot open: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ManifestError(f"{path}: not a regular file")
-    return fd
-
-
-def _paths(d: dict, key: str, where: str) -> list[str]:
-    files = _get(d, key, list, where)
-    if not all(isinstance(f, str) for f in files):
-        raise ManifestError(f"{where}: {key} must be a list of paths")
-    return list(files)
-
-
-def _type_ok(v: Any, typ: type) -> bool:
-    if typ is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if typ is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    return isinstance(v, typ)
-
-
-def _get(d: dict, key: str, typ: type, where: str) -> Any:
-    if key not in d:
-        raise ManifestError(f"{where}: missing field {key!r}")
-    v = d[key]
-    if not _type_ok(v, typ):
-        raise ManifestError(f"{where}: field {key!r} should be {typ.__name__}, got {type(v).__name__}")
-    return v
-
-
-def _dc(cls: type, d: Any, where: str) -> Any:
-    """Build dataclass ``cls`` from dict ``d`` with type checks of its annotated fields."""
-    if not isinstance(d, dict):
-        raise ManifestError(f"{where}: expected an object")
-    kw = {}
-    for f in fields(cls):
-        typ = {"int": int, "str": str, "float": float}[f.type]
-        v = _get(d, f.name, typ, where)
-        kw[f.name] = float(v) if typ is float else v
-    return cls(**kw)
-
-
-def _check_size(path: Path, size: int) -> None:
-    try:
-        actual = path.stat().st_size
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: missing (the model directory is incomplete)") from None
-    except OSError as e:
-        raise ManifestError(f"{path}: cannot stat: {e.strerror}") from None
-    if actual != size:
-        raise ManifestError(f"{path}: {actual} bytes, the manifest says {size} (truncated or replaced?)")
 
 
 def load(model_dir: str | os.PathLike, *, check_files: bool = True) -> Manifest:
@@ -675,4 +418,3 @@ def load(model_dir: str | os.PathLike, *, check_files: bool = True) -> Manifest:
     if check_files:
         m.check_files(d)
     return m
-

@@ -68,41 +68,13 @@ class BaseModelInfo:
         return min(emb, emb * n_ctx // max(self.n_vocab, 1) + 4096 * n_ctx)
 
 
-class _GGUF:
-    """ggml's gguf reader (libggml-base, the copy libllama loaded), header only."""
-
-    class Params(ctypes.Structure):
-        _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
-
-    def __init__(self):
-        from .ggml_libs import library
-
-        lib = library("libggml-base.so.0")
-        sig = {"gguf_init_from_file": ([ctypes.c_char_p, self.Params], ctypes.c_void_p),
-               "gguf_free": ([ctypes.c_void_p], None),
-               "gguf_find_key": ([ctypes.c_void_p, ctypes.c_char_p], ctypes.c_int64),
-               "gguf_get_kv_type": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
-               "gguf_get_val_u32": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint32),
-               "gguf_get_val_str": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_char_p),
-               "gguf_get_arr_n": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_size_t),
-               "gguf_get_arr_data": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_void_p),
-               "gguf_get_arr_type": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_int),
-               "gguf_get_n_tensors": ([ctypes.c_void_p], ctypes.c_int64),
-               "gguf_get_tensor_name": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_char_p),
-               "gguf_get_tensor_size": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_size_t)}
-        for name, (args, res) in sig.items():
-            f = getattr(lib, name)
-            f.argtypes, f.restype = args, res
-        self.lib = lib
-
-
-_GGUF_TYPE_UINT32, _GGUF_TYPE_INT32, _GGUF_TYPE_STRING, _GGUF_TYPE_ARRAY = 4, 5, 8, 9
-
-
 def read_base(path: str | os.PathLike) -> BaseModelInfo:
-    """base.gguf's architecture, sizes and tensor bytes, from its header (nothing else is read)."""
-    g = _GGUF().lib
-    ctx = g.gguf_init_from_file(str(path).encode(), _GGUF.Params(True, None))
+    """base.gguf's architecture, sizes and tensor bytes, from its header (nothing else is read),
+    by ggml's own gguf reader (the libggml-base libllama loaded)."""
+    from . import ggml_ctypes
+
+    g = ggml_ctypes.base()
+    ctx = g.gguf_init_from_file(str(path).encode(), ggml_ctypes.GGUFInitParams(True, None))
     if not ctx:
         raise MemoryPlanError(f"{path}: not a readable GGUF file")
     try:
@@ -114,11 +86,11 @@ def read_base(path: str | os.PathLike) -> BaseModelInfo:
             if k < 0:
                 return default
             t = g.gguf_get_kv_type(ctx, k)
-            if t == _GGUF_TYPE_ARRAY:           # per-layer values (e.g. head_count_kv): the largest
+            if t == ggml_ctypes.GGUF_TYPE_ARRAY:           # per-layer values (e.g. head_count_kv): the largest
                 n = g.gguf_get_arr_n(ctx, k)
                 data = g.gguf_get_arr_data(ctx, k)
                 at = g.gguf_get_arr_type(ctx, k)
-                ct = ctypes.c_int32 if at == _GGUF_TYPE_INT32 else ctypes.c_uint32
+                ct = ctypes.c_int32 if at == ggml_ctypes.GGUF_TYPE_INT32 else ctypes.c_uint32
                 return max((ct * n).from_address(data)) if n else default
             return g.gguf_get_val_u32(ctx, k)
 

@@ -7,9 +7,9 @@ The application is llama-cpp-python's own (``llama_cpp.server.app.create_app``, 
 extra): every endpoint (/v1/chat/completions, /v1/completions, /v1/models, /v1/embeddings,
 /extras/tokenize, ...), request field, error body and SSE stream is theirs, and so is every
 option (their names, with underscores). The one difference is the model class: the model is
-loaded by their own loader (``LlamaProxy.load_llama_from_model_settings``, so chat formats,
-caches, kv overrides, ... keep working) with ``leanstream_ggml.Llama`` in place of
-``llama_cpp.Llama``. One endpoint is added:
+loaded by their own loader (so chat formats, caches, kv overrides, ... keep working) with
+``leanstream_ggml.Llama`` in place of ``llama_cpp.Llama`` (``_llama_cpp.create_server_app``).
+One endpoint is added:
 
     GET /leanstream/stats   the engine's counters (``llm.stats()``) and memory settings
 
@@ -38,28 +38,6 @@ from .options import for_command as _options_for
 
 LEANSTREAM_OPTIONS = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
                       "bridge_bytes", "controller", "reuse_prefix") + tuple(o.name for o in _options_for("serve"))
-
-
-def _server_modules():
-    try:
-        from llama_cpp.server import app as server_app
-        from llama_cpp.server import model as server_model
-    except ImportError as e:
-        raise RuntimeError(f"the server needs llama-cpp-python's server dependencies ({e}); install them with "
-                           f"`pip install 'leanstream-ggml[server]'`") from None
-    return server_app, server_model
-
-
-class _LlamaCppWithPlugin:
-    """The ``llama_cpp`` module as llama-cpp-python's model loader sees it while it loads our
-    model: every attribute is the real module's except ``Llama``."""
-
-    def __init__(self, real, llama_factory):
-        self._real = real
-        self.Llama = llama_factory
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
 
 
 def _served_llama_class():
@@ -98,35 +76,6 @@ def _served_llama_class():
                 raise
 
     return ServedLlama
-
-
-def _proxy_class():
-    server_app, server_model = _server_modules()
-
-    class LeanstreamProxy(server_model.LlamaProxy):
-        """llama-cpp-python's model holder, loading ``leanstream_ggml.Llama`` with its own loader."""
-
-        def __init__(self, models, *, leanstream_options: dict):
-            self.leanstream_options = dict(leanstream_options)
-            super().__init__(models)
-
-        def load_llama_from_model_settings(self, settings):
-            Llama = _served_llama_class()
-            # their loader calls `llama_cpp.Llama(model_path=..., n_ctx=..., ...)` through its
-            # module's global `llama_cpp`; pointing that name at a view whose Llama is ours, for
-            # the duration of the call, keeps every argument of theirs without copying the loader
-            real = server_model.llama_cpp
-            server_model.llama_cpp = _LlamaCppWithPlugin(real, functools.partial(Llama, **self.leanstream_options))
-            try:
-                return server_model.LlamaProxy.load_llama_from_model_settings(settings)
-            finally:
-                server_model.llama_cpp = real
-
-        def current(self):
-            """The loaded model (None before loading or after free)."""
-            return self._current_model
-
-    return LeanstreamProxy
 
 
 def _error_status(e: BaseException) -> tuple[int, str]:
@@ -292,7 +241,9 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
     bridge_bytes), and reuse_prefix (default False: every request starts from an empty context).
     max_waiting_requests: requests in flight (running + queued) beyond which a new one gets 429.
     """
-    server_app, server_model = _server_modules()
+    from ._llama_cpp import create_server_app, server_modules
+
+    server_modules()
     from fastapi import Depends
 
     from llama_cpp.server.settings import ModelSettings, ServerSettings
@@ -305,26 +256,13 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
         model_settings = ModelSettings(model=str(model_dir))
     else:
         model_settings = model_settings.model_copy(update={"model": str(model_dir)})
-    proxy_cls = functools.partial(_proxy_class(), leanstream_options=leanstream_options)
-    holder = {}
-
-    def make_proxy(models):
-        holder["proxy"] = proxy_cls(models)
-        return holder["proxy"]
-
-    # create_app builds its model holder from its module's name `LlamaProxy` (and loads the model
-    # there); ours is put under that name while it runs
-    real = server_app.LlamaProxy
-    server_app.LlamaProxy = make_proxy
-    try:
-        app = server_app.create_app(server_settings=server_settings, model_settings=[model_settings])
-    finally:
-        server_app.LlamaProxy = real
+    app, current = create_server_app(functools.partial(_served_llama_class(), **leanstream_options),
+                                     server_settings=server_settings, model_settings=model_settings)
 
     def leanstream_stats():
         # read without the server's model locks: the counters are atomics, and taking the locks
         # would wait for (or, with interrupt_requests, cut short) a generation in progress
-        llm = holder["proxy"].current()
+        llm = current()
         if llm is None:
             return {"model": str(model_dir), "loaded": False}
         return {"model": str(model_dir), "loaded": True, "mode": llm.mode, "sparsity": llm.sparsity,
@@ -333,13 +271,14 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
                                 {**llm.memory_plan.parts, "limit": llm.memory_plan.limit,
                                  "budget": llm.memory_plan.budget, "resident": llm.memory_plan.resident})}
 
+    from llama_cpp.server.app import authenticate
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest, CreateEmbeddingRequest
 
     app.add_middleware(_RejectInvalidBodies, max_waiting=max_waiting_requests, n_ctx=model_settings.n_ctx, models={
         "/v1/chat/completions": CreateChatCompletionRequest, "/v1/completions": CreateCompletionRequest,
         "/v1/engines/copilot-codex/completions": CreateCompletionRequest, "/v1/embeddings": CreateEmbeddingRequest})
     app.add_api_route("/leanstream/stats", leanstream_stats, methods=["GET"], summary="LeanStream engine counters",
-                      dependencies=[Depends(server_app.authenticate)], tags=["LeanStream"])
+                      dependencies=[Depends(authenticate)], tags=["LeanStream"])
     return app
 
 
@@ -396,7 +335,9 @@ def leanstream_options(ns: argparse.Namespace) -> dict:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        server_app, _ = _server_modules()
+        from ._llama_cpp import server_modules
+
+        server_modules()
         import uvicorn
     except (RuntimeError, ImportError) as e:
         print(f"leanstream serve: {e}", file=sys.stderr)

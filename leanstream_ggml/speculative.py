@@ -244,8 +244,9 @@ class Drafter:
 
     def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float = 1.0,
                  ngram_size: int = 3):
-        import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from ._llama_cpp import Batch   # the draft's own batch on the model's context
 
         self.llm, self.kind, self.k_max, self.fraction = llm, kind, draft_max, fraction
         self.stop, self.p_min = parse_stop(stop)
@@ -259,8 +260,7 @@ class Drafter:
         self.lookup_meter.q_n = self.lookup_meter.costs.q_freq * 1e9
         self.stats = SpecStats()
         self.lookup = LlamaPromptLookupDecoding(max_ngram_size=ngram_size, num_pred_tokens=draft_max)
-        self._batch = llama_cpp._internals.LlamaBatch(n_tokens=max(llm.n_batch, draft_max + 1), embd=0,
-                                                      n_seq_max=1, verbose=False)
+        self._draft_batch = Batch(max(llm.n_batch, draft_max + 1))
         self._pending: tuple[int, list[int], str] | None = None   # (n_past of the verify, q bins, kind)
 
     # -- what generate calls -------------------------------------------------------------------
@@ -303,6 +303,9 @@ class Drafter:
     def finish(self) -> None:
         self._settle()
 
+    def close(self) -> None:
+        self._draft_batch.close()
+
     # -- the self draft --------------------------------------------------------------------------
     def _decide(self, i: int, p: float, q: float) -> bool:
         if i >= self.k_max:
@@ -331,16 +334,16 @@ class Drafter:
     def _self_draft(self, n_past: int, pending: list[int], k_cap: int) -> tuple[list[int], list[int]]:
         if not self._decide(0, 1.0, 1.0):
             return [], []
+        from ._llama_cpp import kv_cache_trim
+
         llm, eng = self.llm, self.llm._engine
-        n_vocab = llm.n_vocab()
         out, bins, p, pos, toks = [], [], 1.0, n_past, pending
         eng.set_draft(True, self.fraction)
         try:
             while len(out) < k_cap:
                 t0 = time.perf_counter()
-                self._batch.set_batch(batch=toks, n_past=pos, logits_all=False)
-                llm._ctx.decode(self._batch)
-                logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(len(toks) - 1), shape=(n_vocab,))
+                self._draft_batch.decode(llm, toks, pos)
+                logits = llm.logits(len(toks) - 1)
                 tok = int(np.argmax(logits))
                 q = float(1.0 / np.exp(logits - logits[tok]).sum())
                 dt = time.perf_counter() - t0
@@ -357,7 +360,7 @@ class Drafter:
                     break
         finally:
             eng.set_draft(False)
-            llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+            kv_cache_trim(llm, n_past)
         return out, bins
 
     def verify_timed(self, n_rows: int, seconds: float) -> None:

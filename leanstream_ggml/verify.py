@@ -53,7 +53,7 @@ def verify_dir(model_dir: str | os.PathLike, progress=None) -> tuple[list[str], 
     for e in m.layers:
         try:
             path = m.resolve(d, e.file)
-            fd = mf._open_regular(path)
+            fd = mf.open_regular(path)
         except mf.ManifestError as err:
             problems.append(str(err))
             continue

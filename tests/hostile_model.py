@@ -54,11 +54,11 @@ def run_model(model_dir, mode: str = "dense", **kw) -> tuple[list[int], bytes]:
         llm.eval(toks)
         out = []
         for _ in range(N_GEN):
-            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+            logits = llm.logits()
             t = int(np.argmax(logits))
             out.append(t)
             llm.eval([t])
-        logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy()
+        logits = llm.logits().copy()
         return out, logits.tobytes()
     finally:
         llm.close()

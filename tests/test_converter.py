@@ -435,7 +435,9 @@ def test_cli(models, tmp_path, capsys):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_llama_cpp_loads_source_and_base(tmp_path, arch):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
-    if not hasattr(llama_cpp.llama_cpp._lib, "llama_set_ffn_builder"):
+    from leanstream_ggml import _llama_cpp
+
+    if not _llama_cpp.has_ffn_builder():
         pytest.skip("llama-cpp-python is not the patched build (python -m leanstream_ggml.build)")
     src = tmp_path / "m.gguf"
     write_tiny_model(src, arch=arch, n_embd=256, n_ff=256, types={"gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"})

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
+from leanstream_ggml.formats import PREDICTOR_HEADER_BYTES as HEADER_SIZE
+from leanstream_ggml.formats import PREDICTOR_MAGIC as MAGIC
+from leanstream_ggml.formats import PREDICTOR_VERSION as FILE_VERSION
+
 from ..fileio import atomic_write_bytes
 
-MAGIC = b"LSPREDv\0"
-FILE_VERSION = 2
-READS_VERSIONS = (1, 2)   # version 1 = version 2 with skip_weight 1
-HEADER_SIZE = 256
+READS_VERSIONS = (1, FILE_VERSION)   # version 1 = version 2 with skip_weight 1
 ALIGN = 64
 HDR = struct.Struct("<8sIIIIIIIIIiQII")
 

@@ -1,0 +1,255 @@
+"""llama-cpp-python's internals, in one place.
+
+``leanstream_ggml.Llama`` is a ``llama_cpp.Llama``; what it cannot do through llama-cpp-python's
+public API (its Llama's methods, the C bindings of ``llama_cpp.llama_cpp``) it does here, and
+nowhere else:
+
+- ``set_ffn_builder``: libllama's one added function (patches/0001-leanstream-external-ffn.patch),
+  bound on llama-cpp-python's own ctypes handle of libllama;
+- ``wrap_decode``: the context's decode followed by a check, so that an error of the FFN op's
+  I/O workers raises right after the decode that hit it;
+- ``decode_all_rows``: one batch through ``Llama.eval`` with the logits of every row (the verify
+  pass of speculative decoding) without logits_all's n_ctx x n_vocab array; ``Batch``,
+  ``logits``, ``kv_cache_trim``: the self draft's decodes on the same context;
+- ``perf_context`` / ``reset_perf``: llama.cpp's counters of the context; ``token_text``;
+- ``close``: llama_cpp.Llama.close leaves its native handles behind as attributes; they are
+  replaced by stand-ins that raise, so a closed Llama never touches freed memory;
+- ``create_server_app``: llama-cpp-python's server, its model loaded by its own loader with another
+  Llama class (two module globals of its server swapped for the duration of one call).
+
+What a tool may read of any llama_cpp.Llama (stock or ours) is public in context.py. It is
+written against the llama-cpp-python the build vendors (``PINNED``, build.py), and
+tests/test_llama_cpp_pin.py fails, naming what to re-check, when the installed one is another or
+a private name listed in ``RELIES_ON`` / ``LLAMA_ATTRS`` is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import llama_cpp
+import numpy as np
+
+from .build import LLAMA_CPP_PYTHON_VERSION as PINNED
+
+# every private name of llama-cpp-python used below: (where, name, what uses it)
+RELIES_ON = (
+    ("llama_cpp.llama_cpp", "_lib", "set_ffn_builder, has_ffn_builder: libllama's ctypes handle"),
+    ("llama_cpp._internals.LlamaContext", "ctx", "set_ffn_builder, perf_context: the llama_context pointer"),
+    ("llama_cpp._internals.LlamaContext", "decode", "wrap_decode, decode_all_rows, Batch.decode"),
+    ("llama_cpp._internals.LlamaContext", "kv_cache_seq_rm", "decode_all_rows, kv_cache_trim"),
+    ("llama_cpp._internals.LlamaContext", "get_logits_ith", "logits"),
+    ("llama_cpp._internals.LlamaModel", "token_get_text", "token_text"),
+    ("llama_cpp._internals.LlamaBatch", "set_batch", "decode_all_rows, Batch.decode"),
+    ("llama_cpp._internals.LlamaBatch", "close", "Batch.close"),
+    ("llama_cpp.server.model", "llama_cpp", "create_server_app: the loader's module global, swapped while it loads"),
+    ("llama_cpp.server.model.LlamaProxy", "load_llama_from_model_settings", "create_server_app: their loader"),
+    ("llama_cpp.server.model.LlamaProxy", "_current_model", "create_server_app's current(): the loaded model"),
+    ("llama_cpp.server.app", "LlamaProxy", "create_server_app: create_app's module global, swapped while it runs"),
+)
+# llama_cpp.Llama's instance attributes used here (its __init__ sets them; eval updates the last
+# three as decode_all_rows does); HANDLE_ATTRS hold native handles
+HANDLE_ATTRS = ("_model", "_ctx", "_batch", "_sampler", "tokenizer_", "_candidates")
+LLAMA_ATTRS = HANDLE_ATTRS + ("_stack", "_logits_all", "input_ids", "n_tokens", "_requires_eval")
+
+_lib = llama_cpp.llama_cpp._lib   # ctypes.CDLL of the libllama llama-cpp-python loaded
+
+
+# ---- libllama's added function --------------------------------------------------------------------
+
+def has_ffn_builder() -> bool:
+    """Whether the installed libllama is the patched one (it has ``llama_set_ffn_builder``)."""
+    return hasattr(_lib, "llama_set_ffn_builder")
+
+
+@functools.cache
+def _ffn_builder_fn():
+    if not has_ffn_builder():
+        raise RuntimeError(f"{_lib._name}: this libllama has no llama_set_ffn_builder, so it is not the patched "
+                           f"build; install it with `python -m leanstream_ggml.build`")
+    f = _lib.llama_set_ffn_builder
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    f.restype = None
+    return f
+
+
+def set_ffn_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
+    """``llama_set_ffn_builder(ctx, builder, user_data)`` on llm's context: every layer's FFN of
+    its graphs is built by ``builder`` (addresses of C objects)."""
+    _ffn_builder_fn()(llm._ctx.ctx, builder, user_data)
+
+
+# ---- decoding ------------------------------------------------------------------------------------
+
+def wrap_decode(llm: llama_cpp.Llama, after) -> None:
+    """Every decode on llm's context (eval's, generate's, a draft's) calls ``after()`` once it
+    returns (the engine raises an I/O error its workers kept)."""
+    ctx = llm._ctx
+    decode = ctx.decode
+
+    def checked(batch):
+        decode(batch)
+        after()
+
+    ctx.decode = checked
+
+
+def logits_all(llm: llama_cpp.Llama) -> bool:
+    """Whether llm keeps every row's logits (``logits_all=True``: eval fills ``scores``)."""
+    return llm._logits_all
+
+
+def decode_all_rows(llm: llama_cpp.Llama, tokens) -> None:
+    """What ``llama_cpp.Llama.eval(tokens)`` does for one batch (len(tokens) <= n_batch), with the
+    logits of every row kept in the context (``logits(llm, i)``) instead of the last only."""
+    llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+    n_past = llm.n_tokens
+    llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+    llm._ctx.decode(llm._batch)
+    llm.input_ids[n_past:n_past + len(tokens)] = tokens
+    llm.n_tokens += len(tokens)
+    llm._requires_eval = False
+
+
+def logits(llm: llama_cpp.Llama, i: int = -1) -> np.ndarray:
+    """f32 [n_vocab]: the logits of row i of the last decode (-1: its last row), a view of the
+    context's buffer (valid until the next decode)."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(i), shape=(llm.n_vocab(),))
+
+
+def kv_cache_trim(llm: llama_cpp.Llama, n_past: int) -> None:
+    """Drop every position >= n_past from llm's KV cache (what a draft decoded past it)."""
+    llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+
+
+class Batch:
+    """A batch of up to n_tokens tokens decoded on a Llama's context outside its eval (the self
+    draft's steps); only the last row's logits are kept. Owns its llama_batch: close()."""
+
+    def __init__(self, n_tokens: int):
+        self._batch = llama_cpp._internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=False)
+
+    def decode(self, llm: llama_cpp.Llama, tokens, n_past: int) -> None:
+        self._batch.set_batch(batch=tokens, n_past=n_past, logits_all=False)
+        llm._ctx.decode(self._batch)
+
+    def close(self) -> None:
+        self._batch.close()
+
+
+def perf_context(llm: llama_cpp.Llama):
+    """llama.cpp's counters of llm's context (``llama_perf_context_data``: t_p_eval_ms, n_p_eval,
+    t_eval_ms, n_eval, ...) since it was created or ``reset_perf``."""
+    return llama_cpp.llama_perf_context(llm._ctx.ctx)
+
+
+def reset_perf(llm: llama_cpp.Llama) -> None:
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+
+
+def token_text(llm: llama_cpp.Llama, token: int) -> str:
+    """A token's text as the vocabulary spells it (special tokens too: "<|im_end|>")."""
+    return llm._model.token_get_text(token)
+
+
+# ---- closing -------------------------------------------------------------------------------------
+
+CLOSED = "this Llama is closed (close() was called); create a new one to continue"
+
+
+class _Closed:
+    """Stands in for a native handle of a closed Llama: any use raises ``error(CLOSED)``."""
+
+    def __init__(self, error: type[Exception]):
+        object.__setattr__(self, "_error", error)
+
+    def __getattr__(self, attr):
+        raise self._error(CLOSED)
+
+    def __call__(self, *a, **k):
+        raise self._error(CLOSED)
+
+    def __bool__(self):
+        return True
+
+
+def close(llm: llama_cpp.Llama, error: type[Exception]) -> None:
+    """``llama_cpp.Llama.close(llm)``, once, then every handle-holding attribute replaced by a
+    stand-in raising ``error``: llama-cpp-python leaves the freed handles behind, and any later
+    call would use freed memory. A Llama whose __init__ failed before its first handle has
+    nothing to close."""
+    if not hasattr(llm, "_stack") or llm.__dict__.get("_closed"):
+        return
+    llm._closed = True
+    llama_cpp.Llama.close(llm)
+    for name in HANDLE_ATTRS:
+        if name in llm.__dict__:
+            setattr(llm, name, _Closed(error))
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+def server_modules():
+    """llama-cpp-python's server modules (app, model); RuntimeError naming the extra to install."""
+    try:
+        from llama_cpp.server import app as server_app
+        from llama_cpp.server import model as server_model
+    except ImportError as e:
+        raise RuntimeError(f"the server needs llama-cpp-python's server dependencies ({e}); install them with "
+                           f"`pip install 'leanstream-ggml[server]'`") from None
+    return server_app, server_model
+
+
+class _LlamaCppWith:
+    """The ``llama_cpp`` module as their model loader sees it while it loads: every attribute is
+    the real module's except ``Llama``."""
+
+    def __init__(self, real, llama_factory):
+        self._real = real
+        self.Llama = llama_factory
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def create_server_app(llama_factory, *, server_settings, model_settings):
+    """(app, current): llama-cpp-python's FastAPI app (``create_app``) whose model is loaded by
+    their own loader (``LlamaProxy.load_llama_from_model_settings``: chat formats, caches, kv
+    overrides, ... keep working) calling ``llama_factory(model_path=..., n_ctx=..., ...)`` in
+    place of ``llama_cpp.Llama``; ``current()`` is the loaded model (None before loading or after
+    it was freed)."""
+    server_app_mod, server_model = server_modules()
+
+    class Proxy(server_model.LlamaProxy):
+        def load_llama_from_model_settings(self, settings):
+            # their loader calls `llama_cpp.Llama(...)` through its module's global `llama_cpp`;
+            # pointing that name at a view whose Llama is ours, for the duration of the call,
+            # keeps every argument of theirs without copying the loader
+            real = server_model.llama_cpp
+            server_model.llama_cpp = _LlamaCppWith(real, llama_factory)
+            try:
+                return server_model.LlamaProxy.load_llama_from_model_settings(settings)
+            finally:
+                server_model.llama_cpp = real
+
+    holder = {}
+
+    def make_proxy(models):
+        holder["proxy"] = Proxy(models)
+        return holder["proxy"]
+
+    # create_app builds its model holder from its module's name `LlamaProxy` (and loads the model
+    # there); ours is put under that name while it runs
+    real = server_app_mod.LlamaProxy
+    server_app_mod.LlamaProxy = make_proxy
+    try:
+        app = server_app_mod.create_app(server_settings=server_settings, model_settings=[model_settings])
+    finally:
+        server_app_mod.LlamaProxy = real
+
+    def current():
+        proxy = holder.get("proxy")
+        return None if proxy is None else proxy._current_model
+
+    return app, current

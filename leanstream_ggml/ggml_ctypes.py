@@ -1,0 +1,86 @@
+"""ggml's C API through ctypes: the libggml instance libllama loaded, every function this project
+calls declared once (``SIGNATURES``).
+
+    from leanstream_ggml import ggml_ctypes
+    g = ggml_ctypes.base()                      # libggml-base: the gguf reader, the quantizer
+    ctx = g.gguf_init_from_file(b"base.gguf", ggml_ctypes.GGUFInitParams(True, None))
+
+The wheel holds ``libggml.so``, ``libggml.so.0`` and ``libggml.so.0.25.3`` as three copies of one
+file, not links. libllama loads the soname file; opening another copy (as ``llama_cpp._ggml``
+opens ``libggml.so``) loads a second instance, with its own backend registry. ``base`` and
+``ggml`` open the soname files, which the dynamic loader finds already loaded.
+
+(libleanstream is bound with cffi from its header, _native.py; libllama through llama-cpp-python's
+own ctypes bindings, _llama_cpp.py.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
+from pathlib import Path
+
+BASE, GGML = "libggml-base.so.0", "libggml.so.0"
+
+
+class GGUFInitParams(ctypes.Structure):
+    """struct gguf_init_params (gguf.h)."""
+    _fields_ = [("no_alloc", c_bool), ("ctx", c_void_p)]
+
+
+# enum gguf_type values (gguf.h) the header reader handles
+GGUF_TYPE_UINT32, GGUF_TYPE_INT32, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 4, 5, 8, 9
+
+# library -> function -> (argtypes, restype)
+SIGNATURES = {
+    BASE: {
+        # gguf.h: the reader of base.gguf's header (memplan.read_base)
+        "gguf_init_from_file": ([c_char_p, GGUFInitParams], c_void_p),
+        "gguf_free": ([c_void_p], None),
+        "gguf_find_key": ([c_void_p, c_char_p], c_int64),
+        "gguf_get_kv_type": ([c_void_p, c_int64], c_int),
+        "gguf_get_val_u32": ([c_void_p, c_int64], c_uint32),
+        "gguf_get_val_str": ([c_void_p, c_int64], c_char_p),
+        "gguf_get_arr_n": ([c_void_p, c_int64], c_size_t),
+        "gguf_get_arr_data": ([c_void_p, c_int64], c_void_p),
+        "gguf_get_arr_type": ([c_void_p, c_int64], c_int),
+        "gguf_get_n_tensors": ([c_void_p], c_int64),
+        "gguf_get_tensor_name": ([c_void_p, c_int64], c_char_p),
+        "gguf_get_tensor_size": ([c_void_p, c_int64], c_size_t),
+        # ggml.h: (type, src f32*, dst, start row, n rows, n per row, imatrix) -> bytes written
+        # (the converter's K-quant down columns)
+        "ggml_quantize_chunk": ([c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p], c_size_t),
+    },
+    GGML: {
+        # ggml-backend.h: the backend registry (_native: LEANSTREAM_GGML_CPU)
+        "ggml_backend_reg_count": ([], c_size_t),
+        "ggml_backend_load": ([c_char_p], c_void_p),
+    },
+}
+
+
+def lib_dir() -> Path:
+    """llama.cpp's shared libraries in the installed llama-cpp-python (``llama_cpp/lib``)."""
+    import llama_cpp
+
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+@functools.cache
+def _library(soname: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(lib_dir() / soname))
+    for name, (args, res) in SIGNATURES[soname].items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, res
+    return lib
+
+
+def base() -> ctypes.CDLL:
+    """libggml-base, as libllama uses it, its SIGNATURES declared."""
+    return _library(BASE)
+
+
+def ggml() -> ctypes.CDLL:
+    """libggml (the backend registry libllama uses), its SIGNATURES declared."""
+    return _library(GGML)

@@ -1,0 +1,76 @@
+"""The pin of leanstream_ggml/_llama_cpp.py, the one module that uses llama-cpp-python's private
+names: the installed llama-cpp-python is the version it was written against, and every private
+name it lists is still there. A failure names what to re-check."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import llama_cpp
+import pytest
+
+from leanstream_ggml import _llama_cpp
+
+RECHECK = ("leanstream_ggml/_llama_cpp.py is written against llama-cpp-python {pinned}; re-check each of its "
+           "uses (RELIES_ON, LLAMA_ATTRS), then set build.LLAMA_CPP_PYTHON_VERSION")
+
+
+def _resolve(where: str):
+    """The module or class named by a dotted path ('llama_cpp._internals.LlamaBatch')."""
+    parts = where.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(where)
+
+
+def test_installed_llama_cpp_python_is_the_pinned_version():
+    assert llama_cpp.__version__ == _llama_cpp.PINNED, (
+        f"llama-cpp-python {llama_cpp.__version__} is installed; " + RECHECK.format(pinned=_llama_cpp.PINNED))
+
+
+@pytest.mark.parametrize("where,name,used_by", _llama_cpp.RELIES_ON, ids=[f"{w}.{n}" for w, n, _ in _llama_cpp.RELIES_ON])
+def test_every_private_name_relied_on_exists(where, name, used_by):
+    if where.startswith("llama_cpp.server"):
+        pytest.importorskip("fastapi", reason="llama-cpp-python's server extra is not installed: its names are unchecked")
+    obj = _resolve(where)
+    # an attribute of the object, or one its class sets on its instances (self.<name> = ...)
+    present = hasattr(obj, name) or (inspect.isclass(obj) and f"self.{name} =" in inspect.getsource(obj))
+    assert present, (f"{where}.{name} is gone (used by {used_by}); " + RECHECK.format(pinned=_llama_cpp.PINNED))
+
+
+def test_llama_sets_the_attributes_relied_on():
+    init, ev = inspect.getsource(llama_cpp.Llama.__init__), inspect.getsource(llama_cpp.Llama.eval)
+    missing = [a for a in _llama_cpp.LLAMA_ATTRS if f"self.{a} =" not in init and f"self.{a}: " not in init]
+    assert not missing, (f"llama_cpp.Llama.__init__ no longer sets {missing}; "
+                         + RECHECK.format(pinned=_llama_cpp.PINNED))
+    # decode_all_rows repeats what eval does after a decode
+    for line in ("self.input_ids[n_past : n_past + n_tokens] = batch", "self.n_tokens += n_tokens",
+                 "self._requires_eval = False"):
+        assert line in ev, (f"llama_cpp.Llama.eval no longer does `{line}` (decode_all_rows repeats it); "
+                            + RECHECK.format(pinned=_llama_cpp.PINNED))
+
+
+def test_no_other_module_of_the_library_uses_llama_cpp_privates():
+    """Only _llama_cpp.py names llama-cpp-python's private attributes."""
+    import re
+    from pathlib import Path
+
+    pkg = Path(_llama_cpp.__file__).parent
+    private = re.compile(r"\._ctx\b|\._batch\b|\._model\b|\._sampler\b|\.tokenizer_\b|\._candidates\b|"
+                         r"\._logits_all\b|\._internals\b|llama_cpp\._lib\b|server_model\.|\bLlamaProxy\b")
+    hits = []
+    for path in sorted(pkg.rglob("*.py")):
+        if path.name == "_llama_cpp.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if private.search(code) and not code.lstrip().startswith(('"', "'")):
+                hits.append(f"{path.relative_to(pkg.parent)}:{i}: {line.strip()}")
+    assert not hits, "llama-cpp-python's internals used outside _llama_cpp.py:\n" + "\n".join(hits)
