@@ -26,7 +26,7 @@ _PARAMS = [name for name, _ in ffi.typeof("ls_engine_params").fields]
 # set by FFNEngine's own arguments (paths, enums, the budget); the rest are plain numbers, passed
 # by name and left at the engine's default (ls_engine_params_init) when None
 _OWN_PARAMS = {"n_layers", "block_paths", "activation", "mode", "memory_budget", "predictor_paths",
-               "block_rank", "verify_checksums", "sketch_paths"}
+               "block_rank", "verify_checksums", "sketch_paths", "test_hooks"}
 TUNABLE_PARAMS = tuple(name for name in _PARAMS if name not in _OWN_PARAMS)
 STAT_FIELDS = [name for name, _ in ffi.typeof("ls_stats").fields]
 
@@ -66,25 +66,30 @@ def candidate_blocks(n_blocks: int, sparsity: float, candidate_ratio: float) -> 
 
 TEST_HOOKS_ENV = "LEANSTREAM_TEST_HOOKS"
 _FAULTS = {"eio": lib.LS_FAULT_EIO, "short": lib.LS_FAULT_SHORT, "corrupt": lib.LS_FAULT_CORRUPT}
+_HOOK_FIELDS = [name for name, _ in ffi.typeof("ls_test_hooks").fields]
 
 
-def _set_test_hooks(given: dict | None) -> None:
-    """ls_test_hooks for the next engine: ``given``, over a JSON object in $LEANSTREAM_TEST_HOOKS
-    (how tests reach an engine in another process, e.g. a server). Keys: io_delay_us,
-    io_queue_cap, buffered_io, fault ("eio", "short" or "corrupt") and fault_read (which read)."""
+def _test_hooks(given: dict | None):
+    """This engine's ls_test_hooks (NULL: none): ``given``, over a JSON object in
+    $LEANSTREAM_TEST_HOOKS (how tests reach an engine in another process, e.g. a server). Keys: the
+    struct's fields (io_delay_us, io_queue_cap, buffered_io, fault: "eio", "short" or "corrupt",
+    fault_read: which read)."""
     import json
     import os
 
     hooks = json.loads(os.environ.get(TEST_HOOKS_ENV) or "{}")
     hooks.update(given or {})
-    bad = sorted(set(hooks) - {"io_delay_us", "io_queue_cap", "buffered_io", "fault", "fault_read"})
+    if not hooks:
+        return ffi.NULL
+    bad = sorted(set(hooks) - set(_HOOK_FIELDS))
     if bad:
         raise TypeError(f"unknown test hook(s) {', '.join(bad)}")
     if hooks.get("fault") not in (None, *_FAULTS):
         raise ValueError(f"test hook fault must be one of {', '.join(_FAULTS)}, got {hooks['fault']!r}")
-    lib.ls_test_hooks(int(hooks.get("io_delay_us", 0)), int(hooks.get("io_queue_cap", 0)),
-                      int(bool(hooks.get("buffered_io", False))), _FAULTS.get(hooks.get("fault"), 0),
-                      int(hooks.get("fault_read", 0)))
+    h = ffi.new("ls_test_hooks *")
+    for name, value in hooks.items():
+        setattr(h, name, _FAULTS[value] if name == "fault" else int(value))
+    return h
 
 
 class FFNEngine:
@@ -93,7 +98,7 @@ class FFNEngine:
     ``**tunable``: the engine's numeric parameters by their ls_engine_params names
     (TUNABLE_PARAMS: n_io_threads, max_read_bytes, sparsity, hot_fraction, candidate_ratio,
     bridge_bytes); None or absent takes the engine's default (ls_engine_params_init and the mode
-    table). ``test_hooks``: for tests only (ls_test_hooks; see _set_test_hooks)."""
+    table). ``test_hooks``: for tests only (this engine's ls_test_hooks; see _test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
     controller = None  # the installed controller policy (set_controller), None: off
@@ -130,12 +135,10 @@ class FFNEngine:
         if block_rank is not None:
             self._rank = np.ascontiguousarray(block_rank, dtype=np.float32).reshape(-1)
             p.block_rank = ffi.cast("const float *", self._rank.ctypes.data)
+        hooks = _test_hooks(test_hooks)   # (copied by the engine)
+        p.test_hooks = hooks
         out = ffi.new("ls_engine **")
-        _set_test_hooks(test_hooks)
-        try:
-            check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
-        finally:
-            lib.ls_test_hooks(0, 0, 0, 0, 0)
+        check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
         self._handle = out[0]
         self.mode = mode
         self.memory_budget = p.memory_budget

@@ -1,5 +1,5 @@
 """FFN kernel throughput (pytest-benchmark): GB/s of weight bytes streamed by the dense op, against a
-plain memory read of as many bytes on the same machine (ls_memory_read, AVX2 loads, same threads).
+plain memory read of as many bytes on the same machine (bench/memory_read.py: AVX2 loads, same threads).
 
 One timed round is one decode token through every layer (T = 1, 2 threads, everything resident,
 the layers together larger than the last-level cache), so the weights come from RAM as in decode:
@@ -15,11 +15,10 @@ extra_info carries weight_gb_s, memory_read_gb_s and their ratio; nothing here a
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import numpy as np
 import pytest
+
+import bench_modules
 
 pytest.importorskip("pytest_benchmark")
 
@@ -43,14 +42,7 @@ def qwen_shape(tmp_path_factory):
 
 
 def _memory_read_gb_s(n_bytes: int, rounds: int = 7) -> float:
-    buf = np.ones(n_bytes, dtype=np.uint8)   # touched: every page is in RAM
-    p = ffi.cast("const void *", buf.ctypes.data)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        lib.ls_memory_read(p, n_bytes, N_THREADS)
-        times.append(time.perf_counter() - t0)
-    return n_bytes / statistics.median(times) / 1e9
+    return bench_modules.load("memory_read").measure(n_bytes, N_THREADS, rounds)["gb_s"]
 
 
 def _bench(benchmark, paths):

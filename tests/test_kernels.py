@@ -1,5 +1,6 @@
 """The FFN kernels on every instruction set this CPU runs (AVX2 always; AVX-512 where the CPU has it),
-against the numpy reference, and the plain memory-read baseline the kernel benchmark compares with.
+against the numpy reference (the plain memory-read baseline the kernel benchmark compares with is
+bench/memory_read.py, tested in tests/test_memory_read.py).
 
 The kernels are chosen once per process; LEANSTREAM_ISA=avx2 and ls_kernels_select() choose again,
 so one run covers the AVX2 kernels even on an AVX-512 machine. The fused gate/up kernels (Q4_K,
@@ -149,14 +150,3 @@ def test_streamed_cascade_matches_reference(sketched, isa):
             want = ffn_reference(w, x, neurons=w.perm[kept])
             assert np.abs(y - want).max() <= 2e-3 * np.abs(want).max() + 1e-5, isa
         assert e.layer_info(0)["split_layout"] == 0
-
-
-@pytest.mark.parametrize("n,threads", [(64 * 1024, 1), (3 * 64 * 1000, 3), (1000, 2)])
-def test_memory_read_reads_every_byte(n, threads):
-    buf = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    got = lib.ls_memory_read(ffi.cast("const void *", buf.ctypes.data), n, threads)
-    # the xor of every 64-bit word when each thread's share is whole 64-byte lines; else bytes fold in
-    if n % (64 * threads) == 0:
-        assert got == int(np.bitwise_xor.reduce(buf.view(np.uint64)))
-    buf[n // 2] ^= 0xFF
-    assert lib.ls_memory_read(ffi.cast("const void *", buf.ctypes.data), n, threads) != got

@@ -165,6 +165,29 @@ def test_injected_read_fault_is_reported_then_the_block_is_read_again(shuffled_k
         FFNEngine(shuffled_k3, test_hooks={"fault_reed": 1})
 
 
+@pytest.mark.parametrize("via_env", [False, True])
+def test_test_hooks_are_the_engines_own(shuffled_k3, via_env, monkeypatch):
+    """Hooks given to one engine (as an argument, or through $LEANSTREAM_TEST_HOOKS while it is
+    created) reach no other: an engine created while the faulty one is open, and one created after
+    it, read every block intact (the library holds no test state)."""
+    x = _x(1, 6)
+    with FFNEngine(shuffled_k3) as quiet:
+        want = [quiet.eval_layer(il, x, n_threads=2) for il in range(N_LAYER)]
+    if via_env:
+        monkeypatch.setenv("LEANSTREAM_TEST_HOOKS", '{"fault": "eio", "fault_read": 1}')
+        faulty = FFNEngine(shuffled_k3)
+        monkeypatch.delenv("LEANSTREAM_TEST_HOOKS")
+    else:
+        faulty = FFNEngine(shuffled_k3, test_hooks={"fault": "eio", "fault_read": 1})
+    with faulty, FFNEngine(shuffled_k3) as beside:
+        for il in range(N_LAYER):
+            assert np.array_equal(beside.eval_layer(il, x, n_threads=2), want[il])
+        with pytest.raises(LeanstreamError, match="I/O error"):
+            faulty.eval_layer(0, x, n_threads=2)
+    with FFNEngine(shuffled_k3) as after:
+        assert np.array_equal(after.eval_layer(0, x, n_threads=2), want[0])
+
+
 def test_budget_too_small_is_a_clear_error(shuffled_k3):
     with pytest.raises(LeanstreamError, match="too small"):
         FFNEngine(shuffled_k3, memory_budget="64KiB")

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 10
+#define LS_ABI_VERSION 11
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -92,6 +92,7 @@ enum {
 typedef struct ls_engine ls_engine;
 struct ggml_context;
 struct ggml_tensor;
+struct ls_test_hooks;   // ---- testing, below
 
 typedef struct ls_engine_params {
     int32_t        n_layers;        // number of FFN layers (one block file each)
@@ -122,6 +123,8 @@ typedef struct ls_engine_params {
                                     // this many bytes (read and dropped) rather than start another I/O;
                                     // -1 (default): the per-I/O cost x bandwidth measured on the block files
                                     // at start (sparse modes under a budget; else 0); 0: never
+    const struct ls_test_hooks * test_hooks; // tests only: this engine's injected delays and faults
+                                    // (copied at creation); NULL (default): none
 } ls_engine_params;
 
 LS_API void        ls_engine_params_init(ls_engine_params * p);   // the only source of defaults
@@ -144,9 +147,6 @@ LS_API void        ls_kernels_select(void);
 // the module's path ("" when none).
 LS_API const char * ls_ggml_cpu_variant(void);
 LS_API const char * ls_ggml_cpu_path(void);
-// Reads n bytes at p with n_threads threads (AVX2 loads) and returns their xor fold: the plain
-// memory-read speed the kernel benchmark compares the FFN kernels with.
-LS_API uint64_t    ls_memory_read(const void * p, size_t n, int32_t n_threads);
 
 // The last error from an I/O worker or the op (then cleared); LS_OK if none.
 LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size);
@@ -379,15 +379,20 @@ LS_API ls_status   ls_predictor_eval_batch(ls_predictor * p, const float * x, fl
                                            int32_t n_blocks, int64_t n);
 
 // ---- testing -----------------------------------------------------------------------------
-// Test hooks for engines created after the call (process-wide; not for production use): each read
-// sleeps rand() % io_delay_us µs first (0: off); the read queue holds io_queue_cap reads (0: three
-// layers' blocks; when full, the submitting thread reads synchronously); buffered_io 1: reads go
-// through the page cache instead of O_DIRECT; fault: the fault_read-th block read of the engine
-// (1 = its first) fails once, as an EIO, a short read, or bytes that arrive corrupt (their
-// checksum then fails).
+// Test hooks of one engine (ls_engine_params.test_hooks; the library holds no test state of its
+// own): each read sleeps rand() % io_delay_us µs first (0: off); the read queue holds io_queue_cap
+// reads (0: three layers' blocks; when full, the submitting thread reads synchronously);
+// buffered_io 1: reads go through the page cache instead of O_DIRECT; fault: the fault_read-th
+// block read of the engine (1 = its first) fails once, as an EIO, a short read, or bytes that
+// arrive corrupt (their checksum then fails).
 enum { LS_FAULT_NONE = 0, LS_FAULT_EIO = 1, LS_FAULT_SHORT = 2, LS_FAULT_CORRUPT = 3 };
-LS_API void        ls_test_hooks(uint32_t io_delay_us, uint32_t io_queue_cap, int32_t buffered_io, int32_t fault,
-                                 uint32_t fault_read);
+typedef struct ls_test_hooks {
+    uint32_t io_delay_us;
+    uint32_t io_queue_cap;
+    int32_t  buffered_io;
+    int32_t  fault;           // LS_FAULT_*
+    uint32_t fault_read;
+} ls_test_hooks;
 
 // LS_CDEF_END
 

@@ -8,8 +8,8 @@
 // tune` (leanstream_ggml/control.py: Bellman backward recursion over the transitions this file
 // records in LS_CTRL_PROFILE mode).
 //
-// Runs on thread 0 under e->mu (schedule.c and op.c call it); ls_engine_set_controller takes
-// e->mu itself.
+// Runs on thread 0 under e->mu (schedule.c and op.c call it); ls_engine_set_controller installs a
+// policy between ops (ls_engine_lock_between_ops).
 
 #include "internal.h"
 
@@ -85,7 +85,7 @@ ls_status ls_engine_set_controller(ls_engine * e, const ls_ctrl_policy * p) {
         ls_set_error("out of memory");
         return LS_ERR_NOMEM;
     }
-    pthread_mutex_lock(&e->mu);
+    ls_engine_lock_between_ops(e);
     ls_ctrl * c = &e->ctrl;
     free(c->table);
     free(c->ring);
@@ -99,7 +99,7 @@ ls_status ls_engine_set_controller(ls_engine * e, const ls_ctrl_policy * p) {
     c->table = table;
     c->ring = ring;
     c->rng = p->seed;
-    pthread_mutex_unlock(&e->mu);
+    ls_engine_unlock_between_ops(e);
     return LS_OK;
 }
 

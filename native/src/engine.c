@@ -30,7 +30,7 @@ static uint64_t predictor_bytes(const ls_predictor * p) {
 // One layer: its block file, then the planner's per-block scratch.
 static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char * path) {
     L->e = e;
-    ls_status st = ls_blockfile_open(L, il, path, !ls_test_hooks_now().buffered_io, &e->direct_io);
+    ls_status st = ls_blockfile_open(L, il, path, !e->hooks.buffered_io, &e->direct_io);
     if (st != LS_OK) return st;
     const ls_layer_info * in = &L->info;
     L->prio        = calloc((size_t) in->n_blocks, sizeof(float));
@@ -141,188 +141,250 @@ static ls_status drop_hot_sketch_rows(ls_engine * e, ls_layer * L) {
     return st;
 }
 
+// ---- creation, in steps: each one either succeeds or leaves what it made for ls_engine_free ----
+
+// What the layers' files add up to (open_layers): the cache and the plan are sized from it.
+typedef struct layer_totals {
+    uint64_t stride;            // the largest block stride: the cache's slot size
+    uint64_t total_bytes;       // every block of every layer
+    uint64_t resident;          // sketches + predictors, held in RAM
+    size_t   xs_bytes;          // the largest sketch input (ls_sketch_xq_bytes)
+    int64_t  max_rows;          // the largest n_blocks * k
+    int32_t  total_blocks, max_layer_blocks;
+    int32_t  max_working_set;   // the most blocks one op pins
+} layer_totals;
+
+// The engine with its parameters (defaults resolved in rp) and empty layers; nothing opened yet.
+static ls_status new_engine(const ls_engine_params * rp, ls_engine ** out) {
+    ls_engine * e = calloc(1, sizeof(*e));
+    if (!e) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    e->params = *rp;
+    e->policy = ls_mode_policy_of(rp->mode);
+    if (rp->test_hooks) e->hooks = *rp->test_hooks;
+    e->params.block_paths = NULL; // not owned
+    e->params.predictor_paths = NULL;
+    e->params.sketch_paths = NULL;
+    e->params.block_rank = NULL;
+    e->params.test_hooks = NULL;
+    e->direct_io = true;
+    pthread_mutex_init(&e->op_mu, NULL);
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->err_mu, NULL);
+    *out = e;
+    e->layers = calloc((size_t) rp->n_layers, sizeof(ls_layer));
+    if (!e->layers) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    e->n_layers = rp->n_layers;
+    for (int32_t il = 0; il < e->n_layers; il++) e->layers[il].fd = -1;
+    return LS_OK;
+}
+
+// Layer il's predictor, checked against the layer it is given for.
+static ls_status load_predictor(ls_layer * L, int32_t il, const char * path) {
+    ls_predictor_info pi;
+    ls_status st = ls_predictor_load(path, &L->pred);
+    if (st == LS_OK) st = ls_predictor_get_info(L->pred, &pi);
+    if (st == LS_OK && pi.layer >= 0 && pi.layer != il) {  // -1: written without a layer
+        ls_set_error("%s: predictor trained for layer %d, given for layer %d", path, pi.layer, il);
+        st = LS_ERR_FORMAT;
+    }
+    if (st == LS_OK && (pi.n_blocks != L->info.n_blocks || pi.n_embd != L->info.n_embd)) {
+        ls_set_error("%s: predictor for %d blocks of n_embd %d, layer %d has %d blocks of n_embd %lld",
+                     path, pi.n_blocks, pi.n_embd, il, L->info.n_blocks, (long long) L->info.n_embd);
+        st = LS_ERR_FORMAT;
+    }
+    return st;
+}
+
+// Layer L's blocks in the totals: its bytes, and the blocks one op on it pins (a sparse decode's
+// kept blocks, a cascade's candidates, dense: all).
+static void add_to_totals(const ls_engine * e, const ls_layer * L, layer_totals * t) {
+    const ls_layer_info * in = &L->info;
+    if ((int64_t) in->n_blocks * in->neurons_per_block > t->max_rows) t->max_rows = (int64_t) in->n_blocks * in->neurons_per_block;
+    if (in->block_stride > t->stride) t->stride = in->block_stride;
+    t->total_blocks += in->n_blocks;
+    t->total_bytes += (uint64_t) in->n_blocks * in->block_stride;
+    const int32_t ws = !e->policy->sparse ? in->n_blocks :
+                       L->sketch ? ls_candidate_blocks(in->n_blocks, e->params.sparsity, e->params.candidate_ratio) :
+                       ls_kept_blocks(in->n_blocks, e->params.sparsity);
+    if (ws > t->max_working_set) t->max_working_set = ws;
+    if (in->n_blocks > t->max_layer_blocks) t->max_layer_blocks = in->n_blocks;
+}
+
+// Every layer's block file, predictor and (modes that use one) sketch.
+static ls_status open_layers(ls_engine * e, const ls_engine_params * p, layer_totals * t) {
+    for (int32_t il = 0; il < p->n_layers; il++) {
+        ls_layer * L = &e->layers[il];
+        if (!p->block_paths[il]) { ls_set_error("block path of layer %d is NULL", il); return LS_ERR_ARG; }
+        ls_status st = open_layer(e, L, il, p->block_paths[il]);
+        if (st != LS_OK) return st;
+        if (L->info.n_embd != e->layers[0].info.n_embd) {
+            ls_set_error("%s: n_embd %lld differs from layer 0", p->block_paths[il], (long long) L->info.n_embd);
+            return LS_ERR_FORMAT;
+        }
+        if (p->predictor_paths && p->predictor_paths[il]) {
+            if ((st = load_predictor(L, il, p->predictor_paths[il])) != LS_OK) return st;
+            t->resident += predictor_bytes(L->pred);
+        }
+        if (p->sketch_paths && p->sketch_paths[il] && (e->policy->uses & LS_USES_SKETCH)) {
+            if ((st = ls_sketch_load(p->sketch_paths[il], L, &L->sketch)) != LS_OK) return st;
+            t->resident += L->sketch->bytes;
+            const size_t xb = ls_sketch_xq_bytes(L->sketch, L->info.n_embd);
+            if (xb > t->xs_bytes) t->xs_bytes = xb;
+        }
+        add_to_totals(e, L, t);
+    }
+    return LS_OK;
+}
+
+// Budget -> slots. Unlimited (0) or a budget covering everything: one slot per block, read once
+// and kept. Dense mode pins a whole layer while it computes. The budget covers the sketches and
+// predictors too: the slots get what they leave.
+static ls_status size_cache(ls_engine * e, const ls_engine_params * p, const layer_totals * t) {
+    int64_t n_slots = t->total_blocks;
+    e->resident_bytes = t->resident;
+    if (p->memory_budget > 0 && p->memory_budget < (uint64_t) t->total_blocks * t->stride + t->resident) {
+        n_slots = p->memory_budget > t->resident ? (int64_t) ((p->memory_budget - t->resident) / t->stride) : 0;
+        if (n_slots >= t->max_working_set && drops_sketch_rows(e, p))
+            n_slots = slots_with_dropped_rows(e, p->block_rank, n_slots, t->total_blocks, t->stride, t->resident,
+                                              p->memory_budget, t->max_working_set);
+    }
+    if (n_slots >= t->max_working_set) return ls_cache_init(&e->cache, t->stride, (int32_t) n_slots, t->total_blocks);
+    const unsigned long long ws_bytes = (unsigned long long) t->max_working_set * t->stride;
+    if (t->resident > 0 && p->memory_budget > 0) {
+        ls_set_error("memory budget %llu bytes is too small: the sketches and predictors take %llu bytes and one "
+                     "layer's working set is %d blocks x %llu bytes = %llu bytes more",
+                     (unsigned long long) p->memory_budget, (unsigned long long) t->resident, t->max_working_set,
+                     (unsigned long long) t->stride, ws_bytes);
+    } else {
+        ls_set_error("memory budget %llu bytes is too small: one layer's working set is %d blocks "
+                     "x %llu bytes = %llu bytes (%s); the whole FFN is %llu bytes",
+                     (unsigned long long) p->memory_budget, t->max_working_set, (unsigned long long) t->stride,
+                     ws_bytes, e->policy->sparse ? "the blocks computed per token" : "dense: every block of a layer",
+                     (unsigned long long) t->total_bytes);
+    }
+    return LS_ERR_BUDGET;
+}
+
+// The plan's block lists and the cascade's scratch, for the widest layer.
+static ls_status alloc_plan(ls_engine * e, const layer_totals * t) {
+    ls_plan * P = &e->plan;
+    ls_cascade * C = &P->cascade;
+    const size_t nb = (size_t) t->max_layer_blocks, rows = (size_t) (t->max_rows > 0 ? t->max_rows : 1);
+    P->blocks   = malloc(sizeof(int32_t) * nb);
+    P->scratch  = malloc(sizeof(int32_t) * nb);
+    P->scratch2 = malloc(sizeof(int32_t) * nb);
+    C->score    = malloc(sizeof(float) * nb);
+    C->hscore   = malloc(sizeof(float) * nb);
+    C->loaded   = malloc(nb);
+    C->sel      = malloc(sizeof(int32_t) * nb);
+    C->hval     = malloc(sizeof(float) * rows);
+    C->dh       = malloc(sizeof(float) * rows);
+    C->dcols    = malloc(sizeof(void *) * rows);
+    C->xs       = malloc(t->xs_bytes > 0 ? t->xs_bytes : 1);
+    if (!P->blocks || !P->scratch || !P->scratch2 || !C->score || !C->hscore || !C->loaded || !C->sel || !C->hval ||
+        !C->dh || !C->dcols || !C->xs) {
+        ls_set_error("out of memory");
+        return LS_ERR_NOMEM;
+    }
+    return LS_OK;
+}
+
+// Dense mode's pinned set given a block_rank: every layer's best-ranked blocks, ranked by runs of
+// one read's length (max_read_bytes), so that the blocks left to stream form runs that one read
+// each brings in (pinned single blocks scattered over a layer cut its reads into IOPS-bound pieces:
+// x3 the pass time on Qwen2.5-1.5B); each layer's order is kept for the draft's fraction.
+static ls_status rank_dense_set(ls_engine * e, const float * block_rank, uint64_t stride, const int32_t * nb,
+                                int32_t n_pin, uint8_t ** hot) {
+    const int32_t run = (int32_t) (e->params.max_read_bytes / stride) > 1 ? (int32_t) (e->params.max_read_bytes / stride) : 1;
+    int64_t total = 0;
+    for (int32_t il = 0; il < e->n_layers; il++) total += nb[il];
+    float * grank = malloc(sizeof(float) * (size_t) total);
+    if (!grank) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    for (int32_t il = 0, off = 0; il < e->n_layers; off += nb[il], il++)
+        ls_mode_run_rank(nb[il], block_rank + off, run, grank + off);
+    ls_status st = ls_mode_pick_hot_per_layer(e->n_layers, nb, grank, n_pin, hot);
+    for (int32_t il = 0, off = 0; il < e->n_layers && st == LS_OK; off += nb[il], il++)
+        st = ls_mode_rank_layer(nb[il], grank + off, &e->layers[il].rank_order);
+    free(grank);
+    return st;
+}
+
+// Dense decode scans every block of every layer in the same order each token: LRU evicts each
+// block just before it is needed again and reads the whole FFN per token. Keep a fixed set
+// resident instead (the optimal policy for a cyclic scan) and stream the rest through the slots
+// one layer needs: given a block_rank, every layer's best-ranked blocks (an equal share of each
+// layer: what the draft FFN of speculative decoding computes with, ls_engine_set_draft); else a
+// prefix of the scan.
+static ls_status pin_dense_set(ls_engine * e, const float * block_rank, const layer_totals * t) {
+    const int32_t n_pin = e->cache.n_slots - t->max_layer_blocks;
+    int32_t * nb = malloc(sizeof(int32_t) * (size_t) e->n_layers);
+    uint8_t ** hot = malloc(sizeof(uint8_t *) * (size_t) e->n_layers);
+    ls_status st = LS_OK;
+    if (!nb || !hot) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
+    for (int32_t il = 0; il < e->n_layers && n_pin > 0 && st == LS_OK; il++) {
+        ls_layer * L = &e->layers[il];
+        nb[il] = L->info.n_blocks;
+        L->hot = hot[il] = calloc((size_t) L->info.n_blocks, 1);
+        L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
+        if (!L->hot || !L->hot_pinned) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
+    }
+    if (st == LS_OK && n_pin > 0) {
+        if (block_rank) {
+            st = rank_dense_set(e, block_rank, t->stride, nb, n_pin, hot);
+        } else {
+            for (int32_t il = 0, left = n_pin; il < e->n_layers && left > 0; il++)
+                for (int32_t b = 0; b < nb[il] && left > 0; b++, left--) hot[il][b] = 1;
+        }
+        for (int32_t il = 0; il < e->n_layers && st == LS_OK; il++)
+            for (int32_t b = 0; b < nb[il]; b++) e->n_hot += hot[il][b];
+    }
+    free(nb);
+    free(hot);
+    return st;
+}
+
+// The blocks kept resident for good: dense mode's pinned set, or the hot set of the modes whose
+// row has one (the others ignore hot_fraction), whose sketch rows then go.
+static ls_status pick_resident_sets(ls_engine * e, const ls_engine_params * p, const layer_totals * t) {
+    ls_status st = LS_OK;
+    if (!e->policy->sparse && !e->cache.never_evicts) st = pin_dense_set(e, p->block_rank, t);
+    if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0)
+        st = pick_hot_set(e, p->block_rank, t->max_working_set);
+    // (the slots were sized for it: slots_with_dropped_rows)
+    if (st == LS_OK && drops_sketch_rows(e, p) && !e->cache.never_evicts)
+        for (int32_t il = 0; il < e->n_layers && st == LS_OK; il++) st = drop_hot_sketch_rows(e, &e->layers[il]);
+    return st;
+}
+
+// The I/O workers, and the disk model: only a sparse mode under a budget reads blocks with gaps
+// between them.
+static ls_status start_io(ls_engine * e) {
+    ls_status st = ls_io_start(e, e->params.n_io_threads);
+    if (st == LS_OK) st = ls_io_plan_model(e, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts);
+    return st;
+}
+
 ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
+    if (out) *out = NULL;   // on every failure
     if (!p || !out || p->n_layers <= 0 || !p->block_paths) { ls_set_error("ls_engine_create: bad arguments"); return LS_ERR_ARG; }
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("unknown activation %d", p->activation); return LS_ERR_ARG; }
     ls_engine_params rp = *p;
     ls_status st = ls_params_resolve(&rp);
     if (st != LS_OK) return st;
-    *out = NULL;
     if (!ls_cpu_ready()) {
         ls_set_error("ggml's CPU backend is not loaded (no libggml-cpu*.so next to libggml)");
         return LS_ERR_UNSUPPORTED;
     }
     ls_kernels_init();
-
-    ls_engine * e = calloc(1, sizeof(*e));
-    if (!e) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    e->params = rp;
-    e->policy = ls_mode_policy_of(rp.mode);
-    e->params.block_paths = NULL; // not owned
-    e->params.predictor_paths = NULL;
-    e->params.sketch_paths = NULL;
-    e->params.block_rank = NULL;
-    e->direct_io = true;
-    pthread_mutex_init(&e->mu, NULL);
-    pthread_mutex_init(&e->err_mu, NULL);
-    e->n_layers = p->n_layers;
-    e->layers = calloc((size_t) p->n_layers, sizeof(ls_layer));
-    if (!e->layers) { free(e); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    for (int32_t il = 0; il < p->n_layers; il++) e->layers[il].fd = -1;
-
-    uint64_t stride = 0, total_bytes = 0, resident = 0;   // resident: sketches + predictors
-    size_t xs_bytes = 0;
-    int64_t max_rows = 0;
-    int32_t total_blocks = 0, max_layer_blocks = 0, max_working_set = 0;
-    for (int32_t il = 0; il < p->n_layers && st == LS_OK; il++) {
-        if (!p->block_paths[il]) { ls_set_error("block path of layer %d is NULL", il); st = LS_ERR_ARG; break; }
-        st = open_layer(e, &e->layers[il], il, p->block_paths[il]);
-        if (st != LS_OK) break;
-        const ls_layer_info * in = &e->layers[il].info;
-        if (in->n_embd != e->layers[0].info.n_embd) {
-            ls_set_error("%s: n_embd %lld differs from layer 0", p->block_paths[il], (long long) in->n_embd);
-            st = LS_ERR_FORMAT;
-            break;
-        }
-        if (p->predictor_paths && p->predictor_paths[il]) {
-            ls_layer * L = &e->layers[il];
-            ls_predictor_info pi;
-            st = ls_predictor_load(p->predictor_paths[il], &L->pred);
-            if (st == LS_OK) st = ls_predictor_get_info(L->pred, &pi);
-            if (st == LS_OK && pi.layer >= 0 && pi.layer != il) {  // -1: written without a layer
-                ls_set_error("%s: predictor trained for layer %d, given for layer %d", p->predictor_paths[il], pi.layer, il);
-                st = LS_ERR_FORMAT;
-            }
-            if (st == LS_OK && (pi.n_blocks != in->n_blocks || pi.n_embd != in->n_embd)) {
-                ls_set_error("%s: predictor for %d blocks of n_embd %d, layer %d has %d blocks of n_embd %lld",
-                             p->predictor_paths[il], pi.n_blocks, pi.n_embd, il, in->n_blocks, (long long) in->n_embd);
-                st = LS_ERR_FORMAT;
-            }
-            if (st != LS_OK) break;
-            resident += predictor_bytes(e->layers[il].pred);
-        }
-        if (p->sketch_paths && p->sketch_paths[il] && (e->policy->uses & LS_USES_SKETCH)) {
-            ls_layer * L = &e->layers[il];
-            st = ls_sketch_load(p->sketch_paths[il], L, &L->sketch);
-            if (st != LS_OK) break;
-            resident += L->sketch->bytes;
-            const size_t xb = ls_sketch_xq_bytes(L->sketch, in->n_embd);
-            if (xb > xs_bytes) xs_bytes = xb;
-        }
-        if ((int64_t) in->n_blocks * in->neurons_per_block > max_rows) max_rows = (int64_t) in->n_blocks * in->neurons_per_block;
-        if (in->block_stride > stride) stride = in->block_stride;
-        total_blocks += in->n_blocks;
-        total_bytes += (uint64_t) in->n_blocks * in->block_stride;
-        // the blocks one op pins: a sparse decode's kept blocks, a cascade's candidates, dense: all
-        const int32_t ws = !e->policy->sparse ? in->n_blocks :
-                           e->layers[il].sketch ? ls_candidate_blocks(in->n_blocks, e->params.sparsity, e->params.candidate_ratio) :
-                           ls_kept_blocks(in->n_blocks, e->params.sparsity);
-        if (ws > max_working_set) max_working_set = ws;
-        if (in->n_blocks > max_layer_blocks) max_layer_blocks = in->n_blocks;
-    }
-    if (st == LS_OK) {
-        // budget -> slots. Unlimited (0) or a budget covering everything: one slot per block,
-        // read once and kept. Dense mode pins a whole layer while it computes.
-        // The budget covers the sketches and predictors too: the slots get what they leave.
-        int64_t n_slots = total_blocks;
-        e->resident_bytes = resident;
-        if (p->memory_budget > 0 && p->memory_budget < (uint64_t) total_blocks * stride + resident) {
-            n_slots = p->memory_budget > resident ? (int64_t) ((p->memory_budget - resident) / stride) : 0;
-            if (n_slots >= max_working_set && drops_sketch_rows(e, p))
-                n_slots = slots_with_dropped_rows(e, p->block_rank, n_slots, total_blocks, stride, resident,
-                                                  p->memory_budget, max_working_set);
-        }
-        if (n_slots < max_working_set && resident > 0 && p->memory_budget > 0) {
-            ls_set_error("memory budget %llu bytes is too small: the sketches and predictors take %llu bytes and one "
-                         "layer's working set is %d blocks x %llu bytes = %llu bytes more",
-                         (unsigned long long) p->memory_budget, (unsigned long long) resident, max_working_set,
-                         (unsigned long long) stride, (unsigned long long) max_working_set * stride);
-            st = LS_ERR_BUDGET;
-        } else if (n_slots < max_working_set) {
-            ls_set_error("memory budget %llu bytes is too small: one layer's working set is %d blocks "
-                         "x %llu bytes = %llu bytes (%s); the whole FFN is %llu bytes",
-                         (unsigned long long) p->memory_budget, max_working_set,
-                         (unsigned long long) stride, (unsigned long long) max_working_set * stride,
-                         e->policy->sparse ? "the blocks computed per token" : "dense: every block of a layer",
-                         (unsigned long long) total_bytes);
-            st = LS_ERR_BUDGET;
-        } else {
-            st = ls_cache_init(&e->cache, stride, (int32_t) n_slots, total_blocks);
-        }
-        ls_plan * P = &e->plan;
-        if (st == LS_OK) {
-            P->blocks   = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
-            P->scratch  = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
-            P->scratch2 = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
-            P->score    = malloc(sizeof(float) * (size_t) max_layer_blocks);
-            P->hscore   = malloc(sizeof(float) * (size_t) max_layer_blocks);
-            P->loaded   = malloc((size_t) max_layer_blocks);
-            P->sel      = malloc(sizeof(int32_t) * (size_t) max_layer_blocks);
-            P->hval     = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
-            P->dh       = malloc(sizeof(float) * (size_t) (max_rows > 0 ? max_rows : 1));
-            P->dcols    = malloc(sizeof(void *) * (size_t) (max_rows > 0 ? max_rows : 1));
-            P->xs       = malloc(xs_bytes > 0 ? xs_bytes : 1);
-            if (!P->blocks || !P->scratch || !P->scratch2 || !P->score || !P->hscore || !P->loaded || !P->sel || !P->hval ||
-                !P->dh || !P->dcols || !P->xs) {
-                ls_set_error("out of memory");
-                st = LS_ERR_NOMEM;
-            }
-        }
-    }
-    if (st == LS_OK && !e->policy->sparse && !e->cache.never_evicts) {
-        // Dense decode scans every block of every layer in the same order each token: LRU
-        // evicts each block just before it is needed again and reads the whole FFN per token.
-        // Keep a fixed set resident instead (the optimal policy for a cyclic scan) and stream
-        // the rest through the slots one layer needs: given a block_rank, every layer's
-        // best-ranked blocks (an equal share of each layer: what the draft FFN of speculative
-        // decoding computes with, ls_engine_set_draft); else a prefix of the scan.
-        int32_t n_pin = e->cache.n_slots - max_layer_blocks;
-        int32_t * nb = malloc(sizeof(int32_t) * (size_t) p->n_layers);
-        uint8_t ** hot = malloc(sizeof(uint8_t *) * (size_t) p->n_layers);
-        if (!nb || !hot) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
-        for (int32_t il = 0; il < p->n_layers && n_pin > 0 && st == LS_OK; il++) {
-            ls_layer * L = &e->layers[il];
-            nb[il] = L->info.n_blocks;
-            L->hot = hot[il] = calloc((size_t) L->info.n_blocks, 1);
-            L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
-            if (!L->hot || !L->hot_pinned) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
-        }
-        if (st == LS_OK && n_pin > 0) {
-            if (p->block_rank) {
-                // ranked by runs of one read's length (max_read_bytes): the blocks left to stream
-                // form runs that one read each brings in (pinned single blocks scattered over a
-                // layer cut its reads into IOPS-bound pieces: x3 the pass time on Qwen2.5-1.5B)
-                const int32_t run = (int32_t) (e->params.max_read_bytes / stride) > 1 ? (int32_t) (e->params.max_read_bytes / stride) : 1;
-                int64_t total = 0;
-                for (int32_t il = 0; il < p->n_layers; il++) total += nb[il];
-                float * grank = malloc(sizeof(float) * (size_t) total);
-                if (!grank) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
-                for (int32_t il = 0, off = 0; il < p->n_layers && st == LS_OK; off += nb[il], il++)
-                    ls_mode_run_rank(nb[il], p->block_rank + off, run, grank + off);
-                if (st == LS_OK) st = ls_mode_pick_hot_per_layer(p->n_layers, nb, grank, n_pin, hot);
-                for (int32_t il = 0, off = 0; il < p->n_layers && st == LS_OK; off += nb[il], il++)
-                    st = ls_mode_rank_layer(nb[il], grank + off, &e->layers[il].rank_order);
-                free(grank);
-            } else {
-                for (int32_t il = 0, left = n_pin; il < p->n_layers && left > 0; il++)
-                    for (int32_t b = 0; b < nb[il] && left > 0; b++, left--) hot[il][b] = 1;
-            }
-            for (int32_t il = 0; il < p->n_layers && st == LS_OK; il++)
-                for (int32_t b = 0; b < nb[il]; b++) e->n_hot += hot[il][b];
-        }
-        free(nb);
-        free(hot);
-    }
-    // only the modes whose row has a hot set pin one (the others ignore hot_fraction)
-    if (st == LS_OK && e->policy->hot_fraction > 0.0f && e->params.hot_fraction > 0.0) st = pick_hot_set(e, p->block_rank, max_working_set);
-    // (the slots were sized for it: slots_with_dropped_rows)
-    if (st == LS_OK && drops_sketch_rows(e, p) && !e->cache.never_evicts)
-        for (int32_t il = 0; il < e->n_layers && st == LS_OK; il++) st = drop_hot_sketch_rows(e, &e->layers[il]);
-    const ls_test_hook_values hooks = ls_test_hooks_now();
-    if (st == LS_OK) st = ls_io_start(e, e->params.n_io_threads, hooks);
-    // the disk model: only a sparse mode under a budget reads blocks with gaps between them
-    if (st == LS_OK) st = ls_io_plan_model(e, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts);
-    if (st != LS_OK) {
+    ls_engine * e = NULL;
+    layer_totals t = {0};
+    st = new_engine(&rp, &e);
+    if (st == LS_OK) st = open_layers(e, p, &t);
+    if (st == LS_OK) st = size_cache(e, p, &t);
+    if (st == LS_OK) st = alloc_plan(e, &t);
+    if (st == LS_OK) st = pick_resident_sets(e, p, &t);
+    if (st == LS_OK) st = start_io(e);
+    if (st != LS_OK) {   // the first failure's message outlives the cleanup
         char saved[LS_MAX_ERRMSG];
         snprintf(saved, sizeof(saved), "%s", ls_errmsg());
         ls_engine_free(e);
@@ -355,13 +417,12 @@ void ls_engine_free(ls_engine * e) {
     free(e->layers);
     ls_ctrl_free(e);
     ls_cache_free(&e->cache);
-    free(e->plan.blocks);
-    free(e->plan.scratch);
-    free(e->plan.scratch2);
-    free(e->plan.score); free(e->plan.hscore); free(e->plan.loaded); free(e->plan.sel); free(e->plan.hval); free(e->plan.xs); free(e->plan.dh); free(e->plan.dcols);
-    free(e->plan.xq);
-    free(e->plan.acc);
-    free(e->plan.work);
+    const ls_plan * P = &e->plan;
+    free(P->blocks); free(P->scratch); free(P->scratch2);
+    const ls_cascade * C = &P->cascade;
+    free(C->score); free(C->hscore); free(C->loaded); free(C->sel); free(C->hval); free(C->xs); free(C->dh); free((void *) C->dcols);
+    free(P->buf.xq); free(P->buf.acc); free(P->buf.work);
+    pthread_mutex_destroy(&e->op_mu);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->err_mu);
     free(e);
@@ -442,10 +503,10 @@ void ls_engine_reset_stats(ls_engine * e) {
 
 ls_status ls_engine_set_draft(ls_engine * e, int32_t on, float fraction) {
     if (!e || !(fraction > 0.0f && fraction <= 1.0f)) { ls_set_error("ls_engine_set_draft: fraction must be in (0, 1], got %g", (double) fraction); return LS_ERR_ARG; }
-    pthread_mutex_lock(&e->mu);
+    ls_engine_lock_between_ops(e);
     e->draft = on != 0;
     e->draft_fraction = fraction;
-    pthread_mutex_unlock(&e->mu);
+    ls_engine_unlock_between_ops(e);
     return LS_OK;
 }
 
@@ -454,10 +515,10 @@ ls_status ls_engine_set_priorities(ls_engine * e, int32_t il, const float * prio
         ls_set_error("ls_engine_set_priorities: bad arguments (layer %d, %d blocks)", il, n_blocks);
         return LS_ERR_ARG;
     }
-    pthread_mutex_lock(&e->mu);
+    ls_engine_lock_between_ops(e);
     memcpy(e->layers[il].prio, prio, sizeof(float) * (size_t) n_blocks);
     e->layers[il].prio_ready = true;
-    pthread_mutex_unlock(&e->mu);
+    ls_engine_unlock_between_ops(e);
     return LS_OK;
 }
 
@@ -467,7 +528,7 @@ ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * bl
         return LS_ERR_ARG;
     }
     ls_layer * L = &e->layers[il];
-    pthread_mutex_lock(&e->mu);
+    ls_engine_lock_between_ops(e);
     if (!L->hot) {
         L->hot = calloc((size_t) L->info.n_blocks, 1);
         L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
@@ -483,7 +544,7 @@ ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * bl
     }
     // a hot block is scored exactly: its sketch rows go (leanstream)
     if (st == LS_OK && (e->policy->uses & LS_USES_SKETCH) && !e->cache.never_evicts) st = drop_hot_sketch_rows(e, L);
-    pthread_mutex_unlock(&e->mu);
+    ls_engine_unlock_between_ops(e);
     return st;
 }
 

@@ -14,7 +14,7 @@
 //              blocks resident now, exactly; nothing pinned, nothing read
 // In every path each thread accumulates its share of the plan (the ith of nth contiguous parts)
 // into its own partial output, and the output is their sum in thread order (deterministic,
-// independent of I/O timing). Thread 0 plans under e->mu, which it holds for the whole op.
+// independent of I/O timing). Thread 0 runs the op under e->op_mu and plans under e->mu.
 //
 // Policies (what a mode does, how many blocks sparsity s keeps, defaults, the hot set's size)
 // have one owner: mode.c.
@@ -131,7 +131,7 @@ typedef struct ls_io {
     ls_read *       queue;      // ring buffer
     int             cap, head, count;
     bool            stop;
-    uint32_t        delay_us;   // test hooks (ls_test_hooks): jitter, and one read that fails
+    uint32_t        delay_us;   // test hooks (e->hooks): jitter, and one read that fails
     int32_t         fault;
     _Atomic int64_t fault_countdown;
     uint8_t *       bridge;     // bridged gaps land here (every read shares it: nobody reads it)
@@ -171,19 +171,20 @@ typedef struct ls_barrier {
 // The path an op takes (op.c: one function each), chosen by thread 0 before the first barrier.
 typedef enum { LS_PATH_FAILED = 0, LS_PATH_DENSE, LS_PATH_PREDICTED, LS_PATH_CASCADE, LS_PATH_DRAFT } ls_path;
 
-// Plan of the op being executed (written by thread 0, read by all between barriers).
+// The op's state, by path. Thread 0 writes it, every compute thread reads it between barriers;
+// one op of an engine runs at a time (e->op_mu).
 #define LS_MAX_CHUNKS 64
-typedef struct ls_plan {
-    ls_layer * L;
-    ls_path    path;
-    int32_t *  blocks;          // [n] block ids in compute order (cascade: the candidates)
+
+// dense: the plan cut into chunks the budget holds, [end[c-1], end[c])
+typedef struct ls_chunks {
     int32_t    n;
-    int32_t    pin_lo, n_pinned; // plan entries [pin_lo, n_pinned) hold a pin of this op
-    // dense: the plan cut into chunks the budget holds, [chunk_end[c-1], chunk_end[c])
-    int32_t    n_chunks;
-    int32_t    chunk_end[LS_MAX_CHUNKS];
+    int32_t    end[LS_MAX_CHUNKS];
     bool       stop;            // the next chunk could not be pinned: the op ends (error recorded)
-    // cascade (sel[0, n_sel): the candidate entries whose down columns are computed)
+} ls_chunks;
+
+// cascade: scratch of the exact-input selection, sized at creation for the widest layer
+// (candidate entry i = plan entry i; sel[0, n_sel): the entries whose down columns are computed)
+typedef struct ls_cascade {
     float *    score;           // [max n_blocks] sketch score of every block of the layer
     float *    hval;            // [max n_blocks * k] h of candidate entry i, neuron j at i*k + j
     float *    hscore;          // [max n_blocks] sum |h| (* weight) of candidate entry i
@@ -193,16 +194,31 @@ typedef struct ls_plan {
     int32_t *  sel;             // [max n_blocks] selected candidate entries, ascending
     int32_t    n_sel;
     uint8_t *  xs;              // x quantized for the sketch rows' vec_dot
-    int32_t *  scratch, * scratch2; // [max n_blocks] each
-    int64_t    n_tokens;
-    int        nth;
-    // scratch, grown by thread 0
+} ls_cascade;
+
+// every path: the quantized input and each thread's buffers, grown by thread 0 for the op's shape
+typedef struct ls_op_buffers {
     uint8_t *  xq;              // quantized input: gate type's vec_dot rows, then up's if different
     size_t     xq_cap;
     float *    acc;             // [nth][n_tokens * n_embd] per-thread partial outputs
     size_t     acc_cap;         // floats
     float *    work;            // [nth][work_per_thread] h values and dequantized down columns
     size_t     work_cap, work_per_thread;
+} ls_op_buffers;
+
+// every path: which blocks the op computes and which of them it holds pins on
+typedef struct ls_plan {
+    ls_layer * L;
+    ls_path    path;
+    int32_t *  blocks;          // [n] block ids in compute order (cascade: the candidates)
+    int32_t    n;
+    int32_t    pin_lo, n_pinned; // plan entries [pin_lo, n_pinned) hold a pin of this op
+    int64_t    n_tokens;
+    int        nth;
+    int32_t *  scratch, * scratch2; // [max n_blocks] each (thread 0's planner)
+    ls_chunks     chunks;       // LS_PATH_DENSE
+    ls_cascade    cascade;      // LS_PATH_CASCADE
+    ls_op_buffers buf;
 } ls_plan;
 
 // The streaming controller (control.c): the policy in force and what it measured.
@@ -231,7 +247,13 @@ struct ls_engine {
     ls_io            io;
     ls_barrier       barrier;
     ls_plan          plan;
-    pthread_mutex_t  mu;             // cache metadata + plan (one op at a time)
+    // one op at a time: thread 0 holds op_mu for the whole op (the plan and the barrier are the
+    // engine's), and so do the setters that change what an op reads (draft, priorities, hot
+    // blocks, controller), so that they apply between ops
+    pthread_mutex_t  op_mu;
+    // the state other threads read while an op runs (cache metadata, the layers' last plans, the
+    // controller's record): thread 0 takes mu where it changes it (planning, the next chunk, the end)
+    pthread_mutex_t  mu;
     pthread_mutex_t  err_mu;
     ls_status        err_status;
     char             err_msg[LS_MAX_ERRMSG];
@@ -242,6 +264,7 @@ struct ls_engine {
     ls_ctrl          ctrl;           // the streaming controller (control.c)
     bool             draft;          // ops compute the resident blocks only (ls_engine_set_draft)
     float            draft_fraction; // of each layer's blocks by rank (1: every resident block)
+    ls_test_hooks    hooks;          // params.test_hooks (copied; zero: none)
 };
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
@@ -263,6 +286,11 @@ struct ls_engine {
 #define LS_DEFAULT_SPARSITY 0.5f
 #define LS_DEFAULT_CANDIDATE_RATIO 1.5f
 
+// The setters that change what an op reads run between ops (e->op_mu) and are seen whole by the
+// readers (e->mu).
+static inline void ls_engine_lock_between_ops(ls_engine * e) { pthread_mutex_lock(&e->op_mu); pthread_mutex_lock(&e->mu); }
+static inline void ls_engine_unlock_between_ops(ls_engine * e) { pthread_mutex_unlock(&e->mu); pthread_mutex_unlock(&e->op_mu); }
+
 // util.c
 void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
@@ -277,9 +305,6 @@ void        ls_wake(_Atomic int32_t * word, _Atomic int32_t * sleepers);
 
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode
-// the hooks ls_test_hooks set (engine creation reads them)
-typedef struct { uint32_t io_delay_us, io_queue_cap; int32_t buffered_io, fault; uint32_t fault_read; } ls_test_hook_values;
-ls_test_hook_values ls_test_hooks_now(void);
 ls_status   ls_params_resolve(ls_engine_params * p);        // the mode's defaults filled in, ranges checked
 int32_t     ls_hot_set_size(int32_t n_slots, int32_t working_set, double hot_fraction);
 // hot[il][b] = 1 for the n_hot best-ranked blocks of all layers (rank: layer after layer)
@@ -316,7 +341,8 @@ void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);
 int32_t     ls_cache_available(const ls_cache * c); // slots free or evictable
 
 // io.c
-ls_status   ls_io_start(ls_engine * e, int n_threads, ls_test_hook_values hooks);
+// n_threads workers; the queue's size and the injected delay and fault from e->hooks
+ls_status   ls_io_start(ls_engine * e, int n_threads);
 void        ls_io_stop(ls_engine * e);
 // The disk model: per-I/O time and bandwidth measured on the block files (probe = true), and
 // from them the largest gap a read bridges (params.bridge_bytes < 0), or the bridge given.
@@ -326,14 +352,14 @@ ls_status   ls_io_plan_model(ls_engine * e, bool probe);
 void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
 
 // control.c (thread 0, under e->mu): choose the cascade op's candidate count and bridge from the
-// measured state (scores in e->plan.score); the op's sample is closed by ls_ctrl_end
+// measured state (scores in e->plan.cascade.score); the op's sample is closed by ls_ctrl_end
 // remaining: bytes of the default candidates not resident; returns the op's candidate ratio (and
 // sets e->io.op_bridge), or params.candidate_ratio when no policy is in force
 float       ls_ctrl_choose(ls_engine * e, ls_layer * L, uint64_t remaining);
 void        ls_ctrl_end(ls_engine * e, ls_layer * L, uint64_t op_ns);
 void        ls_ctrl_free(ls_engine * e);
 
-// schedule.c (thread 0, under e->mu)
+// schedule.c (thread 0, inside the op; under e->mu where it pins, unpins or records)
 ls_path     ls_sched_path(const ls_engine * e, const ls_layer * L, int64_t n_tokens);
 // dense: every block in file order, cut into chunks; the first chunk pinned and its reads queued
 ls_status   ls_sched_plan_dense(ls_engine * e, ls_layer * L);
@@ -343,7 +369,7 @@ ls_status   ls_sched_next_chunk(ls_engine * e, int32_t c);
 ls_status   ls_sched_plan_predicted(ls_engine * e, ls_layer * L, const float * x_res);
 // draft: the layer's blocks that are resident and loaded now, in file order; nothing pinned
 void        ls_sched_plan_draft(ls_engine * e, ls_layer * L);
-// cascade: the candidates from P->score pinned (layer il+1 prefetched); the kept set from P->hscore
+// cascade: the candidates from P->cascade.score pinned (layer il+1 prefetched); the kept set from P->cascade.hscore
 ls_status   ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res);
 // A resident layer (pinned for good) whose gate/up rows cost no more bytes than its sketch plus
 // the candidates' rows: the cascade computes h for every block and skips the sketch.

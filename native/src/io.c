@@ -52,7 +52,7 @@ static void finish_read(ls_engine * e, ls_read * r, ls_status st, const char * w
         if (r->block[i] >= 0) ls_wake(&L->state[r->block[i]], &e->block_sleepers);
 }
 
-// Test hook (ls_test_hooks): the one read that fails, if this is it.
+// Test hook (e->hooks): the one read that fails, if this is it.
 static int32_t injected_fault(ls_engine * e) {
     if (e->io.fault == LS_FAULT_NONE) return LS_FAULT_NONE;
     return atomic_fetch_sub_explicit(&e->io.fault_countdown, 1, memory_order_relaxed) == 1 ? e->io.fault : LS_FAULT_NONE;
@@ -60,7 +60,7 @@ static int32_t injected_fault(ls_engine * e) {
 
 static void do_read(ls_engine * e, ls_read * r) {
     ls_layer * L = r->L;
-    if (e->io.delay_us) usleep((useconds_t) (rand() % e->io.delay_us)); // test hook (ls_test_hooks): jittered I/O
+    if (e->io.delay_us) usleep((useconds_t) (rand() % e->io.delay_us)); // test hook (e->hooks): jittered I/O
     const int32_t fault = injected_fault(e);
     if (fault == LS_FAULT_EIO) { finish_read(e, r, LS_ERR_IO, "I/O error (injected)", EIO); return; }
     if (fault == LS_FAULT_SHORT) { finish_read(e, r, LS_ERR_IO, "short read (injected)", 0); return; }
@@ -119,15 +119,16 @@ static void * io_worker(void * arg) {
     }
 }
 
-ls_status ls_io_start(ls_engine * e, int n_threads, ls_test_hook_values hooks) {
+ls_status ls_io_start(ls_engine * e, int n_threads) {
     ls_io * io = &e->io;
+    const ls_test_hooks * hooks = &e->hooks;
     memset(io, 0, sizeof(*io));
     pthread_mutex_init(&io->mu, NULL);
     pthread_cond_init(&io->cv, NULL);
-    io->delay_us = hooks.io_delay_us;
-    io->fault = hooks.fault_read > 0 ? hooks.fault : LS_FAULT_NONE;
-    atomic_store(&io->fault_countdown, (int64_t) hooks.fault_read);
-    const uint32_t queue_cap = hooks.io_queue_cap;
+    io->delay_us = hooks->io_delay_us;
+    io->fault = hooks->fault_read > 0 ? hooks->fault : LS_FAULT_NONE;
+    atomic_store(&io->fault_countdown, (int64_t) hooks->fault_read);
+    const uint32_t queue_cap = hooks->io_queue_cap;
     int32_t max_blocks = 0;
     for (int32_t il = 0; il < e->n_layers; il++) {
         if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;

@@ -552,46 +552,6 @@ void ls_kernels_select(void) {
     if (avx512) isa_name = "avx512";
 }
 
-// ---- the memory-read baseline the kernel benchmark compares against -----------------------------
-
-typedef struct { const uint8_t * p; size_t n; uint64_t fold; } read_arg;
-
-static void * read_share(void * v) {
-    read_arg * a = v;
-    __m256i s0 = _mm256_setzero_si256(), s1 = s0;
-    size_t i = 0;
-    for (; i + 64 <= a->n; i += 64) {
-        s0 = _mm256_xor_si256(s0, _mm256_loadu_si256((const __m256i *) (a->p + i)));
-        s1 = _mm256_xor_si256(s1, _mm256_loadu_si256((const __m256i *) (a->p + i + 32)));
-    }
-    s0 = _mm256_xor_si256(s0, s1);
-    uint64_t f = (uint64_t) _mm256_extract_epi64(s0, 0) ^ (uint64_t) _mm256_extract_epi64(s0, 1) ^
-                 (uint64_t) _mm256_extract_epi64(s0, 2) ^ (uint64_t) _mm256_extract_epi64(s0, 3);
-    for (; i < a->n; i++) f ^= a->p[i];
-    a->fold = f;
-    return NULL;
-}
-
-uint64_t ls_memory_read(const void * p, size_t n, int32_t n_threads) {
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads > 64) n_threads = 64;
-    read_arg args[64];
-    pthread_t th[64];
-    for (int i = 0; i < n_threads; i++) {
-        const size_t lo = n * (size_t) i / (size_t) n_threads, hi = n * (size_t) (i + 1) / (size_t) n_threads;
-        args[i] = (read_arg) { (const uint8_t *) p + lo, hi - lo, 0 };
-    }
-    int started = 1;
-    for (int i = 1; i < n_threads; i++, started++) {
-        if (pthread_create(&th[i], NULL, read_share, &args[i]) != 0) break;
-    }
-    read_share(&args[0]);
-    uint64_t f = args[0].fold;
-    for (int i = 1; i < started; i++) { pthread_join(th[i], NULL); f ^= args[i].fold; }
-    for (int i = started; i < n_threads; i++) { read_share(&args[i]); f ^= args[i].fold; }
-    return f;
-}
-
 const char * ls_kernel_isa(void) { return isa_name; }
 
 void ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {

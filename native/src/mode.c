@@ -61,14 +61,6 @@ void ls_engine_params_init(ls_engine_params * p) {
     p->bridge_bytes     = -1;        // from the disk model measured at start (io.c)
 }
 
-static ls_test_hook_values test_hooks;   // ls_test_hooks: tests only
-
-void ls_test_hooks(uint32_t io_delay_us, uint32_t io_queue_cap, int32_t buffered_io, int32_t fault, uint32_t fault_read) {
-    test_hooks = (ls_test_hook_values) { io_delay_us, io_queue_cap, buffered_io, fault, fault_read };
-}
-
-ls_test_hook_values ls_test_hooks_now(void) { return test_hooks; }
-
 ls_status ls_params_resolve(ls_engine_params * p) {
     const ls_mode_policy * m = ls_mode_policy_of(p->mode);
     if (!m) { ls_set_error("unknown mode %d", p->mode); return LS_ERR_ARG; }

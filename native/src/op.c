@@ -55,10 +55,10 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
     const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
-    P->work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 2 * (size_t) n_tokens + 64;
-    if (!grow((void **) &P->xq, &P->xq_cap, xq, 1) ||
-        !grow((void **) &P->acc, &P->acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
-        !grow((void **) &P->work, &P->work_cap, (size_t) nth * P->work_per_thread, sizeof(float))) {
+    P->buf.work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 2 * (size_t) n_tokens + 64;
+    if (!grow((void **) &P->buf.xq, &P->buf.xq_cap, xq, 1) ||
+        !grow((void **) &P->buf.acc, &P->buf.acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
+        !grow((void **) &P->buf.work, &P->buf.work_cap, (size_t) nth * P->buf.work_per_thread, sizeof(float))) {
         return LS_ERR_NOMEM;
     }
     return LS_OK;
@@ -72,9 +72,9 @@ static void quantize_input(const ls_plan * P, const float * x, size_t x_row_stri
     const size_t rg = ggml_row_size(vg, in->n_embd), ru = ggml_row_size(vu, in->n_embd);
     for (int64_t t = ith; t < P->n_tokens; t += nth) {
         const float * xt = (const float *) ((const uint8_t *) x + (size_t) t * x_row_stride);
-        ls_cpu_traits(vg)->from_float(xt, P->xq + (size_t) t * rg, in->n_embd);
+        ls_cpu_traits(vg)->from_float(xt, P->buf.xq + (size_t) t * rg, in->n_embd);
         if (vu != vg) {
-            ls_cpu_traits(vu)->from_float(xt, P->xq + (size_t) P->n_tokens * rg + (size_t) t * ru, in->n_embd);
+            ls_cpu_traits(vu)->from_float(xt, P->buf.xq + (size_t) P->n_tokens * rg + (size_t) t * ru, in->n_embd);
         }
     }
 }
@@ -218,12 +218,12 @@ static inline void stage_column(const ls_layer_info * in, const uint8_t * col, f
 // This thread's partial output [n_tokens, n_embd], zeroed.
 static float * thread_acc(const ls_plan * P, int ith) {
     const size_t per = (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
-    float * acc = P->acc + (size_t) ith * per;
+    float * acc = P->buf.acc + (size_t) ith * per;
     memset(acc, 0, sizeof(float) * per);
     return acc;
 }
 
-static float * thread_work(const ls_plan * P, int ith) { return P->work + (size_t) ith * P->work_per_thread; }
+static float * thread_work(const ls_plan * P, int ith) { return P->buf.work + (size_t) ith * P->buf.work_per_thread; }
 
 // y = the sum of the threads' partial outputs, in thread order (deterministic); each thread
 // sums its slice of the output.
@@ -232,7 +232,7 @@ static void reduce_partials(const ls_plan * P, float * y, int ith, int nth) {
     const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
     for (size_t i = lo; i < hi; i++) {
         float v = 0.0f;
-        for (int j = 0; j < nth; j++) v += P->acc[(size_t) j * per + i];
+        for (int j = 0; j < nth; j++) v += P->buf.acc[(size_t) j * per + i];
         y[i] = v;
     }
 }
@@ -247,8 +247,8 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
     const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
-    const uint8_t * xg0 = P->xq;
-    const uint8_t * xu0 = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + (size_t) T * rg;
+    const uint8_t * xg0 = P->buf.xq;
+    const uint8_t * xu0 = tu->vec_dot_type == tg->vec_dot_type ? P->buf.xq : P->buf.xq + (size_t) T * rg;
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
@@ -330,16 +330,21 @@ static void op_dense(ls_engine * e, const float * x, size_t x_row_stride, float 
     float * acc = thread_acc(P, ith);
     quantize_input(P, x, x_row_stride, ith, nth);
     ls_barrier_wait(&e->barrier, nth);
-    for (int32_t c = 0; c < P->n_chunks; c++) {
-        compute_share(e, ith, nth, c == 0 ? 0 : P->chunk_end[c - 1], P->chunk_end[c], acc, thread_work(P, ith));
-        if (c + 1 == P->n_chunks) break;
+    for (int32_t c = 0; c < P->chunks.n; c++) {
+        compute_share(e, ith, nth, c == 0 ? 0 : P->chunks.end[c - 1], P->chunks.end[c], acc, thread_work(P, ith));
+        if (c + 1 == P->chunks.n) break;
         ls_barrier_wait(&e->barrier, nth);
-        if (ith == 0 && ls_sched_next_chunk(e, c + 1) != LS_OK) {
-            ls_engine_record_error(e, LS_ERR_BUDGET, "layer %d: memory budget too small for the next chunk", P->L->il);
-            P->stop = true;   // the output is partial; the error is raised
+        if (ith == 0) {
+            pthread_mutex_lock(&e->mu);
+            const ls_status st = ls_sched_next_chunk(e, c + 1);
+            pthread_mutex_unlock(&e->mu);
+            if (st != LS_OK) {
+                ls_engine_record_error(e, LS_ERR_BUDGET, "layer %d: memory budget too small for the next chunk", P->L->il);
+                P->chunks.stop = true;   // the output is partial; the error is raised
+            }
         }
         ls_barrier_wait(&e->barrier, nth);
-        if (P->stop) break;
+        if (P->chunks.stop) break;
     }
     ls_barrier_wait(&e->barrier, nth);
     reduce_partials(P, y, ith, nth);
@@ -348,8 +353,8 @@ static void op_dense(ls_engine * e, const float * x, size_t x_row_stride, float 
 // ---- path 2: predicted (and the draft) ------------------------------------------------------------
 // Sparse decode selected by the predictors (oneshot, dejavu+, powerinfer2; leanstream on a layer
 // without a sketch): thread 0 planned and pinned the kept blocks before the op began. The draft
-// FFN of speculative decoding takes the same path over the blocks resident now (no pins: nothing
-// evicts while thread 0 holds e->mu).
+// FFN of speculative decoding takes the same path over the blocks resident now (no pins: only an
+// op evicts, and this one holds e->op_mu).
 
 static void op_predicted(ls_engine * e, const float * x, size_t x_row_stride, float * y, int ith, int nth) {
     ls_plan * P = &e->plan;
@@ -377,8 +382,8 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
     const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd);
-    const uint8_t * xg = P->xq;
-    const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->xq : P->xq + rg;
+    const uint8_t * xg = P->buf.xq;
+    const uint8_t * xu = tu->vec_dot_type == tg->vec_dot_type ? P->buf.xq : P->buf.xq + rg;
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     const float * w = L->sketch->weight;
@@ -387,8 +392,8 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     const int32_t s0 = share_lo(0, P->n, ith, nth), s1 = share_lo(0, P->n, ith + 1, nth);
     for (int32_t i = s0; i < s1; i++) {
         const int32_t b = P->blocks[i];
-        float * hb = P->hval + (size_t) i * k;
-        P->loaded[i] = 0;   // never kept if it cannot be computed
+        float * hb = P->cascade.hval + (size_t) i * k;
+        P->cascade.loaded[i] = 0;   // never kept if it cannot be computed
         for (int64_t j = 0; j < k; j++) hb[j] = 0.0f;
         next_fetch pf;
         const uint8_t * blk = fetch_entry(e, L, i, s1, next_bytes, &pf, &stall_ns);
@@ -404,8 +409,8 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
             hb[j] = ls_act(act, g) * u;
             sc += fabsf(hb[j]) * w[(size_t) b * k + j];
         }
-        P->hscore[i] = sc;
-        P->loaded[i] = 1;
+        P->cascade.hscore[i] = sc;
+        P->cascade.loaded[i] = 1;
     }
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
 }
@@ -415,20 +420,20 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, k = in->neurons_per_block, tile = tile_of(k);
-    const int32_t q0 = share_lo(0, P->n_sel, ith, nth), q1 = share_lo(0, P->n_sel, ith + 1, nth);
+    const int32_t q0 = share_lo(0, P->cascade.n_sel, ith, nth), q1 = share_lo(0, P->cascade.n_sel, ith + 1, nth);
     if (adds_in_place(in->down_type)) {
         // Q8_0 / Q6_K columns: this thread's share of the kept entries (a contiguous range, in
         // plan order) as one list, accumulated in one call that fetches each group of 8 columns
         // while it computes the one before
-        float * dh = P->dh + (size_t) q0 * k;
-        const uint8_t ** dc = (const uint8_t **) (P->dcols + (size_t) q0 * k);
+        float * dh = P->cascade.dh + (size_t) q0 * k;
+        const uint8_t ** dc = (const uint8_t **) (P->cascade.dcols + (size_t) q0 * k);
         int m = 0;
         for (int32_t q = q0; q < q1; q++) {
-            const int32_t i = P->sel[q], b = P->blocks[i];
+            const int32_t i = P->cascade.sel[q], b = P->blocks[i];
             const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
             for (int64_t j = 0; j < k; j++) {
                 if (L->perm[(size_t) b * k + j] < 0) continue;
-                dh[m] = P->hval[(size_t) i * k + j];
+                dh[m] = P->cascade.hval[(size_t) i * k + j];
                 dc[m++] = down + j * L->down_col_bytes;
             }
         }
@@ -439,7 +444,7 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
     float * h = work, * cols = work + tile;   // other column types: staged as f32 in tiles
     int n_staged = 0;
     for (int32_t q = q0; q < q1; q++) {
-        const int32_t i = P->sel[q], b = P->blocks[i];
+        const int32_t i = P->cascade.sel[q], b = P->blocks[i];
         if (n_staged + k > tile) {
             ls_axpy_tile(acc, h, cols, n_staged, 1, n_embd);
             n_staged = 0;
@@ -447,7 +452,7 @@ static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * w
         const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
         for (int64_t j = 0; j < k; j++) {
             if (L->perm[(size_t) b * k + j] < 0) continue;
-            h[n_staged] = P->hval[(size_t) i * k + j];
+            h[n_staged] = P->cascade.hval[(size_t) i * k + j];
             stage_column(in, down + j * L->down_col_bytes, cols + (size_t) n_staged++ * n_embd);
         }
     }
@@ -461,18 +466,20 @@ static void op_cascade(ls_engine * e, const float * x, size_t x_row_stride, cons
     const int32_t nb = L->info.n_blocks;
     float * acc = thread_acc(P, ith);
     quantize_input(P, x, x_row_stride, ith, nth);
-    if (ith == 0) ls_sketch_quantize_x(L->sketch, x, P->xs, L->info.n_embd);
+    if (ith == 0) ls_sketch_quantize_x(L->sketch, x, P->cascade.xs, L->info.n_embd);
     ls_barrier_wait(&e->barrier, nth);
     const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
-    const bool scored = !ls_sched_cascade_all(e, L);   // (pinned_forever changes only under e->mu, held by thread 0)
+    const bool scored = !ls_sched_cascade_all(e, L);   // (pinned_forever changes only at an op's end)
     if (scored) {
-        ls_sketch_score(L->sketch, P->xs, L->info.n_embd, e->params.activation, L->info.neurons_per_block,
-                        (int32_t) ((int64_t) nb * ith / nth), (int32_t) ((int64_t) nb * (ith + 1) / nth), P->score);
+        ls_sketch_score(L->sketch, P->cascade.xs, L->info.n_embd, e->params.activation, L->info.neurons_per_block,
+                        (int32_t) ((int64_t) nb * ith / nth), (int32_t) ((int64_t) nb * (ith + 1) / nth), P->cascade.score);
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
         if (scored) atomic_fetch_add(&L->stats.scorer_ns, ls_now_ns() - t0);
+        pthread_mutex_lock(&e->mu);
         ls_status st = ls_sched_plan_cascade(e, L, x_res);
+        pthread_mutex_unlock(&e->mu);
         if (st != LS_OK) {
             ls_engine_record_error(e, st, "layer %d: %s", L->il, st == LS_ERR_BUDGET ?
                                    "memory budget too small for this layer's candidates" : "cannot plan the FFN op");
@@ -491,22 +498,26 @@ static void op_cascade(ls_engine * e, const float * x, size_t x_row_stride, cons
         const uint64_t gu = (uint64_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
         const uint64_t dn = (uint64_t) L->info.neurons_per_block * L->down_col_bytes;
         atomic_fetch_add(&L->stats.blocks_computed, (uint64_t) P->n);
-        atomic_fetch_add(&L->stats.bytes_computed, (uint64_t) P->n * gu + (uint64_t) P->n_sel * dn);
+        atomic_fetch_add(&L->stats.bytes_computed, (uint64_t) P->n * gu + (uint64_t) P->cascade.n_sel * dn);
     }
 }
 
 // ---- the op ---------------------------------------------------------------------------------------
 
 // Thread 0, before the first barrier: the path and, except for the cascade (which plans once the
-// sketch has scored), its plan. A failure takes the failed path: the output is zero, the error raised.
+// sketch has scored), its plan (pins taken under e->mu; the draft takes none). A failure takes the
+// failed path: the output is zero, the error raised.
 static void op_begin(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth, const float * x_res) {
     ls_plan * P = &e->plan;
     P->path = ls_sched_path(e, L, n_tokens);
     P->n = P->pin_lo = P->n_pinned = 0;
     ls_status st = grow_scratch(e, L, n_tokens, nth);
-    if (st == LS_OK && P->path == LS_PATH_DENSE) st = ls_sched_plan_dense(e, L);
-    if (st == LS_OK && P->path == LS_PATH_PREDICTED) st = ls_sched_plan_predicted(e, L, x_res);
     if (st == LS_OK && P->path == LS_PATH_DRAFT) ls_sched_plan_draft(e, L);
+    if (st == LS_OK && (P->path == LS_PATH_DENSE || P->path == LS_PATH_PREDICTED)) {
+        pthread_mutex_lock(&e->mu);
+        st = P->path == LS_PATH_DENSE ? ls_sched_plan_dense(e, L) : ls_sched_plan_predicted(e, L, x_res);
+        pthread_mutex_unlock(&e->mu);
+    }
     if (st == LS_OK) return;
     ls_engine_record_error(e, st, "layer %d: %s", L->il,
                            st == LS_ERR_BUDGET ? "memory budget too small for this layer's working set" :
@@ -515,8 +526,8 @@ static void op_begin(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth, con
     P->path = LS_PATH_FAILED;
 }
 
-// Thread 0, after the last barrier: unpin, and a dense layer whose every block is now resident in a
-// cache that never evicts stays so for good (and is split for the sparse paths).
+// Thread 0, after the last barrier, under e->mu: unpin, and a dense layer whose every block is now
+// resident in a cache that never evicts stays so for good (and is split for the sparse paths).
 static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
     ls_plan * P = &e->plan;
     if (P->path == LS_PATH_DRAFT) {   // nothing pinned; the target's counters and last plan untouched
@@ -529,7 +540,7 @@ static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
     bool all_ready;
     ls_sched_finish(e, &all_ready);
     if (P->path == LS_PATH_FAILED) return;
-    if (P->path == LS_PATH_DENSE && e->cache.never_evicts && all_ready && !P->stop && !L->pinned_forever) {
+    if (P->path == LS_PATH_DENSE && e->cache.never_evicts && all_ready && !P->chunks.stop && !L->pinned_forever) {
         L->pinned_forever = true;
         ls_layer_split(e, L);
     }
@@ -543,13 +554,15 @@ static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
 // The whole op for one of nth threads; the same code serves the ggml graph and ls_ffn_eval.
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
 // FFN (the sparse paths' predictors use it; may be NULL); y: output [n_tokens, n_embd].
+// Thread 0 holds e->op_mu for the whole op (one op of an engine at a time) and e->mu only where
+// the op changes what other threads read (pins, the layer's last plan, the controller's record).
 void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,
                float * y, int64_t n_tokens, int ith, int nth) {
     ls_plan * P = &e->plan;
     uint64_t t0 = 0;
     if (ith == 0) {
         t0 = ls_now_ns();
-        pthread_mutex_lock(&e->mu);
+        pthread_mutex_lock(&e->op_mu);
         op_begin(e, L, n_tokens, nth, x_res);
     }
     ls_barrier_wait(&e->barrier, nth);
@@ -564,8 +577,10 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
+        pthread_mutex_lock(&e->mu);
         op_end(e, L, n_tokens, t0);
         pthread_mutex_unlock(&e->mu);
+        pthread_mutex_unlock(&e->op_mu);
     }
 }
 

@@ -1,6 +1,8 @@
 // schedule.c — which blocks an FFN op computes, in what order, what it pins and what it loads ahead.
 //
-// Runs on ggml's thread 0 only, under e->mu. One planner per path of the op (op.c):
+// Runs on ggml's thread 0 only, inside the op (e->op_mu); op.c takes e->mu around every call that
+// pins, unpins or records (all but the draft's planner and the final selection). One planner per
+// path of the op (op.c):
 //
 //   dense      every block in file order, cut into chunks the budget holds; the next chunk is
 //              pinned when the one before has been computed and let go
@@ -186,10 +188,10 @@ ls_status ls_sched_plan_dense(ls_engine * e, ls_layer * L) {
     for (int32_t b = 0; b < nb; b++) P->blocks[b] = b;
     P->n = nb;
     P->pin_lo = P->n_pinned = 0;
-    P->stop = false;
+    P->chunks.stop = false;
     if (L->pinned_forever) {   // nothing to pin
-        P->n_chunks = 1;
-        P->chunk_end[0] = nb;
+        P->chunks.n = 1;
+        P->chunks.end[0] = nb;
         return LS_OK;
     }
     // one chunk if the whole layer fits, else chunks of the free and evictable slots
@@ -197,18 +199,18 @@ ls_status ls_sched_plan_dense(ls_engine * e, ls_layer * L) {
     for (int32_t b = 0; b < nb; b++) missing += L->slot_of_block[b] < 0;
     if (room < 1 && missing > 0) return LS_ERR_BUDGET;
     const int32_t chunk = room >= missing ? nb : room; // resident blocks need no room
-    P->n_chunks = 0;
-    for (int32_t lo = 0; lo < nb && P->n_chunks < LS_MAX_CHUNKS; lo += chunk) {
-        P->chunk_end[P->n_chunks++] = lo + chunk < nb ? lo + chunk : nb;
+    P->chunks.n = 0;
+    for (int32_t lo = 0; lo < nb && P->chunks.n < LS_MAX_CHUNKS; lo += chunk) {
+        P->chunks.end[P->chunks.n++] = lo + chunk < nb ? lo + chunk : nb;
     }
-    if (P->chunk_end[P->n_chunks - 1] != nb) return LS_ERR_BUDGET; // > LS_MAX_CHUNKS chunks
-    P->n_pinned = acquire_and_read(e, L, P->blocks, P->chunk_end[0], P->scratch2);
-    return P->n_pinned == P->chunk_end[0] ? LS_OK : LS_ERR_BUDGET;
+    if (P->chunks.end[P->chunks.n - 1] != nb) return LS_ERR_BUDGET; // > LS_MAX_CHUNKS chunks
+    P->n_pinned = acquire_and_read(e, L, P->blocks, P->chunks.end[0], P->scratch2);
+    return P->n_pinned == P->chunks.end[0] ? LS_OK : LS_ERR_BUDGET;
 }
 
 ls_status ls_sched_next_chunk(ls_engine * e, int32_t c) {
     ls_plan * P = &e->plan;
-    const int32_t lo = P->chunk_end[c - 1], hi = P->chunk_end[c];
+    const int32_t lo = P->chunks.end[c - 1], hi = P->chunks.end[c];
     release_blocks(e, P->L, P->blocks + P->pin_lo, P->n_pinned - P->pin_lo, true, e->policy->keep_cache);
     P->pin_lo = lo;
     P->n_pinned = lo + acquire_and_read(e, P->L, P->blocks + lo, hi - lo, P->scratch2);
@@ -221,7 +223,7 @@ void ls_sched_plan_draft(ls_engine * e, ls_layer * L) {
     ls_plan * P = &e->plan;
     const int32_t nb = L->info.n_blocks;
     P->n = P->pin_lo = P->n_pinned = 0;
-    // a loaded block cannot be evicted while the op runs: only thread 0, under e->mu, evicts
+    // a loaded block cannot be evicted while the op runs: only an op evicts, and this one holds e->op_mu
     uint8_t * mark = L->mark;   // 0xFF between calls
     const bool ranked = L->rank_order && e->draft_fraction < 1.0f;
     if (ranked) {   // each layer's best-ranked fraction, in file order
@@ -263,13 +265,13 @@ bool ls_sched_cascade_all(const ls_engine * e, const ls_layer * L) {
     return (uint64_t) L->info.n_blocks * gu <= sketch + (uint64_t) n_wanted(e, L) * gu;
 }
 
-// Candidates: the top n_cand blocks by sketch score (P->score), in file order; pinned and their
+// Candidates: the top n_cand blocks by sketch score (P->cascade.score), in file order; pinned and their
 // reads queued like any plan. A resident layer that skips the sketch (ls_sched_cascade_all):
 // every block, nothing to pin.
 ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res) {
     ls_plan * P = &e->plan;
     const int32_t nb = L->info.n_blocks;
-    P->n_sel = 0;
+    P->cascade.n_sel = 0;
     for (int32_t i = 0; i < L->n_prefetch; i++) L->spec[L->prefetch[i]] = 1;
     if (ls_sched_cascade_all(e, L)) {
         for (int32_t b = 0; b < nb; b++) P->blocks[b] = b;
@@ -278,41 +280,41 @@ ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res
         // the controller's state is the remaining load of the default candidates; its action may
         // change how many there are (control.c)
         P->n = n_wanted(e, L);
-        select_in_file_order(L, P->score, P->n, P->blocks);
+        select_in_file_order(L, P->cascade.score, P->n, P->blocks);
         int32_t missing = 0;   // (only a controller reads it)
         if (e->ctrl.pol.mode != LS_CTRL_OFF)
             for (int32_t i = 0; i < P->n; i++) missing += L->slot_of_block[P->blocks[i]] < 0;
         const int32_t n = n_wanted_at(e, L, ls_ctrl_choose(e, L, (uint64_t) missing * L->info.block_stride));
         if (n != P->n) {
             P->n = n;
-            select_in_file_order(L, P->score, P->n, P->blocks);
+            select_in_file_order(L, P->cascade.score, P->n, P->blocks);
         }
     }
     L->prio_ready = false;
     return pin_sparse_plan(e, L, x_res);
 }
 
-// The kept set: the n_kept candidate entries computed (P->loaded) with the largest exact sum |h|
-// (P->hscore), in plan order, into P->sel.
+// The kept set: the n_kept candidate entries computed (P->cascade.loaded) with the largest exact sum |h|
+// (P->cascade.hscore), in plan order, into P->cascade.sel.
 void ls_sched_select_final(ls_engine * e) {
     ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     int32_t * idx = P->scratch, n_loaded = 0;
     for (int32_t i = 0; i < P->n; i++)
-        if (P->loaded[i]) idx[n_loaded++] = i;
+        if (P->cascade.loaded[i]) idx[n_loaded++] = i;
     int32_t n_final = n_kept(e, L);
     if (n_final > n_loaded) n_final = n_loaded;
-    select_top(idx, 0, n_loaded, n_final, P->hscore);
+    select_top(idx, 0, n_loaded, n_final, P->cascade.hscore);
     uint8_t * mark = L->mark;   // 0xFF between calls; P->n <= n_blocks
     for (int32_t i = 0; i < n_final; i++) mark[idx[i]] = 0;
     int32_t n = 0, hits = 0;
     for (int32_t i = 0; i < P->n; i++) {
         if (mark[i] == 0xFF) continue;
         mark[i] = 0xFF;
-        P->sel[n++] = i;
+        P->cascade.sel[n++] = i;
         hits += L->spec[P->blocks[i]];
     }
-    P->n_sel = n;
+    P->cascade.n_sel = n;
     bool any_spec = false;
     for (int32_t b = 0; b < L->info.n_blocks; b++) { any_spec |= L->spec[b] != 0; L->spec[b] = 0; }
     if (any_spec) {
@@ -329,8 +331,8 @@ void ls_sched_finish(ls_engine * e, bool * all_ready) {
     ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     if (P->path == LS_PATH_CASCADE) {   // last_plan: the kept blocks; last_cand: every candidate
-        for (int32_t i = 0; i < P->n_sel; i++) L->last_plan[i] = P->blocks[P->sel[i]];
-        L->n_last_plan = P->n_sel;
+        for (int32_t i = 0; i < P->cascade.n_sel; i++) L->last_plan[i] = P->blocks[P->cascade.sel[i]];
+        L->n_last_plan = P->cascade.n_sel;
         memcpy(L->last_cand, P->blocks, sizeof(int32_t) * (size_t) P->n);
         L->n_last_cand = P->n;
     } else {
