@@ -10,15 +10,14 @@ nowhere else:
   I/O workers raises right after the decode that hit it;
 - ``decode_all_rows``: one batch through ``Llama.eval`` with the logits of every row (the verify
   pass of speculative decoding) without logits_all's n_ctx x n_vocab array; ``Batch``,
-  ``logits``, ``kv_cache_trim``: the self draft's decodes on the same context;
-- ``perf_context`` / ``reset_perf``: llama.cpp's counters of the context; ``token_text``;
+  ``kv_cache_trim``: the self draft's decodes on the same context;
 - ``close``: llama_cpp.Llama.close leaves its native handles behind as attributes; they are
   replaced by stand-ins that raise, so a closed Llama never touches freed memory;
 - ``create_server_app``: llama-cpp-python's server, its model loaded by its own loader with another
   Llama class (two module globals of its server swapped for the duration of one call).
 
-What a tool may read of any llama_cpp.Llama (stock or ours) is public in context.py. It is
-written against the llama-cpp-python the build vendors (``PINNED``, build.py), and
+What a tool may read of any llama_cpp.Llama (stock or ours) is in context.py, through their
+public API. This module is written against the llama-cpp-python the build vendors (``PINNED``, build.py), and
 tests/test_llama_cpp_pin.py fails, naming what to re-check, when the installed one is another or
 a private name listed in ``RELIES_ON`` / ``LLAMA_ATTRS`` is gone.
 """
@@ -29,18 +28,14 @@ import ctypes
 import functools
 
 import llama_cpp
-import numpy as np
 
 from .build import LLAMA_CPP_PYTHON_VERSION as PINNED
 
 # every private name of llama-cpp-python used below: (where, name, what uses it)
 RELIES_ON = (
     ("llama_cpp.llama_cpp", "_lib", "set_ffn_builder, has_ffn_builder: libllama's ctypes handle"),
-    ("llama_cpp._internals.LlamaContext", "ctx", "set_ffn_builder, perf_context: the llama_context pointer"),
     ("llama_cpp._internals.LlamaContext", "decode", "wrap_decode, decode_all_rows, Batch.decode"),
     ("llama_cpp._internals.LlamaContext", "kv_cache_seq_rm", "decode_all_rows, kv_cache_trim"),
-    ("llama_cpp._internals.LlamaContext", "get_logits_ith", "logits"),
-    ("llama_cpp._internals.LlamaModel", "token_get_text", "token_text"),
     ("llama_cpp._internals.LlamaBatch", "set_batch", "decode_all_rows, Batch.decode"),
     ("llama_cpp._internals.LlamaBatch", "close", "Batch.close"),
     ("llama_cpp.server.model", "llama_cpp", "create_server_app: the loader's module global, swapped while it loads"),
@@ -77,7 +72,7 @@ def _ffn_builder_fn():
 def set_ffn_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
     """``llama_set_ffn_builder(ctx, builder, user_data)`` on llm's context: every layer's FFN of
     its graphs is built by ``builder`` (addresses of C objects)."""
-    _ffn_builder_fn()(llm._ctx.ctx, builder, user_data)
+    _ffn_builder_fn()(llm.ctx, builder, user_data)
 
 
 # ---- decoding ------------------------------------------------------------------------------------
@@ -102,7 +97,7 @@ def logits_all(llm: llama_cpp.Llama) -> bool:
 
 def decode_all_rows(llm: llama_cpp.Llama, tokens) -> None:
     """What ``llama_cpp.Llama.eval(tokens)`` does for one batch (len(tokens) <= n_batch), with the
-    logits of every row kept in the context (``logits(llm, i)``) instead of the last only."""
+    logits of every row kept in the context (``context.logits(llm, i)``) instead of the last only."""
     llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
     n_past = llm.n_tokens
     llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
@@ -110,12 +105,6 @@ def decode_all_rows(llm: llama_cpp.Llama, tokens) -> None:
     llm.input_ids[n_past:n_past + len(tokens)] = tokens
     llm.n_tokens += len(tokens)
     llm._requires_eval = False
-
-
-def logits(llm: llama_cpp.Llama, i: int = -1) -> np.ndarray:
-    """f32 [n_vocab]: the logits of row i of the last decode (-1: its last row), a view of the
-    context's buffer (valid until the next decode)."""
-    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(i), shape=(llm.n_vocab(),))
 
 
 def kv_cache_trim(llm: llama_cpp.Llama, n_past: int) -> None:
@@ -136,21 +125,6 @@ class Batch:
 
     def close(self) -> None:
         self._batch.close()
-
-
-def perf_context(llm: llama_cpp.Llama):
-    """llama.cpp's counters of llm's context (``llama_perf_context_data``: t_p_eval_ms, n_p_eval,
-    t_eval_ms, n_eval, ...) since it was created or ``reset_perf``."""
-    return llama_cpp.llama_perf_context(llm._ctx.ctx)
-
-
-def reset_perf(llm: llama_cpp.Llama) -> None:
-    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
-
-
-def token_text(llm: llama_cpp.Llama, token: int) -> str:
-    """A token's text as the vocabulary spells it (special tokens too: "<|im_end|>")."""
-    return llm._model.token_get_text(token)
 
 
 # ---- closing -------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from . import _llama_cpp, memplan, params
+from . import _llama_cpp, context, memplan, params
 from . import manifest as manifest_mod
 from ._native import mode_uses
 from .engine import FFNEngine
@@ -332,16 +332,17 @@ class Llama(llama_cpp.Llama):
     def perf_context(self):
         """llama.cpp's counters of this context since it was created or ``reset_perf()``
         (``llama_perf_context_data``: n_p_eval / t_p_eval_ms the prompt's tokens and
-        milliseconds, n_eval / t_eval_ms the decoded ones')."""
-        return _llama_cpp.perf_context(self)
+        milliseconds, n_eval / t_eval_ms the decoded ones'; ``context.perf_context``)."""
+        return context.perf_context(self)
 
     def reset_perf(self) -> None:
-        _llama_cpp.reset_perf(self)
+        context.reset_perf(self)
 
     def logits(self, i: int = -1):
         """f32 [n_vocab]: the logits of row i of the last decode (-1: the last row; without
-        logits_all only the last row has them), a view valid until the next decode."""
-        return _llama_cpp.logits(self, i)
+        logits_all only the rows a batch asked for have them), a view valid until the next
+        decode (``context.logits``)."""
+        return context.logits(self, i)
 
     def _live_engine(self) -> FFNEngine:
         if self._engine is None:
