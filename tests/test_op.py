@@ -188,6 +188,33 @@ def test_test_hooks_are_the_engines_own(shuffled_k3, via_env, monkeypatch):
         assert np.array_equal(after.eval_layer(0, x, n_threads=2), want[0])
 
 
+def test_counters_answer_while_an_op_waits_for_its_reads(shuffled_k3):
+    """The op holds the engine's state lock only where it pins, unpins or records: the counters,
+    the residency and the last plan answer while another thread's op waits for slow reads (one
+    read of 4 KiB at a time, one I/O thread, each read delayed), instead of waiting for the op to end."""
+    import threading
+
+    x = _x(1, 7)
+    with FFNEngine(shuffled_k3) as quiet:
+        want = quiet.eval_layer(0, x, n_threads=2)
+    with FFNEngine(shuffled_k3, n_io_threads=1, max_read_bytes=4096, test_hooks={"io_delay_us": 4000}) as e:
+        got = {}
+        t = threading.Thread(target=lambda: got.update(y=e.eval_layer(0, x, n_threads=2)))
+        t.start()
+        seen = []
+        while t.is_alive():
+            seen.append(e.stats()["reads_issued"])
+            e.resident(0)
+            e.last_plan(0)
+        t.join()
+        total = e.stats()["reads_issued"]
+        assert total > 8   # (reads of 4 KiB: a block or two each)
+        # a count between none and all: read while the op was reading (a lock held for the whole
+        # op would answer only before it began or after it ended)
+        assert any(0 < r < total for r in seen), (total, sorted(set(seen)))
+        assert np.array_equal(got["y"], want)
+
+
 def test_budget_too_small_is_a_clear_error(shuffled_k3):
     with pytest.raises(LeanstreamError, match="too small"):
         FFNEngine(shuffled_k3, memory_budget="64KiB")
