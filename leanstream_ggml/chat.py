@@ -87,21 +87,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .manifest import ManifestError
 
     from .models import DEFAULT_MODEL, converted_model_dir
+    from .modes import is_sparse
     from .options import given
 
     try:
         model_dir = converted_model_dir(args.model or DEFAULT_MODEL, "chat")
         t0 = time.perf_counter()
-        llm = Llama(str(model_dir), memory_budget=args.memory_budget, memory_limit=args.memory_limit,
-                    mode=args.mode, sparsity=args.sparsity,
-                    quality=args.quality, controller=args.controller, n_ctx=args.n_ctx,
-                    n_threads=args.threads, n_threads_batch=args.threads, seed=args.seed, verbose=args.log,
-                    **given(args, "chat"))
+        llm = Llama(str(model_dir), n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                    seed=args.seed, verbose=args.log, **given(args, "chat"))
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
         return 1
     budget = llm.engine.memory_budget
-    print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (mode {llm.mode}{f', sparsity {llm.sparsity:g}' if llm.mode != 'dense' else ''}, FFN budget "
+    print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (mode {llm.mode}{f', sparsity {llm.sparsity:g}' if is_sparse(llm.mode) else ''}, FFN budget "
           f"{f'{budget / 2**20:.0f} MiB' if budget else 'all'})", file=sys.stderr)
     messages = []
     if args.system:
@@ -138,22 +136,6 @@ def register(sub) -> None:
                                             "name (default: SmolLM2)")
     p.add_argument("-p", "--prompt", help="answer this one message and exit")
     p.add_argument("--system", help="system message")
-    p.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    p.add_argument("--memory-limit", default=None,
-                   help="instead of --memory-budget, a limit for the whole process, e.g. 1000MB (the FFN engine "
-                        "gets what the rest leaves: `leanstream info MODEL --memory-limit 1000MB` shows the plan)")
-    from ._native import MODES
-
-    p.add_argument("--mode", default=None, choices=MODES,
-                   help="dense: every neuron (exact, the default); leanstream: the blocks selected from each "
-                        "layer's own input (the others: baselines with trained predictors)")
-    p.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes (default 0.5)")
-    p.add_argument("--quality", default=None,
-                   help="e.g. ppl+5%%: leanstream mode at the largest sparsity whose perplexity cost, measured "
-                        "by the converter on the model's own text, stays within it")
-    p.add_argument("--controller", default=None,
-                   help="leanstream mode: 'table' steers each layer by the table `leanstream tune` wrote for this "
-                        "budget; 'off' (default): fixed settings")
     from .options import add_flags
 
     add_flags(p, "chat")

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import llama_cpp
 
-from . import _llama_cpp, context, memplan, params
+from . import _llama_cpp, context, memplan, modes, options, params
 from . import manifest as manifest_mod
-from ._native import mode_uses
 from .engine import FFNEngine
 
 def _is_gguf_file(p: Path) -> bool:
@@ -47,8 +46,7 @@ def _refuse_unknown_keywords(kwargs: dict) -> None:
     unknown = [k for k in kwargs if k not in known]
     if not unknown:
         return
-    ours = [n for n in inspect.signature(Llama.__init__).parameters if n not in ("self", "model_path", "kwargs")
-            and not n.startswith("_")]
+    ours = [o.name for o in options.LLAMA]
     k = unknown[0]
     near = difflib.get_close_matches(k, ours + known, n=1, cutoff=0.5)
     raise TypeError(f"Llama() got an unexpected keyword argument {k!r}"
@@ -65,99 +63,32 @@ class Llama(llama_cpp.Llama):
 
     Args:
         model_path: a directory written by ``leanstream convert``.
-        memory_budget: bytes of FFN weights kept in RAM (int, or "512MiB"/"1.5GB"); None = all.
-        memory_limit: instead of memory_budget, a limit for the whole process (e.g. "1000MB", what
-            a memory cgroup or a small machine allows): the memory plan (memplan.py) takes from
-            it what the process needs besides the FFN engine (the interpreter, the non-FFN weights
-            each token reads, KV cache at n_ctx, llama.cpp's heap and compute buffers) and gives
-            the rest to the engine; MemoryPlanError (a ValueError, with the plan) when that leaves
-            too little. ``self.memory_plan`` is the plan (``leanstream info --memory-limit``).
-        mode: "dense" (every neuron: reproduces stock llama.cpp), or a sparse decode mode that
-            computes only the top (1 - sparsity) of each layer's neuron blocks: "leanstream"
-            (with the converter's sketch, the default conversion: chosen from each layer's own
-            input — sketch scores pick candidates, their exact gate/up values pick the blocks whose
-            down columns are computed; without one, by the predictors; the predictors, if
-            trained, prefetch the next layer), "oneshot" (DejaVu: one layer-ahead prediction, no
-            weight cache), "dejavu+" (oneshot + LRU cache), "powerinfer2" (hot blocks pinned +
-            LRU); these three need predictors. Prefill is always dense. Default: "dense", or
-            "leanstream" when quality= is given.
-        sparsity: fraction of blocks skipped per token in sparse modes (default 0.5).
-        quality: instead of sparsity, the perplexity the user accepts to lose, e.g. "ppl+5%":
-            leanstream mode (implied) at the largest sparsity whose cost the converter measured
-            within that on the model's own text (``leanstream info`` shows the table).
-        candidate_ratio: leanstream mode with a sketch: blocks whose gate/up rows are computed
-            exactly per token, as a multiple of the kept blocks (default 1.5).
-        n_io_threads: I/O worker threads (reads in flight, 1..256, default 16).
-        bridge_bytes: read planning of the sparse modes: a read goes on through a gap of up to
-            this many bytes of unselected blocks (read and dropped) rather than start another
-            I/O; default: per-I/O time x bandwidth, measured on the block files at start; 0: never.
-        hot_fraction: "powerinfer2" and "leanstream": share of the budget pinned for the blocks
-            most often active in calibration (default 0.5; leanstream without predictors 0.9;
-            0 pins nothing).
-        controller: the streaming controller of leanstream mode's decode ops: "off" (default:
-            the fixed settings above), "table" (the policy `leanstream tune` wrote into the model
-            directory for this budget and sparsity: per layer, its remaining load and the disk's
-            speed pick the candidate ratio and bridge), or "fixed:K" (action K of that policy's
-            actions, or of control.DEFAULT_ACTIONS where none was tuned, on every layer).
-        speculative: exact speculative decoding in dense mode (docs/design.md §21): "auto" (drafts
-            from the engine's resident blocks and from prompt lookup, the longer one verified in
-            one pass, the controller deciding how far to draft), "self" (the resident-block draft
-            only), "ngram" (prompt lookup only), "off" (the default for now; sparse modes: always).
-            Every emitted token is sampled from the model's own logits; ``stats()["speculative"]``
-            counts passes, drafted and accepted tokens, draft and verify time.
-        draft_max: the longest draft (default 8); the verify pass returns draft_max + 1 logit rows.
-        draft_fraction: the self draft computes each layer's most important fraction of its blocks
-            (those resident; default 1: every resident block): a cheaper, less faithful draft.
-        draft_stop: how far to draft: "controller" (default: the table solved from the costs and
-            acceptance this process measures), "fixed"
-            (always draft_max), "p_min:X" (stop below top-1 probability X, as llama.cpp does).
-        verify_checksums: check every block's CRC-32C as it is read (default True; a mismatch
-            raises LeanstreamError naming the file, layer and block). The other files of the
-            model directory are checked against the manifest's checksums when it is opened.
-        Parameters are validated first (params.py): a bad value raises ParameterError (a
+        {options}
+        The options are declared once, in options.py (their flags are made from the same table).
+        They are validated first (params.llama_options): a bad value raises ParameterError (a
         ValueError) naming it. Defaults (None) are the engine's own (ls_engine_params_init), so
-        they are written once. After close(), every method raises ClosedError.
+        they are written once. Under memory_limit, ``self.memory_plan`` is the plan. After
+        close(), every method raises ClosedError.
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
-    def __init__(self, model_path: str, *, memory_budget: int | str | None = None,
-                 memory_limit: int | str | None = None, mode: str | None = None,
-                 sparsity: float | None = None, quality: str | None = None, n_io_threads: int | None = None,
-                 hot_fraction: float | None = None, verify_checksums: bool = True,
-                 candidate_ratio: float | None = None, bridge_bytes: int | None = None,
-                 controller: str | None = None, speculative: str | None = None, draft_max: int | None = None,
-                 draft_stop: str | None = None, draft_fraction: float | None = None, _manifest=None, **kwargs):
+    def __init__(self, model_path: str, **kwargs):
         self._engine = self._drafter = None
+        # _manifest: the converter's calibration runs the model before its manifest is written
+        _manifest = kwargs.pop("_manifest", None)
+        given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
         _refuse_unknown_keywords(kwargs)
-        if quality is not None:
-            if sparsity is not None:
-                raise params.ParameterError("quality", "give quality= or sparsity=, not both")
-            max_ratio = params.quality(quality)
-            if mode not in (None, "leanstream"):
-                raise params.ParameterError("quality", f"chooses leanstream mode's sparsity; mode={mode!r} was given")
-            mode = "leanstream"
-        mode = mode or "dense"
-        # every parameter checked before anything is opened (ParameterError names the bad one)
-        p = params.engine_params(memory_budget=memory_budget, mode=mode, sparsity=sparsity,
-                                 n_io_threads=n_io_threads, hot_fraction=hot_fraction,
-                                 candidate_ratio=candidate_ratio, bridge_bytes=bridge_bytes)
-        mode = p["mode"]
-        controller = params.controller(controller)
-        if controller != "off" and mode != "leanstream":
-            raise params.ParameterError("controller", f"steers leanstream mode's decode; mode={mode!r} was given")
-        spec = params.speculative(speculative, mode) if kwargs.get("draft_model") is None else "off"
-        k_max, spec_stop = params.draft_max(draft_max), params.draft_stop(draft_stop)
-        spec_fraction = params.draft_fraction(draft_fraction)
+        if kwargs.get("draft_model") is not None:
+            given["speculative"] = "off"     # llama-cpp-python's own draft model proposes instead
+        # every option checked before anything is opened (ParameterError names the bad one)
+        o = params.llama_options(given)
+        mode, spec, quality = o["mode"], o["speculative"], o["quality"]
         if spec != "off":
             # the verify pass decodes several rows at once; in llama.cpp's CPU backend only flash
             # attention computes each row as decoding it alone would (without it rows >= 5 of a
             # batch differ by up to ~0.6 in logit), so speculative decoding uses it unless told
             # otherwise: its answers are then plain decoding's token for token (docs/design.md §21)
             kwargs.setdefault("flash_attn", True)
-        limit = params.size_bytes(memory_limit, "memory_limit") if memory_limit is not None else 0
-        if limit and memory_budget is not None:
-            raise params.ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
-                                                        "(the FFN engine), not both")
         self.memory_plan = None
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
@@ -166,7 +97,6 @@ class Llama(llama_cpp.Llama):
                              f"then load the directory {path.with_suffix('.lsm')}")
         if not path.is_dir():
             raise ValueError(f"model directory does not exist: {model_path}")
-        # _manifest: the converter's calibration runs the model before its manifest is written
         self.manifest = _manifest if _manifest is not None else manifest_mod.load(path)
         self.model_dir = path
         m = self.manifest
@@ -174,10 +104,10 @@ class Llama(llama_cpp.Llama):
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
         predictor_paths = block_rank = sketch_paths = None
-        if mode != "dense":
+        if modes.is_sparse(mode):
             # the files the mode reads, as the engine's mode table says (ManifestError/ValueError
             # naming what is missing)
-            files = m.mode_files(path, mode_uses(mode), mode)
+            files = m.mode_files(path, modes.uses(mode), mode)
             predictor_paths = [m.resolve(path, f) for f in files.predictors] if files.predictors else None
             sketch_paths = [m.resolve(path, f) for f in files.sketches] if files.sketches else None
             if files.block_freq:
@@ -189,28 +119,25 @@ class Llama(llama_cpp.Llama):
                 if not all(q.get("domains") for q in m.sketch.quality):
                     warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
                                   f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
-                p["sparsity"] = params.sparsity_for_quality(m.sketch.quality, max_ratio)
+                o["sparsity"] = params.sparsity_for_quality(m.sketch.quality, params.quality(quality))
         elif spec in ("auto", "self") and (m.block_importance_file() or m.block_freq_file()):
             # dense mode pins each layer's most important blocks (not a prefix of the scan): the
             # draft FFN; by mean |h| x ||down|| where the converter measured it, else by frequency
             block_rank = self._block_rank(path, m.block_importance_file())
-        if limit:
-            self.memory_plan = memplan.plan(path, m, limit, mode=mode, n_ctx=int(kwargs.get("n_ctx", 512)),
+        if o["memory_limit"]:
+            self.memory_plan = memplan.plan(path, m, o["memory_limit"], mode=mode, n_ctx=int(kwargs.get("n_ctx", 512)),
                                             n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
-                                            n_outputs=k_max + 1 if spec != "off" else 1)
+                                            n_outputs=o["draft_max"] + 1 if spec != "off" else 1)
             self.memory_plan.check()
-            p["memory_budget"] = self.memory_plan.budget
-        self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers],
-                                 activation=m.activation, memory_budget=p["memory_budget"], mode=mode,
-                                 predictor_paths=predictor_paths, block_rank=block_rank,
-                                 verify_checksums=verify_checksums, sketch_paths=sketch_paths,
-                                 **{k: p[k] for k in ("n_io_threads", "sparsity", "hot_fraction", "candidate_ratio",
-                                                      "bridge_bytes")})
+            o["memory_budget"] = self.memory_plan.budget
+        self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers], activation=m.activation,
+                                 predictor_paths=predictor_paths, block_rank=block_rank, sketch_paths=sketch_paths,
+                                 **{name: o[name] for name in options.ENGINE})
         self._check_layers_match_manifest()
         self.mode, self.sparsity = mode, self._engine.sparsity
-        self.controller_policy = self._install_controller(controller)
+        self.controller_policy = self._install_controller(o["controller"])
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
-        self.hot_blocks = self._engine.stats()["hot_blocks"] if mode != "dense" else 0
+        self.hot_blocks = self._engine.stats()["hot_blocks"] if modes.is_sparse(mode) else 0
         super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
@@ -219,8 +146,15 @@ class Llama(llama_cpp.Llama):
         if spec != "off":
             from .speculative import Drafter
 
-            self._drafter = Drafter(self, spec, k_max, spec_stop, spec_fraction)
+            self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"])
             self.draft_model = self._drafter   # llama-cpp-python's generate verifies what it proposes
+
+    # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("model_path", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+         *options.parameters(), inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+    __doc__ = __doc__.replace("        {options}\n", options.docstring(8) + "\n")
 
     def eval(self, tokens):
         """llama_cpp.Llama.eval; a speculative verify pass (the drafter said so) gets the logits of

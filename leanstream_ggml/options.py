@@ -1,54 +1,244 @@
-"""Engine options as the command lines see them, each declared once.
+"""Every engine option, declared once: the table each front end is made from.
 
-An option is its ``Llama`` keyword, how a command-line string becomes its value, its help and
-the commands that take it. ``add_flags(parser, command)`` adds the flags of one command and
-``given(args, command)`` returns the keywords the user set (the others stay ``Llama``'s own
-defaults, which params.py and the engine define). Values are validated where ``Llama`` takes
-them (params.py), so a command line and a keyword fail with the same message.
+An ``Option`` is a ``Llama`` keyword: its type, its default (None: the engine's own, which
+ls_engine_params_init and the mode table in native/src/mode.c define, or a rule between options
+that params.py applies), its help, the check its value passes (params.py; a bad value raises
+ParameterError naming it, so a keyword and a flag fail with the same message) and the commands
+that take it as a flag, spelt ``--name-with-dashes``. From this table come ``Llama``'s keywords,
+signature and docstring (llama.py), ``params.engine_params`` and ``params.llama_options``, the
+flags of ``leanstream chat``, ``serve`` and ``info``, and every tool's flags:
+
+    add_flags(parser, "bench")              # the options of one command, as flags
+    Llama(path, **given(args, "bench"))     # the ones the user set (the others: Llama's defaults)
+
+A command whose flag means something narrower (compare's --memory-limit is the memory cgroup of
+each run) or has a default of its own says so in ``variants``. A help text names another option
+as ``{name}``: the keyword in the docstring, the flag on a command line; and what the engine
+defines as ``{MODES}``, ``{DEFAULT}``, ``{QUALITY}`` (modes.py), ``{MAX_N_IO_THREADS}`` and
+``{ENGINE_n_io_threads}`` (ls_engine_params_init), read when a help is shown: importing this
+module loads no native library (`leanstream convert`'s parser takes info's --memory-limit).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+
+from . import params
+
+# the commands that take options: the library's front ends, then the tools (leanstream_tools/,
+# bench/serve_load.py), which build their parsers from this table too
+COMMANDS = ("chat", "serve", "info", "bench", "perplexity", "eval", "compare", "tune", "serve_load")
+_RUNS = ("chat", "serve", "bench", "perplexity", "eval")   # the commands that run a model as Llama does
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What an option is on one command, where that differs: its help, its flag's default."""
+    help: str | None = None        # None: the option's
+    default: object = None         # the flag's default there (None: not given, Llama's default)
 
 
 @dataclass(frozen=True)
 class Option:
     name: str                      # the Llama keyword; the flag is --name-with-dashes
-    type: type                     # what argparse converts the string with
+    type: object                   # the value's type, as Llama's signature shows it
+    default: object                # Llama's default; None: the engine's (or params.py's rule)
     help: str
-    commands: tuple[str, ...]      # chat, serve, bench, compare
+    check: object                  # value -> the value Llama uses; raises ParameterError
+    commands: tuple[str, ...]      # the commands that take it as a flag
+    llama: bool = True             # a Llama keyword (False: the server's own)
+    engine: bool = False           # passed on to FFNEngine by name (params.engine_params)
+    variants: dict = field(default_factory=dict)   # command -> Variant
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
+    def parse(self, text: str):
+        """A command-line string as a value: sizes stay strings (their check parses them)."""
+        return self.type(text) if self.type in (int, float) else text
 
-_SPEC = ("chat", "serve", "bench", "compare")
+
+_SIZE = int | str
 
 OPTIONS: tuple[Option, ...] = (
-    Option("speculative", str, "dense mode: exact speculative decoding, drafts from what RAM holds: auto (resident-block "
-                               "draft + prompt lookup, the controller choosing how far), self, ngram, off (default)", _SPEC),
-    Option("draft_max", int, "speculative decoding: the longest draft (default 8)", _SPEC),
-    Option("draft_fraction", float, "speculative decoding: the self draft computes each layer's most important "
-                                    "fraction of its blocks (those resident; default 1)", _SPEC),
-    Option("draft_stop", str, "speculative decoding: how far to draft: controller (default), fixed (always "
-                              "--draft-max), p_min:X (stop below the draft's top-1 probability X)", _SPEC),
+    Option("memory_budget", _SIZE, None,
+           "bytes of FFN weights kept in RAM (the cache, sketch and predictors): an int, or a size like 512MiB "
+           "or 1.5GB; default: all of them",
+           functools.partial(params.size_bytes, name="memory_budget"), _RUNS + ("tune", "serve_load"), engine=True,
+           variants={"tune": Variant("the FFN engine's budget: bytes (400MB) or a share of the FFN on disk (35%)"),
+                     "serve_load": Variant("the server's FFN budget", "64MiB")}),
+    Option("memory_limit", _SIZE, None,
+           "instead of {memory_budget}, a limit for the whole process (e.g. 1000MB, what a memory cgroup or a "
+           "small machine allows): the memory plan (memplan.py) takes from it what the process needs besides "
+           "the FFN engine (the interpreter, the non-FFN weights each token reads, KV cache at n_ctx, "
+           "llama.cpp's heap and compute buffers) and gives the rest to the engine, or refuses with its "
+           "numbers (MemoryPlanError, a ValueError; `leanstream info MODEL --memory-limit 1000MB` prints it)",
+           functools.partial(params.size_bytes, name="memory_limit"),
+           _RUNS + ("compare", "tune", "serve_load", "info"),
+           variants={"compare": Variant("whole-process memory limit of every run, e.g. 1GB or 900MiB (default: none)"),
+                     "tune": Variant("the whole process's memory limit (the engine gets what the memory plan leaves)"),
+                     "serve_load": Variant("whole-process limit of the server (cgroup)", "600MB"),
+                     "info": Variant("also print the memory plan under this whole-process limit (e.g. 1000MB): "
+                                     "what the process needs besides the FFN engine, and the engine's budget")}),
+    Option("mode", str, None,
+           "one of {MODES}. {DEFAULT}: every neuron (reproduces stock llama.cpp); the others decode "
+           "sparse, computing only the top (1 - sparsity) of each layer's neuron blocks: leanstream (with "
+           "the converter's sketch, the default conversion: chosen from each layer's own input: sketch scores "
+           "pick candidates, their exact gate/up values pick the blocks whose down columns are computed; "
+           "without one, by the predictors; the predictors, if trained, prefetch the next layer), oneshot "
+           "(DejaVu: one layer-ahead prediction, no weight cache), dejavu+ (oneshot + LRU cache), powerinfer2 "
+           "(hot blocks pinned + LRU); these three need predictors. Prefill is always dense. Default: "
+           "{DEFAULT}, or {QUALITY} when {quality} is given",
+           params.mode, _RUNS, engine=True),
+    Option("sparsity", float, None,
+           "fraction of each layer's blocks skipped per decoded token in the sparse modes, in [0, 1) "
+           "(default: the engine's, 0.5)",
+           params.sparsity, _RUNS + ("compare", "tune"), engine=True,
+           variants={"compare": Variant("sparse setups without a quality preset: fraction of blocks skipped "
+                                        "(default: the engine's)")}),
+    Option("quality", str, None,
+           "instead of {sparsity}, the perplexity the user accepts to lose, e.g. ppl+5%: "
+           "{QUALITY} mode (implied) at the largest sparsity whose cost the converter's calibration "
+           "measured within that in its worst domain (`leanstream info` shows the table)",
+           params.quality_preset, _RUNS + ("tune",)),
+    Option("n_io_threads", int, None,
+           "I/O worker threads: reads in flight, 1..{MAX_N_IO_THREADS} (default {ENGINE_n_io_threads})",
+           params.n_io_threads, ("serve",), engine=True),
+    Option("hot_fraction", float, None,
+           "powerinfer2 and leanstream: share of the budget pinned for the blocks most often active in "
+           "calibration, in [0, 1] (default: the mode's, 0.5; leanstream without predictors 0.9; 0 pins nothing)",
+           params.hot_fraction, ("serve",), engine=True),
+    Option("candidate_ratio", float, None,
+           "leanstream mode with a sketch: blocks whose gate/up rows are computed exactly per token, as a "
+           "multiple of the kept blocks (default: the engine's, 1.5)",
+           params.candidate_ratio, ("serve",), engine=True),
+    Option("bridge_bytes", int, None,
+           "read planning of the sparse modes: a read goes on through a gap of up to this many bytes of "
+           "unselected blocks (read and dropped) rather than start another I/O; default: per-I/O time x "
+           "bandwidth, measured on the block files at start; 0: never",
+           params.bridge_bytes, ("serve",), engine=True),
+    Option("verify_checksums", bool, True,
+           "check every block's CRC-32C as it is read (a mismatch raises LeanstreamError naming the file, "
+           "layer and block; the model directory's other files are checked against the manifest's checksums "
+           "when it is opened); off only to measure what the check costs",
+           bool, ("bench", "perplexity", "eval"), engine=True),
+    Option("controller", str, "off",
+           "the streaming controller of leanstream mode's decode ops: off (the fixed settings above), table "
+           "(the policy `leanstream tune` wrote into the model directory for this budget and sparsity: per "
+           "layer, its remaining load and the disk's speed pick the candidate ratio and bridge), or fixed:K "
+           "(action K of that policy's actions, or of control.DEFAULT_ACTIONS where none was tuned, on every "
+           "layer)",
+           params.controller, ("chat", "serve")),
+    Option("speculative", str, "off",
+           "exact speculative decoding in {DEFAULT} mode (docs/design.md §21): auto (drafts from the "
+           "engine's resident blocks and from prompt lookup, the longer one verified in one pass, the "
+           "controller deciding how far to draft), self (the resident-block draft only), ngram (prompt lookup "
+           "only), off (in the sparse modes always). Every emitted token is sampled from the model's own "
+           "logits; stats()[\"speculative\"] counts passes, drafted and accepted tokens, draft and verify time",
+           params.speculative, ("chat", "serve", "bench")),
+    Option("draft_max", int, 8,
+           "speculative decoding: the longest draft; the verify pass returns one logit row more",
+           params.draft_max, ("chat", "serve", "bench")),
+    Option("draft_fraction", float, 1.0,
+           "speculative decoding: the self draft computes each layer's most important fraction of its blocks "
+           "(those resident; 1: every resident block): a cheaper, less faithful draft",
+           params.draft_fraction, ("chat", "serve", "bench")),
+    Option("draft_stop", str, None,
+           "speculative decoding: how far to draft: controller (default: the table solved from the costs and "
+           "acceptance this process measures), fixed (always {draft_max}), p_min:X (stop below the draft's "
+           "top-1 probability X, as llama.cpp does)",
+           params.draft_stop, ("chat", "serve", "bench")),
+    Option("reuse_prefix", bool, False,
+           "evaluate only what a prompt adds to the previous request's (faster for chats; an answer may then "
+           "differ in rounding from the same request alone); off: every request starts from an empty context",
+           bool, ("serve",), llama=False),
 )
 
-BY_NAME = {o.name: o for o in OPTIONS}
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+LLAMA: tuple[Option, ...] = tuple(o for o in OPTIONS if o.llama)       # Llama's keywords, in this order
+ENGINE: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.engine)   # FFNEngine's, by the same names
 
 
 def for_command(command: str) -> list[Option]:
+    if command not in COMMANDS:
+        raise ValueError(f"no command {command!r} takes engine options (known: {', '.join(COMMANDS)})")
     return [o for o in OPTIONS if command in o.commands]
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, command: str) -> None:
-    for o in for_command(command):
-        parser.add_argument(o.flag, dest=o.name, type=o.type, default=None, help=o.help)
+# ---- the front ends ---------------------------------------------------------------------------
+
+class _Names(dict):
+    """What a help text's {NAME}s stand for, looked up when one is shown."""
+
+    def __init__(self, style: str):
+        super().__init__()
+        self.style = style
+
+    def __missing__(self, key: str):
+        if key in BY_NAME:
+            return key if self.style == "doc" else BY_NAME[key].flag
+        from . import _native, modes
+
+        if key.startswith("ENGINE_"):   # a default ls_engine_params_init sets outright
+            p = _native.ffi.new("ls_engine_params *")
+            _native.lib.ls_engine_params_init(p)
+            return getattr(p, key[len("ENGINE_"):])
+        return {"MODES": lambda: ", ".join(modes.MODES), "DEFAULT": lambda: modes.DEFAULT,
+                "QUALITY": lambda: modes.QUALITY, "MAX_N_IO_THREADS": lambda: params.max_n_io_threads()}[key]()
+
+
+def _text(o: Option, help: str, style: str) -> str:
+    """help with its {name}s filled in (an option: the keyword, style "doc", or the flag, style
+    "flag"), and the default where the option has one of its own."""
+    text = help.format_map(_Names(style))
+    if o.default is not None:
+        shown = (repr(o.default) if style == "doc" else ("on" if o.default else "off") if o.type is bool
+                 else o.default)
+        text += f" (default: {shown})"
+    return text
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, command: str,
+              names: tuple[str, ...] | None = None) -> None:
+    """The flags of ``command``'s options (only ``names`` of them, if given), each with default
+    None unless the command's variant has one, so that ``given`` sees what the user set."""
+    options = for_command(command)
+    if names is not None:
+        missing = set(names) - {o.name for o in options}
+        if missing:
+            raise ValueError(f"{command} takes no option {', '.join(sorted(missing))}")
+        options = [o for o in options if o.name in names]
+    for o in options:
+        v = o.variants.get(command, Variant())
+        help = _text(o, o.help if v.help is None else v.help, "flag")
+        if v.default is not None:
+            help += f" (default: {v.default})"
+        kw = dict(dest=o.name, default=v.default, help=help.replace("%", "%%"))
+        if o.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = o.parse
+        parser.add_argument(o.flag, **kw)
 
 
 def given(args: argparse.Namespace, command: str) -> dict:
-    """The options of ``command`` the user gave (name -> value)."""
+    """The options of ``command`` the user gave (name -> value; a command's own default counts)."""
     return {o.name: getattr(args, o.name) for o in for_command(command) if getattr(args, o.name, None) is not None}
+
+
+def parameters() -> list[inspect.Parameter]:
+    """Llama's keyword-only parameters, with their types and defaults (Llama.__init__.__signature__)."""
+    return [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default,
+                              annotation=o.type if o.default is not None else o.type | None) for o in LLAMA]
+
+
+def docstring(indent: int = 8, width: int = 100) -> str:
+    """Llama's option list: one "name: help" entry per keyword, as an Args section writes it."""
+    pad = " " * indent
+    return "\n".join(textwrap.fill(f"{o.name}: {_text(o, o.help, 'doc')}.", width, initial_indent=pad,
+                                   subsequent_indent=pad + "    ") for o in LLAMA)

@@ -1,16 +1,17 @@
 """The engine's user-facing parameters, validated once, at the boundary.
 
-``Llama``, ``leanstream chat``, ``bench`` and ``perplexity`` (and anything built on them, like a
-server wrapping ``Llama``) pass what the user gave through ``engine_params``; each value is
-checked and normalized here, and a bad one raises ``ParameterError`` naming the parameter. The
-native engine re-checks its inputs (it never trusts its caller), but messages for people come
-from here.
+Each option options.py declares names its check here: ``Llama``, ``leanstream chat``, ``serve``
+and the tools pass what the user gave through ``llama_options`` (every Llama option) or
+``engine_params`` (the FFN engine's); each value is checked and normalized, and a bad one raises
+``ParameterError`` naming the parameter. The native engine re-checks its inputs (it never trusts
+its caller), but messages for people come from here.
 
-    engine_params(memory_budget="512MiB", mode="leanstream", sparsity=None, n_io_threads=8)
+    engine_params(memory_budget="512MiB", mode="leanstream", n_io_threads=8)
     -> {"memory_budget": 536870912, "mode": "leanstream", "sparsity": None, "n_io_threads": 8, ...}
 
-A value left at None stays None: the engine's own default applies (ls_engine_params_init and the
-mode table in native/src/mode.c are the one place defaults are written).
+A value left at None takes the option's default (options.py), and where that is None the
+engine's own (ls_engine_params_init and the mode table in native/src/mode.c are the one place
+those are written).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ import math
 import numbers
 import re
 
-from ._native import MODES, lib
-
-MAX_N_IO_THREADS = lib.LS_MAX_IO_THREADS
 MAX_BYTES = (1 << 63) - 1       # the engine's budget is a u64; anything near it is a typo
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -107,10 +105,47 @@ def _real_in(value, name: str, lo: float, hi: float, hi_open: bool) -> float:
     return f
 
 
+# This module and options.py load no native library until a value is checked against the engine
+# (its modes, its thread limit): `leanstream convert` builds info's --memory-limit from them.
+
+def _default(name: str):
+    from .options import BY_NAME   # (options.py names the checks of this module)
+
+    return BY_NAME[name].default
+
+
+def max_n_io_threads() -> int:
+    from ._native import lib
+
+    return lib.LS_MAX_IO_THREADS
+
+
 def mode(value) -> str:
-    if not isinstance(value, str) or value not in MODES:
-        raise ParameterError("mode", f"unknown mode {value!r}; choose one of {', '.join(MODES)}")
+    from . import modes
+
+    if not isinstance(value, str) or value not in modes.MODES:
+        raise ParameterError("mode", f"unknown mode {value!r}; choose one of {', '.join(modes.MODES)}")
     return value
+
+
+def sparsity(value) -> float:
+    return _real_in(value, "sparsity", 0.0, 1.0, hi_open=True)
+
+
+def n_io_threads(value) -> int:
+    return _int_in(value, "n_io_threads", 1, max_n_io_threads())
+
+
+def hot_fraction(value) -> float:
+    return _real_in(value, "hot_fraction", 0.0, 1.0, hi_open=False)
+
+
+def candidate_ratio(value) -> float:
+    return _real_in(value, "candidate_ratio", 1.0, 1000.0, hi_open=False)
+
+
+def bridge_bytes(value) -> int:
+    return _int_in(value, "bridge_bytes", 0, 1 << 30)
 
 
 _QUALITY_RE = re.compile(r"^\s*ppl\s*\+\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*%\s*$", re.IGNORECASE)
@@ -125,6 +160,12 @@ def quality(value) -> float:
     if not 0.0 <= pct <= 1000.0:
         raise ParameterError("quality", f"the percentage must be in [0, 1000], got {value!r}")
     return 1.0 + pct / 100.0
+
+
+def quality_preset(value) -> str:
+    """quality= checked: the preset itself (``quality(value)`` is the ratio it allows)."""
+    quality(value)
+    return value
 
 
 def sparsity_for_quality(table: list[dict], max_ppl_ratio: float) -> float:
@@ -151,59 +192,85 @@ _CONTROLLER_RE = re.compile(r"^(off|table|fixed:[0-9]{1,2})$")
 
 
 def controller(value) -> str:
-    """The streaming controller: None/"off", "table", or "fixed:K" (an action index)."""
+    """The streaming controller: None (the default, off), "off", "table", or "fixed:K" (an action index)."""
     if value is None:
-        return "off"
+        return _default("controller")
     if not isinstance(value, str) or not _CONTROLLER_RE.match(value.strip()):
         raise ParameterError("controller", f"expected 'off', 'table' or 'fixed:K', got {value!r}")
     return value.strip()
 
 
-def engine_params(*, memory_budget=None, mode: str = "dense", sparsity=None, n_io_threads=None,
-                  hot_fraction=None, candidate_ratio=None, bridge_bytes=None) -> dict:
-    """Validated, normalized engine parameters (raises ParameterError naming the bad one).
-    None stays None (the engine's default)."""
-    def opt(value, check):
-        return None if value is None else check(value)
+def llama_options(given: dict) -> dict:
+    """Every Llama option (options.LLAMA) from the ones given: each checked (ParameterError naming
+    the first bad one), the others at their defaults, then the rules between them: quality= picks
+    the sparsity (not both) of the mode it implies, one that runs the sketch cascade; controller=
+    steers only that cascade; speculative decoding verifies with the dense pass (a sparse mode:
+    off); memory_limit= or memory_budget=, not both. Nothing is opened."""
+    from . import modes
+    from .options import LLAMA
 
-    return {
-        "memory_budget": size_bytes(memory_budget, "memory_budget"),
-        "mode": globals()["mode"](mode),
-        "sparsity": opt(sparsity, lambda v: _real_in(v, "sparsity", 0.0, 1.0, hi_open=True)),
-        "n_io_threads": opt(n_io_threads, lambda v: _int_in(v, "n_io_threads", 1, MAX_N_IO_THREADS)),
-        "hot_fraction": opt(hot_fraction, lambda v: _real_in(v, "hot_fraction", 0.0, 1.0, hi_open=False)),
-        "candidate_ratio": opt(candidate_ratio, lambda v: _real_in(v, "candidate_ratio", 1.0, 1000.0, hi_open=False)),
-        "bridge_bytes": opt(bridge_bytes, lambda v: _int_in(v, "bridge_bytes", 0, 1 << 30)),
-    }
+    unknown = set(given) - {o.name for o in LLAMA}
+    if unknown:
+        raise TypeError(f"not an option of Llama: {', '.join(sorted(unknown))}")
+    v = {o.name: o.default if given.get(o.name) is None else o.check(given[o.name]) for o in LLAMA}
+    if v["quality"] is not None:
+        if v["sparsity"] is not None:
+            raise ParameterError("quality", "give quality= or sparsity=, not both")
+        if v["mode"] is not None and not modes.is_cascade(v["mode"]):
+            raise ParameterError("quality", f"chooses {modes.QUALITY} mode's sparsity; mode={v['mode']!r} was given")
+        v["mode"] = v["mode"] or modes.QUALITY
+    v["mode"] = v["mode"] or modes.DEFAULT
+    if v["controller"] != "off" and not modes.is_cascade(v["mode"]):
+        raise ParameterError("controller", f"steers {modes.QUALITY} mode's decode; mode={v['mode']!r} was given")
+    v["speculative"] = speculative(v["speculative"], v["mode"])
+    if v["memory_limit"] and v["memory_budget"] is not None:
+        raise ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
+                                             "(the FFN engine), not both")
+    return v
+
+
+def engine_params(**given) -> dict:
+    """The FFN engine's options (options.ENGINE: memory_budget, mode, sparsity, n_io_threads, ...)
+    validated and normalized (raises ParameterError naming the bad one). None stays None (the
+    engine's default)."""
+    from .options import ENGINE
+
+    unknown = set(given) - set(ENGINE)
+    if unknown:
+        raise TypeError(f"not an engine parameter: {', '.join(sorted(unknown))} (the engine's: {', '.join(ENGINE)})")
+    v = llama_options(given)
+    return {name: v[name] for name in ENGINE}
 
 
 SPECULATIVE_KINDS = ("auto", "self", "ngram", "off")
-DEFAULT_DRAFT_MAX = 8
 MAX_DRAFT = 64
 
 
-def speculative(value, mode: str) -> str:
-    """speculative: None/"off" (the default until its speed bar is met; docs/design.md §21), "auto" (self draft + prompt lookup, the controller choosing how far; in
-    a sparse mode "off"), "self", "ngram" or "off". Speculative decoding verifies with the dense
-    pass, so a sparse mode refuses self and ngram (its answers would change)."""
-    v = "off" if value is None else value
+def speculative(value, mode: str | None = None) -> str:
+    """speculative: None (the default, off until its speed bar is met; docs/design.md §21), "auto"
+    (self draft + prompt lookup, the controller choosing how far; in a sparse mode "off"), "self",
+    "ngram" or "off". Speculative decoding verifies with the dense pass, so a sparse mode refuses
+    self and ngram (its answers would change). mode None: the value alone is checked."""
+    from . import modes
+
+    v = _default("speculative") if value is None else value
     if not isinstance(v, str) or v not in SPECULATIVE_KINDS:
         raise ParameterError("speculative", f"expected one of {', '.join(SPECULATIVE_KINDS)}, got {value!r}")
-    if mode != "dense":
+    if mode is not None and modes.is_sparse(mode):
         if v in ("self", "ngram"):
             raise ParameterError("speculative", f"verifies drafts with the dense pass; mode={mode!r} decodes sparse "
-                                                f"(use mode='dense', or speculative='off')")
+                                                f"(use mode={modes.DEFAULT!r}, or speculative='off')")
         return "off"
     return v
 
 
 def draft_max(value) -> int:
-    return DEFAULT_DRAFT_MAX if value is None else _int_in(value, "draft_max", 1, MAX_DRAFT)
+    return _default("draft_max") if value is None else _int_in(value, "draft_max", 1, MAX_DRAFT)
 
 
 def draft_fraction(value) -> float:
     if value is None:
-        return 1.0
+        return _default("draft_fraction")
     f = _real_in(value, "draft_fraction", 0.0, 1.0, hi_open=False)
     if f <= 0.0:
         raise ParameterError("draft_fraction", f"must be in (0, 1], got {value!r}")

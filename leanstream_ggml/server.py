@@ -32,12 +32,11 @@ import functools
 import sys
 from pathlib import Path
 
-# Llama's engine options the server takes; only those the user gave are passed (the rest keep the
-# engine's own defaults)
-from .options import for_command as _options_for
+from . import options
 
-LEANSTREAM_OPTIONS = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction", "candidate_ratio",
-                      "bridge_bytes", "controller", "reuse_prefix") + tuple(o.name for o in _options_for("serve"))
+# the engine options the server takes (options.py: Llama's, and reuse_prefix, the server's own);
+# only those the user gave are passed, the rest keep their defaults
+LEANSTREAM_OPTIONS = tuple(o.name for o in options.for_command("serve"))
 
 
 def _served_llama_class():
@@ -237,8 +236,8 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
 
     server_settings / model_settings: their ``ServerSettings`` / ``ModelSettings`` (default:
     their defaults; ``model_settings.model`` is set to model_dir). leanstream_options: any of
-    LEANSTREAM_OPTIONS (memory_budget or memory_limit, mode, sparsity, quality, n_io_threads, hot_fraction, candidate_ratio,
-    bridge_bytes), and reuse_prefix (default False: every request starts from an empty context).
+    LEANSTREAM_OPTIONS (options.py: Llama's engine options, and reuse_prefix, default False: every
+    request starts from an empty context).
     max_waiting_requests: requests in flight (running + queued) beyond which a new one gets 429.
     """
     from ._llama_cpp import create_server_app, server_modules
@@ -291,33 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir", nargs="?", default=None,
                    help="model directory from `leanstream convert`, or a converted known model name")
     g = p.add_argument_group("leanstream")
-    g.add_argument("--memory-budget", default=None, help="FFN weights kept in RAM, e.g. 512MiB (default: all)")
-    g.add_argument("--memory-limit", default=None,
-                   help="instead of --memory-budget, a limit for the whole process, e.g. 1000MB (the engine gets "
-                        "what the rest leaves; `leanstream info MODEL --memory-limit` shows the plan)")
-    from ._native import MODES
-
-    g.add_argument("--mode", default=None, choices=MODES,
-                   help="dense (default): every neuron (exact); the others compute only the selected blocks")
-    g.add_argument("--sparsity", type=float, default=None, help="fraction of blocks skipped per token in sparse modes")
-    g.add_argument("--quality", default=None,
-                   help="e.g. ppl+5%%: leanstream mode at the largest sparsity the converter measured within it")
-    g.add_argument("--n-io-threads", type=int, default=None, help="I/O workers (reads in flight; default 16)")
-    g.add_argument("--hot-fraction", type=float, default=None,
-                   help="share of the budget pinned for hot blocks (default: the mode's)")
-    g.add_argument("--candidate-ratio", type=float, default=None,
-                   help="leanstream with a sketch: candidates per kept block (default 1.5)")
-    g.add_argument("--bridge-bytes", type=int, default=None,
-                   help="largest gap of unselected blocks a read goes through (default: measured)")
-    g.add_argument("--controller", default=None,
-                   help="leanstream mode: 'table' (the table `leanstream tune` wrote for this budget) or 'off'")
-    from .options import add_flags
-
-    add_flags(g, "serve")
-    g.add_argument("--reuse-prefix", action="store_true", default=None,
-                   help="evaluate only what a prompt adds to the previous request's (faster for chats; an answer "
-                        "may then differ in rounding from the same request alone). Default: every request "
-                        "starts from an empty context")
+    options.add_flags(g, "serve")
     g.add_argument("--max-waiting-requests", type=int, default=8,
                    help="requests running or queued beyond which a new one is answered 429 (0: no limit)")
     s = p.add_argument_group("llama-cpp-python server options (as `python -m llama_cpp.server`; --model = MODEL_DIR)")
@@ -330,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def leanstream_options(ns: argparse.Namespace) -> dict:
     """The engine options the user gave on the command line (the others stay the engine's)."""
-    return {k: getattr(ns, k) for k in LEANSTREAM_OPTIONS if getattr(ns, k) is not None}
+    return options.given(ns, "serve")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from leanstream_ggml import _native, engine, params
+from leanstream_ggml import _native, engine, modes, params
 from leanstream_ggml._native import ffi, lib
 
 
@@ -19,7 +19,13 @@ def test_mode_list_and_uses_come_from_the_engine():
     assert _native.mode_uses("oneshot") == _native.mode_uses("dejavu+") == {"predictors", "sparse"}
     assert _native.mode_uses("powerinfer2") == {"predictors", "rank", "needs_rank", "sparse"}
     assert _native.mode_uses("leanstream") == {"sketch", "predictors", "rank", "sparse"}
-    assert params.MODES is _native.MODES
+    assert modes.MODES is _native.MODES                 # the public module is the engine's table
+    assert [modes.uses(m) for m in modes.MODES] == [_native.mode_uses(m) for m in _native.MODES]
+    assert modes.DEFAULT == "dense" and modes.QUALITY == "leanstream"
+    assert modes.SPARSE == tuple(m for m in modes.MODES if m != "dense")
+    assert [modes.is_cascade(m) for m in modes.MODES] == [m == "leanstream" for m in modes.MODES]
+    with pytest.raises(params.ParameterError, match="^mode: unknown mode 'turbo'"):
+        params.mode("turbo")
     with pytest.raises(ValueError, match="unknown mode 'turbo'"):
         _native.mode_id("turbo")
 
