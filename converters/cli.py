@@ -162,10 +162,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _plan_lines(m, d: Path, args) -> list[str]:
     """The memory plan (leanstream_ggml/memplan.py) a Llama would make under --memory-limit."""
-    from leanstream_ggml import memplan, params
+    from leanstream_ggml import memplan, modes, params
 
     limit = params.size_bytes(args.memory_limit, "memory_limit")
-    mode = args.mode or ("leanstream" if m.sketch else "dense")
+    mode = args.mode or (modes.QUALITY if m.sketch else modes.DEFAULT)
     plan = memplan.plan(d, m, limit, mode=mode, n_ctx=args.n_ctx, n_ubatch=args.batch_size)
     out = plan.lines()
     plan.check()
@@ -290,9 +290,9 @@ def register(subparsers) -> None:
                               description="Print what a model directory's manifest.json says.")
     q.add_argument("dir", nargs="?", default=None,
                    help="model directory, or a known model name (default: the default model's)")
-    q.add_argument("--memory-limit", default=None,
-                   help="also print the memory plan under this whole-process limit (e.g. 1000MB): what the "
-                        "process needs besides the FFN engine, and the engine's budget")
+    from leanstream_ggml.options import add_flags
+
+    add_flags(q, "info")    # --memory-limit
     q.add_argument("--mode", default=None, help="the plan's mode (default: leanstream with a sketch, else dense)")
     q.add_argument("-c", "--n-ctx", type=int, default=512, help="the plan's n_ctx (default 512)")
     q.add_argument("-b", "--batch-size", type=int, default=512, help="the plan's n_ubatch (default 512)")

@@ -213,9 +213,9 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
 
 def resident_bytes(model_dir, manifest, mode: str) -> int:
     """Bytes of the files the mode keeps in memory: its sketch and predictor files (0 in dense)."""
-    if mode == "dense":
-        return 0
-    from ._native import mode_uses
+    from . import modes
 
-    files = manifest.mode_files(model_dir, mode_uses(mode), mode)
+    if not modes.is_sparse(mode):
+        return 0
+    files = manifest.mode_files(model_dir, modes.uses(mode), mode)
     return sum(manifest.resolve(model_dir, f).stat().st_size for f in (files.sketches or []) + (files.predictors or []))
