@@ -292,8 +292,7 @@ def register(subparsers) -> None:
                    help="model directory, or a known model name (default: the default model's)")
     from leanstream_ggml.options import add_flags
 
-    add_flags(q, "info")    # --memory-limit
-    q.add_argument("--mode", default=None, help="the plan's mode (default: leanstream with a sketch, else dense)")
+    add_flags(q, "info")    # --memory-limit, --mode
     q.add_argument("-c", "--n-ctx", type=int, default=512, help="the plan's n_ctx (default 512)")
     q.add_argument("-b", "--batch-size", type=int, default=512, help="the plan's n_ubatch (default 512)")
     q.set_defaults(func=cmd_info)

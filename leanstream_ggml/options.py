@@ -94,7 +94,8 @@ OPTIONS: tuple[Option, ...] = (
            "(DejaVu: one layer-ahead prediction, no weight cache), dejavu+ (oneshot + LRU cache), powerinfer2 "
            "(hot blocks pinned + LRU); these three need predictors. Prefill is always dense. Default: "
            "{DEFAULT}, or {QUALITY} when {quality} is given",
-           params.mode, _RUNS, engine=True),
+           params.mode, _RUNS + ("info",), engine=True,
+           variants={"info": Variant("the plan's mode (default: leanstream with a sketch, else dense)")}),
     Option("sparsity", float, None,
            "fraction of each layer's blocks skipped per decoded token in the sparse modes, in [0, 1) "
            "(default: the engine's, 0.5)",
