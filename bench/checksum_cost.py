@@ -23,16 +23,18 @@ import numpy as np
 
 
 def decode(llm, prompt, n):
+    from leanstream_ggml import context
+
     llm.reset()
     llm.eval(prompt)
     llm.reset_stats()
-    tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))))
+    tok = int(np.argmax(context.logits(llm)))
     out = []
     w0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         llm.eval([tok])
         out.append(tok)
-        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))))
+        tok = int(np.argmax(context.logits(llm)))
     w1, c1 = time.perf_counter(), time.process_time()
     s = llm.stats()
     return out, (w1 - w0) / n, (c1 - c0) / n, s["checksum_ns"] / 1e9 / n, s["bytes_read_per_token"]
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args(argv)
     from leanstream_ggml import Llama
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+    from leanstream_tools.bench import DEFAULT_TEXT
 
     kw = dict(memory_budget=args.memory_budget, n_ctx=512, n_threads=args.threads,
               n_threads_batch=args.threads, verbose=False)

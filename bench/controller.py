@@ -8,7 +8,7 @@ A regime is a budget: "35%" (a share of the FFN on disk, the engine's budget), "
 whole-process limit: each run in its own memory cgroup of that size, the engine's budget from the
 memory plan) or "budget=415MB" (the engine's budget, no cgroup: --ppl at a limit's budget, since
 logits_all's buffers are not in the memory plan). --contend 1 runs the regime beside a second process that streams the model's
-base.gguf with O_DIRECT reads of 1 MiB (leanstream_ggml.tune.DiskReader). A config is "off"
+base.gguf with O_DIRECT reads of 1 MiB (leanstream_tools.tune.DiskReader). A config is "off"
 (today's fixed default: the parameters as given), "table" (the tuned policy for that budget) or
 "fixed:K" (action K of the tuned policy's actions on every layer); "dense" is plugin dense. A
 config may end in "@ioN": the engine with N I/O threads (reads in flight) instead of its default.
@@ -75,8 +75,8 @@ def child(a: dict) -> dict:
     import numpy as np
 
     from leanstream_ggml import Llama
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
-    from leanstream_ggml.tune import DiskReader, text_tokens
+    from leanstream_tools.bench import DEFAULT_TEXT
+    from leanstream_tools.tune import DiskReader, text_tokens
 
     model_dir = Path(a["model"])
     llm = Llama(str(model_dir), n_ctx=512, n_threads=a["threads"], n_threads_batch=a["threads"], verbose=False,
@@ -138,9 +138,9 @@ def child_ppl(a: dict) -> dict:
     import numpy as np
 
     from leanstream_ggml import Llama
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
-    from leanstream_ggml.harness.perplexity import window_logits, window_nll
-    from leanstream_ggml.tune import text_tokens
+    from leanstream_tools.bench import DEFAULT_TEXT
+    from leanstream_tools.perplexity import window_logits, window_nll
+    from leanstream_tools.tune import text_tokens
 
     model_dir = Path(a["model"])
     llm = Llama(str(model_dir), n_ctx=264, n_batch=264, logits_all=True, n_threads=a["threads"],
@@ -155,7 +155,7 @@ def child_ppl(a: dict) -> dict:
 def run(a: dict, timeout_s: float = 1800) -> dict:
     """One run in a fresh process; in a memory cgroup for a whole-process regime."""
     from leanstream_ggml import params
-    from leanstream_ggml.harness import cgroup
+    from leanstream_tools import cgroup
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(a)]
     limit = None if a["regime"].endswith("%") or a["regime"].startswith("budget=") else \

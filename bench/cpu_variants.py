@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         if base:
             row["decode_x_haswell"] = row["decode_tok_s"] / base["decode_tok_s"]
             row["prefill_x_haswell"] = row["prefill_tok_s"] / base["prefill_tok_s"]
-    from leanstream_ggml.harness import measure
+    from leanstream_tools import measure
 
     print(json.dumps({"rows": rows, "rounds": args.rounds, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
                       "threads": args.threads, "gguf": args.gguf, "dir": args.dir,

@@ -105,7 +105,7 @@ def main() -> int:
     a = ap.parse_args()
     sys.path.insert(0, str(HERE.parent))
     from leanstream_ggml import manifest as mf
-    from leanstream_ggml.harness import measure as hm
+    from leanstream_tools import measure as hm
 
     m = mf.load(a.model)
     files = [str(m.resolve(a.model, e.file)) for e in m.layers]

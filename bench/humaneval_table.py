@@ -6,7 +6,7 @@
 Each setup is one `leanstream eval humaneval` run in its own process, one after the other (its
 results JSON in --out-dir, resumable: a rerun continues what is there; a larger --limit extends
 it). Setups: "stock" (the GGUF given), "stock-<type>" (the same requantized with llama.cpp's
-quantizer, leanstream_ggml/harness/quants.py), "dense" (plugin dense mode), "leanstream" (its
+quantizer, leanstream_tools/quants.py), "dense" (plugin dense mode), "leanstream" (its
 default sparsity) and "leanstream@<quality>" (e.g. leanstream@ppl+5%). The sparse setups get
 --memory-budget (default: one block short of the FFN + sketch, read from the manifest: every op
 then selects through the sketch, as under any smaller budget; a budget that holds everything
@@ -28,15 +28,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from leanstream_ggml.harness import humaneval  # noqa: E402
-from leanstream_ggml.harness.compare import selecting_budget  # noqa: E402
+from leanstream_tools import humaneval  # noqa: E402
+from leanstream_tools.compare import selecting_budget  # noqa: E402
 
 DEFAULT_SETUPS = "stock,stock-q3_k_m,stock-q2_k,dense,leanstream,leanstream@ppl+5%"
 
 
 def setup_args(setup: str, gguf: Path, model_dir: Path, budget: int, threads: int) -> list[str]:
     """`leanstream eval humaneval` arguments of one setup."""
-    from leanstream_ggml.harness import quants
+    from leanstream_tools import quants
 
     common = ["-t", str(threads)]
     if setup == "stock":

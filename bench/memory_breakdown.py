@@ -29,7 +29,7 @@ def smaps_rollup() -> dict[str, int]:
 
 
 def snapshot(stage: str, files: dict[str, list[Path]], llm=None) -> dict:
-    from leanstream_ggml.harness import measure
+    from leanstream_tools import measure
 
     r = smaps_rollup()
     st = measure.parse_proc_status(Path("/proc/self/status").read_text())
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     from leanstream_ggml import Llama
     from leanstream_ggml import manifest as manifest_mod
-    from leanstream_ggml.harness import measure
+    from leanstream_tools import measure
 
     d = Path(args.model)
     m = manifest_mod.load(d)

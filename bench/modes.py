@@ -34,7 +34,7 @@ PROMPT = "The main differences between a process and a thread are"
 def decode_tps(llm, n_tokens: int, offset: int = 0) -> float:
     """Prefill a prompt, then decode n_tokens of real text one at a time (teacher-forced: every
     token differs, as in generation, so the cache sees a realistic stream of selections)."""
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+    from leanstream_tools.bench import DEFAULT_TEXT
 
     llm.reset()
     toks = llm.tokenize(PROMPT.encode())
@@ -53,8 +53,8 @@ def quality(model_dir, mode, sparsity, ref, args) -> dict:
     token by token, where the sparse modes are sparse). Selection does not depend on the budget,
     so one run per (mode, sparsity)."""
     from leanstream_ggml import Llama
-    from leanstream_ggml.harness import perplexity
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+    from leanstream_tools import perplexity
+    from leanstream_tools.bench import DEFAULT_TEXT
 
     n = args.quality_ctx
     kw = dict(n_ctx=n, n_threads=args.threads, n_threads_batch=args.threads, n_batch=n, n_ubatch=n,
@@ -70,7 +70,7 @@ def quality(model_dir, mode, sparsity, ref, args) -> dict:
 
 def run_one(model_dir, mode, budget, sparsity, args, stock_text):
     from leanstream_ggml import Llama
-    from leanstream_ggml._native import LeanstreamError
+    from leanstream_ggml.engine import LeanstreamError
 
     try:
         llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity,
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                 results.append(r)
     qual = []
     if args.quality:
-        from leanstream_ggml.harness import systems
+        from leanstream_tools import systems
 
         n = args.quality_ctx
         ref = systems.open_model(args.stock, "stock", n_ctx=n, n_threads=args.threads, n_batch=n, logits_all=True)

@@ -23,9 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def latency_us(path, repeats: int = 2000) -> float:
-    from converters.train.export import NativePredictor
-    from leanstream_ggml._native import ffi
+    import cffi
 
+    from converters.train.export import NativePredictor
+
+    ffi = cffi.FFI()   # float buffers only: cffi's primitive types are one across its FFI objects
     with NativePredictor(path) as c:
         x = ffi.new("float[]", np.random.default_rng(0).standard_normal(c.n_embd).astype(np.float32).tolist())
         y = ffi.new("float[]", c.n_blocks)

@@ -43,8 +43,8 @@ def ffn_bytes(model_dir: Path) -> int:
 
 def run_one(model_dir: Path, mode: str, bridge, hot, budget: int, args) -> dict:
     from leanstream_ggml import Llama
-    from leanstream_ggml._native import LeanstreamError
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+    from leanstream_ggml.engine import LeanstreamError
+    from leanstream_tools.bench import DEFAULT_TEXT
 
     try:
         llm = Llama(str(model_dir), mode=mode, memory_budget=budget, bridge_bytes=bridge, hot_fraction=hot, n_ctx=512,

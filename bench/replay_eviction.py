@@ -213,7 +213,7 @@ def main() -> int:
     ap.add_argument("--text", default=None, help="held-out text (default: the bench's bundled text)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+    from leanstream_tools.bench import DEFAULT_TEXT
 
     text = Path(a.text or DEFAULT_TEXT).read_text(encoding="utf-8")
     needs, size, offset, file_of = record(a.model_dir, text, a.tokens, a.sparsity, a.candidate_ratio, a.granularity)

@@ -41,21 +41,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
 
-    from leanstream_ggml import manifest as mf
-    from leanstream_ggml._native import ffi, lib, mode_uses
-    from leanstream_ggml.harness import bench
+    from leanstream_ggml import engine, manifest as mf, modes
+    from leanstream_tools import bench
 
     man = mf.load(args.model_dir)
     systems = [("stock", args.gguf, {"system": "stock"})]
     for m in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        extra = None if m == "dense" else {"sparsity": args.sparsity}
-        if m != "dense":
+        extra = {"sparsity": args.sparsity} if modes.is_sparse(m) else None
+        if modes.is_sparse(m):
             try:
-                man.mode_files(args.model_dir, mode_uses(m), m)
+                man.mode_files(args.model_dir, modes.uses(m), m)
             except ValueError as e:
                 print(json.dumps({"skipped": m, "why": str(e)}), flush=True)
                 continue
-        systems.append((m if m == "dense" else f"{m} s={args.sparsity}", args.model_dir, {"mode": m, "extra": extra}))
+        systems.append((f"{m} s={args.sparsity}" if modes.is_sparse(m) else m, args.model_dir, {"mode": m, "extra": extra}))
 
     out = open(args.out, "a") if args.out else None
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
             warm = r["repetitions"][-1]   # the first repetition loads the blocks / fills the page cache
             row = {"round": rnd, "system": name, "decode_tok_s": warm["decode_tok_s"],
                    "prefill_tok_s": warm["prefill_tok_s"], "load1": os.getloadavg()[0],
-                   "kernel_isa": ffi.string(lib.ls_kernel_isa()).decode()}
+                   "kernel_isa": engine.kernel_isa()}
             rows[name].append(row)
             print(json.dumps(row), flush=True)
             if out:

@@ -36,11 +36,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from leanstream_ggml.harness.texts import HELDOUT  # noqa: E402
+from leanstream_tools.texts import HELDOUT  # noqa: E402
 
 
 def domain_tokens(vocab_llm, path, n_tokens: int) -> list[int]:
-    from leanstream_ggml.harness.texts import text_tokens
+    from leanstream_tools.texts import text_tokens
 
     toks, _ = text_tokens(vocab_llm, path)
     return toks[:n_tokens + 1]

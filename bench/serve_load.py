@@ -4,7 +4,7 @@ memory limit, with requests that are good, cut short by their client, or bad.
     python bench/serve_load.py MODEL_DIR [--clients 4] [--minutes 2] [--memory-limit 600MB]
                                [--memory-budget 64MiB] [--n-ctx 1024] [--seed 0] [--out FILE]
 
-The server runs in its own process inside a child memory cgroup (leanstream_ggml.harness.cgroup;
+The server runs in its own process inside a child memory cgroup (leanstream_tools.cgroup;
 without one the run says so and has no limit), with --interrupt_requests false and 2 threads.
 Every good request (chat or completion, prompts of 10 to ~600 tokens, greedy) is first sent
 once with the server otherwise idle: that answer is "alone". Then --clients threads (the
@@ -60,7 +60,7 @@ def _free_port() -> int:
 def start_server(model_dir: str, port: int, memory_budget: str | None, n_ctx: int, limit: int | None, log: Path,
                  extra_env: dict | None = None, extra_args: list[str] | None = None):
     """The server process (in a new cgroup with the limit where possible): (proc, cgroup or None, why)."""
-    from leanstream_ggml.harness import cgroup
+    from leanstream_tools import cgroup
 
     cmd = [sys.executable, "-m", "leanstream_ggml.cli", "serve", model_dir, "--port", str(port), "--n_ctx", str(n_ctx),
            "--n_threads", "2", "--n_threads_batch", "2", "--interrupt_requests", "false", "--verbose", "false"]

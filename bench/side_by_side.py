@@ -12,14 +12,14 @@ limit run back to back under the same machine conditions):
 1. the page cache of that system's model files is dropped (posix_fadvise DONTNEED; what stays
    resident is measured with mincore and recorded);
 2. `leanstream bench MODEL --json` runs in a fresh process inside its own child memory cgroup
-   (leanstream_ggml/harness/cgroup.py: the forked child enters the cgroup before exec, so the
+   (leanstream_tools/cgroup.py: the forked child enters the cgroup before exec, so the
    whole process, page cache of the mmap'd GGUF included, is charged and limited; runs without
    a limit get a cgroup too, for its accounting only);
 3. its JSON, the cgroup's peak and OOM counters, and "oom" / "timeout" / "error" are recorded.
 
 Systems: "stock" = llama_cpp.Llama on the GGUF with mmap (llama-cpp-python's defaults);
 "stock-<type>" (e.g. stock-q3_k_m, stock-q2_k) = the same on a smaller quantization of the same
-model, made with llama.cpp's quantizer from the GGUF given (leanstream_ggml/harness/quants.py: a
+model, made with llama.cpp's quantizer from the GGUF given (leanstream_tools/quants.py: a
 re-quantization when the source is already quantized) — what a stock user would run at a limit
 the original does not fit; any other name is a LeanStream engine mode on the converted model
 directory ("dense", "oneshot", "dejavu+", "powerinfer2", "leanstream"). All get the same n_ctx,
@@ -38,7 +38,7 @@ line per system: the paper's Fig. 8) to --plot. Where cgroups are not writable i
 JSON and on stderr, and runs each system once without a limit.
 
 The runs themselves (the child process, its cgroup, the page cache, the reserve, the private
-copies, the perplexities) are leanstream_ggml/harness/compare.py's, which `leanstream compare`
+copies, the perplexities) are leanstream_tools/compare/'s, which `leanstream compare`
 runs at one limit: this script adds the sweep over limits and its plot.
 """
 
@@ -54,8 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from leanstream_ggml.harness import cgroup, measure  # noqa: E402
-from leanstream_ggml.harness.compare import (  # noqa: E402
+from leanstream_tools import cgroup, measure  # noqa: E402
+from leanstream_tools.compare import (  # noqa: E402
     STOCK, add_greedy_match, bench_run, cgroup_doc, check_setups, child_env, choose_reserve, is_stock, log,
     measure_perplexities, model_doc, parse_systems, prepare_models, stock_files, stock_quant, workspace)
 
@@ -131,7 +131,7 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
                      "timeout_s": args.timeout,
                      "plugin_reserve": {m: {"bytes": r, "how": how} for m, (r, how) in reserve_of.items()},
                      "page_cache_dropped": not args.no_drop_cache,
-                     "prompt": "bundled held-out technical text (leanstream_ggml/harness/data)"},
+                     "prompt": "bundled held-out technical text (leanstream_tools/data)"},
         "machine": measure.machine_info(),
         "runs": runs,
         "perplexity": ppl or None,

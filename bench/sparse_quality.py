@@ -27,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from leanstream_ggml.harness.bench import DEFAULT_TEXT  # noqa: E402
-from leanstream_ggml.harness.measure import machine_info  # noqa: E402
-from leanstream_ggml.harness.perplexity import log_softmax, scored_range, window_logits, windows  # noqa: E402
-from leanstream_ggml.harness.texts import text_tokens  # noqa: E402
+from leanstream_tools.bench import DEFAULT_TEXT  # noqa: E402
+from leanstream_tools.measure import machine_info  # noqa: E402
+from leanstream_tools.perplexity import log_softmax, scored_range, window_logits, windows  # noqa: E402
+from leanstream_tools.texts import text_tokens  # noqa: E402
 
 
 def reference_windows(gguf: str, text_path, n_ctx: int, chunks: int, n_threads: int):
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--memory-budget", default=None, help="FFN budget (default: all; quality only)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
-    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out text, or .jsonl chats (harness/texts.py)")
+    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out text, or .jsonl chats (leanstream_tools/texts.py)")
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = ap.parse_args()

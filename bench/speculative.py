@@ -143,11 +143,9 @@ def child_passes(a: dict) -> dict:
         for b in [1] + [x for x in a["passes"] if x != 1] * 3 + [1, 1]:
             batch = toks[-b:] if b <= len(toks) else (toks * b)[:b]
             t0 = time.perf_counter()
-            llm._verify_rows = b          # all B rows' logits, as a verify pass
-            llm.eval(batch)
+            llm.eval_all_rows(batch)      # all B rows' logits, as a verify pass
             out.setdefault(b, []).append(time.perf_counter() - t0)
-            llm.n_tokens -= b
-            llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
+            llm.rewind(llm.n_tokens - b)
         return {"pass_s": {b: statistics.median(v[1:] if b == 1 else v) for b, v in out.items()}}
     finally:
         llm.close()
@@ -155,7 +153,7 @@ def child_passes(a: dict) -> dict:
 
 def run(a: dict, timeout_s: float = 3600) -> dict:
     from leanstream_ggml import params
-    from leanstream_ggml.harness import cgroup, measure
+    from leanstream_tools import cgroup, measure
 
     files = measure.model_files(a["model"]) + [Path(p) for p in a["gguf"].values()]
     measure.drop_page_cache(files)
@@ -194,7 +192,7 @@ def margins(model: str, runs: list[dict], threads: int) -> None:
             d = r["divergence"]
             llm.reset()
             llm.eval(d["prefix"])
-            logits = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+            logits = llm.logits()
             d["margin"] = float(logits[d["plain"]] - logits[d["other"]])
             d["plain_is_argmax"] = int(np.argmax(logits)) == d["plain"]
             del d["prefix"]
@@ -286,14 +284,14 @@ def main(argv=None) -> int:
             if cfg["system"] == "stock":
                 gguf["stock"] = str(Path(args.gguf).resolve())
             else:
-                from leanstream_ggml.harness import quants
+                from leanstream_tools import quants
 
                 gguf[cfg["system"]] = str(quants.requantize(args.gguf, cfg["system"].upper(), n_threads=args.threads))
     base = {"model": args.model, "gguf": gguf, "threads": args.threads, "max_tokens": args.max_tokens,
             "ctx": args.ctx, "prompts": prompts}
     if args.passes:
         base["passes"] = [int(x) for x in args.passes.split(",")]
-    from leanstream_ggml.harness.measure import machine_info
+    from leanstream_tools.measure import machine_info
 
     doc = {"model": args.model, "args": vars(args), "machine": machine_info(), "runs": []}
     for rnd in range(args.rounds):

@@ -43,8 +43,8 @@ def corpus(user=None) -> dict[str, Path]:
 
 
 def _windows(llm, path: Path) -> list[list[int]]:
-    from leanstream_ggml.harness.perplexity import windows
-    from leanstream_ggml.harness.texts import text_tokens
+    from leanstream_tools.perplexity import windows
+    from leanstream_tools.texts import text_tokens
 
     tokens, add_bos = text_tokens(llm, path)
     if len(tokens) < N_CTX:
@@ -53,7 +53,7 @@ def _windows(llm, path: Path) -> list[list[int]]:
 
 
 def _logits(llm, w: list[int], decode: bool) -> np.ndarray:
-    from leanstream_ggml.harness.perplexity import log_softmax, window_logits
+    from leanstream_tools.perplexity import log_softmax, window_logits
 
     pos = np.arange(N_CTX // 2, N_CTX - 1)
     return log_softmax(window_logits(llm, w, decode=decode)[pos])

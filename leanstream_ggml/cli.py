@@ -4,6 +4,11 @@
 Only the module of the command being run is imported: the converter's commands (convert,
 profile, train-predictor) are named here by module path and loaded when asked for, so running
 `chat`, `bench` or `perplexity` never imports the converter (or torch, scikit-learn, gguf).
+
+The tools (bench, perplexity, compare, eval, tune: the package leanstream_tools) sit on top of
+the library, which never names them: each is an entry point of the group ``leanstream.commands``
+(pyproject.toml), an object with ``register(subparsers)`` and a one-line ``help``, loaded only
+when `leanstream --help` lists it or its command runs.
 """
 
 from __future__ import annotations
@@ -32,14 +37,18 @@ COMMANDS = {
     "verify": ("leanstream_ggml.verify", "check every checksum of a model directory"),
     "chat": ("leanstream_ggml.chat", "chat with a converted model (streams tokens, keeps history)"),
     "serve": ("leanstream_ggml.server", "llama-cpp-python's OpenAI-compatible server on a converted model"),
-    "bench": ("leanstream_ggml.harness.cli", "decode/prefill speed, peak memory and disk reads"),
-    "perplexity": ("leanstream_ggml.harness.cli", "perplexity on held-out text (optionally vs stock)"),
-    "compare": ("leanstream_ggml.harness.compare", "stock quants and the plugin side by side under a memory limit"),
-    "eval": ("leanstream_ggml.harness.humaneval", "task quality: HumanEval pass@1 (greedy, chat template)"),
-    "tune": ("leanstream_ggml.tune", "synthesize the streaming controller's table on this machine and disk"),
     "profile": ("converters.train.cli", "record FFN activations of a GGUF on calibration text"),
     "train-predictor": ("converters.train.cli", "train and export the hashing predictors from a profile"),
 }
+
+PLUGIN_GROUP = "leanstream.commands"   # the entry points of the commands installed packages add
+
+
+def plugins() -> dict:
+    """name -> entry point of every command an installed package adds (in its metadata's order)."""
+    from importlib import metadata
+
+    return {ep.name: ep for ep in metadata.entry_points(group=PLUGIN_GROUP) if ep.name not in COMMANDS}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -50,9 +59,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     if command in COMMANDS:
         importlib.import_module(COMMANDS[command][0]).register(sub)
-    else:
-        for name, (_, text) in COMMANDS.items():
-            sub.add_parser(name, help=text)
+        return ap
+    extra = plugins()
+    if command in extra:
+        extra[command].load().register(sub)
+        return ap
+    for name, (_, text) in COMMANDS.items():
+        sub.add_parser(name, help=text)
+    for name, ep in extra.items():
+        sub.add_parser(name, help=getattr(ep.load(), "help", None))
     return ap
 
 

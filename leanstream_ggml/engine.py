@@ -327,3 +327,14 @@ class FFNEngine:
 
     def reset_stats(self) -> None:
         lib.ls_engine_reset_stats(self.handle)
+
+
+# -- what the native library runs on here (for reports: the tools' machine description) ---------
+def kernel_isa() -> str:
+    """The instruction set the engine's kernels dispatch to on this CPU (ls_kernel_isa)."""
+    return ffi.string(lib.ls_kernel_isa()).decode()
+
+
+def ggml_cpu_variant() -> str:
+    """The CPU backend variant llama.cpp runs here: haswell, zen4, ... (ls_ggml_cpu_variant)."""
+    return ffi.string(lib.ls_ggml_cpu_variant()).decode()

@@ -278,6 +278,18 @@ class Llama(llama_cpp.Llama):
         decode (``context.logits``)."""
         return context.logits(self, i)
 
+    def eval_all_rows(self, tokens) -> None:
+        """``eval(tokens)`` as a speculative verify pass runs it: the logits of every row are kept
+        (``logits(i)``), without logits_all's n_ctx x n_vocab array (bench/speculative.py times it)."""
+        self._verify_rows = len(tokens)
+        self.eval(tokens)
+
+    def rewind(self, n_tokens: int) -> None:
+        """Forget every position from ``n_tokens`` on (the tokens and the KV cache): what a
+        rejected draft, or a timed pass, decoded past it."""
+        self.n_tokens = n_tokens
+        _llama_cpp.kv_cache_trim(self, n_tokens)
+
     def _live_engine(self) -> FFNEngine:
         if self._engine is None:
             raise ClosedError("this Llama is closed")

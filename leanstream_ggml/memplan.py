@@ -38,7 +38,12 @@ MIN_CACHE = 32 * MiB           # the least cache a plan gives the engine
 
 
 class MemoryPlanError(ValueError):
-    """The limit cannot hold the process besides the engine's least working set."""
+    """The limit cannot hold the process besides the engine's least working set. ``plan``: the
+    MemoryPlan that refused (None when the model could not be planned at all)."""
+
+    def __init__(self, message: str, plan: MemoryPlan | None = None):
+        super().__init__(message)
+        self.plan = plan
 
 
 @dataclass
@@ -160,6 +165,10 @@ class MemoryPlan:
         out.append(f"    {'cache':<10}{_fmt(self.cache)}  FFN weights kept between tokens")
         return out
 
+    def to_dict(self) -> dict:
+        """The plan as JSON: bytes of each part, the limit, the engine's budget and its resident part."""
+        return {**self.parts, "limit": self.limit, "budget": self.budget, "resident": self.resident}
+
     def check(self) -> None:
         """Raise MemoryPlanError (with the plan) when the limit leaves the engine too little."""
         if self.cache < MIN_CACHE:
@@ -170,7 +179,7 @@ class MemoryPlan:
                 + (f", {self.resident / MiB:.0f} MiB resident sketch/predictors" if self.resident else "")
                 + f", {MIN_CACHE / MiB:.0f} MiB of cache).\n" + "\n".join(self.lines())
                 + (f"\n(dense mode keeps nothing resident: it needs {(self.reserve + MIN_CACHE) / 1e6:.0f} MB)"
-                   if self.resident else ""))
+                   if self.resident else ""), self)
 
 
 def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,

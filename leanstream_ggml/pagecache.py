@@ -2,7 +2,7 @@
 
 Standard library only. The page cache of a file a process reads is charged to its memory cgroup,
 where a memory limit binds: the runtime drops what a whole-file check read (checksum.py), the
-harness reads residency to report and to start runs cold (harness/measure.py).
+tools read residency to report and to start runs cold (leanstream_tools/measure.py).
 """
 
 from __future__ import annotations

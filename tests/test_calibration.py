@@ -11,7 +11,7 @@ import pytest
 
 from converters import calibrate
 from leanstream_ggml import manifest as mf
-from leanstream_ggml.harness import texts
+from leanstream_tools import texts
 
 
 def _lines(path) -> set[str]:

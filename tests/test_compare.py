@@ -1,4 +1,4 @@
-"""`leanstream compare` (leanstream_ggml/harness/compare.py): the decisions, the Pareto front, the
+"""`leanstream compare` (leanstream_tools/compare/): the decisions, the Pareto front, the
 report's shape, and one real run on SmolLM2 through the CLI (slow: it converts SmolLM2 with its
 sketch, and every setup runs in its own process)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from leanstream_ggml import params
-from leanstream_ggml.harness import compare
+from leanstream_tools import compare
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -259,7 +259,7 @@ def test_a_budget_below_the_sketch_is_skipped_before_running(smollm2_sketch_dir)
     fit: skipped with both sizes, no process started; dense at the same budget is not."""
     import argparse
 
-    from leanstream_ggml.harness import compare
+    from leanstream_tools import compare
 
     sketch = compare.sketch_bytes(smollm2_sketch_dir)
     assert sketch > 0
@@ -276,7 +276,7 @@ def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
     """Without a converted directory compare converts one, through `leanstream convert` in a
     child process (the runtime never imports the converter); an existing one is used as is."""
     from leanstream_ggml import manifest
-    from leanstream_ggml.harness import compare
+    from leanstream_tools import compare
 
     out = compare.resolve_model_dir(smollm2_gguf, str(smollm2_gguf), str(tmp_path / "m.lsm"))
     m = manifest.load(out)
@@ -284,3 +284,29 @@ def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
     stamp = (out / "manifest.json").stat().st_mtime_ns
     assert compare.resolve_model_dir(smollm2_gguf, str(smollm2_gguf), str(out)) == out
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
+
+
+def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
+    """A plugin run whose memory plan refuses the limit: the child writes the plan to the file the
+    runner names and exits with its own status; the runner gives a PlanRefused carrying the plan
+    (never read from the child's stderr), and bench_run's record says "does not fit"."""
+    from converters import convert
+    from gguf_synth import write_tiny_model
+    from leanstream_tools import cli, compare
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_model(src, arch="llama", n_layer=2, n_embd=64, n_ff=96, types={"ffn": "F16"}, seed=2)
+    d = tmp_path / "tiny.lsm"
+    convert(src, d, progress=False, sketch="none")
+    args = argparse.Namespace(n_prompt=4, n_gen=2, repetitions=1, ctx_size=128, batch_size=128, threads=2,
+                              sparsity=None, timeout=120)
+    child = compare.run_child(compare.bench_command(d, "dense", args, None, memory_limit=20 * 10**6),
+                              limit_bytes=None, timeout_s=120, env=compare.child_env(), account=False)
+    assert child.command.returncode == cli.PLAN_REFUSED_EXIT and child.doc is None
+    assert isinstance(child.refused, compare.PlanRefused)
+    assert child.refused.plan["limit"] == 20 * 10**6 and child.refused.plan["budget"] < child.refused.plan["limit"]
+    assert child.refused.reason.startswith("memory_limit 20 MB cannot hold this model in dense mode")
+    assert "\n" not in child.refused.reason
+    ok = compare.run_child(compare.bench_command(d, "dense", args, None), limit_bytes=None, timeout_s=120,
+                           env=compare.child_env(), account=False)
+    assert ok.command.status == "ok" and ok.refused is None and ok.doc["decode_tok_s"] > 0

@@ -18,7 +18,7 @@ import pytest
 
 import bench_modules
 
-from leanstream_ggml.harness import cgroup, compare, measure, perplexity
+from leanstream_tools import cgroup, compare, measure, perplexity
 
 
 
@@ -319,7 +319,7 @@ def test_compare_refuses_different_vocabularies():
 
 
 # ---------------------------------------------------------------------------------------------
-# the side-by-side runs (harness/compare.py, bench/side_by_side.py) and bench/make_readme_table.py
+# the side-by-side runs (leanstream_tools/compare/, bench/side_by_side.py) and bench/make_readme_table.py
 
 def test_parse_limits_orders_none_first_then_largest():
     assert side_by_side.parse_limits("900MB,none,1500MB,1.2GB") == [None, 1500 * 10**6, 1200 * 10**6, 900 * 10**6]
@@ -327,10 +327,15 @@ def test_parse_limits_orders_none_first_then_largest():
     assert compare.parse_systems("stock, dense,,stock") == ["stock", "dense"]
 
 
-def test_extract_json_takes_the_last_json_line():
-    out = 'loading...\n{"a": 1}\nnoise\n{"decode_tok_s": 12.5}\n'
-    assert compare.extract_json(out) == {"decode_tok_s": 12.5}
-    assert compare.extract_json("no json here\n{broken") is None
+def test_a_child_s_document_is_read_from_the_file_it_wrote(tmp_path):
+    f = tmp_path / "doc.json"
+    f.write_text('{"decode_tok_s": 12.5}\n')
+    assert compare.read_json(f) == {"decode_tok_s": 12.5}
+    f.write_text("{broken")
+    assert compare.read_json(f) is None
+    f.write_text("[1, 2]")
+    assert compare.read_json(f) is None
+    assert compare.read_json(tmp_path / "missing.json") is None
 
 
 def test_greedy_match_and_budget():

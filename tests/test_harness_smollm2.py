@@ -51,13 +51,13 @@ def smollm2_dir(smollm2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def text():
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
+    from leanstream_tools.bench import DEFAULT_TEXT
 
     return DEFAULT_TEXT.read_text(encoding="utf-8")
 
 
 def _open(path, system):
-    from leanstream_ggml.harness import systems
+    from leanstream_tools import systems
 
     return systems.open_model(path, system, n_ctx=N_CTX, n_threads=2, n_batch=N_CTX, logits_all=True)
 
@@ -79,7 +79,7 @@ def test_bench_cli_prints_one_json_document(smollm2):
 
 
 def test_perplexity_is_deterministic_against_itself(smollm2, text):
-    from leanstream_ggml.harness import perplexity
+    from leanstream_tools import perplexity
 
     r = perplexity.compare(_open(smollm2, "stock"), _open(smollm2, "stock"), text, N_CTX, max_chunks=1)
     assert r["n_scored"] == N_CTX // 2 - 1
@@ -91,7 +91,7 @@ def test_perplexity_is_deterministic_against_itself(smollm2, text):
 def test_dense_plugin_perplexity_matches_stock(smollm2, smollm2_dir, text):
     """Needs the plugin (leanstream_ggml/llama.py + libleanstream): an ImportError here means the
     plugin is missing or not built, which is a failure, not a skip."""
-    from leanstream_ggml.harness import perplexity
+    from leanstream_tools import perplexity
 
     dense = _open(smollm2_dir, "leanstream")
     r = perplexity.compare(dense, _open(smollm2, "stock"), text, N_CTX, max_chunks=CHUNKS)
@@ -142,7 +142,7 @@ def test_sparse_mode_perplexity_is_scored_token_by_token(smollm2, smollm2_dir, t
 
     from pred_synth import write_random_predictors
 
-    from leanstream_ggml.harness import perplexity, systems
+    from leanstream_tools import perplexity, systems
 
     d = tmp_path / "smollm2.lsm"
     shutil.copytree(smollm2_dir, d)
@@ -173,7 +173,7 @@ def test_smaller_quant_made_with_llamas_quantizer(smollm2, tmp_path):
 
     import llama_cpp
 
-    from leanstream_ggml.harness import perplexity, quants
+    from leanstream_tools import perplexity, quants
 
     src = tmp_path / smollm2.name
     shutil.copyfile(smollm2, src)
@@ -183,7 +183,7 @@ def test_smaller_quant_made_with_llamas_quantizer(smollm2, tmp_path):
     mtime = out.stat().st_mtime_ns
     assert quants.requantize(src, "Q2_K") == out and out.stat().st_mtime_ns == mtime   # reused
     assert not list(tmp_path.glob("*.partial"))
-    text = (REPO / "leanstream_ggml/harness/data/heldout-technical.txt").read_text()
+    text = (REPO / "leanstream_tools/data/heldout-technical.txt").read_text()
     kw = dict(n_ctx=128, n_threads=2, n_batch=128, logits_all=True, verbose=False)
     small, ref = llama_cpp.Llama(str(out), **kw), llama_cpp.Llama(str(src), **kw)
     try:

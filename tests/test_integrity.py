@@ -242,7 +242,7 @@ def test_whole_file_checksum_leaves_the_page_cache_as_it_found_it(tmp_path):
     import zlib
 
     from leanstream_ggml.checksum import file_crc32
-    from leanstream_ggml.harness.measure import resident_bytes
+    from leanstream_tools.measure import resident_bytes
 
     data = np.random.default_rng(0).integers(0, 256, 24 << 20, dtype=np.uint8).tobytes() + b"tail"
     path = tmp_path / "big.bin"

@@ -112,7 +112,7 @@ def test_info_prints_the_plan_and_refuses_a_limit_too_small(smollm2_sketch_dir):
 def test_the_plan_holds_inside_a_memory_cgroup(smollm2_sketch_dir):
     """SmolLM2 under a real whole-process limit the plan says is enough (its reserve + the sketch +
     64 MB of cache): the run finishes, is not OOM-killed, and its engine got the plan's budget."""
-    from leanstream_ggml.harness import cgroup, measure
+    from leanstream_tools import cgroup, measure
 
     ok, why = cgroup.availability()
     if not ok:

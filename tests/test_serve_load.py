@@ -20,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai", reason="the server tests use the official OpenAI client (test extra)")
 pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
 
-from leanstream_ggml.harness import cgroup  # noqa: E402
+from leanstream_tools import cgroup  # noqa: E402
 import bench_modules  # noqa: E402
 
 serve_load = bench_modules.load("serve_load")

@@ -273,8 +273,8 @@ def test_decode_quality_smollm2(smollm2_sketch_dir, smollm2_gguf):
     import llama_cpp
 
     from leanstream_ggml import Llama
-    from leanstream_ggml.harness.bench import DEFAULT_TEXT
-    from leanstream_ggml.harness.perplexity import compare
+    from leanstream_tools.bench import DEFAULT_TEXT
+    from leanstream_tools.perplexity import compare
 
     text = DEFAULT_TEXT.read_text()
     kw = dict(n_ctx=256, n_batch=256, n_threads=2, logits_all=True, verbose=False)

@@ -1,8 +1,13 @@
-"""The walls that keep the runtime light: the runtime package never imports the converter, and
-using it (import, a Llama decode, `leanstream chat -p`) never loads torch, scikit-learn or gguf.
-The check runs in a fresh interpreter, so the test session's own imports cannot hide a breach.
-And the runtime holds only what it runs: nothing in it serves only the converter or the tests
-(writers and quantizers live in converters/, numpy oracles in tests/reference.py)."""
+"""The walls that keep the runtime light and its tools on top of it.
+
+The runtime package never imports the converter or a tool, and using it (import, a Llama
+decode, `leanstream chat -p`) never loads torch, scikit-learn or gguf; the check runs in a fresh
+interpreter, so the test session's own imports cannot hide a breach. The runtime holds only what
+it or its tools run: nothing in it serves only the converter or the tests (writers and
+quantizers live in converters/, numpy oracles in tests/reference.py). The tools (leanstream_tools/,
+bench/*.py) use only the library's public API, as llama.cpp's tools use llama.h: no private
+module or name of leanstream_ggml, no ``obj._private`` attribute of a library or llama-cpp-python
+object. No module of the library is over 500 lines."""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "sklearn", "gguf", "converters")
+TOOLS = ("leanstream_tools", "bench")
+MAX_LINES = 500
 
 
 def _imports(path: Path) -> set[str]:
@@ -29,22 +36,119 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_runtime_sources_never_import_the_converter():
+def test_runtime_sources_never_import_the_converter_or_a_tool():
     offenders = {}
     for path in sorted((ROOT / "leanstream_ggml").rglob("*.py")):
-        bad = _imports(path) & set(HEAVY)
+        bad = _imports(path) & set(HEAVY + TOOLS)
         if bad:
             offenders[str(path.relative_to(ROOT))] = sorted(bad)
-    assert not offenders, f"the runtime imports converter-side modules: {offenders}"
+    assert not offenders, f"the runtime imports converter-side modules or tools: {offenders}"
+
+
+def test_no_module_of_the_library_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "leanstream_ggml").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules of leanstream_ggml/ over {MAX_LINES} lines (split them by concern): {long}"
+
+
+# ---- the tools use the library's public API only ---------------------------------------------------
+
+LIBRARIES = ("leanstream_ggml", "llama_cpp")   # the packages whose private names a tool must not use
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _tool_files(root: Path) -> list[Path]:
+    files = sorted((root / "leanstream_tools").rglob("*.py")) if (root / "leanstream_tools").is_dir() else []
+    return files + (sorted((root / "bench").glob("*.py")) if (root / "bench").is_dir() else [])
+
+
+def _own_private_names(files: list[Path]) -> set[str]:
+    """The private names the tools define themselves (their classes' methods and attributes,
+    their modules' helpers): using those on their own objects is fine."""
+    out = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+                out.add(node.name)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr)
+                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                out.add(node.attr)     # self._x = ...: a tool class's own (not llm._x = ...)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+                out.add(node.id)
+    return out
+
+
+def private_uses(root: Path = ROOT) -> list[str]:
+    """"path:line: what" for every use of a library's private name by a tool: a private module
+    or name imported from leanstream_ggml / llama_cpp, or an ``x._name`` attribute that no tool
+    defines itself (on a Llama, a llama_cpp object, a library module)."""
+    files = _tool_files(root)
+    own = _own_private_names(files)
+    out = []
+    for path in files:
+        where = str(path.relative_to(root))
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            line = getattr(node, "lineno", 0)
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                if parts[0] in LIBRARIES:
+                    if any(_private(p) for p in parts):
+                        out.append(f"{where}:{line}: imports {node.module}")
+                    out += [f"{where}:{line}: imports {node.module}.{a.name}" for a in node.names if _private(a.name)]
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    parts = a.name.split(".")
+                    if parts[0] in LIBRARIES and any(_private(p) for p in parts):
+                        out.append(f"{where}:{line}: imports {a.name}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
+                out.append(f"{where}:{line}: uses .{node.attr}")
+    return out
+
+
+def test_the_tools_use_only_the_public_api():
+    bad = private_uses()
+    assert not bad, ("the tools reach into private names of the library or llama-cpp-python (add a public "
+                     "function or method to the library instead):\n" + "\n".join(bad))
+
+
+def test_the_tool_wall_sees_a_private_use(tmp_path):
+    """The check above is not vacuous: a private module, a private name and a private attribute of
+    a library object are each reported; a tool's own private helpers and attributes are not."""
+    (tmp_path / "leanstream_tools").mkdir()
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "leanstream_tools" / "x.py").write_text(
+        "from leanstream_ggml import _native\n"
+        "from leanstream_ggml.params import _default, size_bytes\n"
+        "import llama_cpp._internals\n"
+        "class Own:\n"
+        "    def __init__(self):\n        self._mine = 1\n"
+        "    def _helper(self):\n        return self._mine\n"
+        "def _local():\n    return Own()._helper()\n")
+    (tmp_path / "bench" / "y.py").write_text("def f(llm):\n    llm._rows = 2\n"
+                                             "    return llm._ctx.get_logits_ith(-1), llm.__class__\n")
+    assert sorted(private_uses(tmp_path)) == [
+        "bench/y.py:2: uses ._rows",
+        "bench/y.py:3: uses ._ctx",
+        "leanstream_tools/x.py:1: imports leanstream_ggml._native",
+        "leanstream_tools/x.py:2: imports leanstream_ggml.params._default",
+        "leanstream_tools/x.py:3: imports llama_cpp._internals"]
 
 
 # ---- the runtime holds only what it runs ---------------------------------------------------------
 
-# Top-level functions and classes of leanstream_ggml/ that nothing in leanstream_ggml/ or bench/
-# uses, on purpose (each with why). Everything else the runtime does not use belongs with its
-# user: converters/ (writers, quantizers, reading back what they wrote) or tests/ (numpy oracles).
+# Top-level functions and classes of leanstream_ggml/ that nothing in leanstream_ggml/ or its tools
+# (leanstream_tools/) uses, on purpose (each with why). Everything else the runtime does not use
+# belongs with its user: converters/ (writers, quantizers, reading back what they wrote) or tests/
+# (numpy oracles). bench/ scripts are no reason to keep code in the runtime: what they need of it is
+# public API its tools use too, or theirs.
 PUBLIC_API = {
-    "leanstream_ggml.harness.measure.peak_rss_bytes": "the harness's process counters (the tests read peak RSS with it)",
+    "leanstream_ggml.engine.kept_blocks": "the engine's rule for the blocks a sparsity keeps (bench/selection_analysis.py, tests)",
+    "leanstream_ggml.engine.candidate_blocks": "the engine's rule for the candidates a ratio scores (bench/selection_analysis.py, tests)",
+    "leanstream_ggml.engine.kernel_isa": "what the engine's kernels dispatch to here (bench/resident_speed.py reports it)",
+    "leanstream_ggml.params.engine_params": "FFNEngine's keywords validated, for a caller that builds an engine itself (tests)",
 }
 
 
@@ -105,15 +209,18 @@ def _uses(path: Path, root: Path) -> set[tuple[str, str]]:
 
 
 def _entry_points(root: Path) -> set[tuple[str, str]]:
-    """What is called by name: the `leanstream` script, and the register() of each command module
+    """What is called by name: the `leanstream` script and the tools' commands (pyproject.toml's
+    [project.scripts] and [project.entry-points.*]), and the register() of each command module
     the CLI registry names (leanstream_ggml/cli.py COMMANDS)."""
     out = set()
     pyproject = root / "pyproject.toml"
-    if pyproject.exists():   # [project.scripts]: name = "module:function" (tomllib is Python >= 3.11)
-        section = pyproject.read_text().split("[project.scripts]", 1)[1:]
-        for line in section[0].split("\n[", 1)[0].splitlines() if section else ():
-            if "=" in line and ":" in line:
-                out.add(tuple(line.split("=", 1)[1].strip().strip("\"'").split(":", 1)))
+    if pyproject.exists():   # name = "module:function" lines (tomllib is Python >= 3.11)
+        text = pyproject.read_text()
+        for header in ["[project.scripts]"] + [h for h in text.splitlines() if h.startswith("[project.entry-points.")]:
+            section = text.split(header, 1)[1:]
+            for line in section[0].split("\n[", 1)[0].splitlines() if section else ():
+                if "=" in line and ":" in line and not line.lstrip().startswith("#"):
+                    out.add(tuple(line.split("=", 1)[1].strip().strip("\"'").split(":", 1)))
     cli = root / "leanstream_ggml" / "cli.py"
     if cli.exists():
         for node in ast.walk(ast.parse(cli.read_text())):
@@ -125,7 +232,7 @@ def _entry_points(root: Path) -> set[tuple[str, str]]:
 
 def not_used_by_the_runtime(root: Path = ROOT) -> dict[str, str]:
     """{module.name: "path:line"} for every top-level function and class of root/leanstream_ggml
-    that nothing in leanstream_ggml/ or bench/ uses (dunders aside: protocol methods)."""
+    that nothing in leanstream_ggml/ or leanstream_tools/ uses (dunders aside: protocol methods)."""
     pkg = root / "leanstream_ggml"
     defs = {}
     for path in sorted(pkg.rglob("*.py")):
@@ -134,7 +241,7 @@ def not_used_by_the_runtime(root: Path = ROOT) -> dict[str, str]:
             if _is_def(n) and not (n.name.startswith("__") and n.name.endswith("__")):
                 defs[(module, n.name)] = f"{path.relative_to(root)}:{n.lineno}"
     used = _entry_points(root)
-    for folder in (pkg, root / "bench"):
+    for folder in (pkg, root / "leanstream_tools"):
         for path in sorted(folder.rglob("*.py")) if folder.is_dir() else ():
             used |= _uses(path, root)
     return {f"{m}.{n}": where for (m, n), where in sorted(defs.items()) if (m, n) not in used}

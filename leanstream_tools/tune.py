@@ -36,11 +36,10 @@ def register(sub) -> None:
     p = sub.add_parser("tune", help="synthesize the streaming controller's table for a memory budget",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a converted model directory")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--memory-limit", help="the whole process's memory limit (the engine gets what the memory plan leaves)")
-    g.add_argument("--memory-budget", help="the FFN engine's budget: bytes (400MB) or a share of the FFN on disk (35%%)")
-    p.add_argument("--sparsity", type=float, default=None, help="sparsity (default: the engine's, 0.5)")
-    p.add_argument("--quality", default=None, help="instead of --sparsity: a perplexity budget like ppl+5%%")
+    from leanstream_ggml.options import add_flags
+
+    add_flags(p.add_mutually_exclusive_group(required=True), "tune", ("memory_limit", "memory_budget"))
+    add_flags(p, "tune", ("sparsity", "quality"))
     p.add_argument("--tokens", type=int, default=192, help="decoded tokens profiled (default 192)")
     p.add_argument("--no-contend", action="store_true", help="profile on a quiet disk only")
     p.add_argument("--quality-target", type=float, default=1.05,
@@ -61,11 +60,23 @@ def budget_of(model_dir: Path, manifest, args) -> dict:
     if b.endswith("%"):
         share = float(b[:-1]) / 100.0
         if not 0 < share <= 1:
-            from .params import ParameterError
+            from leanstream_ggml.params import ParameterError
             raise ParameterError("memory_budget", f"a share must be in (0, 100%], got {b!r}")
         ffn = sum((model_dir / e.file).stat().st_size for e in manifest.layers)
         return {"memory_budget": int(ffn * share)}
     return {"memory_budget": b}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` by a rename: an interrupted write leaves the old file or none."""
+    import os
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def text_tokens(llm, path: Path, n: int) -> list[int]:
@@ -83,9 +94,9 @@ def quality_band(model_dir: Path, actions, sparsity_kw: dict, n_tokens: int, thr
     """Decode-scored perplexity of each candidate ratio and of dense, on prose and code."""
     from tqdm import tqdm
 
-    from . import Llama, manifest as mf
-    from .harness.bench import DEFAULT_TEXT
-    from .harness.perplexity import window_logits, window_nll
+    from leanstream_ggml import Llama, manifest as mf
+    from .bench import DEFAULT_TEXT
+    from .perplexity import window_logits, window_nll
 
     ratios = sorted({c for c, _ in actions})
     # the budget: nine tenths of the FFN on disk, without a hot set. The selection then is the
@@ -123,13 +134,14 @@ def reused_band(model_dir: Path, m, actions, sparsity: float, args) -> dict | No
     """The quality band another budget's tuning measured with the same settings (measured
     without a hot set, it is every budget's worst case), re-judged against this --quality-target;
     None if there is none."""
-    from . import control
+    from leanstream_ggml import control
+    from leanstream_ggml.manifest import controller_quality_file
 
     try:
         policies = control.load_policies(model_dir, m)
     except control.ControllerError:
         policies = []
-    saved = model_dir / f"controller.quality-{sparsity:g}.json"
+    saved = model_dir / controller_quality_file(sparsity)
     bands = [(p.memory_budget, p.sparsity, p.info.get("quality_band") or {}) for p in policies]
     if saved.is_file():
         try:
@@ -157,7 +169,7 @@ class DiskReader:
     def __enter__(self):
         import subprocess
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "leanstream_ggml.tune", "--read-forever", str(self.path)])
+        self.proc = subprocess.Popen([sys.executable, "-m", "leanstream_tools.tune", "--read-forever", str(self.path)])
         time.sleep(0.3)
         return self
 
@@ -190,9 +202,9 @@ def profile(model_dir: Path, budget_kw: dict, sparsity_kw: dict, actions, n_toke
     """Random-action decode under the budget, samples saved after every token (resumable)."""
     from tqdm import tqdm
 
-    from . import Llama
-    from .control import SAMPLE_FIELDS
-    from .harness.bench import DEFAULT_TEXT
+    from leanstream_ggml import Llama
+    from leanstream_ggml.control import SAMPLE_FIELDS
+    from .bench import DEFAULT_TEXT
 
     got = {f: np.zeros(0, dtype=np.int64) for f in SAMPLE_FIELDS}
     got["phase"] = np.zeros(0, dtype=np.int64)
@@ -239,7 +251,7 @@ def profile(model_dir: Path, budget_kw: dict, sparsity_kw: dict, actions, n_toke
 
 
 def run(args) -> int:
-    from . import control, manifest as mf, params
+    from leanstream_ggml import control, manifest as mf, params
 
     model_dir = Path(args.model)
     m = mf.load(model_dir)
@@ -253,7 +265,7 @@ def run(args) -> int:
     actions = list(control.DEFAULT_ACTIONS)
     t0 = time.perf_counter()
 
-    from . import Llama
+    from leanstream_ggml import Llama
 
     # the engine's budget and sparsity as a run would resolve them
     probe = Llama(str(model_dir), mode="leanstream", n_ctx=64, verbose=False, **budget_kw, **sparsity_kw)
@@ -265,12 +277,12 @@ def run(args) -> int:
                             args.quality_target)
         band.update(tokens=args.quality_tokens, target=args.quality_target, hot_fraction=0.0)
         # kept apart from the policies too: an interrupted tune does not measure it again
-        control._atomic_write(model_dir / f"controller.quality-{sparsity:g}.json", json.dumps(band, indent=1) + "\n")
+        write_atomic(model_dir / mf.controller_quality_file(sparsity), json.dumps(band, indent=1) + "\n")
     allowed = np.array([band["allowed"][str(c)] for c, _ in actions])
     print(f"quality band at sparsity {sparsity:g} (perplexity vs dense, the worse of prose and code): "
           + ", ".join(f"candidates x{c}: x{r:.3f}{'' if band['allowed'][c] else ' (over the target: not offered)'}"
                       for c, r in band["ratio"].items()))
-    save = model_dir / f"controller.profile-{budget}-{sparsity:g}.npz"
+    save = model_dir / mf.controller_profile_file(budget, sparsity)
     if args.restart and save.exists():
         save.unlink()
     # (the budget as resolved: a memory plan made later in this process would count what the

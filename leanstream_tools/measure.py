@@ -121,7 +121,7 @@ def drop_page_cache(paths) -> None:
 
 def resident_bytes(path: str | os.PathLike) -> int | None:
     """Bytes of the file now in the page cache (mincore; None where it cannot be told)."""
-    from ..pagecache import resident_bytes as rb
+    from leanstream_ggml.pagecache import resident_bytes as rb
 
     return rb(path)
 
@@ -132,10 +132,10 @@ def resident_bytes(path: str | os.PathLike) -> int | None:
 def _ggml_cpu_variant() -> str | None:
     """The CPU backend variant llama.cpp runs here (haswell, zen4, ...); None if not loadable."""
     try:
-        from .. import _native
+        from leanstream_ggml import engine
     except ImportError:
         return None
-    return _native.ffi.string(_native.lib.ls_ggml_cpu_variant()).decode()
+    return engine.ggml_cpu_variant()
 
 
 def machine_info() -> dict:

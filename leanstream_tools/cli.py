@@ -18,7 +18,12 @@ import sys
 from pathlib import Path
 
 
-def _resolve(model: str) -> Path:
+# `leanstream bench --plan-refused-file F`: the exit status when the memory plan refuses the limit
+# (the plan is then in F as JSON; compare's runner reads it there)
+PLAN_REFUSED_EXIT = 3
+
+
+def resolve(model: str) -> Path:
     import errno
 
     from leanstream_ggml import models
@@ -29,35 +34,30 @@ def _resolve(model: str) -> Path:
     return p
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def common_flags(p: argparse.ArgumentParser, command: str) -> None:
+    """The model, the system, the engine's options ``command`` takes (leanstream_ggml/options.py),
+    threads and batch, and the JSON output."""
+    from leanstream_ggml.options import add_flags
+
+    from .systems import SYSTEMS
+
     p.add_argument("model", help="model directory (leanstream), GGUF file (stock) or recipe name")
-    p.add_argument("--system", choices=("stock", "leanstream"), default=None,
+    p.add_argument("--system", choices=SYSTEMS, default=None,
                    help="default: leanstream for a directory, stock for a GGUF")
-    p.add_argument("--mode", default="dense", help="leanstream engine mode (default: dense)")
-    p.add_argument("--memory-budget", default=None, help="leanstream weight budget, e.g. 512MiB (default: none)")
-    p.add_argument("--memory-limit", default=None,
-                   help="leanstream: instead of --memory-budget, a limit for the whole process, e.g. 1000MB: the "
-                        "memory plan gives the FFN engine what the rest of the process leaves (`leanstream info "
-                        "MODEL --memory-limit` prints it)")
-    p.add_argument("--sparsity", type=float, default=None, help="sparse modes: fraction of blocks skipped (default 0.5)")
-    p.add_argument("--quality", default=None,
-                   help='instead of --sparsity: the perplexity loss accepted, e.g. "ppl+5%%" (leanstream mode; '
-                        "the sparsity is read from the converter's calibration)")
+    add_flags(p, command)
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: cores available)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch (= n_ubatch)")
     p.add_argument("--json", action="store_true", help="print one JSON document on one line")
-    p.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
-                   help="leanstream: check each block's CRC-32C as it is read (default: on; off only to "
-                        "measure what the check costs)")
+    p.add_argument("--json-file", default=None, metavar="FILE", help="also write the JSON document to FILE")
+    p.add_argument("--plan-refused-file", default=None, metavar="FILE",
+                   help="leanstream: where the memory plan refuses --memory-limit, write the plan to FILE as JSON "
+                        f"and exit with status {PLAN_REFUSED_EXIT}")
 
 
 def register(subparsers) -> None:
-    from leanstream_ggml.options import add_flags
-
     b = subparsers.add_parser("bench", help="prefill/decode tokens/s, peak RSS, disk bytes (llama-bench style)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(b)
-    add_flags(b, "bench")
+    common_flags(b, "bench")
     b.add_argument("-p", "--n-prompt", type=int, default=128, help="prompt tokens (prefill test)")
     b.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens (decode test)")
     b.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions; medians are reported")
@@ -67,7 +67,7 @@ def register(subparsers) -> None:
 
     q = subparsers.add_parser("perplexity", help="perplexity on a text; agreement and KL vs a reference",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(q)
+    common_flags(q, "perplexity")
     q.add_argument("--text", default=None, help="text file (default: the bundled held-out technical text)")
     q.add_argument("-c", "--ctx-size", type=int, default=512, help="window size n_ctx (second half is scored)")
     q.add_argument("--chunks", type=int, default=None, help="at most this many windows")
@@ -80,72 +80,83 @@ def register(subparsers) -> None:
     q.set_defaults(func=cmd_perplexity)
 
 
-def _engine_extra(args, system: str) -> dict:
-    """--sparsity as a Llama keyword argument (leanstream only)."""
-    if system != "leanstream":
+# given to Llama as keywords of their own (systems.open_model's mode= and memory_budget=)
+_OPEN_MODEL_ARGS = ("mode", "memory_budget")
+
+
+def engine_extra(args, system: str) -> dict:
+    """The engine options the user gave besides --mode and --memory-budget, as Llama keywords
+    (the plugin only; memory_limit and memory_budget in bytes after check_params)."""
+    from leanstream_ggml import options
+
+    from .systems import PLUGIN
+
+    if system != PLUGIN:
         if getattr(args, "memory_limit", None) is not None:
             from leanstream_ggml import params
 
             raise params.ParameterError("memory_limit", "plans the plugin's memory; stock llama.cpp takes no "
                                                         "limit (run it in a memory cgroup: `leanstream compare`)")
         return {}
-    from leanstream_ggml.options import given
-
-    out = {"sparsity": args.sparsity} if args.sparsity is not None else {}
-    out.update(given(args, args.command))
-    if getattr(args, "quality", None) is not None:
-        out["quality"] = args.quality
-    if not args.verify_checksums:
-        out["verify_checksums"] = False
-    if getattr(args, "memory_limit", None) is not None:
-        out["memory_limit"] = args.memory_limit
+    out = {k: v for k, v in options.given(args, args.command).items() if k not in _OPEN_MODEL_ARGS}
+    if out.get("verify_checksums") is True:
+        del out["verify_checksums"]     # the default: a report names it only when it is off
     return out
 
 
-def _check_params(args) -> None:
-    """--memory-budget, --mode, --sparsity through the one validator (params.py):
-    a bad value is one line naming it, before any model is opened."""
-    from leanstream_ggml import params
+def check_params(args) -> None:
+    """The engine options through the one validator (params.llama_options): a bad value is one
+    line naming it, before any model is opened. Then --mode is the mode that runs (quality=
+    implies leanstream mode's) and --memory-budget / --memory-limit are bytes (None: none)."""
+    from leanstream_ggml import options, params
 
-    if getattr(args, "quality", None) is not None:
-        if args.sparsity is not None:
-            raise params.ParameterError("quality", "give --quality or --sparsity, not both")
-        params.quality(args.quality)   # a bad value: one line, before any model is opened
-        if args.mode == "dense":
-            args.mode = "leanstream"   # quality= chooses leanstream mode's sparsity
-    p = params.engine_params(memory_budget=args.memory_budget, mode=args.mode, sparsity=args.sparsity)
-    args.memory_budget = p["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
-    if args.memory_limit is not None:
-        if args.memory_budget is not None:
-            raise params.ParameterError("memory_limit", "give --memory-limit or --memory-budget, not both")
-        args.memory_limit = params.size_bytes(args.memory_limit, "memory_limit") or None
+    v = params.llama_options(options.given(args, args.command))
+    args.mode = v["mode"]
+    args.memory_budget = v["memory_budget"] or None     # bytes (None: no limit), one parser for all reports
+    args.memory_limit = v["memory_limit"] or None
 
 
-def _one_line_model_errors(fn):
+def one_line_model_errors(fn):
     """llama-cpp-python reports a model it cannot load as ValueError: one line, like every
-    other user error (leanstream_ggml/errors.py)."""
+    other user error (leanstream_ggml/errors.py). Where the caller named a --plan-refused-file,
+    a memory plan's refusal is that file and its own exit status."""
     import functools
 
     @functools.wraps(fn)
     def run(args):
+        from leanstream_ggml.memplan import MemoryPlanError
+
         try:
             return fn(args)
+        except MemoryPlanError as e:
+            print(f"leanstream {args.command}: {e}", file=sys.stderr)
+            if getattr(args, "plan_refused_file", None) and e.plan is not None:
+                Path(args.plan_refused_file).write_text(json.dumps({"message": str(e), "plan": e.plan.to_dict()}) + "\n")
+                return PLAN_REFUSED_EXIT
+            return 1
         except ValueError as e:
             print(f"leanstream {args.command}: {e}", file=sys.stderr)
             return 1
     return run
 
 
-@_one_line_model_errors
+def emit(args, doc: dict) -> None:
+    """--json-file: the document written there (before anything is printed)."""
+    if getattr(args, "json_file", None):
+        Path(args.json_file).write_text(json.dumps(doc) + "\n", encoding="utf-8")
+
+
+@one_line_model_errors
 def cmd_bench(args) -> int:
     from . import bench, systems
 
-    _check_params(args)
-    model = _resolve(args.model)
+    check_params(args)
+    model = resolve(args.model)
     r = bench.bench(model, args.system, n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions,
                     n_threads=args.threads, n_ctx=args.ctx_size, n_batch=args.batch_size, mode=args.mode,
                     memory_budget=args.memory_budget, text_path=args.text,
-                    extra=_engine_extra(args, args.system or systems.detect_system(model)))
+                    extra=engine_extra(args, args.system or systems.detect_system(model)))
+    emit(args, r)
     if args.json:
         print(json.dumps(r), flush=True)
     else:
@@ -156,31 +167,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
-@_one_line_model_errors
+@one_line_model_errors
 def cmd_perplexity(args) -> int:
+    from leanstream_ggml import modes
+
     from . import perplexity, systems
     from .bench import DEFAULT_TEXT
 
-    _check_params(args)
-    model = _resolve(args.model)
+    check_params(args)
+    model = resolve(args.model)
     text = Path(args.text or DEFAULT_TEXT).read_text(encoding="utf-8")
     n_threads = args.threads or len(os.sched_getaffinity(0))
     common = dict(n_ctx=args.ctx_size, n_threads=n_threads, n_batch=max(args.batch_size, args.ctx_size),
                   logits_all=True)
     system = args.system or systems.detect_system(model)
     llm = systems.open_model(model, system, mode=args.mode, memory_budget=args.memory_budget,
-                             extra=_engine_extra(args, system), **common)
-    decode = args.decode if args.decode is not None else (system == "leanstream" and args.mode != "dense")
-    out = {"model": str(model), "system": system, "mode": args.mode if system == "leanstream" else None,
-           "decode_scored": decode, **_engine_extra(args, system),
+                             extra=engine_extra(args, system), **common)
+    decode = args.decode if args.decode is not None else (system == systems.PLUGIN and modes.is_sparse(args.mode))
+    out = {"model": str(model), "system": system, "mode": args.mode if system == systems.PLUGIN else None,
+           "decode_scored": decode, **engine_extra(args, system),
            "stock": systems.stock_description(), "text": str(args.text or DEFAULT_TEXT), "n_threads": n_threads}
     if args.reference:
-        ref_path = _resolve(args.reference)
-        ref = systems.open_model(ref_path, "stock", **common)
+        ref_path = resolve(args.reference)
+        ref = systems.open_model(ref_path, systems.STOCK, **common)
         out["reference"] = str(ref_path)
         out.update(perplexity.compare(llm, ref, text, args.ctx_size, args.chunks, decode=decode))
     else:
         out.update(perplexity.perplexity(llm, text, args.ctx_size, args.chunks, decode=decode).to_dict())
+    emit(args, out)
     if args.json:
         print(json.dumps(out), flush=True)
     else:
@@ -194,7 +208,7 @@ def cmd_perplexity(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leanstream_ggml.harness.cli")
+    ap = argparse.ArgumentParser(prog="python -m leanstream_tools.cli")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     register(sub)
     args = ap.parse_args(argv)

@@ -79,20 +79,21 @@ def _write(path: Path, doc: dict) -> None:
 
 def _perf(llm):
     """llama.cpp's own counters of the model's context: (decode ms, tokens decoded one by one)."""
-    import llama_cpp
+    from leanstream_ggml import context
 
-    p = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    p = context.perf_context(llm)
     return p.t_eval_ms, p.n_eval
 
 
 def generate(llm, probs: list[dict], done: dict, *, max_tokens: int, save, progress: bool = True) -> None:
     """Greedy answers to the problems not in ``done`` (task_id -> result), each saved as it ends."""
-    import llama_cpp
     from tqdm import tqdm
+
+    from leanstream_ggml import context
 
     todo = [p for p in probs if p["task_id"] not in done]
     for p in tqdm(todo, desc="HumanEval", unit="problem", disable=not progress):
-        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        context.reset_perf(llm)
         llm.reset()   # no prefix reuse between problems: each answer is computed as if alone
         t0 = time.perf_counter()
         out = llm.create_chat_completion(
@@ -135,18 +136,18 @@ def summary(doc: dict) -> dict:
 
 def run(args) -> dict:
     from . import systems
-    from .cli import _check_params, _engine_extra, _resolve
+    from .cli import check_params, engine_extra, resolve
 
-    _check_params(args)
+    check_params(args)
     for name in ("limit", "max_tokens", "ctx_size", "timeout"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {v}")
-    model = _resolve(args.model)
+    model = resolve(args.model)
     system = args.system or systems.detect_system(model)
     probs = problems(args.limit)
-    settings = {"model": str(model), "system": system, "mode": args.mode if system == "leanstream" else None,
-                "memory_budget": args.memory_budget, **_engine_extra(args, system),
+    settings = {"model": str(model), "system": system, "mode": args.mode if system == systems.PLUGIN else None,
+                "memory_budget": args.memory_budget, **engine_extra(args, system),
                 "max_tokens": args.max_tokens, "n_ctx": args.ctx_size, "instruction": INSTRUCTION}
     out = Path(args.out) if args.out else None
     done: dict[str, dict] = {}
@@ -168,7 +169,7 @@ def run(args) -> dict:
     if any(p["task_id"] not in done for p in probs):
         n_threads = args.threads or len(os.sched_getaffinity(0))
         llm = systems.open_model(model, system, n_ctx=args.ctx_size, n_threads=n_threads, n_batch=args.batch_size,
-                                 mode=args.mode, memory_budget=args.memory_budget, extra=_engine_extra(args, system))
+                                 mode=args.mode, memory_budget=args.memory_budget, extra=engine_extra(args, system))
         try:
             generate(llm, probs, done, max_tokens=args.max_tokens, save=save, progress=not args.quiet)
             doc["engine"] = systems.engine_stats(llm) or None
@@ -196,14 +197,14 @@ def cmd_humaneval(args) -> int:
 
 
 def register(subparsers) -> None:
-    from .cli import _common, _one_line_model_errors
+    from .cli import common_flags, one_line_model_errors
 
     e = subparsers.add_parser("eval", help="task quality: HumanEval pass@1", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     tasks = e.add_subparsers(dest="task", metavar="TASK", required=True)
     h = tasks.add_parser("humaneval", help="HumanEval pass@1 (greedy, chat template, the problems' own tests)",
                          description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(h)
+    common_flags(h, "eval")
     h.add_argument("--limit", type=int, default=None, help="the first N problems only (default: all 164)")
     h.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="answer length cap (tokens)")
     h.add_argument("-c", "--ctx-size", type=int, default=2048, help="n_ctx")
@@ -211,11 +212,11 @@ def register(subparsers) -> None:
     h.add_argument("--out", default=None, help="results JSON (written as it goes; a rerun continues it)")
     h.add_argument("--baseline", default=None, metavar="JSON", help="another run's results: print the flips")
     h.add_argument("--quiet", action="store_true", help="no progress bars")
-    h.set_defaults(func=_one_line_model_errors(cmd_humaneval))
+    h.set_defaults(func=one_line_model_errors(cmd_humaneval))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leanstream_ggml.harness.humaneval")
+    ap = argparse.ArgumentParser(prog="python -m leanstream_tools.humaneval")
     register(ap.add_subparsers(dest="command", metavar="COMMAND"))
     args = ap.parse_args(argv)
     return int(args.func(args) or 0)

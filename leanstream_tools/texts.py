@@ -52,14 +52,16 @@ def render_chat(llm, messages: list[dict], add_generation_prompt: bool = False) 
     if not tmpl:
         return ("".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
                 + ("Assistant: " if add_generation_prompt else ""))
-    eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() >= 0 else ""
-    bos = llm._model.token_get_text(llm.token_bos()) if llm.token_bos() >= 0 else ""
+    from leanstream_ggml import context
+
+    eos = context.token_text(llm, llm.token_eos()) if llm.token_eos() >= 0 else ""
+    bos = context.token_text(llm, llm.token_bos()) if llm.token_bos() >= 0 else ""
     f = Jinja2ChatFormatter(template=tmpl, eos_token=eos, bos_token=bos, add_generation_prompt=add_generation_prompt)
     return f(messages=messages).prompt
 
 
 def text_tokens(llm, path) -> tuple[list[int], bool]:
-    """(tokens, add_bos) of a text or chat file for perplexity windows (harness.perplexity):
+    """(tokens, add_bos) of a text or chat file for perplexity windows (perplexity.py):
     BOS first iff the vocabulary adds one; chats rendered and concatenated, special tokens parsed."""
     from .perplexity import tokenize_for_perplexity
 

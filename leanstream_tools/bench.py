@@ -40,8 +40,9 @@ def prompt_tokens(llm, text: str, n: int) -> list[int]:
 
 def last_logits(llm) -> np.ndarray:
     """Logits of the last evaluated token (a view into llama.cpp's buffer; copy to keep)."""
-    ptr = llm._ctx.get_logits_ith(-1)
-    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+    from leanstream_ggml import context
+
+    return context.logits(llm)
 
 
 def run_bench(llm, prompt: list[int], n_gen: int, repetitions: int = 3) -> dict:
@@ -139,14 +140,13 @@ def bench(model_path, system: str | None = None, *, n_prompt: int = 128, n_gen: 
     files = measure.model_files(model_path)
     out = {
         "system": system,
-        "mode": mode if system == "leanstream" else None, **(extra or {}),
+        "mode": mode if system == systems.PLUGIN else None, **(extra or {}),
         "stock": systems.stock_description(),
         "model": str(model_path),
         "model_bytes": measure.files_size(files),
         "memory_budget_bytes": (llm.engine.memory_budget if getattr(llm, "memory_plan", None) is not None
-                                else measure.parse_size(memory_budget) if system == "leanstream" else None),
-        "memory_plan": ({**plan.parts, "limit": plan.limit, "budget": plan.budget, "resident": plan.resident}
-                        if (plan := getattr(llm, "memory_plan", None)) is not None else None),
+                                else measure.parse_size(memory_budget) if system == systems.PLUGIN else None),
+        "memory_plan": (plan.to_dict() if (plan := getattr(llm, "memory_plan", None)) is not None else None),
         "n_prompt": n_prompt, "n_gen": n_gen, "repetitions_n": repetitions,
         "n_threads": n_threads, "n_ctx": n_ctx, "n_batch": n_batch,
         "load_s": load_s,

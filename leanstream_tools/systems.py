@@ -12,20 +12,26 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-SYSTEMS = ("stock", "leanstream")
+# the systems by their names on the command line (--system) and in every report: the plugin's is
+# "leanstream", the project's name, which is also one of the engine's modes: compare a system
+# with these, a mode through leanstream_ggml.modes
+STOCK = "stock"
+PLUGIN = "leanstream"
+SYSTEMS = (STOCK, PLUGIN)
 
 
 def detect_system(model_path: str | os.PathLike) -> str:
-    return "leanstream" if Path(model_path).is_dir() else "stock"
+    return PLUGIN if Path(model_path).is_dir() else STOCK
 
 
 def stock_description() -> str:
     """Which llama-cpp-python "stock" is: the patched build behaves exactly like the upstream one
     while its FFN hook is unset, which it is for every plain GGUF."""
     import llama_cpp
-    import llama_cpp.llama_cpp as lib
 
-    patched = hasattr(lib._lib, "llama_set_ffn_builder")
+    from leanstream_ggml import context
+
+    patched = context.libllama_patched()
     return (f"llama-cpp-python {llama_cpp.__version__}, "
             + ("patched build, hook unset" if patched else "upstream build"))
 
@@ -42,7 +48,7 @@ def open_model(model_path: str | os.PathLike, system: str | None = None, *, n_ct
     kw = dict(model_path=str(model_path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
               n_batch=n_batch, n_ubatch=n_batch, logits_all=logits_all, seed=seed, verbose=False)
     kw.update(extra or {})
-    if system == "stock":
+    if system == STOCK:
         if Path(model_path).is_dir():
             raise ValueError(f"{model_path} is a model directory; stock llama-cpp-python needs a GGUF file")
         from llama_cpp import Llama

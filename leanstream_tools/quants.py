@@ -1,7 +1,7 @@
 """Smaller quantizations of a GGUF, made with llama.cpp's own quantizer: a stock user's honest
 alternative at a memory limit is the largest quantization of the same model that fits.
 
-    python -m leanstream_ggml.harness.quants MODEL --types Q3_K_M,Q2_K
+    python -m leanstream_tools.quants MODEL --types Q3_K_M,Q2_K
 
 llama-cpp-python binds ``llama_model_quantize`` (what the ``llama-quantize`` tool runs). The
 registry only has the Q4_K_M file, so the smaller types are RE-quantized from it

@@ -1,0 +1,358 @@
+"""compare's runner: the model files each setup runs on, and its runs, each `leanstream bench` /
+`leanstream perplexity` in a fresh child process (inside a child memory cgroup where a limit
+applies). A child writes its JSON document to a file the runner names (--json-file) and, when
+its memory plan refuses the limit, the plan to another (--plan-refused-file) with its own exit
+status: the runner records that as a PlanRefused, never by reading the child's stderr.
+
+bench/side_by_side.py (several limits, decode tok/s against the limit) runs through these too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from leanstream_ggml import modes
+
+from .. import cgroup, measure
+from ..cli import PLAN_REFUSED_EXIT
+from .setups import STOCK, is_stock, plugin_mode, selecting_budget, sketch_bytes, stock_quant
+
+ROOT = Path(__file__).resolve().parents[2]   # the directory holding leanstream_tools/ (the checkout)
+
+RESERVE_MARGIN = 32 * 2**20
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class PlanRefused(Exception):
+    """A plugin run's memory plan refused the limit (MemoryPlanError in the child): ``plan`` is
+    the plan as the child wrote it (MemoryPlan.to_dict), ``message`` the refusal's text."""
+
+    def __init__(self, message: str, plan: dict | None):
+        super().__init__(message)
+        self.message, self.plan = message, plan
+
+    @property
+    def reason(self) -> str:
+        """Its first line (the numbers): what the report gives as the setup's reason."""
+        return self.message.strip().splitlines()[0] if self.message.strip() else "the memory plan refused the limit"
+
+
+@dataclass
+class ChildRun:
+    """One child process: how it ended (cgroup.CommandResult), the JSON document it wrote (None:
+    none) and the memory plan's refusal (None: it did not refuse)."""
+    command: cgroup.CommandResult
+    doc: dict | None
+    refused: PlanRefused | None
+
+
+def run_child(cmd: list[str], *, limit_bytes: int | None, timeout_s: float, env: dict, account: bool) -> ChildRun:
+    """``cmd`` (a bench_command / perplexity_command) run with the files it writes its document
+    and a refusal to, in a temporary directory."""
+    with tempfile.TemporaryDirectory(prefix="compare-run-") as tmp:
+        doc_file, refused_file = Path(tmp) / "doc.json", Path(tmp) / "refused.json"
+        res = cgroup.run_command(cmd + ["--json-file", str(doc_file), "--plan-refused-file", str(refused_file)],
+                                 limit_bytes=limit_bytes, timeout_s=timeout_s, env=env, cwd=str(ROOT),
+                                 account=account)
+        doc = read_json(doc_file) if res.status == "ok" else None
+        refused = None
+        if res.returncode == PLAN_REFUSED_EXIT and refused_file.is_file():
+            r = read_json(refused_file) or {}
+            refused = PlanRefused(r.get("message", ""), r.get("plan"))
+    return ChildRun(res, doc, refused)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object a child wrote to ``path`` (None: missing or not an object)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# the models each setup runs on
+
+def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch: bool = False) -> Path:
+    """The converted directory: --model-dir, else the converter's default location, converted on
+    first use: block files alone (dense mode, seconds) unless ``sketch`` (a sparse setup), then
+    as `leanstream convert` does (block files, the sketch, the quality calibration; minutes)."""
+    from leanstream_ggml import manifest, models
+
+    if model_dir:
+        out = Path(model_dir)
+    elif model_arg in models.RECIPES:
+        out = models.lsm_dir(model_arg)
+    else:
+        out = gguf.with_suffix(".lsm")
+    try:
+        manifest.load(out)
+        return out
+    except Exception:
+        pass
+    # `leanstream convert` in a child process: the runtime never imports the converter
+    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "convert", str(gguf), str(out), "--quiet"]
+    if sketch:
+        log(f"converting {gguf} -> {out} (block files, sketch, calibration: minutes)")
+    else:
+        log(f"converting {gguf} -> {out} (block files alone: dense mode)")
+        cmd += ["--sketch", "none"]
+    r = subprocess.run(cmd, env=child_env(), cwd=str(ROOT), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"converting {gguf} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return out
+
+
+def prepare_models(model_arg: str, systems: list[str], model_dir: str | None) -> tuple[Path, dict, Path | None]:
+    """(source GGUF, {stock setup: its GGUF}, converted directory or None): the smaller
+    quantizations made once from the source, the directory converted if a plugin setup needs it."""
+    from leanstream_ggml import models
+
+    from .. import quants
+
+    gguf = models.resolve(model_arg)
+    if gguf.is_dir():
+        from leanstream_ggml import params
+
+        raise params.ParameterError("MODEL", f"{gguf} is a model directory; give the GGUF it was converted "
+                                             f"from (stock runs it) and the directory as --model-dir")
+    if not gguf.is_file():
+        import errno
+
+        raise FileNotFoundError(errno.ENOENT, "no such GGUF file or model name", str(gguf))
+    plugin = [s for s in systems if not is_stock(s)]
+    sparse = any(modes.is_sparse(plugin_mode(s)[0]) for s in plugin)
+    directory = resolve_model_dir(gguf, model_arg, model_dir, sketch=sparse) if plugin else None
+    ggufs = {s: gguf if stock_quant(s) is None else quants.requantize(gguf, stock_quant(s), log=log)
+             for s in systems if is_stock(s)}
+    ggufs.setdefault(STOCK, gguf)
+    return gguf, ggufs, directory
+
+
+def stock_files(ggufs: dict, source: Path) -> dict:
+    """What each stock setup's file is and how it was made (for the JSON)."""
+    from .. import quants
+
+    return {s: {"file": p.name, "bytes": p.stat().st_size,
+                "made": None if stock_quant(s) is None else
+                f"llama.cpp llama_model_quantize (via llama-cpp-python) from {source.name}"
+                + (", re-quantized (allow_requantize)" if quants.source_type(source) != "src" else "")}
+            for s, p in ggufs.items()}
+
+
+def private_copies(ggufs: dict, model_dir: Path | None, where: Path) -> tuple[dict, Path | None]:
+    """Copies of the model files that no other process reads, so that dropping their page cache
+    sticks (another process reading the shared GGUF would bring its pages back, charged to
+    someone else, and our run would read them for free). Same filesystem as the model cache, so
+    the block files keep their O_DIRECT alignment. ggufs: stock system -> GGUF."""
+    where.mkdir(parents=True, exist_ok=True)
+    g = {}
+    for system, path in ggufs.items():
+        g[system] = where / path.name
+        if not g[system].exists():
+            shutil.copyfile(path, g[system])
+    d = None
+    if model_dir is not None:
+        d = where / model_dir.name
+        shutil.copytree(model_dir, d)
+    return g, d
+
+
+@contextlib.contextmanager
+def workspace(ggufs: dict, model_dir: Path | None, private: bool):
+    """Yields (ggufs, model_dir) to run on: private copies in a temporary directory of the model
+    cache (removed afterwards), or the files themselves if not ``private``."""
+    if not private:
+        yield ggufs, model_dir
+        return
+    from leanstream_ggml.build import cache_dir
+
+    tmp = Path(tempfile.mkdtemp(prefix="compare-", dir=cache_dir()))
+    try:
+        log(f"copying the model files to {tmp} (private copies; --no-private-copy to skip)")
+        yield private_copies(ggufs, model_dir, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# one run in a child process
+
+def engine_args(system: str, sparsity: float | None) -> list[str]:
+    """The `leanstream bench` / `perplexity` options that select a setup's system and mode."""
+    if is_stock(system):
+        return ["--system", "stock"]
+    mode, quality = plugin_mode(system)
+    out = ["--system", "leanstream", "--mode", mode]
+    if quality is not None:
+        return out + ["--quality", quality]
+    return out + (["--sparsity", str(sparsity)] if sparsity is not None and modes.is_sparse(mode) else [])
+
+
+def bench_command(model: Path, system: str, args, budget: int | None, memory_limit: int | None = None) -> list[str]:
+    """`leanstream bench --json` of one setup. args: n_prompt, n_gen, repetitions, ctx_size,
+    batch_size, threads, sparsity (the same for every setup). A plugin setup gets ``budget`` as
+    --memory-budget, or ``memory_limit`` as --memory-limit (its memory plan)."""
+    cmd = [sys.executable, "-m", "leanstream_tools.cli", "bench", str(model), "--json",
+           "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
+           "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
+    cmd += engine_args(system, args.sparsity)
+    if budget is not None and not is_stock(system):
+        cmd += ["--memory-budget", str(budget)]
+    elif memory_limit is not None and not is_stock(system):
+        cmd += ["--memory-limit", str(memory_limit)]
+    return cmd
+
+
+def perplexity_command(model: Path, system: str, args) -> list[str]:
+    """`leanstream perplexity --json` of one setup. args: ppl_ctx, ppl_chunks, threads, sparsity.
+    A sparse setup gets selecting_budget(): what it computes is then what it computes under the
+    limit."""
+    cmd = [sys.executable, "-m", "leanstream_tools.cli", "perplexity", str(model), "--json",
+           "-c", str(args.ppl_ctx), "-t", str(args.threads)]
+    if args.ppl_chunks is not None:
+        cmd += ["--chunks", str(args.ppl_chunks)]
+    if not is_stock(system) and modes.is_sparse(plugin_mode(system)[0]):
+        cmd += ["--memory-budget", str(selecting_budget(model))]
+    return cmd + engine_args(system, args.sparsity)
+
+
+def child_env() -> dict:
+    """The environment of the child runs: this checkout's package first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def summarize(bench_json: dict) -> dict:
+    """The fields of `leanstream bench --json` the side-by-side reports keep."""
+    keep = ("prefill_tok_s", "decode_tok_s", "prefill_tok_s_best", "decode_tok_s_best", "peak_rss_bytes",
+            "rss_after_load_bytes", "load_s", "disk_read_bytes_load", "disk_read_bytes_total",
+            "disk_read_bytes_per_decode_token", "memory_budget_bytes", "memory_plan", "engine_decode", "generated",
+            "repetitions",
+            "stock", "model_bytes")
+    return {k: bench_json.get(k) for k in keep}
+
+
+def plugin_budget(limit: int | None, reserve: int) -> int | None:
+    if limit is None:
+        return None
+    return max(limit - reserve, 0)
+
+
+def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | None,
+                   charged_peak: int | None = None) -> tuple[int, str]:
+    """Bytes a LeanStream run needs besides its FFN weight cache. Measured where possible: the
+    peak memory of the same mode without a limit (charged to its accounting cgroup, which is
+    what a limit binds; else VmHWM) minus the bytes its cache held, plus a margin."""
+    if fixed is not None:
+        return fixed, "--reserve"
+    if unlimited_run is not None:
+        eng = unlimited_run.get("engine_total") or {}
+        cache = eng.get("cache_bytes")
+        peak, what = (charged_peak, "cgroup peak") if charged_peak else (unlimited_run.get("peak_rss_bytes"), "peak RSS")
+        if cache is not None and peak:
+            # memory_budget covers the cache and what the engine keeps resident (sketch, predictors)
+            held = int(cache) + int(eng.get("resident_bytes") or 0)
+            return (max(peak - held, 0) + RESERVE_MARGIN,
+                    f"measured: unlimited {what} - (cache_bytes + resident_bytes) + 32 MiB")
+    from leanstream_ggml import manifest
+
+    return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
+
+
+def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, args, *, env: dict,
+              account: bool, drop_cache: bool = True) -> tuple[dict, dict | None]:
+    """One `leanstream bench --json` of ``system`` on ``path`` in a fresh process, in its own
+    child memory cgroup limited to ``limit`` (None: unlimited; a cgroup for its accounting only
+    if ``account``), after dropping the page cache of its model files. A plugin run under a
+    limit gets its memory plan (--memory-limit; status "does not fit" when the plan refuses),
+    or with a ``reserve`` memory_budget = limit - reserve, and is skipped (status "skipped") if
+    that leaves nothing, or (a sparse mode) less than its resident sketch. Returns (the run's
+    record, the bench JSON or None)."""
+    files = measure.model_files(path)
+    if drop_cache:
+        measure.drop_page_cache(files)
+    resident = [measure.resident_bytes(f) for f in files]
+    planned = not is_stock(system) and limit is not None and reserve is None
+    budget = None if is_stock(system) or limit is None or planned else plugin_budget(limit, reserve)
+    entry = {"system": system, "limit_bytes": limit, "memory_budget_bytes": budget,
+             "plugin_reserve_bytes": None if is_stock(system) or limit is None or planned else reserve,
+             "page_cache_resident_at_start_bytes": None if any(r is None for r in resident) else sum(resident),
+             "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
+    sketch = (0 if budget is None or is_stock(system) or not modes.is_sparse(plugin_mode(system)[0])
+              else sketch_bytes(path))
+    if budget == 0 or (budget is not None and budget < sketch):
+        entry.update(status="skipped", cgroup={},
+                     reason=(f"limit below the reserve ({measure.format_size(reserve)})" if budget == 0 else
+                             f"the budget the reserve leaves ({measure.format_size(budget)}) cannot hold the "
+                             f"sketch ({measure.format_size(sketch)})"))
+        log(f"{system:>18} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
+        return entry, None
+    child = run_child(bench_command(path, system, args, budget, limit if planned else None),
+                      limit_bytes=limit, timeout_s=args.timeout, env=env, account=account)
+    res, bj = child.command, child.doc
+    entry.update(res.to_dict())
+    if child.refused is not None:
+        entry.update(status="does not fit", reason=child.refused.reason, memory_plan=child.refused.plan)
+    if res.status == "ok" and bj is None:
+        entry.update(status="error", stderr_tail="no JSON document written\n" + res.stderr[-2000:])
+    if bj is not None:
+        entry["result"] = summarize(bj)
+    r = entry.get("result") or {}
+    per_token = r.get("disk_read_bytes_per_decode_token")
+    log(f"{system:>18} @ {measure.format_size(limit):>7}: {entry['status']:>7} "
+        f"decode {r.get('decode_tok_s') or 0:7.2f} tok/s  prefill {r.get('prefill_tok_s') or 0:7.1f} tok/s  "
+        f"peak RSS {measure.format_size(r.get('peak_rss_bytes'))}  "
+        f"cgroup peak {measure.format_size(entry['cgroup'].get('max_usage_bytes'))}  "
+        f"disk/decode-token {measure.format_size(int(per_token)) if per_token is not None else 'n/a'}  "
+        f"({entry['wall_s']:.0f} s)")
+    return entry, bj
+
+
+def measure_perplexities(paths: dict, args, *, env: dict, account: bool) -> dict:
+    """Held-out perplexity of each setup ({setup: model path}), once, without a limit: a memory
+    limit changes where the weights are read from, not what is computed (the sparse setups at a
+    budget that selects as every limited run does: perplexity_command)."""
+    out = {}
+    for system, path in paths.items():
+        child = run_child(perplexity_command(path, system, args), limit_bytes=None,
+                          timeout_s=args.timeout * 4, env=env, account=account)
+        res, pj = child.command, child.doc
+        out[system] = ({k: pj.get(k) for k in ("ppl", "n_scored", "n_chunks", "decode_scored", "sparsity", "quality")}
+                       if pj else {"status": res.status, "stderr_tail": res.stderr[-1000:]})
+        out[system]["loadavg_1min_at_start"] = round(os.getloadavg()[0], 2)
+        log(f"{system:>18} perplexity: {out[system].get('ppl')}")
+    return out
+
+
+def greedy_match(a: list[int] | None, b: list[int] | None) -> float | None:
+    """Fraction of the greedy continuation identical to the reference before the first difference."""
+    if not a or not b:
+        return None
+    n = min(len(a), len(b))
+    k = next((i for i in range(n) if a[i] != b[i]), n)
+    return k / n
+
+
+def add_greedy_match(runs: list[dict]) -> None:
+    """Correctness before speed: each run's greedy continuation against stock's (without a limit
+    where there is such a run): ``greedy_match_vs_stock``."""
+    stock = [e for e in runs if e["system"] == STOCK and e.get("result")]
+    ref = next((e for e in stock if e["limit_bytes"] is None), stock[0] if stock else None)
+    for e in runs:
+        if e.get("result"):
+            e["greedy_match_vs_stock"] = greedy_match(e["result"]["generated"], ref and ref["result"]["generated"])
