@@ -27,8 +27,8 @@ def make_header(*, il: int, n_embd: int, n_ff: int, k: int, gate_type: int, up_t
     n_blocks = -(-n_ff // k)
     stride = round_up(k * (gate_row_bytes + up_row_bytes + down_col_bytes), align)
     crc_offset = PERM_OFFSET + 4 * n_blocks * k
-    # data_offset: past the header and the tables, a multiple of 4096 and of align (both powers of 2)
-    data_offset = round_up(crc_offset + 4 * n_blocks, max(4096, align))
+    # data_offset: past the header and the tables, a multiple of HEADER_BYTES and of align (both powers of 2)
+    data_offset = round_up(crc_offset + 4 * n_blocks, max(HEADER_BYTES, align))
     return BlockHeader(MAGIC, VERSION, il, n_embd, n_ff, k, n_blocks, gate_type, up_type, down_type, align,
                        gate_row_bytes, up_row_bytes, down_col_bytes, stride, PERM_OFFSET, data_offset,
                        data_offset + n_blocks * stride, crc_offset)

@@ -27,6 +27,7 @@ import numpy as np
 
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.checksum import crc32c_rows
+from leanstream_ggml.formats import MIN_ALIGN
 
 from . import blockfile
 from .fileio import PARTIAL, atomic_write_text, atomic_writer, fsync_dir, sha256_file
@@ -517,8 +518,8 @@ def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 
         raise ConvertError(f"k (neurons per block) must be a positive integer, got {k!r}")
     if align is None:
         align = device_align(out_dir)
-    if not isinstance(align, int) or isinstance(align, bool) or align < 512 or align & (align - 1):
-        raise ConvertError(f"align must be a power of two >= 512, got {align!r}")
+    if not isinstance(align, int) or isinstance(align, bool) or align < MIN_ALIGN or align & (align - 1):
+        raise ConvertError(f"align must be a power of two >= {MIN_ALIGN}, got {align!r}")
     reader = _open_gguf(src)
     model = _inspect(reader, src)
     orders = _layer_orders(permutation, model.n_layer, model.n_ff)

@@ -26,9 +26,9 @@ from leanstream_ggml.formats import SKETCH_VERSION as VERSION
 
 from .fileio import atomic_writer, fsync_dir
 
-DEFAULT_TYPE = "ls2"
-TYPES = ("ls2",)          # what --sketch accepts ("none": no sketch)
-WEIGHTS = ("one", "down_norm")
+TYPES = mf.SKETCH_TYPES   # what --sketch accepts ("none": no sketch)
+DEFAULT_TYPE = TYPES[0]
+WEIGHTS = mf.SKETCH_WEIGHTS
 DEFAULT_WEIGHT = "one"    # ranking by |h| alone measured as good or better (docs/design.md §12)
 
 # ---- the sketch file (docs/formats.md) -----------------------------------------------------------

@@ -11,6 +11,7 @@ library only: nothing is imported.
 HEADER_BYTES = 4096
 
 # ffn/blk.<il>.bin
+MIN_ALIGN = 512        # block.align: O_DIRECT's alignment of data_offset and block_stride, a power of two >= this
 BLOCK_MAGIC = b"LSBLOCKS"
 BLOCK_VERSION = 2      # LS_BLOCK_FILE_VERSION
 

@@ -62,11 +62,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .formats import HEADER_BYTES   # a block file's header; data_offset is a multiple of it
+from .formats import HEADER_BYTES, MIN_ALIGN   # a block file's header (data_offset a multiple); block.align
 # the sections, the files on disk and the modes' files, each in its module; every name is also
 # this module's (the converter, the tests and the tools import them from here)
-from .manifest_sections import (BaseInfo, BlockGeometry, LayerEntry, ManifestError, PredictorInfo,  # noqa: F401
-                                SketchInfo, SourceInfo, Totals, _dc, _get)
+from .manifest_sections import (PREDICTOR_FORMAT, SKETCH_TYPES, SKETCH_WEIGHTS, BaseInfo,  # noqa: F401
+                                BlockGeometry, LayerEntry, ManifestError, PredictorInfo, SketchInfo, SourceInfo,
+                                Totals, _dc, _get)
 from .mode_files import ModeFiles, ModeFilesError  # noqa: F401
 from .model_files import check_size, file_checksum, open_regular, resolve_inside  # noqa: F401
 
@@ -287,8 +288,8 @@ class Manifest:
         k, align = self.block.k, self.block.align
         if k <= 0:
             bad("block.k must be positive")
-        if align < 512 or align & (align - 1):
-            bad(f"block.align {align} must be a power of two >= 512")
+        if align < MIN_ALIGN or align & (align - 1):
+            bad(f"block.align {align} must be a power of two >= {MIN_ALIGN}")
         if len(self.layers) != self.n_layer:
             bad(f"{len(self.layers)} layer entries for n_layer={self.n_layer}")
         n_blocks = math.ceil(self.n_ff / k)
@@ -335,8 +336,8 @@ class Manifest:
                 _check_rel(self.sketch.block_freq, "sketch.block_freq", bad)
             if self.sketch.block_importance is not None:
                 _check_rel(self.sketch.block_importance, "sketch.block_importance", bad)
-            if self.sketch.type != "ls2":
-                bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: ls2)")
+            if self.sketch.type not in SKETCH_TYPES:
+                bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: {', '.join(SKETCH_TYPES)})")
         if self.controller_file() is not None:
             _check_rel(self.controller_file(), "controller.file", bad)
         if not 0.0 <= self.totals.padding_waste < 1.0:

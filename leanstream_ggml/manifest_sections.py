@@ -13,6 +13,12 @@ class ManifestError(ValueError):
     """A model directory is missing, incomplete, malformed or of another format version."""
 
 
+# values a section may hold (the converter offers and writes these)
+PREDICTOR_FORMAT = "lspred"
+SKETCH_TYPES = ("ls2",)                 # sketch row formats (formats.SKETCH_LS2)
+SKETCH_WEIGHTS = ("one", "down_norm")   # a sketch score: |h|, or |h| x ||down column||
+
+
 @dataclass
 class SourceInfo:
     filename: str   # basename of the source GGUF
@@ -64,7 +70,7 @@ class PredictorInfo:
                                    # block was in the calibration top half (the hot set's ranking)
     summary: str | None = None     # "predictor/predictor.json": training settings and metrics
     config: dict[str, Any] = field(default_factory=dict)  # the hashing configuration (informational)
-    format: str = "lspred"
+    format: str = PREDICTOR_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,8 +89,8 @@ class PredictorInfo:
         config = d.get("config", {})
         if not isinstance(config, dict):
             raise ManifestError(f"{where}: config must be an object")
-        fmt = d.get("format", "lspred")
-        if fmt != "lspred":
+        fmt = d.get("format", PREDICTOR_FORMAT)
+        if fmt != PREDICTOR_FORMAT:
             raise ManifestError(f"{where}: unknown predictor format {fmt!r}")
         return cls(files=files, version=_get(d, "version", int, where), bytes=_get(d, "bytes", int, where),
                    config=config, format=fmt, **opt)
@@ -118,8 +124,8 @@ class SketchInfo:
             raise ManifestError(f"{where}: expected an object or null")
         files = _paths(d, "files", where)
         weight = _get(d, "weight", str, where)
-        if weight not in ("one", "down_norm"):
-            raise ManifestError(f"{where}: weight must be 'one' or 'down_norm', got {weight!r}")
+        if weight not in SKETCH_WEIGHTS:
+            raise ManifestError(f"{where}: weight must be one of {', '.join(SKETCH_WEIGHTS)}, got {weight!r}")
         quality = d.get("quality", [])
         if not isinstance(quality, list) or not all(
                 isinstance(q, dict) and all(_type_ok(q.get(k), float) for k in ("sparsity", "ppl_ratio"))
