@@ -266,7 +266,9 @@ def register(subparsers) -> None:
     p.add_argument("--profile-dir", default=None,
                    help="keep the activation profile here (reused if complete, resumable; default: inside "
                         "OUT_DIR/.convert/, removed when the conversion is complete)")
-    p.add_argument("--sketch", choices=["ls2", "none"], default=None,
+    from leanstream_ggml.manifest import SKETCH_TYPES
+
+    p.add_argument("--sketch", choices=[*SKETCH_TYPES, "none"], default=None,
                    help="write the 2-bit gate/up sketch leanstream mode selects from each layer's own input "
                         "with (default ls2; none: dense mode only, unless predictors are trained)")
     p.add_argument("--order", choices=["coact", "freq", "none"], default=None,

@@ -199,7 +199,7 @@ def generate_sequences(gguf_path, prompts: list[str], *, max_tokens: int, n_ctx:
         prefixes = [llm.tokenize(render_chat(llm, [{"role": "user", "content": p}], add_generation_prompt=True)
                                  .encode(), add_bos=False, special=True)[: n_ctx // 2]
                     for p in prompts]
-        vocab = lc.llama_model_get_vocab(llm._model.model)
+        vocab = lc.llama_model_get_vocab(llm.model)
         n_vocab = lc.llama_vocab_n_tokens(vocab)
         per_seq = min(n_ctx, max(len(t) for t in prefixes) + max_tokens + 8)
         bar = tqdm(total=len(prompts) * max_tokens, desc="generating calibration text", unit="tok",
@@ -212,7 +212,7 @@ def generate_sequences(gguf_path, prompts: list[str], *, max_tokens: int, n_ctx:
             cp.n_batch = cp.n_ubatch = max(512, sum(len(prefixes[i]) for i in group))
             cp.n_threads = cp.n_threads_batch = nt
             cp.kv_unified = True
-            ctx = lc.llama_init_from_model(llm._model.model, cp)
+            ctx = lc.llama_init_from_model(llm.model, cp)
             if not ctx:
                 raise RuntimeError("llama.cpp could not create a generation context")
             batch = lc.llama_batch_init(cp.n_batch, 0, 1)
