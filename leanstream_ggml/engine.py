@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._native import LeanstreamError, check, ffi, lib, mode_id
+from ._native import MODES, LeanstreamError, check, ffi, lib, mode_id
 from .params import size_bytes
 
 ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
@@ -98,16 +98,16 @@ class FFNEngine:
     ``**tunable``: the engine's numeric parameters by their ls_engine_params names
     (TUNABLE_PARAMS: n_io_threads, max_read_bytes, sparsity, hot_fraction, candidate_ratio,
     bridge_bytes); None or absent takes the engine's default (ls_engine_params_init and the mode
-    table). ``test_hooks``: for tests only (this engine's ls_test_hooks; see _test_hooks)."""
+    table), as do mode and verify_checksums. ``test_hooks``: for tests only (this engine's ls_test_hooks; see _test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
     controller = None  # the installed controller policy (set_controller), None: off
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
-                 memory_budget: int | str | None = None, mode: str = "dense",
+                 memory_budget: int | str | None = None, mode: str | None = None,
                  predictor_paths: Sequence[str | Path | None] | None = None,
                  sketch_paths: Sequence[str | Path | None] | None = None, block_rank: np.ndarray | None = None,
-                 verify_checksums: bool = True, test_hooks: dict | None = None, **tunable):
+                 verify_checksums: bool | None = None, test_hooks: dict | None = None, **tunable):
         unknown = sorted(set(tunable) - set(TUNABLE_PARAMS))
         if unknown:
             raise TypeError(f"unknown engine parameter(s) {', '.join(unknown)}; the engine's are "
@@ -124,9 +124,11 @@ class FFNEngine:
         p.n_layers = self.n_layers
         p.block_paths = self._path_array
         p.activation = ACTIVATIONS[activation]
-        p.mode = mode_id(mode)
+        if mode is not None:
+            p.mode = mode_id(mode)
         p.memory_budget = parse_bytes(memory_budget)
-        p.verify_checksums = 1 if verify_checksums else 0
+        if verify_checksums is not None:
+            p.verify_checksums = 1 if verify_checksums else 0
         for name, value in tunable.items():
             if value is not None:
                 setattr(p, name, value)
@@ -140,7 +142,7 @@ class FFNEngine:
         out = ffi.new("ls_engine **")
         check(lib.ls_engine_create(p, out), "cannot open the model's FFN block files")
         self._handle = out[0]
-        self.mode = mode
+        self.mode = MODES[p.mode]
         self.memory_budget = p.memory_budget
         # what the engine made of the defaults (the mode's sparsity, hot set share, ...)
         got = ffi.new("ls_engine_params *")

@@ -53,8 +53,8 @@ def _served_llama_class():
         (_RejectInvalidBodies). Every completion of theirs, chat or not, streamed or not, comes
         through create_completion (their streaming routes call the base class's methods)."""
 
-        def __init__(self, *args, reuse_prefix: bool = False, **kwargs):
-            self.reuse_prefix = reuse_prefix
+        def __init__(self, *args, reuse_prefix: bool | None = None, **kwargs):
+            self.reuse_prefix = options.BY_NAME["reuse_prefix"].default if reuse_prefix is None else reuse_prefix
             super().__init__(*args, **kwargs)
 
         def create_completion(self, *args, **kwargs):
