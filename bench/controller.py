@@ -62,9 +62,11 @@ def engine_kwargs(a: dict) -> dict:
         if not io.isdigit() or int(io) < 1:
             raise SystemExit(f"bad config {a['config']!r}: the suffix is @ioN with N >= 1 I/O threads")
         kw["n_io_threads"] = int(io)
-    if config == "dense":
-        return {**kw, "mode": "dense"}
-    kw.update(mode="leanstream", controller=config)
+    from leanstream_ggml import modes
+
+    if config == modes.DEFAULT:      # "dense": the plugin's dense mode, the reference
+        return {**kw, "mode": modes.DEFAULT}
+    kw.update(mode=modes.QUALITY, controller=config)
     if a.get("sparsity") is not None:
         kw["sparsity"] = a["sparsity"]
     return kw

@@ -36,20 +36,21 @@ DEFAULT_SETUPS = "stock,stock-q3_k_m,stock-q2_k,dense,leanstream,leanstream@ppl+
 
 def setup_args(setup: str, gguf: Path, model_dir: Path, budget: int, threads: int) -> list[str]:
     """`leanstream eval humaneval` arguments of one setup."""
-    from leanstream_tools import quants
+    from leanstream_ggml import modes
+    from leanstream_tools import compare, quants
 
     common = ["-t", str(threads)]
-    if setup == "stock":
-        return [str(gguf), *common]
-    if setup.startswith("stock-"):
-        return [str(quants.requantize(gguf, setup[len("stock-"):], n_threads=threads,
+    if compare.is_stock(setup):
+        if compare.stock_quant(setup) is None:
+            return [str(gguf), *common]
+        return [str(quants.requantize(gguf, compare.stock_quant(setup), n_threads=threads,
                                       log=lambda m: print(m, file=sys.stderr))), *common]
-    if setup == "dense":
-        return [str(model_dir), "--mode", "dense", *common]
-    if setup == "leanstream":
-        return [str(model_dir), "--mode", "leanstream", "--memory-budget", str(budget), *common]
-    if setup.startswith("leanstream@"):
-        return [str(model_dir), "--quality", setup.split("@", 1)[1], "--memory-budget", str(budget), *common]
+    mode, quality = compare.plugin_mode(setup)
+    if quality is not None and mode == modes.QUALITY:
+        return [str(model_dir), "--quality", quality, "--memory-budget", str(budget), *common]
+    if quality is None and mode in modes.MODES:
+        return [str(model_dir), "--mode", mode, *(["--memory-budget", str(budget)] if modes.is_sparse(mode) else []),
+                *common]
     raise ValueError(f"unknown setup {setup!r} (stock, stock-<type>, dense, leanstream, leanstream@<quality>)")
 
 

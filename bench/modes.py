@@ -28,6 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from leanstream_ggml import modes as engine_modes  # noqa: E402  (the engine's modes: what each one does)
+
 PROMPT = "The main differences between a process and a thread are"
 
 
@@ -59,7 +61,7 @@ def quality(model_dir, mode, sparsity, ref, args) -> dict:
     n = args.quality_ctx
     kw = dict(n_ctx=n, n_threads=args.threads, n_threads_batch=args.threads, n_batch=n, n_ubatch=n,
               logits_all=True, verbose=False)
-    llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity, **kw)
+    llm = Llama(str(model_dir), mode=mode, sparsity=sparsity if engine_modes.is_sparse(mode) else None, **kw)
     try:
         r = perplexity.compare(llm, ref, DEFAULT_TEXT.read_text(encoding="utf-8"), n, max_chunks=args.quality_chunks,
                                decode=True)
@@ -73,7 +75,7 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
     from leanstream_ggml.engine import LeanstreamError
 
     try:
-        llm = Llama(str(model_dir), mode=mode, sparsity=None if mode == "dense" else sparsity,
+        llm = Llama(str(model_dir), mode=mode, sparsity=sparsity if engine_modes.is_sparse(mode) else None,
                     memory_budget=budget or None, n_ctx=256, n_threads=args.threads, n_io_threads=args.io_threads,
                     hot_fraction=args.hot_fraction,
                     n_threads_batch=args.threads, verbose=False)
@@ -82,7 +84,7 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
     try:
         text = llm(PROMPT, max_tokens=12, temperature=0.0)["choices"][0]["text"]
         check = {"text": text}
-        if mode == "dense" and stock_text is not None:
+        if not engine_modes.is_sparse(mode) and stock_text is not None:
             check["matches_stock"] = text == stock_text
         tps = []
         for i in range(args.repeats):
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
     for frac in [float(x) for x in args.budgets.split(",") if x]:   # --budgets "": quality only
         budget = 0 if frac >= 1.0 else int(frac * ffn)
         for mode in args.modes.split(","):
-            for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
+            for s in ([float(x) for x in args.sparsity.split(",")] if engine_modes.is_sparse(mode) else [0.0]):
                 r = run_one(args.model_dir, mode, budget, s, args, stock_text)
                 r.update(mode=mode, sparsity=s, budget_fraction=frac, budget_bytes=budget)
                 print(json.dumps({k: r[k] for k in r if k not in ("check", "decode_tps_all")}), file=sys.stderr)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
         ref = systems.open_model(args.stock, "stock", n_ctx=n, n_threads=args.threads, n_batch=n, logits_all=True)
         try:
             for mode in args.modes.split(","):
-                for s in ([0.0] if mode == "dense" else [float(x) for x in args.sparsity.split(",")]):
+                for s in ([float(x) for x in args.sparsity.split(",")] if engine_modes.is_sparse(mode) else [0.0]):
                     q = quality(args.model_dir, mode, s, ref, args)
                     q.update(mode=mode, sparsity=s)
                     print(json.dumps(q), file=sys.stderr)
@@ -178,7 +180,7 @@ def markdown(doc) -> str:
     """The README tables: decode tok/s (MB read per token) per budget and mode; quality per mode."""
     rs = [r for r in doc["results"]]
     cols = list(dict.fromkeys((r["mode"], r["sparsity"]) for r in rs))
-    name = lambda m, s: m if m == "dense" else f"{m} s={s:g}"
+    name = lambda m, s: f"{m} s={s:g}" if engine_modes.is_sparse(m) else m
     out = ["| FFN budget | " + " | ".join(name(*c) for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for frac in sorted({r["budget_fraction"] for r in rs}):
         cells = []
@@ -205,12 +207,12 @@ def plot(doc, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sps = sorted({r["sparsity"] for r in doc["results"] if r["mode"] != "dense"}) or [0.0]
+    sps = sorted({r["sparsity"] for r in doc["results"] if engine_modes.is_sparse(r["mode"])}) or [0.0]
     fig, axes = plt.subplots(1, len(sps), figsize=(5 * len(sps), 4), squeeze=False)
     for ax, s in zip(axes[0], sps):
         for mode in dict.fromkeys(r["mode"] for r in doc["results"]):
             pts = [(r["budget_fraction"], r["decode_tps"]) for r in doc["results"]
-                   if r["mode"] == mode and (mode == "dense" or r["sparsity"] == s) and "decode_tps" in r]
+                   if r["mode"] == mode and (not engine_modes.is_sparse(mode) or r["sparsity"] == s) and "decode_tps" in r]
             if pts:
                 ax.plot(*zip(*sorted(pts)), marker="o", label=mode)
         ax.set_xlabel("FFN budget (fraction of FFN bytes)")

@@ -31,6 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from leanstream_ggml import modes  # noqa: E402
+
 PROMPT = "The main differences between a process and a thread are"
 
 
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     configs = []
     for c in args.configs.split(","):
         mode, bridge, hot, orders = (c.split(":") + [None] * 4)[:4]
-        names = orders.split("+") if orders else ([first] if mode == "dense" else list(dirs))
+        names = orders.split("+") if orders else (list(dirs) if modes.is_sparse(mode) else [first])
         for name in names:
             configs.append((name, dirs[name], mode, None if bridge in (None, "auto") else int(bridge),
                             None if hot is None else float(hot)))
@@ -152,7 +154,7 @@ def plot(summary, path) -> None:
     for k in keys:
         pts = sorted((r["budget_fraction"], r["decode_tps"]) for r in summary
                      if (r["order"], r["mode"], str(r["bridge"]), str(r["hot_fraction"])) == k)
-        label = k[1] if k[1] == "dense" else f"{k[1]} order={k[0]} bridge={k[2]} hot={k[3]}"
+        label = f"{k[1]} order={k[0]} bridge={k[2]} hot={k[3]}" if modes.is_sparse(k[1]) else k[1]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xlabel("memory budget (fraction of FFN bytes on disk)")
     ax.set_ylabel("decode tok/s")

@@ -60,12 +60,13 @@ def _free_port() -> int:
 def start_server(model_dir: str, port: int, memory_budget: str | None, n_ctx: int, limit: int | None, log: Path,
                  extra_env: dict | None = None, extra_args: list[str] | None = None):
     """The server process (in a new cgroup with the limit where possible): (proc, cgroup or None, why)."""
+    from leanstream_ggml.options import BY_NAME
     from leanstream_tools import cgroup
 
     cmd = [sys.executable, "-m", "leanstream_ggml.cli", "serve", model_dir, "--port", str(port), "--n_ctx", str(n_ctx),
            "--n_threads", "2", "--n_threads_batch", "2", "--interrupt_requests", "false", "--verbose", "false"]
     if memory_budget:
-        cmd += ["--memory-budget", memory_budget]
+        cmd += [BY_NAME["memory_budget"].flag, memory_budget]
     cmd += extra_args or []
     cg, why = None, None
     if limit:
@@ -244,8 +245,9 @@ def main() -> int:
     ap.add_argument("model_dir")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=2.0)
-    ap.add_argument("--memory-limit", default="600MB", help="whole-process limit of the server (cgroup)")
-    ap.add_argument("--memory-budget", default="64MiB", help="the server's FFN budget")
+    from leanstream_ggml.options import add_flags
+
+    add_flags(ap, "serve_load", ("memory_limit", "memory_budget"))   # defaults 600MB, 64MiB
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the JSON here")

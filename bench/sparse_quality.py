@@ -32,6 +32,8 @@ from leanstream_tools.measure import machine_info  # noqa: E402
 from leanstream_tools.perplexity import log_softmax, scored_range, window_logits, windows  # noqa: E402
 from leanstream_tools.texts import text_tokens  # noqa: E402
 
+from leanstream_ggml import modes  # noqa: E402
+
 
 def reference_windows(gguf: str, text_path, n_ctx: int, chunks: int, n_threads: int):
     import llama_cpp
@@ -100,9 +102,9 @@ def main() -> int:
     sink = open(a.out, "a") if a.out else None
     for mode in a.mode:
         for s in a.sparsity:
-            for ratio in (a.ratio if mode == "leanstream" and m.sketch else [None]):
+            for ratio in (a.ratio if modes.is_cascade(mode) and m.sketch else [None]):
                 kw = dict(mode=mode, n_ctx=a.ctx, n_batch=a.ctx, n_threads=a.threads, logits_all=True, verbose=False)
-                if mode != "dense":
+                if modes.is_sparse(mode):
                     kw["sparsity"] = s
                 if ratio is not None:
                     kw["candidate_ratio"] = ratio
@@ -115,13 +117,13 @@ def main() -> int:
                 dec_tokens = max(1, st["tokens"])
                 resident = llm.stats()["resident_bytes"]
                 row.update({
-                    "model": Path(a.model).name, "text": Path(a.text).name, "mode": mode, "sparsity": s if mode != "dense" else 0.0,
+                    "model": Path(a.model).name, "text": Path(a.text).name, "mode": mode, "sparsity": s if modes.is_sparse(mode) else 0.0,
                     "candidate_ratio": ratio, "memory_budget": a.memory_budget,
                     "bytes_read_fraction": st["bytes_read"] / dec_tokens / dense_bytes,
                     "method": ("resident layers: exact h of every block->down"
                                if ratio is not None and st["blocks_candidates"] >= n_blocks * dec_tokens else
                                "sketch->candidates->exact h->down" if ratio is not None else
-                               "dense" if mode == "dense" else "layer-ahead predictor"),
+                               "layer-ahead predictor" if modes.is_sparse(mode) else "dense"),
                     "bytes_fraction": st["bytes_computed"] / dec_tokens / dense_bytes,
                     "resident_MB": resident / 1e6,
                     "ffn_MB": dense_bytes / 1e6,
