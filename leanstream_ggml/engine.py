@@ -98,7 +98,8 @@ class FFNEngine:
     ``**tunable``: the engine's numeric parameters by their ls_engine_params names
     (TUNABLE_PARAMS: n_io_threads, max_read_bytes, sparsity, hot_fraction, candidate_ratio,
     bridge_bytes); None or absent takes the engine's default (ls_engine_params_init and the mode
-    table), as do mode and verify_checksums. ``test_hooks``: for tests only (this engine's ls_test_hooks; see _test_hooks)."""
+    table), as do mode and verify_checksums. ``test_hooks``: for tests only (this engine's
+    ls_test_hooks; see _test_hooks)."""
 
     _handle = None   # set once the native engine exists; close() and __del__ rely on it
     controller = None  # the installed controller policy (set_controller), None: off

@@ -125,7 +125,8 @@ class Llama(llama_cpp.Llama):
             # draft FFN; by mean |h| x ||down|| where the converter measured it, else by frequency
             block_rank = self._block_rank(path, m.block_importance_file())
         if o["memory_limit"]:
-            self.memory_plan = memplan.plan(path, m, o["memory_limit"], mode=mode, n_ctx=int(kwargs.get("n_ctx", 512)),
+            self.memory_plan = memplan.plan(path, m, o["memory_limit"], mode=mode,
+                                            n_ctx=int(kwargs.get("n_ctx", 512)),
                                             n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
                                             n_outputs=o["draft_max"] + 1 if spec != "off" else 1)
             self.memory_plan.check()

@@ -221,7 +221,8 @@ def _mode_names_compared(tree: ast.AST):
         return set()
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare) and set().union(*map(strings, [node.left, *node.comparators])) & set(modes.MODES):
+        if isinstance(node, ast.Compare) and set(modes.MODES) & set().union(*map(strings, [node.left,
+                                                                                          *node.comparators])):
             yield node
 
 
