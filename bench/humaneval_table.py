@@ -47,10 +47,10 @@ def setup_args(setup: str, gguf: Path, model_dir: Path, budget: int, threads: in
                                       log=lambda m: print(m, file=sys.stderr))), *common]
     mode, quality = compare.plugin_mode(setup)
     if quality is not None and mode == modes.QUALITY:
-        return [str(model_dir), "--quality", quality, "--memory-budget", str(budget), *common]
+        return [str(model_dir), compare.flag("quality"), quality, compare.flag("memory_budget"), str(budget), *common]
     if quality is None and mode in modes.MODES:
-        return [str(model_dir), "--mode", mode, *(["--memory-budget", str(budget)] if modes.is_sparse(mode) else []),
-                *common]
+        budget_args = [compare.flag("memory_budget"), str(budget)] if modes.is_sparse(mode) else []
+        return [str(model_dir), compare.flag("mode"), mode, *budget_args, *common]
     raise ValueError(f"unknown setup {setup!r} (stock, stock-<type>, dense, leanstream, leanstream@<quality>)")
 
 

@@ -60,7 +60,7 @@ from .report import (  # noqa: F401
     pareto_front, plot)
 from .runner import (  # noqa: F401
     RESERVE_MARGIN, ROOT, ChildRun, PlanRefused, add_greedy_match, bench_command, bench_run, child_env,
-    choose_reserve, engine_args, greedy_match, log, measure_perplexities, perplexity_command, plugin_budget,
+    choose_reserve, engine_args, flag, greedy_match, log, measure_perplexities, perplexity_command, plugin_budget,
     prepare_models, private_copies, read_json, resolve_model_dir, run_child, stock_files, summarize, workspace)
 from .setups import (  # noqa: F401
     DEFAULT_SETUPS, STOCK, check_setups, is_stock, parse_limit, parse_systems, plan_setups, plugin_availability,

@@ -191,15 +191,24 @@ def workspace(ggufs: dict, model_dir: Path | None, private: bool):
 # ---------------------------------------------------------------------------------------------
 # one run in a child process
 
+def flag(name: str) -> str:
+    """The command-line flag of an engine option (leanstream_ggml/options.py spells them)."""
+    from leanstream_ggml.options import BY_NAME
+
+    return BY_NAME[name].flag
+
+
 def engine_args(system: str, sparsity: float | None) -> list[str]:
     """The `leanstream bench` / `perplexity` options that select a setup's system and mode."""
+    from ..systems import PLUGIN, STOCK as STOCK_SYSTEM
+
     if is_stock(system):
-        return ["--system", "stock"]
+        return ["--system", STOCK_SYSTEM]
     mode, quality = plugin_mode(system)
-    out = ["--system", "leanstream", "--mode", mode]
+    out = ["--system", PLUGIN, flag("mode"), mode]
     if quality is not None:
-        return out + ["--quality", quality]
-    return out + (["--sparsity", str(sparsity)] if sparsity is not None and modes.is_sparse(mode) else [])
+        return out + [flag("quality"), quality]
+    return out + ([flag("sparsity"), str(sparsity)] if sparsity is not None and modes.is_sparse(mode) else [])
 
 
 def bench_command(model: Path, system: str, args, budget: int | None, memory_limit: int | None = None) -> list[str]:
@@ -211,9 +220,9 @@ def bench_command(model: Path, system: str, args, budget: int | None, memory_lim
            "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
     cmd += engine_args(system, args.sparsity)
     if budget is not None and not is_stock(system):
-        cmd += ["--memory-budget", str(budget)]
+        cmd += [flag("memory_budget"), str(budget)]
     elif memory_limit is not None and not is_stock(system):
-        cmd += ["--memory-limit", str(memory_limit)]
+        cmd += [flag("memory_limit"), str(memory_limit)]
     return cmd
 
 
@@ -226,7 +235,7 @@ def perplexity_command(model: Path, system: str, args) -> list[str]:
     if args.ppl_chunks is not None:
         cmd += ["--chunks", str(args.ppl_chunks)]
     if not is_stock(system) and modes.is_sparse(plugin_mode(system)[0]):
-        cmd += ["--memory-budget", str(selecting_budget(model))]
+        cmd += [flag("memory_budget"), str(selecting_budget(model))]
     return cmd + engine_args(system, args.sparsity)
 
 

@@ -78,7 +78,9 @@ def parse_limit(text: str | None) -> int | None:
     a ParameterError naming the option."""
     from leanstream_ggml import params
 
-    return params.size_bytes(text, "--memory-limit") or None
+    from leanstream_ggml.options import BY_NAME
+
+    return params.size_bytes(text, BY_NAME["memory_limit"].flag) or None
 
 
 # ---------------------------------------------------------------------------------------------
