@@ -28,6 +28,33 @@ def test_version():
     assert f"llama-cpp-python {metadata.version('llama_cpp_python')}" in r.stdout
 
 
+_PLUGGED = r"""
+import json, sys
+from leanstream_ggml import cli
+listing = cli.build_parser().format_help()
+before = set(sys.modules)
+cli.build_parser("compare")
+print(json.dumps({"listing": listing, "commands": {k: v[0] for k, v in cli.COMMANDS.items()},
+                  "loaded": sorted(m for m in set(sys.modules) - before if m.startswith("leanstream_tools"))}))
+"""
+
+
+def test_the_tools_commands_are_plugged_in_by_entry_points():
+    """The library's command table names no tool: `leanstream --help` lists bench, perplexity,
+    compare, eval and tune from the leanstream.commands entry points, and building one command's
+    parser imports that tool's modules only."""
+    import json
+
+    r = subprocess.run([sys.executable, "-c", _PLUGGED], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not any(m.startswith("leanstream_tools") for m in doc["commands"].values())
+    for name in ("bench", "perplexity", "compare", "eval", "tune"):
+        assert f"    {name} " in doc["listing"], doc["listing"]
+    assert "leanstream_tools.compare" in doc["loaded"]
+    assert not {"leanstream_tools.tune", "leanstream_tools.humaneval"} & set(doc["loaded"])
+
+
 def _field(info: str, name: str) -> str:
     """The value of one `leanstream info` line (labels padded to 17 characters)."""
     line = next(line for line in info.splitlines() if line.startswith(name + " "))
