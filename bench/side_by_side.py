@@ -31,7 +31,8 @@ where the weights are read from, not what is computed (dense streaming is checke
 below; a quantization's output does not depend on the page cache), so it holds at every limit. A LeanStream run under limit L gets ``memory_budget = L - reserve`` for its FFN weight
 cache, and no budget without a limit. The reserve (non-FFN weights, KV cache, compute buffers,
 Python) is measured: the same mode's charged peak (cgroup) without a limit minus the bytes its
-cache and its resident sketch/predictors held, plus 32 MiB (so include "none" in --limits; otherwise base.gguf + 256 MiB, or --reserve).
+cache and its resident sketch/predictors held, plus 32 MiB (so include "none" in --limits; otherwise the memory plan's reserve, memplan.py, or
+--reserve).
 
 Prints one JSON document; writes it to --out and the plot (decode tok/s vs memory limit, one
 line per system: the paper's Fig. 8) to --plot. Where cgroups are not writable it says so in the
@@ -97,7 +98,8 @@ def _run(args, systems, limits, ggufs: dict, model_dir: Path | None) -> dict:
             path = ggufs[system] if is_stock(system) else model_dir
             reserve = None
             if not is_stock(system) and limit is not None:
-                reserve, _ = reserve_of.get(system) or choose_reserve(fixed_reserve, model_dir, None)
+                reserve, _ = reserve_of.get(system) or choose_reserve(fixed_reserve, model_dir, None,
+                                                                      n_ctx=args.ctx_size)
             entry, bj = bench_run(system, path, limit, reserve, args, env=env, account=ok,
                                   drop_cache=not args.no_drop_cache)
             if bj is not None and not is_stock(system) and limit is None and system not in reserve_of:

@@ -310,3 +310,21 @@ def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
     ok = compare.run_child(compare.bench_command(d, "dense", args, None), limit_bytes=None, timeout_s=120,
                            env=compare.child_env(), account=False)
     assert ok.command.status == "ok" and ok.refused is None and ok.doc["decode_tok_s"] > 0
+
+
+def test_the_reserve_without_a_measured_run_is_the_memory_plan_s(tmp_path):
+    """side_by_side's reserve when no unlimited run measured it: the library's memory plan (what
+    the process needs besides the engine), not a second model of memory in the tool."""
+    from converters import convert
+    from gguf_synth import write_tiny_model
+    from leanstream_ggml import manifest, memplan
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_model(src, arch="llama", n_layer=2, n_embd=64, n_ff=96, types={"ffn": "F16"}, seed=2)
+    d = tmp_path / "tiny.lsm"
+    convert(src, d, progress=False, sketch="none")
+    reserve, how = compare.choose_reserve(None, d, None, n_ctx=256)
+    plan = memplan.plan(d, manifest.load(d), 0, mode="dense", n_ctx=256)
+    assert "memory plan" in how
+    # the plan's "process" part is this process's RSS now: equal up to what the interpreter grew by since
+    assert abs(reserve - plan.reserve) < 16 * 2**20 and plan.reserve > plan.parts["process"]

@@ -263,10 +263,12 @@ def plugin_budget(limit: int | None, reserve: int) -> int | None:
 
 
 def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | None,
-                   charged_peak: int | None = None) -> tuple[int, str]:
+                   charged_peak: int | None = None, n_ctx: int = 512) -> tuple[int, str]:
     """Bytes a LeanStream run needs besides its FFN weight cache. Measured where possible: the
     peak memory of the same mode without a limit (charged to its accounting cgroup, which is
-    what a limit binds; else VmHWM) minus the bytes its cache held, plus a margin."""
+    what a limit binds; else VmHWM) minus the bytes its cache held, plus a margin. Without such
+    a run, the library's memory plan says it (memplan.py: what a process needs besides the
+    engine at n_ctx), not a second model of it here."""
     if fixed is not None:
         return fixed, "--reserve"
     if unlimited_run is not None:
@@ -278,9 +280,10 @@ def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | Non
             held = int(cache) + int(eng.get("resident_bytes") or 0)
             return (max(peak - held, 0) + RESERVE_MARGIN,
                     f"measured: unlimited {what} - (cache_bytes + resident_bytes) + 32 MiB")
-    from leanstream_ggml import manifest
+    from leanstream_ggml import manifest, memplan
 
-    return manifest.load(model_dir).base.size + 256 * 2**20, "default: base.gguf + 256 MiB"
+    plan = memplan.plan(model_dir, manifest.load(model_dir), 0, mode=modes.DEFAULT, n_ctx=n_ctx)
+    return plan.reserve, "the memory plan's: what the process needs besides the FFN engine (memplan.py)"
 
 
 def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, args, *, env: dict,
