@@ -1,5 +1,5 @@
 """The plain memory-read speed of this machine: what the FFN kernels' GB/s of weights are compared
-with (tests/test_kernel_bench.py).
+with (tests/bench/test_kernel_bench.py).
 
     python bench/memory_read.py [--bytes 268435456] [--threads 2] [--rounds 7] [--out FILE]
 

@@ -8,7 +8,7 @@ streamed, the predictor-selected baselines under a budget) it runs a prompt as o
 then teacher-forced decode tokens one at a time, and keeps every position's logits and, per decode
 token and layer, the engine's last plan and candidates. `compare` says per configuration whether
 logits and plans are bit-identical to the recording. The model directory must be the same one
-(baselines need predictors in it: tests/pred_synth.py writes random ones).
+(baselines need predictors in it: tests/support/pred_synth.py writes random ones).
 """
 
 from __future__ import annotations

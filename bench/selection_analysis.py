@@ -5,7 +5,7 @@ every layer's normed FFN input x and its exact activations a = act(gate x) * up 
 token and layer, in numpy, with the model directory's own sketch rows and down-column norms w:
 
     oracle      the top n_keep neurons by |a| * w (the best any selection can keep)
-    cascade     the sketch's top n_cand (tests/reference.py's scorer on x), then the top n_keep
+    cascade     the sketch's top n_cand (tests/support/reference.py's scorer on x), then the top n_keep
                 of those by |a| * w: what the op selects (teacher-forced inputs)
 
 and reports per layer: the cascade's recall of the oracle set, and the FFN output's relative
@@ -65,9 +65,9 @@ def capture(src: str, token_lists: dict[str, list[int]], n_threads: int, chunk: 
 
 
 def sketch_scores(gate_rows, up_rows, x: np.ndarray, act) -> np.ndarray:
-    """[T, n_rows] |act(g~) u~| of the sketch rows (tests/reference.py's scorer, batched); with
+    """[T, n_rows] |act(g~) u~| of the sketch rows (tests/support/reference.py's scorer, batched); with
     up_rows None, |act(g~)| (the gate-only scorer)."""
-    from tests.reference import dequantize_rows, round_x
+    from tests.support.reference import dequantize_rows, round_x
 
     n = x.shape[1]
     xr = np.stack([round_x(v) for v in x]).astype(np.float32)
@@ -129,7 +129,7 @@ def main() -> int:
     from converters import sketch
     from leanstream_ggml import manifest
     from leanstream_ggml.engine import candidate_blocks, kept_blocks
-    from tests.reference import act as act_fn, load_layer
+    from tests.support.reference import act as act_fn, load_layer
 
     domains = dict(d.split("=", 1) for d in a.domain) if a.domain else {k: str(v) for k, v in HELDOUT.items()}
     m = manifest.load(a.model)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 METHODS = ("coact", "freq", "none")
-SPARSITY, CANDIDATE_RATIO = 0.5, 1.5   # leanstream mode's defaults (tests/test_read_planning.py checks)
+SPARSITY, CANDIDATE_RATIO = 0.5, 1.5   # leanstream mode's defaults (tests/e2e/test_read_planning.py checks)
 DEFAULT_METHOD = "coact"
 N_CTX = 512            # tokens per profiled chunk (the first SKIP of each are not kept)
 SKIP = 16

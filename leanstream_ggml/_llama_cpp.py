@@ -18,7 +18,7 @@ nowhere else:
 
 What a tool may read of any llama_cpp.Llama (stock or ours) is in context.py, through their
 public API. This module is written against the llama-cpp-python the build vendors (``PINNED``, build.py), and
-tests/test_llama_cpp_pin.py fails, naming what to re-check, when the installed one is another or
+tests/unit/test_llama_cpp_pin.py fails, naming what to re-check, when the installed one is another or
 a private name listed in ``RELIES_ON`` / ``LLAMA_ATTRS`` is gone.
 """
 

@@ -1,7 +1,7 @@
 """The model directory's binary formats: their magics, versions and fixed sizes, written once
 (docs/formats.md). The converter writes with these values, the runtime reads with them (Python:
 blockfile.py, manifest.py; C: native/src/blockfile.c, sketch.c, which check the same values;
-tests/test_formats.py compares them with what native/include/leanstream.h defines). Standard
+tests/unit/test_formats.py compares them with what native/include/leanstream.h defines). Standard
 library only: nothing is imported.
 """
 

@@ -14,7 +14,7 @@ every system, and the commands that compute them (`leanstream bench|perplexity|c
     tune.py        `leanstream tune`: the streaming controller's table for this machine and disk
 
 Like llama.cpp's tools over `llama.h`, these use only the library's public API (`leanstream_ggml`
-and its modules without a leading underscore; tests/test_walls.py checks it), and the library
+and its modules without a leading underscore; tests/unit/test_walls.py checks it), and the library
 never imports them: the `leanstream` command finds them through the `leanstream.commands` entry
 points (pyproject.toml). Every system runs through the same functions here, so a difference in a
 number is a difference in the system, not in how it was measured. Importing this package loads

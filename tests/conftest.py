@@ -1,9 +1,15 @@
-"""Shared fixtures: the real SmolLM2 model (docs/design.md §7) and its conversion, once per session;
+"""The tests, in layers: unit/ (the library's and the converter's Python, the walls), native/ (the C
+code, through its binding and from C), e2e/ (Llama, chat, the server and the command line on real
+models), tools/ (leanstream_tools: bench, perplexity, compare, HumanEval), bench/ (the bench/
+scripts and the micro-benchmarks); support/ holds what they share (synthetic GGUFs, the numpy
+references, hostile files, the fuzz worker), importable by name from every layer.
+
+Shared fixtures: the real SmolLM2 model (docs/design.md §7) and its conversion, once per session;
 and the test tiers (pyproject.toml [tool.pytest.ini_options], scripts/test.sh):
 
     bash scripts/test.sh                        # everything but the benchmarks (CI: .ci/run)
     bash scripts/test.sh -m "not slow"          # the fast tier, for the edit loop
-    .venv/bin/python -m pytest tests/test_kernel_bench.py --benchmark-only   # benchmarks
+    .venv/bin/python -m pytest tests/bench/test_kernel_bench.py --benchmark-only   # benchmarks
 
 `slow` is put on every test that needs a real model (a fixture of SLOW_FIXTURES, directly or
 through another fixture) and on the few tests of SLOW_TESTS, here, at collection: a new test on
@@ -13,11 +19,13 @@ pytest-benchmark's `benchmark` fixture are skipped unless --benchmark-only (thos
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(Path(__file__).parent / "support"))   # gguf_synth, reference, ... by name
 
 # fixtures that download or convert a real model: every test using one, however indirectly, is slow
 SLOW_FIXTURES = {
@@ -32,6 +40,8 @@ SLOW_FIXTURES = {
 SLOW_TESTS = {
     ("test_converter.py", "test_smollm2"): "fetches and converts SmolLM2-135M in its body",
     ("test_fuzz.py", "test_fuzz_model_directory"): "400 fuzz cases x 2 configurations in a child process",
+    ("test_stages.py", "test_other_parameters_refuse_to_resume"): "a killed conversion in a child, then three more",
+    ("test_stages.py", "test_cli_rerun_after_interruption_resumes"): "a killed conversion in a child, then a resumed one",
 }
 
 

@@ -4,7 +4,7 @@ The runtime package never imports the converter or a tool, and using it (import,
 decode, `leanstream chat -p`) never loads torch, scikit-learn or gguf; the check runs in a fresh
 interpreter, so the test session's own imports cannot hide a breach. The runtime holds only what
 it or its tools run: nothing in it serves only the converter or the tests (writers and
-quantizers live in converters/, numpy oracles in tests/reference.py). The tools (leanstream_tools/,
+quantizers live in converters/, numpy oracles in tests/support/reference.py). The tools (leanstream_tools/,
 bench/*.py) use only the library's public API, as llama.cpp's tools use llama.h: no private
 module or name of leanstream_ggml, no ``obj._private`` attribute of a library or llama-cpp-python
 object. No module of the library is over 500 lines."""
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "sklearn", "gguf", "converters")
 TOOLS = ("leanstream_tools", "bench")
 MAX_LINES = 500
@@ -253,8 +253,8 @@ def test_the_runtime_holds_only_what_it_runs():
     assert not extra, (
         "defined in the runtime but used only by the converter or the tests (or by nothing): "
         + ", ".join(f"{name} ({where})" for name, where in extra.items())
-        + ". Writers and quantizers belong in converters/, numpy oracles in tests/reference.py; "
-          "public API goes on PUBLIC_API in tests/test_walls.py, with why")
+        + ". Writers and quantizers belong in converters/, numpy oracles in tests/support/reference.py; "
+          "public API goes on PUBLIC_API in tests/unit/test_walls.py, with why")
     stale = sorted(set(PUBLIC_API) - set(unused))
     assert not stale, f"PUBLIC_API lists names the runtime now uses, or that no longer exist: {stale}; remove them"
 

@@ -1,4 +1,4 @@
-"""Seeded fuzz loop: random corruption of each file of a model directory (tests/fuzz_worker.py,
+"""Seeded fuzz loop: random corruption of each file of a model directory (tests/support/fuzz_worker.py,
 run as a child process so that a crash or a hang is caught and named). Every case must end in a
 clean error or in output identical, bit for bit, to the uncorrupted directory's; never a crash,
 a hang or a silently different answer."""
@@ -15,7 +15,7 @@ from hostile_model import HAVE_TORCH, make_model_dir
 
 N_CASES = 400
 SEED = 20261130
-WORKER = Path(__file__).resolve().parent / "fuzz_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "support" / "fuzz_worker.py"
 
 
 def test_fuzz_model_directory(tmp_path):

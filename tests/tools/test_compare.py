@@ -16,7 +16,7 @@ import pytest
 from leanstream_ggml import params
 from leanstream_tools import compare
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------

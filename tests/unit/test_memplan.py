@@ -19,7 +19,7 @@ from gguf_synth import write_tiny_model
 from leanstream_ggml import manifest as manifest_mod
 from leanstream_ggml import memplan, params
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MB = 10**6
 
 

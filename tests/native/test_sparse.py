@@ -1,6 +1,6 @@
 """Sparse decode in every mode: oracle priorities, predictors and their prefetch, the
 budget, chunked prefill, and I/O faults — each checked against the numpy reference over the
-neuron set the engine computed (same bound as tests/test_op.py)."""
+neuron set the engine computed (same bound as tests/native/test_op.py)."""
 
 from __future__ import annotations
 

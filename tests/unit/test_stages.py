@@ -16,9 +16,10 @@ import pytest
 pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
 gs = pytest.importorskip("gguf_synth")
 
-ROOT = Path(__file__).resolve().parents[1]
-# a CI-sized profile (several chunks) and training (3 layers)
-SETTINGS = dict(predictors="quick", progress=False,
+ROOT = Path(__file__).resolve().parents[2]
+# a CI-sized profile (several chunks) and training (3 layers); no quality calibration (a stage after
+# these, tested in test_calibration.py)
+SETTINGS = dict(predictors="quick", progress=False, calibrate=False,
                 hash_config=dict(n_hash_layers=2, tau=4, n_bits=64, n_tables=2, steps=8, batch=32),
                 profile_kwargs=dict(n_prompts=3, max_tokens=20, chunk_tokens=16))
 
@@ -68,8 +69,11 @@ def test_uninterrupted_conversion_is_complete(tiny):
     assert not [n for n in names if n.endswith(".partial")]
 
 
-@pytest.mark.parametrize("kill_at,stage", [("profile-chunk:1", "profile"), ("train-layer:0", "train"),
-                                           ("train-layer:1", "train")])
+# each case is two conversions in child processes (~12 s): the fast tier keeps one kill in training,
+# the full suite (CI) runs the kill in profiling and the second layer's too
+@pytest.mark.parametrize("kill_at,stage", [pytest.param("profile-chunk:1", "profile", marks=pytest.mark.slow),
+                                           ("train-layer:0", "train"),
+                                           pytest.param("train-layer:1", "train", marks=pytest.mark.slow)])
 def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at, stage):
     src, ref = tiny
     out = tmp_path / "model.lsm"

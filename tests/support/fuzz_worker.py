@@ -1,7 +1,7 @@
-"""Fuzz loop over a model directory, run as a child process by tests/test_fuzz.py (a crash or
+"""Fuzz loop over a model directory, run as a child process by tests/native/test_fuzz.py (a crash or
 hang here is seen by the parent, with the case that caused it).
 
-    python tests/fuzz_worker.py PRISTINE_DIR WORK_DIR N_CASES SEED
+    python tests/support/fuzz_worker.py PRISTINE_DIR WORK_DIR N_CASES SEED
 
 Each case copies the pristine model directory, corrupts one of its files (seeded: bit flips,
 overwritten or zeroed runs, truncation, appended bytes), opens it and decodes in every

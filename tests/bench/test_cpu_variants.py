@@ -83,7 +83,7 @@ def test_the_loaded_variant_is_the_one_ggmls_scorer_ranks_best_for_this_cpu():
 def _run(code: str, env_extra: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).parent.parent, timeout=600)
+                          cwd=Path(__file__).parents[2], timeout=600)
 
 
 def test_an_unknown_variant_is_refused_with_the_list():
@@ -98,7 +98,7 @@ import json, sys
 import numpy as np
 import llama_cpp
 from leanstream_ggml import Llama, _native
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/support")
 from logits import teacher_forced
 model_dir, text, out = sys.argv[1], sys.argv[2], sys.argv[3]
 llm = Llama(model_dir, mode="dense", n_ctx=256, n_threads=2, logits_all=True, verbose=False)

@@ -16,7 +16,7 @@ import pytest
 
 from leanstream_ggml import modes, options, params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction",
          "candidate_ratio", "bridge_bytes", "verify_checksums", "controller", "speculative", "draft_max",
          "draft_fraction", "draft_stop")

@@ -163,4 +163,4 @@ def test_import_is_light():
     code = ("import sys, leanstream_ggml.manifest; "
             "bad = [m for m in ('gguf', 'numpy', 'torch', 'sklearn') if m in sys.modules]; "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

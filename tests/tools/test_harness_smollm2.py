@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 N_CTX = 512
 CHUNKS = 2  # 2 windows of 512 tokens, 510 scored positions: under a minute per system on 2 cores
 

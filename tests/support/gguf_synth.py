@@ -1,13 +1,13 @@
 """Tiny synthetic llama / qwen2 GGUFs for tests, written with gguf-py.
 
-    from gguf_synth import write_tiny_model     # from a test in tests/ (pytest puts tests/ on sys.path)
+    from gguf_synth import write_tiny_model     # from any test (tests/conftest.py puts tests/support/ on sys.path)
     w = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", n_layer=2, n_embd=64, n_ff=96,
                          types={"ffn": "Q4_0"}, seed=0)
     w["blk.0.ffn_gate.weight"]      # float32 [n_ff, n_embd]: the values the file holds (dequantized)
 
 The files load in llama.cpp (checked with llama-cpp-python 0.3.36, the project's patched build:
 llama and qwen2 load, tokenize and decode; the files are plain GGUFs, nothing patch-specific;
-tests/test_converter.py::test_llama_cpp_loads_source_and_base keeps it so). Each carries a
+tests/unit/test_converter.py::test_llama_cpp_loads_source_and_base keeps it so). Each carries a
 byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
 the control tokens <|endoftext|>, <|im_start|>, <|im_end|>) and the hyperparameters llama.cpp
 requires. Weights are random (a model that says nothing sensible, deterministically per seed).

@@ -3,7 +3,7 @@
 Random weights of the exported shapes (latency does not depend on the values):
 SmolLM2-135M (576 -> 1536 blocks) and Qwen2.5-1.5B (1536 -> 8960), the trained config
 (L=3, tau=6, d=256, M=4) and the paper's (L=5, tau=8, d=256, M=1).
-    pytest tests/test_predictor_bench.py --benchmark-only
+    pytest tests/bench/test_predictor_bench.py --benchmark-only
 """
 
 from __future__ import annotations

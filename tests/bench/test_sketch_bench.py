@@ -1,7 +1,7 @@
 """Sketch scorer throughput (pytest-benchmark): one layer of the real SmolLM2 sketch scored on
 one thread (ls_engine_sketch_scores, what each ggml thread runs on its share), against a plain
 read of the same number of bytes with numpy on the same machine.
-    pytest tests/test_sketch_bench.py --benchmark-only
+    pytest tests/bench/test_sketch_bench.py --benchmark-only
 """
 
 from __future__ import annotations

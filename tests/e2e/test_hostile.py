@@ -199,7 +199,7 @@ except LeanstreamError as e:
 def test_fifo_in_place_of_a_model_file_does_not_hang(model, rel, mode):
     if rel.startswith("predictor") and not HAVE_TORCH:
         pytest.skip("predictor files are made with torch (train extra)")
-    script = _FIFO_SCRIPT.format(tests=str(Path(__file__).parent), model=str(model), rel=rel, mode=mode)
+    script = _FIFO_SCRIPT.format(tests=str(Path(__file__).parents[1] / "support"), model=str(model), rel=rel, mode=mode)
     if rel == "manifest.json":
         script = script.split("m = mf.load")[0]
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -8,7 +8,7 @@ the layers together larger than the last-level cache), so the weights come from 
   speed does not depend on the values);
 - "smollm2": the real SmolLM2-135M (Q4_1 gate/up), all 30 layers.
 
-    pytest tests/test_kernel_bench.py --benchmark-only [--benchmark-json out.json]
+    pytest tests/bench/test_kernel_bench.py --benchmark-only [--benchmark-json out.json]
 
 extra_info carries weight_gb_s, memory_read_gb_s and their ratio; nothing here asserts a speed.
 """

@@ -1,7 +1,7 @@
 """The native streamed FFN op (dense mode) against the numpy reference over the same block files.
 
 Error bound: the reference rounds x exactly as ggml does before its quantized dot products
-(tests/reference.py: round_like_ggml) and computes in float64, so what is left is f32
+(tests/support/reference.py: round_like_ggml) and computes in float64, so what is left is f32
 summation order inside ggml's vec_dot kernels and in the down accumulation:
 |y - ref| <= 1e-3 * max|ref|. One exception: for Q4_1/Q5_1 weights ggml's Q8_1 activation blocks
 also carry their sum s = d*sum(q) rounded to f16, which multiplies the weights' per-block minimum;

@@ -1,6 +1,6 @@
 """The FFN kernels on every instruction set this CPU runs (AVX2 always; AVX-512 where the CPU has it),
 against the numpy reference (the plain memory-read baseline the kernel benchmark compares with is
-bench/memory_read.py, tested in tests/test_memory_read.py).
+bench/memory_read.py, tested in tests/bench/test_memory_read.py).
 
 The kernels are chosen once per process; LEANSTREAM_ISA=avx2 and ls_kernels_select() choose again,
 so one run covers the AVX2 kernels even on an AVX-512 machine. The fused gate/up kernels (Q4_K,

@@ -84,7 +84,7 @@ def test_reads_follow_the_plan_and_bridging_changes_no_output(smollm2_sketch_dir
     if bridge_blocks:
         assert bridged > 0 and len(want) < len(plan_reads(cand.tolist(), stride, 0, 64 * stride))
     # the dropped bytes change nothing: same kept set, same output, bit for bit
-    # (tests/test_sketch.py checks the op itself against the numpy FFN)
+    # (tests/native/test_sketch.py checks the op itself against the numpy FFN)
     np.testing.assert_array_equal(y, y0)
 
 

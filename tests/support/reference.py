@@ -1,6 +1,6 @@
 """numpy references of the native code — the tests' oracles (file formats: docs/formats.md).
 
-    import reference as ref       # from a test in tests/ (pytest puts tests/ on sys.path)
+    import reference as ref       # from any test (tests/conftest.py puts tests/support/ on sys.path)
 
 The FFN op: reads a layer's block file back into dense matrices (gguf-py dequantization) and computes
 

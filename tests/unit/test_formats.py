@@ -9,7 +9,7 @@ from pathlib import Path
 
 from leanstream_ggml import blockfile, formats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _defines(path: Path) -> dict[str, str]:

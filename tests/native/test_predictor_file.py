@@ -1,5 +1,5 @@
 """Predictor files without torch: the C evaluator equals the numpy reference bit for bit, and
-malformed files are refused by both readers. (tests/test_predictor.py ties the torch training
+malformed files are refused by both readers. (tests/native/test_predictor.py ties the torch training
 path to the same reference.)"""
 
 from __future__ import annotations
