@@ -41,9 +41,12 @@ def decode(llm, prompt, n):
 
 
 def main(argv=None) -> int:
+    from leanstream_ggml import options
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
-    ap.add_argument("--memory-budget", default="16MiB")
+    options.add_flags(ap, options.SCRIPT, names=("memory_budget",))
+    ap.set_defaults(memory_budget="16MiB")     # a budget below the FFN: every token reads blocks
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("-t", "--threads", type=int, default=2)

@@ -49,10 +49,11 @@ def with_busy(n_per_core: int, fn):
 
 
 def main() -> int:
+    from leanstream_ggml import options
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
-    ap.add_argument("--mode", default="dense")
-    ap.add_argument("--memory-budget", default=None)
+    options.add_flags(ap, options.SCRIPT, names=("mode", "memory_budget"))
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 1, 3])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
@@ -78,7 +79,7 @@ def main() -> int:
         llm.close()
     quiet = statistics.median(rates[0])
     print(json.dumps({
-        "model": a.model_dir, "mode": a.mode, "memory_budget": a.memory_budget, "tokens": a.tokens,
+        "model": a.model_dir, "mode": llm.mode, "memory_budget": a.memory_budget, "tokens": a.tokens,
         "threads": a.threads, "cores": len(os.sched_getaffinity(0)),
         "levels": {f"busy_per_core={n}": {"tok_s": [round(r, 2) for r in rates[n]],
                                           "median_tok_s": round(statistics.median(rates[n]), 2),

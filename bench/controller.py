@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -169,13 +168,15 @@ def run(a: dict, timeout_s: float = 1800) -> dict:
 
 
 def main(argv=None) -> int:
+    from leanstream_ggml import options
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--regimes", default="35%,1000MB")
     ap.add_argument("--contend", default="0,1")
     ap.add_argument("--configs", default="off,table," + ",".join(f"fixed:{k}" for k in range(9)))
-    ap.add_argument("--sparsity", type=float, default=None)
+    options.add_flags(ap, options.SCRIPT, names=("sparsity",))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=32)

@@ -46,10 +46,11 @@ def snapshot(stage: str, files: dict[str, list[Path]], llm=None) -> dict:
 
 
 def main(argv=None) -> int:
+    from leanstream_ggml import options
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a model directory")
-    ap.add_argument("--mode", default="dense")
-    ap.add_argument("--memory-budget", default=None)
+    options.add_flags(ap, options.SCRIPT, names=("mode", "memory_budget"))
     ap.add_argument("-c", "--ctx-size", type=int, default=512)
     ap.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch = n_ubatch")
     ap.add_argument("-p", "--n-prompt", type=int, default=64)
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
         llm.eval([tok])
     stages.append(snapshot(f"decode {args.n_gen}", files, llm))
     llm.close()
-    print(json.dumps({"model": str(d), "mode": args.mode, "memory_budget": args.memory_budget,
+    print(json.dumps({"model": str(d), "mode": llm.mode, "memory_budget": args.memory_budget,
                       "n_ctx": args.ctx_size, "n_batch": args.batch_size, "load_s": load_s,
                       "file_bytes": {k: sum(p.stat().st_size for p in v) for k, v in files.items()},
                       "stages": stages, "machine": measure.machine_info()}, indent=1))

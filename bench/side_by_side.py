@@ -199,6 +199,8 @@ def plot(doc: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from leanstream_ggml import options
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="GGUF path or model recipe name")
     ap.add_argument("--model-dir", default=None, help="converted model directory (default: converted on first use)")
@@ -217,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="take the perplexities from an earlier run's JSON instead of measuring them again")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window (n_ctx; second half scored)")
     ap.add_argument("--ppl-chunks", type=int, default=None, help="perplexity windows (default: every one of the text)")
-    ap.add_argument("--sparsity", type=float, default=None, help="sparse LeanStream modes: fraction skipped")
+    options.add_flags(ap, options.SCRIPT, names=("sparsity",))
     ap.add_argument("--reserve", default=None,
                     help="memory a LeanStream run keeps outside its weight budget (default: measured, see above)")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock cap per run (s); past it: 'timeout'")

@@ -29,7 +29,7 @@ import functools
 
 import llama_cpp
 
-from .build import LLAMA_CPP_PYTHON_VERSION as PINNED
+from .build import LLAMA_CPP_PYTHON_VERSION as PINNED  # noqa: F401  (tests/unit/test_llama_cpp_pin.py reads it)
 
 # every private name of llama-cpp-python used below: (where, name, what uses it)
 RELIES_ON = (

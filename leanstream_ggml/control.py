@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,7 +297,7 @@ def pick_policy(policies: list[Policy], memory_budget: int, sparsity: float) -> 
 def save_policy(model_dir, manifest, policy: Policy) -> Path:
     """Adds (or replaces: the same sparsity, the budget within 2 %) a policy in the model directory's controller
     file and names it, with its checksum, in the manifest. Both files are replaced atomically."""
-    from .manifest import MANIFEST_NAME, file_checksum
+    from .manifest import MANIFEST_NAME, file_checksum, write_atomic
 
     d = Path(model_dir)
     try:
@@ -311,17 +310,8 @@ def save_policy(model_dir, manifest, policy: Policy) -> Path:
     doc = {"format": FORMAT, "format_version": FORMAT_VERSION, "conversion": conversion_id(manifest),
            "policies": [p.to_dict() for p in sorted(policies, key=lambda p: (p.memory_budget, p.sparsity))]}
     path = d / CONTROLLER_FILE
-    _atomic_write(path, json.dumps(doc, indent=1) + "\n")
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")
     manifest.extra["controller"] = {"file": CONTROLLER_FILE}
     manifest.checksums[CONTROLLER_FILE] = file_checksum(path)
-    _atomic_write(d / MANIFEST_NAME, manifest.to_json())
+    write_atomic(d / MANIFEST_NAME, manifest.to_json())
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

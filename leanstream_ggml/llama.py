@@ -20,6 +20,7 @@ from . import _llama_cpp, context, memplan, modes, options, params
 from . import manifest as manifest_mod
 from .engine import FFNEngine
 
+
 def _is_gguf_file(p: Path) -> bool:
     try:
         with open(p, "rb") as f:

@@ -69,7 +69,7 @@ from .manifest_sections import (PREDICTOR_FORMAT, SKETCH_TYPES, SKETCH_WEIGHTS, 
                                 BlockGeometry, LayerEntry, ManifestError, PredictorInfo, SketchInfo, SourceInfo,
                                 Totals, _dc, _get)
 from .mode_files import ModeFiles, ModeFilesError  # noqa: F401
-from .model_files import check_size, file_checksum, open_regular, resolve_inside  # noqa: F401
+from .model_files import check_size, file_checksum, open_regular, resolve_inside, write_atomic  # noqa: F401
 
 FORMAT = "leanstream-model"
 FORMAT_VERSION = 1

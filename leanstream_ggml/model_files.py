@@ -66,3 +66,15 @@ def file_checksum(path: Path) -> str:
         return f"crc32:{file_crc32(path, fd=fd):08x}"
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into a file of the model directory by a rename, flushed to disk first: an
+    interrupted write leaves the old file or none (what the runtime and the tools write there:
+    the controller's policy, tune's quality band, the manifest after them)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

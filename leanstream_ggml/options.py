@@ -31,7 +31,8 @@ from . import params
 
 # the commands that take options: the library's front ends, then the tools (leanstream_tools/,
 # bench/serve_load.py), which build their parsers from this table too
-COMMANDS = ("chat", "serve", "info", "bench", "perplexity", "eval", "compare", "tune", "serve_load")
+COMMANDS = ("chat", "serve", "info", "bench", "perplexity", "eval", "compare", "tune", "serve_load", "script")
+SCRIPT = "script"   # a bench/ script: any Llama option it names (add_flags(ap, SCRIPT, names=...))
 _RUNS = ("chat", "serve", "bench", "perplexity", "eval")   # the commands that run a model as Llama does
 
 
@@ -168,6 +169,8 @@ ENGINE: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.engine)   # FFNEngi
 def for_command(command: str) -> list[Option]:
     if command not in COMMANDS:
         raise ValueError(f"no command {command!r} takes engine options (known: {', '.join(COMMANDS)})")
+    if command == SCRIPT:
+        return list(LLAMA)
     return [o for o in OPTIONS if command in o.commands]
 
 

@@ -67,18 +67,6 @@ def budget_of(model_dir: Path, manifest, args) -> dict:
     return {"memory_budget": b}
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a rename: an interrupted write leaves the old file or none."""
-    import os
-
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def text_tokens(llm, path: Path, n: int) -> list[int]:
     toks = llm.tokenize(path.read_text(encoding="utf-8").encode(), add_bos=False)
     if len(toks) < n:
@@ -277,7 +265,7 @@ def run(args) -> int:
                             args.quality_target)
         band.update(tokens=args.quality_tokens, target=args.quality_target, hot_fraction=0.0)
         # kept apart from the policies too: an interrupted tune does not measure it again
-        write_atomic(model_dir / mf.controller_quality_file(sparsity), json.dumps(band, indent=1) + "\n")
+        mf.write_atomic(model_dir / mf.controller_quality_file(sparsity), json.dumps(band, indent=1) + "\n")
     allowed = np.array([band["allowed"][str(c)] for c, _ in actions])
     print(f"quality band at sparsity {sparsity:g} (perplexity vs dense, the worse of prose and code): "
           + ", ".join(f"candidates x{c}: x{r:.3f}{'' if band['allowed'][c] else ' (over the target: not offered)'}"

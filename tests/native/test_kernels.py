@@ -10,8 +10,6 @@ projections (Q8_0 columns for decode, the register-blocked tile for prefill) all
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
