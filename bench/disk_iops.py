@@ -71,7 +71,7 @@ def measure(exe: Path, files: list[str], size: int, depth: int, seconds: float, 
     t = run_cell(exe, files, size, depth, pilot, seed)
     n = int(np.clip(pilot * seconds / max(t, 1e-6), pilot, 400_000))
     best = min(run_cell(exe, files, size, depth, n, seed + 1 + rep) for rep in range(2))
-    return {"size": size, "depth": depth, "reads": n, "seconds": round(best, 4),
+    return {"size": size, "depth": depth, "reads": n, "seconds": round(best, 6),
             "iops": round(n / best), "us_per_read": round(best * 1e6 / n, 2),
             "mb_s": round(n * size / best / 1e6, 1)}
 
