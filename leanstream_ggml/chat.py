@@ -32,7 +32,9 @@ def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
 
 
 def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, after_prefill: dict | None) -> None:
-    perf = llm.perf_context()
+    from . import context
+
+    perf = context.perf_context(llm)
     parts = []
     if perf.n_p_eval:
         parts.append(f"prefill {perf.n_p_eval} tokens {perf.t_p_eval_ms / 1e3:.2f} s "
@@ -56,7 +58,9 @@ def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, aft
 def _stream_answer(llm, messages, args) -> str:
     out = []
     if args.verbose:
-        llm.reset_perf()
+        from . import context
+
+        context.reset_perf(llm)
     t0, t_first, after_prefill = time.perf_counter(), None, None
     stream = llm.create_chat_completion(messages=messages, stream=True, max_tokens=args.max_tokens,
                                         temperature=args.temp, seed=args.seed)

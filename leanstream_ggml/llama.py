@@ -265,15 +265,6 @@ class Llama(llama_cpp.Llama):
             self._drafter.finish()
             self._drafter.stats = SpecStats()
 
-    def perf_context(self):
-        """llama.cpp's counters of this context since it was created or ``reset_perf()``
-        (``llama_perf_context_data``: n_p_eval / t_p_eval_ms the prompt's tokens and
-        milliseconds, n_eval / t_eval_ms the decoded ones'; ``context.perf_context``)."""
-        return context.perf_context(self)
-
-    def reset_perf(self) -> None:
-        context.reset_perf(self)
-
     def logits(self, i: int = -1):
         """f32 [n_vocab]: the logits of row i of the last decode (-1: the last row; without
         logits_all only the rows a batch asked for have them), a view valid until the next
