@@ -75,6 +75,22 @@ def set_ffn_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
     _ffn_builder_fn()(llm.ctx, builder, user_data)
 
 
+@functools.cache
+def _exact_rows_fn():
+    _ffn_builder_fn()   # (the same patched build)
+    f = _lib.llama_set_exact_rows
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    f.restype = ctypes.c_bool
+    return f
+
+
+def set_exact_rows(llm: llama_cpp.Llama, n_rows: int) -> None:
+    """``llama_set_exact_rows(ctx, n_rows)``: batches of up to n_rows tokens compute every row as
+    decoding that token alone would (patches/0003), so a verify pass rounds as plain decoding."""
+    if not _exact_rows_fn()(llm.ctx, n_rows):
+        raise RuntimeError("llama_set_exact_rows: no CPU backend in this context took it")
+
+
 # ---- decoding ------------------------------------------------------------------------------------
 
 def wrap_decode(llm: llama_cpp.Llama, after) -> None:

@@ -12,6 +12,9 @@ from ._native import MODES, LeanstreamError, check, ffi, lib, mode_id
 from .params import size_bytes
 
 ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
+# batches of up to this many rows compute each row as that token alone (the FFN op and, through
+# llama_set_exact_rows, llama.cpp's other ops): what a verify pass may hold
+EXACT_ROWS = int(lib.LS_EXACT_ROWS)
 
 
 def parse_bytes(value: int | float | str | None) -> int:

@@ -18,7 +18,7 @@ import llama_cpp
 
 from . import _llama_cpp, context, memplan, modes, options, params
 from . import manifest as manifest_mod
-from .engine import FFNEngine
+from .engine import EXACT_ROWS, FFNEngine
 
 
 def _is_gguf_file(p: Path) -> bool:
@@ -84,12 +84,11 @@ class Llama(llama_cpp.Llama):
         # every option checked before anything is opened (ParameterError names the bad one)
         o = params.llama_options(given)
         mode, spec, quality = o["mode"], o["speculative"], o["quality"]
-        if spec != "off":
-            # the verify pass decodes several rows at once; in llama.cpp's CPU backend only flash
-            # attention computes each row as decoding it alone would (without it rows >= 5 of a
-            # batch differ by up to ~0.6 in logit), so speculative decoding uses it unless told
-            # otherwise: its answers are then plain decoding's token for token (docs/design.md §21)
-            kwargs.setdefault("flash_attn", True)
+        # a verify pass decodes several rows at once; llama.cpp's CPU backend computes a row of a
+        # batch as that token alone (llama_set_exact_rows) with flash attention only, and plain
+        # decoding must use the same attention for speculation to change no answer: flash
+        # attention unless told otherwise (docs/design.md §21)
+        kwargs.setdefault("flash_attn", True)
         self.memory_plan = None
         path = Path(model_path)
         if path.is_file() and _is_gguf_file(path):
@@ -142,6 +141,9 @@ class Llama(llama_cpp.Llama):
         self.hot_blocks = self._engine.stats()["hot_blocks"] if modes.is_sparse(mode) else 0
         super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
+        # a row of a batch of up to EXACT_ROWS tokens rounds as that token alone, in plain decoding
+        # too: a verify pass then agrees with plain decoding bit for bit (docs/design.md §21)
+        _llama_cpp.set_exact_rows(self, EXACT_ROWS)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
         _llama_cpp.wrap_decode(self, self._engine.raise_pending)
         self.speculative = spec

@@ -47,6 +47,10 @@ extern "C" {
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
 #define LS_SKETCH_LS2 1     // sketch row format: 2-bit codes, one f16 scale per 32 values (src/sketch.c)
+// Batches of up to this many token rows (speculative decoding's verify passes) compute every row
+// exactly as decoding that token alone would, bit for bit: the FFN op here, and llama.cpp's other
+// ops through llama_set_exact_rows(ctx, LS_EXACT_ROWS) (patches/0003), which the binding calls.
+#define LS_EXACT_ROWS 64
 
 typedef int32_t ls_status;
 enum {

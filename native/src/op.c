@@ -23,13 +23,10 @@
 #define LS_TILE 32
 #define LS_TOKEN_CHUNK 64    // prefill tokens per pass over a thread's blocks
 #define LS_TILE_MAX 256 // k above this is refused at load
-// Batches up to this many tokens (speculative decoding's verify passes) compute every row with the
-// one-token kernels, so that each row's output is bit for bit what decoding that token alone
+// Batches up to LS_EXACT_ROWS tokens (speculative decoding's verify passes) compute every row with
+// the one-token kernels, so that each row's output is bit for bit what decoding that token alone
 // gives: a draft's verification then agrees with plain decoding even at a near-tie. Larger
 // batches (prefill) take the batched kernels.
-#ifndef LS_ROWWISE_MAX_TOKENS
-#define LS_ROWWISE_MAX_TOKENS 16
-#endif
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
 static bool grow(void ** p, size_t * cap, size_t need, size_t elem) {
@@ -252,7 +249,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const int32_t act = e->params.activation;
     const int fused = fused_gate_up(in);
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
-    const bool rowwise = T <= LS_ROWWISE_MAX_TOKENS;
+    const bool rowwise = T <= LS_EXACT_ROWS;
     const bool direct = adds_in_place(in->down_type) && rowwise;
     // the next block's bytes fetched while one computes (a split layer: its gate/up rows; the
     // down columns are fetched when staged)
