@@ -24,6 +24,7 @@ a private name listed in ``RELIES_ON`` / ``LLAMA_ATTRS`` is gone.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -38,6 +39,10 @@ RELIES_ON = (
     ("llama_cpp._internals.LlamaContext", "kv_cache_seq_rm", "decode_all_rows, kv_cache_trim"),
     ("llama_cpp._internals.LlamaBatch", "set_batch", "decode_all_rows, Batch.decode"),
     ("llama_cpp._internals.LlamaBatch", "close", "Batch.close"),
+    ("llama_cpp._internals.LlamaBatch", "batch", "tree_decode: the llama_batch it fills"),
+    ("llama_cpp._internals.LlamaSampler", "sample", "sampler: the tree walk samples a batch row"),
+    ("llama_cpp.Llama", "_init_sampler", "sampler: the user's sampling arguments as generate builds them"),
+    ("llama_cpp.llama", "llama_cpp", "context_params: Llama.__init__ calls its llama_context_default_params()"),
     ("llama_cpp.server.model", "llama_cpp", "create_server_app: the loader's module global, swapped while it loads"),
     ("llama_cpp.server.model.LlamaProxy", "load_llama_from_model_settings", "create_server_app: their loader"),
     ("llama_cpp.server.model.LlamaProxy", "_current_model", "create_server_app's current(): the loaded model"),
@@ -46,7 +51,7 @@ RELIES_ON = (
 # llama_cpp.Llama's instance attributes used here (its __init__ sets them; eval updates the last
 # three as decode_all_rows does); HANDLE_ATTRS hold native handles
 HANDLE_ATTRS = ("_model", "_ctx", "_batch", "_sampler", "tokenizer_", "_candidates")
-LLAMA_ATTRS = HANDLE_ATTRS + ("_stack", "_logits_all", "input_ids", "n_tokens", "_requires_eval")
+LLAMA_ATTRS = HANDLE_ATTRS + ("_stack", "_logits_all", "input_ids", "n_tokens", "_requires_eval", "_mirostat_mu", "scores")
 
 _lib = llama_cpp.llama_cpp._lib   # ctypes.CDLL of the libllama llama-cpp-python loaded
 
@@ -141,6 +146,142 @@ class Batch:
 
     def close(self) -> None:
         self._batch.close()
+
+
+# ---- speculative decoding's own generate loop (speculative.py) -------------------------------------
+
+@contextlib.contextmanager
+def context_params(**fields):
+    """While ``llama_cpp.Llama.__init__`` runs: its context gets these llama_context_params fields
+    (n_seq_max, kv_unified: a token tree's sequences in one KV cache). It builds the context from
+    ``llama_context_default_params()`` and sets only other fields; that function is swapped for
+    one returning the defaults with these set, for the duration of the call."""
+    mod = llama_cpp.llama_cpp
+    real = mod.llama_context_default_params
+
+    def with_fields():
+        p = real()
+        for k, v in fields.items():
+            setattr(p, k, v)
+        return p
+
+    mod.llama_context_default_params = with_fields
+    try:
+        yield
+    finally:
+        mod.llama_context_default_params = real
+
+
+def reuse_prefix(llm: llama_cpp.Llama, tokens: list[int], reset: bool) -> tuple[list[int], bool]:
+    """What ``llama_cpp.Llama.generate`` does before it evaluates: with reset, keep the KV cache's
+    longest prefix of the new prompt (a whole cached prompt whose logits are live is evaluated no
+    further; otherwise at least its last token is). Returns (the tokens to evaluate, whether to
+    reset)."""
+    if not (reset and llm.n_tokens > 0):
+        return tokens, reset
+    longest = 0
+    for a, b in zip(llm.input_ids[: llm.n_tokens], tokens):
+        if a != b:
+            break
+        longest += 1
+    consumed = longest == len(tokens)
+    if llm.n_tokens == len(tokens) and consumed and not llm._requires_eval:
+        return [], False
+    keep = longest - 1 if consumed else longest
+    if keep > 0 and llm._ctx.kv_cache_seq_rm(-1, keep, -1):
+        llm.n_tokens = keep
+        llm._requires_eval = True
+        return tokens[keep:], False
+    return tokens, reset
+
+
+def sampler(llm: llama_cpp.Llama, **kw):
+    """The sampler chain ``generate`` builds from its sampling arguments (temp, top_k, top_p,
+    min_p, penalties, mirostat, logits processors, grammar); ``.sample(llm._ctx, row)`` samples a
+    row of the last decode and accepts the token."""
+    llm._mirostat_mu = ctypes.c_float(2.0 * kw.get("mirostat_tau", 5.0))
+    s = llm._init_sampler(**kw)
+    llm._sampler = s
+    return s
+
+
+def input_ids(llm: llama_cpp.Llama):
+    """The tokens in the KV cache (a view)."""
+    return llm.input_ids[: llm.n_tokens]
+
+
+def last_scores(llm: llama_cpp.Llama):
+    """What llama-cpp-python's generate hands stopping criteria as the scores (with logits_all
+    the last evaluated row's logits; otherwise a row it does not fill)."""
+    return llm.scores[max(0, llm.n_tokens - 1) if llm._logits_all else 0, :]
+
+
+def logits_stale(llm: llama_cpp.Llama) -> None:
+    """The last decode's logits are not those of the last token in the KV cache."""
+    llm._requires_eval = True
+
+
+def set_context(llm: llama_cpp.Llama, n_past: int, tokens: list[int]) -> None:
+    """input_ids/n_tokens say the context is input_ids[:n_past] + tokens (what a logits processor
+    reads while a tree row is sampled)."""
+    llm.input_ids[n_past:n_past + len(tokens)] = tokens
+    llm.n_tokens = n_past + len(tokens)
+
+
+class TreeBatch:
+    """One verify batch of a token tree: rows with positions and several sequence ids each, the
+    logits of every row kept. Owns its llama_batch: close()."""
+
+    def __init__(self, n_tokens: int, n_seq_max: int):
+        self.n_tokens, self.n_seq_max = n_tokens, n_seq_max
+        self._batch = llama_cpp._internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=n_seq_max, verbose=False)
+
+    def fill(self, tokens, positions, seqs) -> None:
+        b = self._batch.batch
+        b.n_tokens = len(tokens)
+        for i, (t, p, ss) in enumerate(zip(tokens, positions, seqs)):
+            b.token[i] = t
+            b.pos[i] = p
+            b.n_seq_id[i] = len(ss)
+            for k, s in enumerate(ss):
+                b.seq_id[i][k] = s
+            b.logits[i] = True
+
+    def close(self) -> None:
+        self._batch.close()
+
+
+def tree_decode(llm: llama_cpp.Llama, tokens, positions, seqs, n_seq: int) -> None:
+    """Decodes a token tree's batch after the KV cache's n_tokens (tree.py): the context is copied
+    into sequences 1 .. n_seq - 1 first; every row's logits are kept (``logits(row)``)."""
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    for s in range(1, n_seq):
+        llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
+    tb = llm.__dict__.get("_tree_batch")
+    if tb is None or tb.n_tokens < len(tokens) or tb.n_seq_max < n_seq:
+        if tb is not None:
+            tb.close()
+        tb = llm._tree_batch = TreeBatch(max(len(tokens), 64), max(n_seq, 64))
+    tb.fill(tokens, positions, seqs)
+    llm._ctx.decode(tb._batch)
+
+
+def tree_keep(llm: llama_cpp.Llama, n_past: int, kept: list[int], n_seq: int) -> None:
+    """After a tree pass: the KV cache holds the context, then ``kept`` (the pending tokens and the
+    accepted nodes of the main path, sequence 0, in order) and nothing else."""
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    for s in range(1, n_seq):
+        llama_cpp.llama_memory_seq_rm(mem, s, -1, -1)
+    n = n_past + len(kept)
+    llama_cpp.llama_memory_seq_rm(mem, 0, n, -1)
+    llm.input_ids[n_past:n] = kept
+    llm.n_tokens = n
+
+
+def close_tree_batch(llm: llama_cpp.Llama) -> None:
+    tb = llm.__dict__.pop("_tree_batch", None)
+    if tb is not None:
+        tb.close()
 
 
 # ---- closing -------------------------------------------------------------------------------------

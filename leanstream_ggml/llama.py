@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import time
 import warnings
 from pathlib import Path
 
@@ -53,6 +52,9 @@ def _refuse_unknown_keywords(kwargs: dict) -> None:
     raise TypeError(f"Llama() got an unexpected keyword argument {k!r}"
                     + (f"; did you mean {near[0]!r}?" if near else "")
                     + " (neither leanstream's options nor llama_cpp.Llama's take it)")
+
+
+_GENERATE = inspect.signature(llama_cpp.Llama.generate)
 
 
 class ClosedError(ValueError):
@@ -139,7 +141,10 @@ class Llama(llama_cpp.Llama):
         self.controller_policy = self._install_controller(o["controller"])
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
         self.hot_blocks = self._engine.stats()["hot_blocks"] if modes.is_sparse(mode) else 0
-        super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
+        # one KV cache for the sequences of a token tree (speculative.py), in every mode, so that
+        # plain decoding runs on the same context
+        with _llama_cpp.context_params(n_seq_max=EXACT_ROWS, kv_unified=True):
+            super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
         # a row of a batch of up to EXACT_ROWS tokens rounds as that token alone, in plain decoding
         # too: a verify pass then agrees with plain decoding bit for bit (docs/design.md §21)
@@ -150,8 +155,8 @@ class Llama(llama_cpp.Llama):
         if spec != "off":
             from .speculative import Drafter
 
-            self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"])
-            self.draft_model = self._drafter   # llama-cpp-python's generate verifies what it proposes
+            self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
+                                    max_rows=EXACT_ROWS)
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(
@@ -161,23 +166,25 @@ class Llama(llama_cpp.Llama):
     __doc__ = __doc__.replace("        {options}\n", options.docstring(8) + "\n")
 
     def eval(self, tokens):
-        """llama_cpp.Llama.eval; a speculative verify pass (the drafter said so) gets the logits of
-        every row it decodes, not only the last (sampling compares them with the draft), without
-        logits_all's n_ctx x n_vocab array. Passes are timed for the draft controller."""
-        rows = self.__dict__.pop("_verify_rows", None)
-        d = self._drafter
-        t0 = time.perf_counter()
-        if rows is None or rows != len(tokens) or _llama_cpp.logits_all(self):
-            super().eval(tokens)
-        else:
+        """llama_cpp.Llama.eval; ``eval_all_rows`` keeps the logits of every row it decodes."""
+        if self.__dict__.pop("_verify_rows", None) == len(tokens) and not _llama_cpp.logits_all(self):
             _llama_cpp.decode_all_rows(self, tokens)
-        if d is not None and (rows is not None or len(tokens) == 1):
-            d.verify_timed(len(tokens), time.perf_counter() - t0)
+        else:
+            super().eval(tokens)
 
     def generate(self, tokens, *args, **kwargs):
-        if self._drafter is not None:
-            self._drafter.finish()   # the last answer's final verify, counted before the KV cache changes
-        return super().generate(tokens, *args, **kwargs)
+        """llama_cpp.Llama.generate; with speculative decoding, its loop verifying a draft tree
+        every pass (speculative.generate: the same prompt cache, sampler, stopping criteria and
+        answers). With logits_all (logprobs) it decodes one token at a time."""
+        if self._drafter is None or _llama_cpp.logits_all(self):
+            return super().generate(tokens, *args, **kwargs)
+        from .speculative import generate
+
+        a = _GENERATE.bind(self, tokens, *args, **kwargs)
+        a.apply_defaults()
+        kw = dict(a.arguments)
+        del kw["self"], kw["tokens"]
+        return generate(self, self._drafter, tokens, **kw)
 
     def _check_layers_match_manifest(self) -> None:
         """The block files' headers (checksummed) agree with what the manifest says of them."""
@@ -252,10 +259,10 @@ class Llama(llama_cpp.Llama):
     def stats(self, layer: int | None = None) -> dict:
         """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ...
         (totals: summed over layers, except ``tokens``, the token rows the model processed);
-        ``speculative``: passes, drafted, accepted, tokens per pass, draft and verify seconds."""
+        ``speculative``: passes, drafted and accepted tokens, tokens per pass (by tree shape),
+        draft and verify seconds, the draft step's milliseconds."""
         s = self._live_engine().stats(layer)
         if self._drafter is not None:
-            self._drafter.finish()
             s["speculative"] = self._drafter.stats.as_dict()
         return s
 
@@ -264,7 +271,6 @@ class Llama(llama_cpp.Llama):
         if self._drafter is not None:
             from .speculative import SpecStats
 
-            self._drafter.finish()
             self._drafter.stats = SpecStats()
 
     def logits(self, i: int = -1):
@@ -294,9 +300,10 @@ class Llama(llama_cpp.Llama):
         # the context (whose graphs point at the engine) goes first, then the engine; every
         # handle llama-cpp-python leaves behind raises ClosedError from now on
         _llama_cpp.close(self, ClosedError)
+        _llama_cpp.close_tree_batch(self)
         if getattr(self, "_drafter", None) is not None:
             self._drafter.close()
-            self._drafter = self.draft_model = None
+            self._drafter = None
         if getattr(self, "_engine", None) is not None:
             self._engine.close()
             self._engine = None

@@ -1,0 +1,224 @@
+"""How far to draft and which drafted tokens to verify: the draft controller (docs/design.md §21).
+
+Two decisions per pass, both from what this process measures as it decodes (``Meter``):
+
+- *how far the self draft goes* is a small finite-horizon decision (the paper's controller,
+  applied to drafting): the state after i drafted tokens is (i, P), P the chance that all i are
+  accepted, estimated from each draft token's top-1 probability bin through the measured
+  acceptance of that bin; the action is *draft one more* (cost: a draft step) or *stop* (cost: a
+  pass of i + 1 rows). Solved by backward recursion for tokens per second (Dinkelbach: maximise
+  tokens - lambda * seconds, lambda updated to the policy's rate until it settles);
+- *which of the drafted tokens to verify* (the tree's shape): every candidate node (the draft's
+  tokens of rank 0 .. width - 1 at each step, prompt lookup's chain) has a chance of being
+  accepted, the product of the measured chances down its path; the verify pass takes nodes in
+  decreasing chance while one more row (the measured pass cost by rows) raises the expected
+  tokens per second of the pass. A chain is the one-wide case; nothing drafted where a row does
+  not pay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# the draft's top-1 probability, binned (the acceptance of each rank is measured per bin)
+Q_EDGES = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+N_Q = len(Q_EDGES) + 1
+# the grid of P (chance that every drafted token so far is accepted) the table is solved on
+P_GRID = np.concatenate([[1.0], np.geomspace(0.98, 0.02, 23)])
+MAX_RANK = 8         # the draft's ranks whose acceptance is measured
+
+
+def q_bucket(q: float) -> int:
+    return int(np.searchsorted(Q_EDGES, q, side="right"))
+
+
+def _q_mid(b: int) -> float:
+    edges = (0.0,) + Q_EDGES + (1.0,)
+    return 0.5 * (edges[b] + edges[b + 1])
+
+
+@dataclass
+class Costs:
+    """What the decisions weigh: a draft step's seconds, a pass's seconds by rows B (index B,
+    1..max_rows; NaN: not measured), acceptance of the draft's top-1 per q bin, how often each
+    bin comes."""
+
+    k_max: int
+    max_rows: int = 0
+    t_draft: float = math.nan
+    t_pass: np.ndarray = None          # [max_rows + 1] seconds, index = B
+    accept: np.ndarray = None          # [N_Q] P(accepted | its prefix accepted, q bin)
+    q_freq: np.ndarray = None          # [N_Q] how often a draft token falls in each bin
+
+    def __post_init__(self):
+        self.max_rows = max(self.max_rows, self.k_max + 1)
+        if self.t_pass is None:
+            self.t_pass = np.full(self.max_rows + 1, math.nan)
+        if self.accept is None:
+            self.accept = np.array([_q_mid(b) for b in range(N_Q)])
+        if self.q_freq is None:
+            self.q_freq = np.full(N_Q, 1.0 / N_Q)
+
+    def pass_cost(self) -> np.ndarray:
+        """t_pass with the unmeasured sizes filled in: linear between measured ones, the slope of
+        the last two beyond them (a single measured size: flat, so that drafting gets tried)."""
+        t = self.t_pass.copy()
+        known = [b for b in range(1, len(t)) if math.isfinite(t[b])]
+        if not known:
+            raise ValueError("no pass has been timed")
+        xs, ys = np.array(known, float), t[known]
+        out = np.interp(np.arange(len(t), dtype=float), xs, ys)
+        if len(known) >= 2 and known[-1] < len(t) - 1:
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+            for b in range(known[-1] + 1, len(t)):
+                out[b] = ys[-1] + slope * (b - known[-1])
+        return out
+
+
+@dataclass
+class DraftTable:
+    """draft[i, j]: after i drafted tokens with P = P_GRID[j] (interpolated), draft one more."""
+
+    draft: np.ndarray                  # [k_max + 1, len(P_GRID)] bool
+    rate: float                        # the solved policy's expected tokens per second
+    tokens_per_pass: float
+
+    def more(self, i: int, p: float) -> bool:
+        if i >= self.draft.shape[0]:
+            return False
+        j = int(np.argmin(np.abs(P_GRID - p)))
+        return bool(self.draft[i, j])
+
+
+def _interp_v(v: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """v on P_GRID (descending) at the points p."""
+    return np.interp(p, P_GRID[::-1], v[::-1])
+
+
+def solve(costs: Costs, iters: int = 30) -> DraftTable:
+    """The draft-or-verify table maximising expected tokens per second (backward recursion over
+    the draft position for tokens - lambda * seconds, lambda updated to the policy's own rate)."""
+    k, T = costs.k_max, costs.pass_cost()
+    a, f = np.clip(costs.accept, 0.0, 1.0), costs.q_freq / max(costs.q_freq.sum(), 1e-12)
+    td = costs.t_draft if math.isfinite(costs.t_draft) else 0.0
+    lam = 1.0 / T[1]
+    draft = np.zeros((k + 1, len(P_GRID)), bool)
+    n_tok = cost = None
+    for _ in range(iters):
+        # V[i]: value at (i, P) for P on the grid; N and C: the policy's expected tokens and time
+        V = 1.0 - lam * T[k + 1] * np.ones(len(P_GRID))
+        N, C = np.ones(len(P_GRID)), T[k + 1] * np.ones(len(P_GRID))
+        for i in range(k, -1, -1):
+            stop_v = 1.0 - lam * T[i + 1]
+            if i == k:
+                draft[i] = False
+                V, N, C = np.full(len(P_GRID), stop_v), np.ones(len(P_GRID)), np.full(len(P_GRID), T[i + 1])
+                continue
+            pn = P_GRID[:, None] * a[None, :]                         # [grid, q]: P after the next token
+            go_v = -lam * td + (f[None, :] * (pn + _interp_v(V, pn))).sum(1)
+            go_n = (f[None, :] * (pn + _interp_v(N, pn))).sum(1)
+            go_c = td + (f[None, :] * _interp_v(C, pn)).sum(1)
+            d = go_v > stop_v
+            draft[i] = d
+            V = np.where(d, go_v, stop_v)
+            N = np.where(d, go_n, 1.0)
+            C = np.where(d, go_c, T[i + 1])
+        n_tok, cost = float(N[0]), float(C[0])
+        new = n_tok / cost
+        if abs(new - lam) <= 1e-9 * max(lam, 1.0):
+            break
+        lam = new
+    # the passes the policy makes each yield tokens_per_pass tokens on average
+    return DraftTable(draft=draft.copy(), rate=n_tok / cost, tokens_per_pass=n_tok)
+
+
+def select(reach: list[float], parent: list[int], t_spent: float, t_pass: np.ndarray, n_pending: int) -> list[int]:
+    """The nodes to verify: by decreasing chance of acceptance (``reach``), each with its parent,
+    while one more row raises (1 + sum of the chosen chances) / (t_spent + t_pass[rows]), the
+    expected tokens per second of the pass (t_spent: the drafting already done)."""
+    order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
+    chosen: set[int] = set()
+    tokens, rows = 1.0, n_pending
+    seconds = t_spent + t_pass[rows]
+    for i in order:
+        if rows + 1 >= len(t_pass):
+            break
+        if parent[i] >= 0 and parent[i] not in chosen:
+            continue
+        t_new = t_spent + t_pass[rows + 1]
+        if (tokens + reach[i]) * seconds <= tokens * t_new:
+            continue
+        chosen.add(i)
+        tokens, rows, seconds = tokens + reach[i], rows + 1, t_new
+    return sorted(chosen)
+
+
+class Meter:
+    """The costs as this process measures them (EWMA per pass size); the chance that the model's
+    token is the draft's rank-r token, per q bin of the draft's top-1 (counts, with a prior of a
+    few tokens); solved again when they change."""
+
+    PRIOR = 4.0
+    ALPHA = 0.3
+
+    def __init__(self, k_max: int, max_rows: int = 0):
+        self.k_max = k_max
+        self.costs = Costs(k_max=k_max, max_rows=max_rows)
+        mid = np.array([_q_mid(b) for b in range(N_Q)])
+        self.rank_n = np.full(N_Q, self.PRIOR)
+        # prior: the top-1 at the bin's midpoint, the rest of the mass halving with each rank
+        rest = (1.0 - mid)[:, None] * 0.5 ** np.arange(1, MAX_RANK)[None, :]
+        self.rank_hit = self.PRIOR * np.concatenate([mid[:, None], rest], axis=1)   # [N_Q, MAX_RANK]
+        self.q_n = np.full(N_Q, 1.0)
+        self._table: DraftTable | None = None
+        self._dirty = True
+        self._update()
+
+    def _ewma(self, old: float, new: float) -> float:
+        return new if not math.isfinite(old) else (1 - self.ALPHA) * old + self.ALPHA * new
+
+    def pass_timed(self, n_rows: int, seconds: float) -> None:
+        if not 1 <= n_rows < len(self.costs.t_pass):
+            return
+        self.costs.t_pass[n_rows] = self._ewma(self.costs.t_pass[n_rows], seconds)
+        self._dirty = True
+
+    def draft_timed(self, seconds: float) -> None:
+        self.costs.t_draft = self._ewma(self.costs.t_draft, seconds)
+        self._dirty = True
+
+    def observe(self, qbin: int, rank: int) -> None:
+        """A verified draft step: its q bin and the rank of the model's token among the draft's
+        top tokens there (-1: none of them)."""
+        self.rank_n[qbin] += 1
+        if 0 <= rank < MAX_RANK:
+            self.rank_hit[qbin, rank] += 1
+        self._update()
+
+    def drafted(self, qbin: int) -> None:
+        self.q_n[qbin] += 1
+        self.costs.q_freq = self.q_n / self.q_n.sum()
+        self._dirty = True
+
+    def _update(self) -> None:
+        self.rank_p = self.rank_hit / self.rank_n[:, None]
+        self.costs.accept = self.rank_p[:, 0]
+        self._dirty = True
+
+    def chance(self, qbin: int, rank: int) -> float:
+        """P(the model's token is the draft's rank-``rank`` token | the draft's top-1 bin)."""
+        return float(self.rank_p[qbin, rank]) if rank < MAX_RANK else 0.0
+
+    def ready(self) -> bool:
+        return math.isfinite(self.costs.t_pass[1])
+
+    def table(self) -> DraftTable | None:
+        if not self.ready():
+            return None
+        if self._dirty or self._table is None:
+            self._table = solve(self.costs)
+            self._dirty = False
+        return self._table
