@@ -2,9 +2,10 @@
 
 An ``Option`` is a ``Llama`` keyword: its type, its default (None: the engine's own, which
 ls_engine_params_init and the mode table in native/src/mode.c define, or a rule between options
-that params.py applies), its help, the check its value passes (params.py; a bad value raises
-ParameterError naming it, so a keyword and a flag fail with the same message) and the commands
-that take it as a flag, spelt ``--name-with-dashes``. From this table come ``Llama``'s keywords,
+that params.py applies), its help and the commands that take it as a flag, spelt
+``--name-with-dashes``. Its check is params.py's (``params.CHECKS``, by the option's name; a bad
+value raises ParameterError naming it, so a keyword and a flag fail with the same message):
+params.py reads this table, this module imports nothing of params.py. From this table come ``Llama``'s keywords,
 signature and docstring (llama.py), ``params.engine_params`` and ``params.llama_options``, the
 flags of ``leanstream chat``, ``serve`` and ``info``, and every tool's flags:
 
@@ -22,12 +23,9 @@ module loads no native library (`leanstream convert`'s parser takes info's --mem
 from __future__ import annotations
 
 import argparse
-import functools
 import inspect
 import textwrap
 from dataclasses import dataclass, field
-
-from . import params
 
 # the commands that take options: the library's front ends, then the tools (leanstream_tools/,
 # bench/serve_load.py), which build their parsers from this table too
@@ -49,7 +47,6 @@ class Option:
     type: object                   # the value's type, as Llama's signature shows it
     default: object                # Llama's default; None: the engine's (or params.py's rule)
     help: str
-    check: object                  # value -> the value Llama uses; raises ParameterError
     commands: tuple[str, ...]      # the commands that take it as a flag
     llama: bool = True             # a Llama keyword (False: the server's own)
     engine: bool = False           # passed on to FFNEngine by name (params.engine_params)
@@ -70,7 +67,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("memory_budget", _SIZE, None,
            "bytes of FFN weights kept in RAM (the cache, sketch and predictors): an int, or a size like 512MiB "
            "or 1.5GB; default: all of them",
-           functools.partial(params.size_bytes, name="memory_budget"), _RUNS + ("tune", "serve_load"), engine=True,
+           _RUNS + ("tune", "serve_load"), engine=True,
            variants={"tune": Variant("the FFN engine's budget: bytes (400MB) or a share of the FFN on disk (35%)"),
                      "serve_load": Variant("the server's FFN budget", "64MiB")}),
     Option("memory_limit", _SIZE, None,
@@ -79,7 +76,6 @@ OPTIONS: tuple[Option, ...] = (
            "the FFN engine (the interpreter, the non-FFN weights each token reads, KV cache at n_ctx, "
            "llama.cpp's heap and compute buffers) and gives the rest to the engine, or refuses with its "
            "numbers (MemoryPlanError, a ValueError; `leanstream info MODEL --memory-limit 1000MB` prints it)",
-           functools.partial(params.size_bytes, name="memory_limit"),
            _RUNS + ("compare", "tune", "serve_load", "info"),
            variants={"compare": Variant("whole-process memory limit of every run, e.g. 1GB or 900MiB (default: none)"),
                      "tune": Variant("the whole process's memory limit (the engine gets what the memory plan leaves)"),
@@ -95,70 +91,70 @@ OPTIONS: tuple[Option, ...] = (
            "(DejaVu: one layer-ahead prediction, no weight cache), dejavu+ (oneshot + LRU cache), powerinfer2 "
            "(hot blocks pinned + LRU); these three need predictors. Prefill is always dense. Default: "
            "{DEFAULT}, or {QUALITY} when {quality} is given",
-           params.mode, _RUNS + ("info",), engine=True,
+           _RUNS + ("info",), engine=True,
            variants={"info": Variant("the plan's mode (default: leanstream with a sketch, else dense)")}),
     Option("sparsity", float, None,
            "fraction of each layer's blocks skipped per decoded token in the sparse modes, in [0, 1) "
            "(default: the engine's, 0.5)",
-           params.sparsity, _RUNS + ("compare", "tune"), engine=True,
+           _RUNS + ("compare", "tune"), engine=True,
            variants={"compare": Variant("sparse setups without a quality preset: fraction of blocks skipped "
                                         "(default: the engine's)")}),
     Option("quality", str, None,
            "instead of {sparsity}, the perplexity the user accepts to lose, e.g. ppl+5%: "
            "{QUALITY} mode (implied) at the largest sparsity whose cost the converter's calibration "
            "measured within that in its worst domain (`leanstream info` shows the table)",
-           params.quality_preset, _RUNS + ("tune",)),
+           _RUNS + ("tune",)),
     Option("n_io_threads", int, None,
            "I/O worker threads: reads in flight, 1..{MAX_N_IO_THREADS} (default {ENGINE_n_io_threads})",
-           params.n_io_threads, ("serve",), engine=True),
+           ("serve",), engine=True),
     Option("hot_fraction", float, None,
            "powerinfer2 and leanstream: share of the budget pinned for the blocks most often active in "
            "calibration, in [0, 1] (default: the mode's, 0.5; leanstream without predictors 0.9; 0 pins nothing)",
-           params.hot_fraction, ("serve",), engine=True),
+           ("serve",), engine=True),
     Option("candidate_ratio", float, None,
            "leanstream mode with a sketch: blocks whose gate/up rows are computed exactly per token, as a "
            "multiple of the kept blocks (default: the engine's, 1.5)",
-           params.candidate_ratio, ("serve",), engine=True),
+           ("serve",), engine=True),
     Option("bridge_bytes", int, None,
            "read planning of the sparse modes: a read goes on through a gap of up to this many bytes of "
            "unselected blocks (read and dropped) rather than start another I/O; default: per-I/O time x "
            "bandwidth, measured on the block files at start; 0: never",
-           params.bridge_bytes, ("serve",), engine=True),
+           ("serve",), engine=True),
     Option("verify_checksums", bool, True,
            "check every block's CRC-32C as it is read (a mismatch raises LeanstreamError naming the file, "
            "layer and block; the model directory's other files are checked against the manifest's checksums "
            "when it is opened); off only to measure what the check costs",
-           bool, ("bench", "perplexity", "eval"), engine=True),
+           ("bench", "perplexity", "eval"), engine=True),
     Option("controller", str, "off",
            "the streaming controller of leanstream mode's decode ops: off (the fixed settings above), table "
            "(the policy `leanstream tune` wrote into the model directory for this budget and sparsity: per "
            "layer, its remaining load and the disk's speed pick the candidate ratio and bridge), or fixed:K "
            "(action K of that policy's actions, or of control.DEFAULT_ACTIONS where none was tuned, on every "
            "layer)",
-           params.controller, ("chat", "serve")),
+           ("chat", "serve")),
     Option("speculative", str, "off",
            "exact speculative decoding in {DEFAULT} mode (docs/design.md §21): auto (drafts from the "
            "engine's resident blocks and from prompt lookup, the longer one verified in one pass, the "
            "controller deciding how far to draft), self (the resident-block draft only), ngram (prompt lookup "
            "only), off (in the sparse modes always). Every emitted token is sampled from the model's own "
            "logits; stats()[\"speculative\"] counts passes, drafted and accepted tokens, draft and verify time",
-           params.speculative, ("chat", "serve", "bench")),
+           ("chat", "serve", "bench")),
     Option("draft_max", int, 8,
            "speculative decoding: the longest draft; the verify pass returns one logit row more",
-           params.draft_max, ("chat", "serve", "bench")),
+           ("chat", "serve", "bench")),
     Option("draft_fraction", float, 1.0,
            "speculative decoding: the self draft computes each layer's most important fraction of its blocks "
            "(those resident; 1: every resident block): a cheaper, less faithful draft",
-           params.draft_fraction, ("chat", "serve", "bench")),
+           ("chat", "serve", "bench")),
     Option("draft_stop", str, None,
            "speculative decoding: how far to draft: controller (default: the table solved from the costs and "
            "acceptance this process measures), fixed (always {draft_max}), p_min:X (stop below the draft's "
            "top-1 probability X, as llama.cpp does)",
-           params.draft_stop, ("chat", "serve", "bench")),
+           ("chat", "serve", "bench")),
     Option("reuse_prefix", bool, False,
            "evaluate only what a prompt adds to the previous request's (faster for chats; an answer may then "
            "differ in rounding from the same request alone); off: every request starts from an empty context",
-           bool, ("serve",), llama=False),
+           ("serve",), llama=False),
 )
 
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
@@ -193,7 +189,7 @@ class _Names(dict):
             _native.lib.ls_engine_params_init(p)
             return getattr(p, key[len("ENGINE_"):])
         return {"MODES": lambda: ", ".join(modes.MODES), "DEFAULT": lambda: modes.DEFAULT,
-                "QUALITY": lambda: modes.QUALITY, "MAX_N_IO_THREADS": lambda: params.max_n_io_threads()}[key]()
+                "QUALITY": lambda: modes.QUALITY, "MAX_N_IO_THREADS": lambda: _native.lib.LS_MAX_IO_THREADS}[key]()
 
 
 def _text(o: Option, help: str, style: str) -> str:

@@ -1,10 +1,11 @@
 """The engine's user-facing parameters, validated once, at the boundary.
 
-Each option options.py declares names its check here: ``Llama``, ``leanstream chat``, ``serve``
-and the tools pass what the user gave through ``llama_options`` (every Llama option) or
-``engine_params`` (the FFN engine's); each value is checked and normalized, and a bad one raises
-``ParameterError`` naming the parameter. The native engine re-checks its inputs (it never trusts
-its caller), but messages for people come from here.
+options.py declares the options (the table); this module owns their checks (``CHECKS``, one per
+option) and the rules between them, and reads the table, never the other way round. ``Llama``,
+``leanstream chat``, ``serve`` and the tools pass what the user gave through ``llama_options``
+(every Llama option) or ``engine_params`` (the FFN engine's); each value is checked and
+normalized, and a bad one raises ``ParameterError`` naming the parameter. The native engine
+re-checks its inputs (it never trusts its caller), but messages for people come from here.
 
     engine_params(memory_budget="512MiB", mode="leanstream", n_io_threads=8)
     -> {"memory_budget": 536870912, "mode": "leanstream", "sparsity": None, "n_io_threads": 8, ...}
@@ -16,6 +17,7 @@ those are written).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -109,7 +111,7 @@ def _real_in(value, name: str, lo: float, hi: float, hi_open: bool) -> float:
 # (its modes, its thread limit): `leanstream convert` builds info's --memory-limit from them.
 
 def _default(name: str):
-    from .options import BY_NAME   # (options.py names the checks of this module)
+    from .options import BY_NAME
 
     return BY_NAME[name].default
 
@@ -212,7 +214,7 @@ def llama_options(given: dict) -> dict:
     unknown = set(given) - {o.name for o in LLAMA}
     if unknown:
         raise TypeError(f"not an option of Llama: {', '.join(sorted(unknown))}")
-    v = {o.name: o.default if given.get(o.name) is None else o.check(given[o.name]) for o in LLAMA}
+    v = {o.name: o.default if given.get(o.name) is None else CHECKS[o.name](given[o.name]) for o in LLAMA}
     if v["quality"] is not None:
         if v["sparsity"] is not None:
             raise ParameterError("quality", "give quality= or sparsity=, not both")
@@ -285,3 +287,26 @@ def draft_stop(value) -> str | None:
     except ValueError as e:
         raise ParameterError("draft_stop", str(e)) from None
     return value
+
+
+# Each option's check, by the option's name (options.py declares the options; every one has a check
+# here, tests/unit/test_options.py holds the two to each other): a given value (never None) ->
+# the value Llama uses, or ParameterError naming the option.
+CHECKS = {
+    "memory_budget": functools.partial(size_bytes, name="memory_budget"),
+    "memory_limit": functools.partial(size_bytes, name="memory_limit"),
+    "mode": mode,
+    "sparsity": sparsity,
+    "quality": quality_preset,
+    "n_io_threads": n_io_threads,
+    "hot_fraction": hot_fraction,
+    "candidate_ratio": candidate_ratio,
+    "bridge_bytes": bridge_bytes,
+    "verify_checksums": bool,
+    "controller": controller,
+    "speculative": speculative,
+    "draft_max": draft_max,
+    "draft_fraction": draft_fraction,
+    "draft_stop": draft_stop,
+    "reuse_prefix": bool,
+}

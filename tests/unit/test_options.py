@@ -41,6 +41,15 @@ def test_the_spec_names_every_engine_option_once():
                               "candidate_ratio", "bridge_bytes", "verify_checksums")
 
 
+def test_every_option_has_one_check():
+    """The table (options.py) and the checks (params.py) name the same options: one owns each,
+    and params.py reads the table (no import circle: tests/unit/test_walls.py)."""
+    assert set(params.CHECKS) == set(options.BY_NAME)
+    assert params.CHECKS["memory_limit"]("1GB") == 10**9
+    with pytest.raises(params.ParameterError, match="^memory_limit: "):
+        params.CHECKS["memory_limit"]("lots")
+
+
 def test_llama_signature_and_docstring_are_the_spec():
     from leanstream_ggml import Llama
 

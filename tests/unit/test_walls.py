@@ -51,6 +51,81 @@ def test_no_module_of_the_library_is_over_500_lines():
     assert not long, f"modules of leanstream_ggml/ over {MAX_LINES} lines (split them by concern): {long}"
 
 
+# ---- no import circle in the library ----------------------------------------------------------------
+
+def _library_imports(root: Path, package: str = "leanstream_ggml") -> dict[str, set[str]]:
+    """{module: the modules of the package it imports}, at any depth of its code (an import inside
+    a function closes a circle as surely as one at the top, only later). ``from . import x``
+    imports the submodule x; ``from . import name`` (not a module) the package's __init__."""
+    pkg = root / package
+    mods = {_module_name(p, root): p for p in sorted(pkg.rglob("*.py"))}
+    graph = {}
+    for module, path in mods.items():
+        is_package, out = path.name == "__init__.py", set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                src = _import_source(node, module, is_package)
+                out.update(f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src for a in node.names)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+        graph[module] = {m for m in out if m in mods and m != module}
+    return graph
+
+
+def import_cycles(root: Path = ROOT, package: str = "leanstream_ggml") -> list[list[str]]:
+    """Every import circle among the package's modules: the strongly connected components of
+    more than one module (Tarjan), each sorted."""
+    graph = _library_imports(root, package)
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_circle_in_the_library():
+    cycles = import_cycles()
+    assert not cycles, ("modules of leanstream_ggml/ that import each other, directly or around a loop (one "
+                        f"owns what the other asks for; move it, or pass it in): {cycles}")
+
+
+def test_the_circle_check_sees_one(tmp_path):
+    """The check above is not vacuous: a circle through function-level imports (a -> b -> c -> a)
+    is found; the package's __init__ and a plain ``from . import sibling`` close none."""
+    pkg = tmp_path / "leanstream_ggml"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def __getattr__(name):\n    from .a import A\n    return A\n")
+    (pkg / "a.py").write_text("from . import b\nA = 1\n")
+    (pkg / "b.py").write_text("def f():\n    from .c import g\n    return g()\n")
+    (pkg / "c.py").write_text("def g():\n    from leanstream_ggml.a import A\n    return A\n")
+    (pkg / "d.py").write_text("from . import a, __version__\n")
+    assert import_cycles(tmp_path) == [["leanstream_ggml.a", "leanstream_ggml.b", "leanstream_ggml.c"]]
+    (pkg / "c.py").write_text("def g():\n    return 1\n")
+    assert import_cycles(tmp_path) == []
+
+
 # ---- the tools use the library's public API only ---------------------------------------------------
 
 LIBRARIES = ("leanstream_ggml", "llama_cpp")   # the packages whose private names a tool must not use
