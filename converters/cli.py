@@ -267,13 +267,16 @@ def register(subparsers) -> None:
                    help="keep the activation profile here (reused if complete, resumable; default: inside "
                         "OUT_DIR/.convert/, removed when the conversion is complete)")
     from leanstream_ggml.manifest import SKETCH_TYPES
+    from .order import METHODS as ORDER_METHODS
 
     p.add_argument("--sketch", choices=[*SKETCH_TYPES, "none"], default=None,
                    help="write the 2-bit gate/up sketch leanstream mode selects from each layer's own input "
                         "with (default ls2; none: dense mode only, unless predictors are trained)")
-    p.add_argument("--order", choices=["coact", "freq", "none"], default=None,
-                   help="on-disk order of each layer's neurons for the sparse modes: neurons read together "
-                        "placed together (coact, default), most often read first (freq), or as in the GGUF (none)")
+    p.add_argument("--order", choices=list(ORDER_METHODS), default=None,
+                   help="on-disk order of each layer's neurons: most important first (importance, default: "
+                        "dense mode's resident prefix, speculative decoding's draft, is each layer's best neurons "
+                        "and the rest streams in one piece), neurons the sparse modes read together placed "
+                        "together (coact), most often read first (freq), or as in the GGUF (none)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                    help="with the sketch: measure what each sparsity costs on the bundled prose, code and chat "
                         "texts (the table quality='ppl+5%%' chooses from, by its worst domain; a few minutes "

@@ -18,8 +18,11 @@ the layer: the candidates, whose blocks are read whole). Per layer, with M the [
             Hamiltonian path heuristic: the reads of one token are the runs of its set, and a run
             continues wherever two neighbours are read together)
     freq    by how often each neuron is read, most often first (hot neurons contiguous)
+    importance  by mean |h| x ||down column||, most important first: dense mode pins a prefix of
+            every layer, so its resident set (speculative decoding's draft FFN) is each layer's
+            most important neurons one by one, and the rest streams as one contiguous range
 
-docs/design.md §14 has the measurement behind the default.
+docs/design.md §14 and §21 have the measurements behind the default.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-METHODS = ("coact", "freq", "none")
+METHODS = ("importance", "coact", "freq", "none")
 SPARSITY, CANDIDATE_RATIO = 0.5, 1.5   # leanstream mode's defaults (tests/e2e/test_read_planning.py checks)
-DEFAULT_METHOD = "coact"
+DEFAULT_METHOD = "importance"
 N_CTX = 512            # tokens per profiled chunk (the first SKIP of each are not kept)
 SKIP = 16
 MAX_TOKENS = 4096      # kept positions at most
@@ -61,9 +64,14 @@ def chain_order(co: np.ndarray, freq: np.ndarray) -> np.ndarray:
     return order
 
 
-def order_from_sets(m: np.ndarray, method: str) -> np.ndarray:
-    """A layer's on-disk neuron order from its read sets m [T, n_ff]."""
+def order_from_sets(m: np.ndarray, method: str, importance: np.ndarray | None = None) -> np.ndarray:
+    """A layer's on-disk neuron order from its read sets m [T, n_ff] (importance [n_ff]: each
+    neuron's mean |h| x ||down column||, for the importance order)."""
     n = m.shape[1]
+    if method == "importance":
+        if importance is None:
+            raise ValueError("the importance order needs each neuron's importance")
+        return np.argsort(-importance, kind="stable")
     if method == "none" or len(m) == 0:
         return np.arange(n, dtype=np.int64)
     freq = m.sum(axis=0, dtype=np.int64)
@@ -126,16 +134,18 @@ def profile_read_sets(src, text_path, *, n_read_of, n_threads: int = 2,
     return [np.concatenate(s)[:MAX_TOKENS] for s in sets], mean_abs
 
 
-def neuron_orders(src, text_path, *, method: str, n_read_of, n_threads: int = 2,
+def neuron_orders(src, text_path, *, method: str, n_read_of, n_threads: int = 2, down_norm=None,
                   progress: bool = True, log=print) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """One on-disk neuron order per layer (module doc), and f32 [n_layer, n_ff] in that order: how
-    often each neuron was read on the calibration text (the hot set's ranking), and its mean |h|."""
+    often each neuron was read on the calibration text (the hot set's ranking), and its mean |h|.
+    down_norm(il) -> f32 [n_ff]: the ||down column|| of layer il's neurons (the importance order)."""
     from tqdm import tqdm
 
     sets, mean_abs = profile_read_sets(src, text_path, n_read_of=n_read_of, n_threads=n_threads, progress=progress)
     orders, freqs, before, after = [], [], 0.0, 0.0
-    for m in tqdm(sets, desc=f"ordering neurons ({method})", unit="layer", disable=not progress):
-        o = order_from_sets(m, method)
+    for il, m in enumerate(tqdm(sets, desc=f"ordering neurons ({method})", unit="layer", disable=not progress)):
+        imp = mean_abs[il] * down_norm(il) if method == "importance" else None
+        o = order_from_sets(m, method, imp)
         orders.append(o)
         freqs.append(m.mean(axis=0, dtype=np.float64)[o].astype(np.float32))
         if progress:   # (the log line's figures only)

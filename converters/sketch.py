@@ -160,6 +160,11 @@ def _dequantized_rows(t, n_rows: int) -> np.ndarray:
     return gguf.quants.dequantize(t.data, t.tensor_type).reshape(n_rows, -1).astype(np.float32, copy=False)
 
 
+def down_column_norms(layer, n_embd: int) -> np.ndarray:
+    """f32 [n_ff]: ||down column|| of each of the layer's neurons, GGUF order."""
+    return np.linalg.norm(_dequantized_rows(layer.down, n_embd), axis=0).astype(np.float32)
+
+
 def _layer_sketch(layer, slots: np.ndarray, n_embd: int, n_ff: int, k: int, weight: str) -> bytes:
     pad = slots < 0
     idx = np.where(pad, 0, slots)
@@ -214,7 +219,7 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
             with atomic_writer(path, durable=False) as f:
                 f.write(data)
         if block_abs_h is not None and source.k == 1:
-            norm = np.linalg.norm(_dequantized_rows(layer.down, model.n_embd), axis=0)   # [n_ff], GGUF order
+            norm = down_column_norms(layer, model.n_embd)   # [n_ff], GGUF order
             importance.append(block_abs_h[layer.il] * norm[np.where(slots < 0, 0, slots)].astype(np.float32))
         files.append(rel)
         total += path.stat().st_size

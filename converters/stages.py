@@ -10,6 +10,8 @@
     train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
     write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
     sketch    (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
+    vocab     the speculative draft's vocabulary: tokens by the model's mean predicted probability
+              on the calibration corpus (converters/vocab.py)                  -> draft/vocab.npy
     calibrate (with the sketch) perplexity cost of each sparsity per domain of the calibration
               corpus (prose, code, chat, the user's file; converters/calibrate.py)
     manifest  manifest.json, written once, last: its presence marks a complete model directory
@@ -35,11 +37,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from leanstream_ggml import manifest as mf
 
 from .convert_gguf import (DEFAULT_DOWN_TYPE, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest, read_source,
                            remove_partials, save_manifest, write_model)
-from .fileio import PARTIAL, atomic_write_json, fsync_dir, sha256_file
+from .fileio import PARTIAL, atomic_write_json, atomic_writer, fsync_dir, sha256_file
 from .order import DEFAULT_METHOD as DEFAULT_ORDER, METHODS as ORDER_METHODS
 from .sketch import DEFAULT_TYPE as DEFAULT_SKETCH, write_sketches
 
@@ -87,6 +91,7 @@ def _clean_outputs(out: Path) -> None:
     shutil.rmtree(out / STATE_DIR, ignore_errors=True)
     shutil.rmtree(out / mf.PREDICTOR_DIR, ignore_errors=True)
     shutil.rmtree(out / mf.SKETCH_DIR, ignore_errors=True)
+    shutil.rmtree(out / mf.DRAFT_DIR, ignore_errors=True)
     for name in (mf.BASE_NAME, mf.BASE_NAME + PARTIAL, mf.MANIFEST_NAME + PARTIAL, ".convert-state.json"):
         (out / name).unlink(missing_ok=True)
     if (out / mf.FFN_DIR).is_dir():
@@ -164,8 +169,9 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     each sparsity costs on the model's own text (the quality= table; with the sketch). profile_dir: keep the activation profile
     there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
-    order: on-disk neuron order of the sparse modes, "coact" (default), "freq" or "none" (GGUF
-    order); only with one neuron per block, no ``permutation`` and a sketch. Raises ConvertError.
+    order: on-disk neuron order, "importance" (default), "coact", "freq" or "none" (GGUF order;
+    converters/order.py); only with one neuron per block, no ``permutation`` and a sketch.
+    Raises ConvertError.
     """
     if predictors not in PREDICTOR_CHOICES:
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
@@ -226,7 +232,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("order", "profile", "train", "write", "sketch", "calibrate") if state.done(s)]
+        done = [s for s in ("order", "profile", "train", "write", "sketch", "vocab", "calibrate") if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
 
@@ -258,6 +264,18 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     m = make_manifest(source, out, entries, totals, predictor)
     m.sketch = sketch_info
 
+    # vocab: the rows the speculative draft's output projection computes
+    if not state.done("vocab"):
+        from .calibrate import corpus
+        from .vocab import vocab_ranking
+
+        ranking = vocab_ranking(source.path, list(corpus(calibration).values()), n_threads=n_threads, progress=progress)
+        (out / mf.DRAFT_DIR).mkdir(exist_ok=True)
+        with atomic_writer(out / mf.DRAFT_VOCAB) as f:
+            np.save(f, ranking, allow_pickle=False)
+        state.mark("vocab")
+    m.extra["draft"] = {"vocab": mf.DRAFT_VOCAB}
+
     # calibrate: what each sparsity costs on the model's own text (quality="ppl+5%" reads it)
     if sketch_info is not None and calibrate:
         if state.done("calibrate"):
@@ -288,6 +306,7 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
     from .calibrate import corpus
     from .order import CANDIDATE_RATIO, SPARSITY, neuron_orders
     from .profile import UnsupportedProfile
+    from .sketch import down_column_norms
 
     path = state.dir / "order.npz"
     if state.done("order"):
@@ -296,8 +315,9 @@ def _neuron_orders(source, state: _State, method: str, calibration, n_threads: i
                     z["absh"] if "absh" in z else None)
     try:
         orders, freq, absh = neuron_orders(source.path, list(corpus(calibration).values()), method=method,
-                                     n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
-                                     n_threads=n_threads, progress=progress, log=log)
+                                           n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
+                                           down_norm=lambda il: down_column_norms(source.model.layers[il], source.model.n_embd),
+                                           n_threads=n_threads, progress=progress, log=log)
     except UnsupportedProfile as e:
         # (an architecture whose graph names none of the tensors the profile captures) the model keeps
         # GGUF order and no hot-set ranking

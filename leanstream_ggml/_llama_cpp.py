@@ -81,6 +81,21 @@ def set_ffn_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
 
 
 @functools.cache
+def _output_builder_fn():
+    _ffn_builder_fn()   # (the same patched build)
+    f = _lib.llama_set_output_builder
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    f.restype = None
+    return f
+
+
+def set_output_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
+    """``llama_set_output_builder(ctx, builder, user_data)`` (patches/0004): the output projection
+    of llm's graphs is built by ``builder``."""
+    _output_builder_fn()(llm.ctx, builder, user_data)
+
+
+@functools.cache
 def _exact_rows_fn():
     _ffn_builder_fn()   # (the same patched build)
     f = _lib.llama_set_exact_rows

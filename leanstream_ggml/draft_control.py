@@ -136,24 +136,23 @@ def solve(costs: Costs, iters: int = 30) -> DraftTable:
 
 
 def select(reach: list[float], parent: list[int], t_spent: float, t_pass: np.ndarray, n_pending: int) -> list[int]:
-    """The nodes to verify: by decreasing chance of acceptance (``reach``), each with its parent,
-    while one more row raises (1 + sum of the chosen chances) / (t_spent + t_pass[rows]), the
-    expected tokens per second of the pass (t_spent: the drafting already done)."""
+    """The nodes to verify: the first n by decreasing chance of acceptance (``reach``; a node's
+    chance is at most its parent's, so such a prefix holds every chosen node's parent), n the one
+    maximising (1 + their chances) / (t_spent + t_pass[n_pending + n]), the expected tokens per
+    second of the pass (t_spent: the drafting already done; t_pass by rows may rise unevenly)."""
     order = sorted(range(len(reach)), key=lambda i: (-reach[i], i))
-    chosen: set[int] = set()
-    tokens, rows = 1.0, n_pending
-    seconds = t_spent + t_pass[rows]
-    for i in order:
-        if rows + 1 >= len(t_pass):
+    order = order[:max(0, len(t_pass) - 1 - n_pending)]
+    best_n, best, tokens = 0, 1.0 / (t_spent + t_pass[n_pending]), 1.0
+    seen: set[int] = set()
+    for n, i in enumerate(order, 1):
+        if parent[i] >= 0 and parent[i] not in seen:   # (a tie broken against its parent)
             break
-        if parent[i] >= 0 and parent[i] not in chosen:
-            continue
-        t_new = t_spent + t_pass[rows + 1]
-        if (tokens + reach[i]) * seconds <= tokens * t_new:
-            continue
-        chosen.add(i)
-        tokens, rows, seconds = tokens + reach[i], rows + 1, t_new
-    return sorted(chosen)
+        seen.add(i)
+        tokens += reach[i]
+        r = tokens / (t_spent + t_pass[n_pending + n])
+        if r > best:
+            best_n, best = n, r
+    return sorted(order[:best_n])
 
 
 class Meter:

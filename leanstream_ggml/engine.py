@@ -185,6 +185,11 @@ class FFNEngine:
         """Address of ls_ffn_build, the llama_ffn_builder_t for llama_set_ffn_builder."""
         return int(ffi.cast("uintptr_t", lib.ls_ffn_build))
 
+    @staticmethod
+    def output_builder_address() -> int:
+        """Address of ls_output_build, the llama_output_builder_t for llama_set_output_builder."""
+        return int(ffi.cast("uintptr_t", lib.ls_output_build))
+
     def close(self) -> None:
         if self._handle is not None:
             lib.ls_engine_free(self._handle)
@@ -240,6 +245,20 @@ class FFNEngine:
         """Speculative decoding's draft FFN: while on, ops compute only resident blocks (of each
         layer's best-ranked ``fraction``) and read nothing."""
         check(lib.ls_engine_set_draft(self.handle, 1 if on else 0, float(fraction)))
+
+    def set_draft_vocab(self, ids) -> None:
+        """The token ids the draft's output projection computes (empty: every token)."""
+        ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int32).reshape(-1))
+        check(lib.ls_engine_set_draft_vocab(self.handle, ffi.cast("const int32_t *", ids.ctypes.data), ids.size))
+
+    def draft_top(self, row: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last draft op's best k tokens of output row ``row`` (best first) and their
+        probabilities over the draft vocabulary."""
+        ids = np.empty(k, dtype=np.int32)
+        probs = np.empty(k, dtype=np.float32)
+        n = lib.ls_engine_draft_top(self.handle, row, ffi.cast("int32_t *", ids.ctypes.data),
+                                    ffi.cast("float *", probs.ctypes.data), k)
+        return ids[:n], probs[:n]
 
     def set_priorities(self, il: int, prio: np.ndarray) -> None:
         """Priorities of layer il's blocks for its next decode op (oracle / external scheduler)."""

@@ -149,6 +149,8 @@ class Llama(llama_cpp.Llama):
         # a row of a batch of up to EXACT_ROWS tokens rounds as that token alone, in plain decoding
         # too: a verify pass then agrees with plain decoding bit for bit (docs/design.md §21)
         _llama_cpp.set_exact_rows(self, EXACT_ROWS)
+        # the output projection too (the same arithmetic; the draft computes its vocabulary's rows)
+        _llama_cpp.set_output_builder(self, FFNEngine.output_builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
         _llama_cpp.wrap_decode(self, self._engine.raise_pending)
         self.speculative = spec
@@ -156,7 +158,7 @@ class Llama(llama_cpp.Llama):
             from .speculative import Drafter
 
             self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
-                                    max_rows=EXACT_ROWS)
+                                    max_rows=EXACT_ROWS, vocab=self._draft_vocab())
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(
@@ -228,6 +230,28 @@ class Llama(llama_cpp.Llama):
                 f"{freq_path}: block frequencies must be finite floats of shape [n_layer, n_blocks] = "
                 f"[{m.n_layer}, {m.layers[0].n_blocks}], got {getattr(freq, 'dtype', '?')} {getattr(freq, 'shape', '?')}")
         return freq
+
+    def _draft_vocab(self):
+        """The draft's vocabulary: the first speculative.DRAFT_VOCAB tokens of the converter's
+        ranking (draft/vocab.npy), checked; None where the directory has none (every token)."""
+        import numpy as np
+
+        from .speculative import DRAFT_VOCAB
+
+        rel = self.manifest.draft_vocab_file()
+        if not rel:
+            return None
+        path = self.manifest.resolve(self.model_dir, rel)
+        try:
+            ids = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise manifest_mod.ManifestError(f"{path}: not a readable .npy array ({e})") from None
+        n_vocab = self.n_vocab()
+        if (not isinstance(ids, np.ndarray) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)
+                or len(ids) == 0 or ids.min() < 0 or ids.max() >= n_vocab):
+            raise manifest_mod.ManifestError(f"{path}: the draft vocabulary must be token ids in [0, {n_vocab}), "
+                                             f"got {getattr(ids, 'dtype', '?')} {getattr(ids, 'shape', '?')}")
+        return ids[:DRAFT_VOCAB]
 
     def _install_controller(self, controller: str):
         """The tuned policy in force (None: off, or fixed on the default actions)."""

@@ -21,6 +21,9 @@ else; the file formats are in docs/formats.md)::
     PREDICTOR_BLOCK_FREQ  predictor/block_freq.npy   (``predictor.block_freq``) the training's block ranking
     PREDICTOR_SUMMARY     predictor/predictor.json   (``predictor.summary``) training settings and metrics
     CONTROLLER_FILE       controller.json            (``controller.file``) the streaming controller's policy
+    DRAFT_VOCAB           draft/vocab.npy            (``draft.vocab``) int32 token ids by the model's mean
+                                                     predicted probability on the calibration text: the
+                                                     draft's output projection computes the first rows
     controller_quality_file(s)        controller.quality-<s>.json         tune's measured quality band
     controller_profile_file(b, s)     controller.profile-<b>-<s>.npz      tune's recorded samples
 
@@ -90,6 +93,8 @@ SKETCH_BLOCK_FREQ = SKETCH_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_BLOCK_FREQ = PREDICTOR_DIR + "/" + BLOCK_FREQ_NAME
 PREDICTOR_SUMMARY = PREDICTOR_DIR + "/predictor.json"
 SKETCH_IMPORTANCE = SKETCH_DIR + "/block_importance.npy"
+DRAFT_DIR = "draft"
+DRAFT_VOCAB = DRAFT_DIR + "/vocab.npy"
 CONTROLLER_FILE = "controller.json"
 
 
@@ -162,6 +167,11 @@ class Manifest:
         """The draft's ranking (mean |h| x ||down||), else None."""
         return self.sketch.block_importance if self.sketch else None
 
+    def draft_vocab_file(self) -> str | None:
+        """The draft's vocabulary ranking (``draft.vocab``: int32 token ids, most likely first), else None."""
+        d = self.extra.get("draft")
+        return d.get("vocab") if isinstance(d, dict) and isinstance(d.get("vocab"), str) else None
+
     def controller_file(self) -> str | None:
         """The streaming controller's policy file (``leanstream tune`` writes it), if tuned."""
         c = self.extra.get("controller")
@@ -177,6 +187,8 @@ class Manifest:
             out.append(self.block_importance_file())
         if self.controller_file():
             out.append(self.controller_file())
+        if self.draft_vocab_file():
+            out.append(self.draft_vocab_file())
         return out
 
     @staticmethod
@@ -340,6 +352,8 @@ class Manifest:
                 bad(f"sketch.type: unknown sketch row format {self.sketch.type!r} (known: {', '.join(SKETCH_TYPES)})")
         if self.controller_file() is not None:
             _check_rel(self.controller_file(), "controller.file", bad)
+        if self.draft_vocab_file() is not None:
+            _check_rel(self.draft_vocab_file(), "draft.vocab", bad)
         if not 0.0 <= self.totals.padding_waste < 1.0:
             bad(f"totals.padding_waste {self.totals.padding_waste} must be in [0, 1)")
 

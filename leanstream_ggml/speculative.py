@@ -34,6 +34,7 @@ from .tree import Tree, kept_prefix, layout, walk
 
 KINDS = ("auto", "self", "ngram", "off")
 DEFAULT_WIDTH = 3      # the self draft's tokens per step a tree may take (1: a chain)
+DRAFT_VOCAB = 32768    # the draft's output projection: this many of the ranked tokens, + the context's
 
 
 @dataclass
@@ -79,21 +80,12 @@ def parse_stop(value) -> tuple[str, float]:
     raise ValueError(f"expected 'controller', 'fixed' or 'p_min:X' (0 <= X <= 1), got {value!r}")
 
 
-def _top(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest logits' token ids, best first, and their softmax probabilities."""
-    idx = np.argpartition(logits, -k)[-k:]
-    idx = idx[np.argsort(-logits[idx], kind="stable")]
-    m = float(logits[idx[0]])
-    z = float(np.exp(logits - m, dtype=np.float32).sum())
-    return idx, np.exp(logits[idx] - m) / z
-
-
 class Drafter:
     """Proposes the token tree of a pass: the self draft's steps (their top ``width`` tokens) and
     prompt lookup's proposal, cut by the controller (or by draft_stop's rule)."""
 
     def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float = 1.0,
-                 width: int = DEFAULT_WIDTH, max_rows: int = 64, ngram_size: int = 3):
+                 width: int = DEFAULT_WIDTH, max_rows: int = 64, ngram_size: int = 3, vocab=None):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self.llm, self.kind, self.k_max, self.fraction = llm, kind, draft_max, fraction
@@ -108,6 +100,20 @@ class Drafter:
         self.stats = SpecStats()
         self.lookup = LlamaPromptLookupDecoding(max_ngram_size=ngram_size, num_pred_tokens=draft_max)
         self._batch = _llama_cpp.Batch(max(llm.n_batch, draft_max + 1))
+        # the draft's vocabulary: the converter's ranked tokens (None: every token) and every token
+        # of the context (names and identifiers a prompt brings are what a ranking misses)
+        self._vocab = None if vocab is None else set(int(t) for t in vocab)
+        if self._vocab is not None:
+            llm.engine.set_draft_vocab(sorted(self._vocab))
+
+    def see(self, tokens) -> None:
+        """Tokens of the context: the draft's vocabulary takes those it lacks."""
+        if self._vocab is None:
+            return
+        new = {int(t) for t in tokens} - self._vocab
+        if new:
+            self._vocab |= new
+            self.llm.engine.set_draft_vocab(np.fromiter(self._vocab, dtype=np.int32))
 
     def close(self) -> None:
         self._batch.close()
@@ -157,7 +163,7 @@ class Drafter:
             while depth < k_cap:
                 t0 = time.perf_counter()
                 self._batch.decode(llm, toks, pos)
-                ids, probs = _top(llm.logits(len(toks) - 1), self.width)
+                ids, probs = eng.draft_top(0, self.width)   # (the batch keeps its last row only)
                 dt = time.perf_counter() - t0
                 spent += dt
                 self.stats.draft_steps += 1
@@ -217,6 +223,7 @@ def generate(llm, drafter: Drafter, tokens, *, reset: bool = True, stopping_crit
     if reset:
         llm.reset()
     smp = _llama_cpp.sampler(llm, **sampling)
+    drafter.see(list(_llama_cpp.input_ids(llm)) + tokens)
     if tokens:
         pending, first = tokens, True
     else:                       # the whole prompt is cached and the last decode's logits are its
@@ -229,6 +236,7 @@ def generate(llm, drafter: Drafter, tokens, *, reset: bool = True, stopping_crit
         first = False
         context = list(_llama_cpp.input_ids(llm)[:base])
         pending = emitted[in_kv:]
+        drafter.see(emitted)
         for k, tok in enumerate(emitted):
             if stopping_criteria is not None and stopping_criteria(
                     np.array(context + emitted[:k], dtype=np.intc), _llama_cpp.last_scores(llm)):

@@ -51,6 +51,7 @@ extern "C" {
 // exactly as decoding that token alone would, bit for bit: the FFN op here, and llama.cpp's other
 // ops through llama_set_exact_rows(ctx, LS_EXACT_ROWS) (patches/0003), which the binding calls.
 #define LS_EXACT_ROWS 64
+#define LS_DRAFT_TOP 8      // best tokens per row the draft's output projection keeps (ls_engine_draft_top)
 
 typedef int32_t ls_status;
 enum {
@@ -335,6 +336,20 @@ LS_API ls_status   ls_engine_ctrl_decisions(const ls_engine * e, uint64_t * deci
 // layer's best-ranked fraction of its blocks (those resident; 1: every resident block), a
 // cheaper draft. Between ops only; counted in the draft_* counters.
 LS_API ls_status   ls_engine_set_draft(ls_engine * e, int32_t on, float fraction);
+
+// The output projection (the LM head), for llama_set_output_builder(ctx, ls_output_build, engine)
+// (patches/0004): a ggml custom node [n_vocab, n_rows] computing w . cur with ggml's vec_dot for
+// batches of up to LS_EXACT_ROWS rows (NULL otherwise: llama.cpp's own matmul). While the draft
+// is on it computes only the draft vocabulary's rows (the others -inf) and keeps each row's
+// LS_DRAFT_TOP best tokens and their probabilities over that vocabulary.
+LS_API struct ggml_tensor * ls_output_build(struct ggml_context * ctx0, struct ggml_tensor * w,
+                                            struct ggml_tensor * cur, void * engine);
+// The draft's vocabulary: the token ids its output projection computes (copied, duplicates
+// dropped; n = 0: every token). Between ops only.
+LS_API ls_status   ls_engine_set_draft_vocab(ls_engine * e, const int32_t * ids, int32_t n);
+// Row `row` of the last draft op's output: its best tokens (at most cap, best first) and their
+// probabilities over the draft vocabulary; returns how many (0: no such row).
+LS_API int32_t     ls_engine_draft_top(ls_engine * e, int32_t row, int32_t * ids, float * probs, int32_t cap);
 
 // ---- checksums ---------------------------------------------------------------------------
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of data[len], continuing from crc

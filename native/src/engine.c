@@ -422,6 +422,7 @@ void ls_engine_free(ls_engine * e) {
     const ls_cascade * C = &P->cascade;
     free(C->score); free(C->hscore); free(C->loaded); free(C->sel); free(C->hval); free(C->xs); free(C->dh); free((void *) C->dcols);
     free(P->buf.xq); free(P->buf.acc); free(P->buf.work);
+    ls_head_free(&e->head);
     pthread_mutex_destroy(&e->op_mu);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->err_mu);

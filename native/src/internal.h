@@ -238,6 +238,19 @@ typedef struct ls_ctrl {
     uint64_t         ring_head, ring_count, dropped, seq;
 } ls_ctrl;
 
+// The output projection's state (head.c): the draft vocabulary and the last draft op's top tokens.
+typedef struct ls_head {
+    int32_t *  vocab;            // [n_vocab_draft] token ids, ascending (NULL: every token)
+    int32_t    n_vocab_draft;
+    bool       ok, draft;        // this op: scratch ready; computed as the draft
+    int32_t    n_rows;           // rows of the last draft op (0: none)
+    int32_t *  top;              // [n_rows][LS_DRAFT_TOP] best tokens of each row, best first (-1: none)
+    float *    prob;             // [n_rows][LS_DRAFT_TOP] their softmax over the draft vocabulary
+    uint8_t *  xq;               // [n_rows] x rows quantized to the weights' vec_dot type
+    int32_t *  all;              // [n_vocab] 0, 1, ... (the draft vocabulary when none is set)
+    size_t     xq_cap, top_cap, prob_cap, all_cap;   // bytes
+} ls_head;
+
 struct ls_engine {
     ls_engine_params params;         // defaults resolved (ls_params_resolve)
     const ls_mode_policy * policy;   // params.mode's row of the mode table
@@ -265,10 +278,12 @@ struct ls_engine {
     bool             draft;          // ops compute the resident blocks only (ls_engine_set_draft)
     float            draft_fraction; // of each layer's blocks by rank (1: every resident block)
     ls_test_hooks    hooks;          // params.test_hooks (copied; zero: none)
+    ls_head          head;           // the output projection's (head.c)
 };
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
+//   head.c       ls_output_build: the LM head's node, the draft vocabulary -> cpu.c util.c
 //   op.c         the op's three paths, ls_ffn_eval            -> schedule.c control.c engine.c sketch.c kernels.c checksum.c cache.c util.c
 //   schedule.c   selection, chunks, pins, prefetch            -> control.c cache.c io.c predictor.c mode.c util.c
 //   control.c    the streaming controller: state, lookup       -> util.c
@@ -302,6 +317,9 @@ void        ls_barrier_wait(ls_barrier * b, int n);
 // wait while *word == value: spin briefly, then sleep (counted in *sleepers); ls_wake after a change
 void        ls_wait_while(_Atomic int32_t * word, int32_t value, _Atomic int32_t * sleepers);
 void        ls_wake(_Atomic int32_t * word, _Atomic int32_t * sleepers);
+
+// head.c
+void        ls_head_free(ls_head * H);
 
 // mode.c
 const ls_mode_policy * ls_mode_policy_of(int32_t mode);      // NULL for an unknown mode

@@ -16,7 +16,8 @@ from converters import blockfile, convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml import params
 from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.speculative import N_Q, Costs, Meter, P_GRID, parse_stop, q_bucket, solve
+from leanstream_ggml.draft_control import N_Q, P_GRID, Costs, Meter, q_bucket, solve
+from leanstream_ggml.speculative import parse_stop
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 3
@@ -200,9 +201,12 @@ def test_meter_learns_acceptance_and_costs():
     assert m.table() is None                       # nothing timed yet: no drafting
     m.pass_timed(1, 0.2)
     m.draft_timed(0.02)
-    for _ in range(50):
-        m.outcome([N_Q - 1] * 4, 1)   # the first accepted, the second not, the rest unobserved
+    for _ in range(50):   # a verified step of the top bin: half the time the draft's top-1, else its third
+        m.observe(N_Q - 1, 0)
+        m.observe(N_Q - 1, 2)
     assert m.costs.accept[N_Q - 1] == pytest.approx((50 + 4 * 0.99) / (100 + 4))
+    assert m.chance(N_Q - 1, 2) == pytest.approx((50 + 4 * 0.01 * 0.25) / (100 + 4))
+    assert m.chance(N_Q - 1, 1) < 0.01
     assert m.table() is not None
 
 
