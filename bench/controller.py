@@ -140,7 +140,7 @@ def child_ppl(a: dict) -> dict:
 
     from leanstream_ggml import Llama
     from leanstream_tools.bench import DEFAULT_TEXT
-    from leanstream_tools.perplexity import window_logits, window_nll
+    from leanstream_ggml.scoring import window_logits, window_nll
     from leanstream_tools.tune import text_tokens
 
     model_dir = Path(a["model"])

@@ -40,7 +40,7 @@ from leanstream_tools.texts import HELDOUT  # noqa: E402
 
 
 def domain_tokens(vocab_llm, path, n_tokens: int) -> list[int]:
-    from leanstream_tools.texts import text_tokens
+    from leanstream_ggml.texts import text_tokens
 
     toks, _ = text_tokens(vocab_llm, path)
     return toks[:n_tokens + 1]

@@ -29,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from leanstream_tools.bench import DEFAULT_TEXT  # noqa: E402
 from leanstream_tools.measure import machine_info  # noqa: E402
-from leanstream_tools.perplexity import log_softmax, scored_range, window_logits, windows  # noqa: E402
-from leanstream_tools.texts import text_tokens  # noqa: E402
-
 from leanstream_ggml import modes  # noqa: E402
+from leanstream_ggml.scoring import log_softmax, scored_range, window_logits, windows  # noqa: E402
+from leanstream_ggml.texts import text_tokens  # noqa: E402
 
 
 def reference_windows(gguf: str, text_path, n_ctx: int, chunks: int, n_threads: int):
@@ -88,7 +87,7 @@ def main() -> int:
     ap.add_argument("--memory-budget", default=None, help="FFN budget (default: all; quality only)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
-    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out text, or .jsonl chats (leanstream_tools/texts.py)")
+    ap.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out text, or .jsonl chats (leanstream_ggml/texts.py)")
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = ap.parse_args()

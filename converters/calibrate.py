@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from leanstream_ggml import manifest as mf
+from leanstream_ggml.scoring import log_softmax, window_logits, windows
+from leanstream_ggml.texts import text_tokens
 
 SPARSITIES = (0.3, 0.4, 0.5, 0.6, 0.7)
 N_CTX = 256          # one window: 128 tokens of context, 127 scored
@@ -43,9 +45,6 @@ def corpus(user=None) -> dict[str, Path]:
 
 
 def _windows(llm, path: Path) -> list[list[int]]:
-    from leanstream_tools.perplexity import windows
-    from leanstream_tools.texts import text_tokens
-
     tokens, add_bos = text_tokens(llm, path)
     if len(tokens) < N_CTX:
         return []
@@ -53,8 +52,6 @@ def _windows(llm, path: Path) -> list[list[int]]:
 
 
 def _logits(llm, w: list[int], decode: bool) -> np.ndarray:
-    from leanstream_tools.perplexity import log_softmax, window_logits
-
     pos = np.arange(N_CTX // 2, N_CTX - 1)
     return log_softmax(window_logits(llm, w, decode=decode)[pos])
 

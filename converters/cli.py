@@ -101,7 +101,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _calibration_error(path: Path) -> str | None:
     """Why the user's calibration file cannot be used (checked before hours of work), or None."""
-    from leanstream_tools.texts import is_chat, read_chats
+    from leanstream_ggml.texts import is_chat, read_chats
 
     if not path.is_file():
         return "no such file"

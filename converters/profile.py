@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leanstream_tools.texts import is_chat, read_chats, render_chat
+from leanstream_ggml.texts import is_chat, read_chats, render_chat
 
 from ._faults import kill_point
 from .fileio import atomic_write_json, atomic_writer
@@ -281,7 +281,7 @@ def _sample(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
 
 def text_sequences(prof: Profiler, path, *, n_ctx: int, skip: int = 16) -> list[dict]:
     """--calibration FILE: plain text (chunks of n_ctx tokens) or JSONL chats (one per line:
-    {"messages": [...]} or a list of messages, leanstream_tools/texts.py; rendered as "role: content" lines:
+    {"messages": [...]} or a list of messages, leanstream_ggml/texts.py; rendered as "role: content" lines:
     the profiler's raw llama.cpp model has no chat template at hand)."""
     path = Path(path)
     seqs = []

@@ -6,7 +6,7 @@ every system, and the commands that compute them (`leanstream bench|perplexity|c
     systems.py     open a model as "stock" (llama-cpp-python on a GGUF) or the plugin (a model dir)
     bench.py       prefill / decode tokens/s, llama-bench style (`leanstream bench`)
     perplexity.py  llama-perplexity style scoring, top-1 agreement and KL vs a reference
-    texts.py       held-out texts and chats as tokens
+    texts.py       the held-out texts and chats (read through leanstream_ggml.texts)
     quants.py      stock's smaller quantizations, made with llama.cpp's quantizer
     cli.py         the `bench` and `perplexity` subcommands
     compare/       `leanstream compare`: setups -> runner (typed results) -> report

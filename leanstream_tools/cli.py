@@ -68,7 +68,9 @@ def register(subparsers) -> None:
     q = subparsers.add_parser("perplexity", help="perplexity on a text; agreement and KL vs a reference",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common_flags(q, "perplexity")
-    q.add_argument("--text", default=None, help="text file (default: the bundled held-out technical text)")
+    q.add_argument("--text", default=None, help="text file, or .jsonl chats (one conversation per line, scored "
+                                                "in the model's chat template; default: the bundled held-out "
+                                                "technical text)")
     q.add_argument("-c", "--ctx-size", type=int, default=512, help="window size n_ctx (second half is scored)")
     q.add_argument("--chunks", type=int, default=None, help="at most this many windows")
     q.add_argument("--decode", action=argparse.BooleanOptionalAction, default=None,
@@ -176,7 +178,7 @@ def cmd_perplexity(args) -> int:
 
     check_params(args)
     model = resolve(args.model)
-    text = Path(args.text or DEFAULT_TEXT).read_text(encoding="utf-8")
+    text = Path(args.text or DEFAULT_TEXT)   # a text, or .jsonl chats in the model's template
     n_threads = args.threads or len(os.sched_getaffinity(0))
     common = dict(n_ctx=args.ctx_size, n_threads=n_threads, n_batch=max(args.batch_size, args.ctx_size),
                   logits_all=True)

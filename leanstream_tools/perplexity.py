@@ -1,12 +1,9 @@
 """`leanstream perplexity`: llama-perplexity's scoring, and agreement / KL against a reference.
 
-Scoring, as llama.cpp's tools/perplexity does it (perplexity() with the default settings):
-the text is tokenized once (BOS first where the vocabulary asks for it) and cut into
-``n_chunks = n_tokens // n_ctx`` windows of ``n_ctx`` tokens; in each window the first token is
-replaced by BOS (when the model adds one), the window is evaluated from an empty context in one
-batch with logits for every position, and the tokens of its second half are scored: position j
-in ``[n_ctx/2, n_ctx-1)`` predicts token j+1, NLL = -log softmax(logits[j])[token j+1].
-Perplexity = exp(mean NLL over all scored positions). The first half only gives context.
+Scoring, as llama.cpp's tools/perplexity does it: the library's windows and scored positions
+(leanstream_ggml/scoring.py; the converter's calibration scores with the same), the text tokenized
+once (BOS first where the vocabulary asks for it; a .jsonl file's chats in the model's template,
+leanstream_ggml/texts.py). Perplexity = exp(mean NLL over all scored positions).
 
 Against a reference (stock llama-cpp-python on the source GGUF), over the same windows and the
 same scored positions, with full logit rows in float64:
@@ -21,70 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-
-def tokenize_for_perplexity(llm, text: str) -> tuple[list[int], bool]:
-    """(tokens, add_bos): the text's tokens with BOS first iff the vocabulary adds one."""
-    with_special = llm.tokenize(text.encode("utf-8"), add_bos=True)
-    plain = llm.tokenize(text.encode("utf-8"), add_bos=False)
-    return with_special, len(with_special) > len(plain)
-
-
-def windows(tokens: list[int], n_ctx: int, add_bos: bool, bos: int, max_chunks: int | None = None) -> list[list[int]]:
-    """The evaluation windows: consecutive n_ctx slices, first token replaced by BOS if add_bos."""
-    if n_ctx < 4:
-        raise ValueError("n_ctx must be at least 4")
-    n = len(tokens) // n_ctx
-    if max_chunks is not None:
-        n = min(n, max_chunks)
-    if n == 0:
-        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one window of n_ctx={n_ctx}; "
-                         f"use a longer text or a smaller --ctx-size")
-    out = []
-    for i in range(n):
-        w = list(tokens[i * n_ctx:(i + 1) * n_ctx])
-        if add_bos:
-            w[0] = bos
-        out.append(w)
-    return out
-
-
-def scored_range(n_ctx: int) -> range:
-    """Positions whose logits are scored (each predicts the next token)."""
-    return range(n_ctx // 2, n_ctx - 1)
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def window_logits(llm, window: list[int], decode: bool = False) -> np.ndarray:
-    """Logits [n_ctx, n_vocab] (float32 copy) of one window evaluated from an empty context.
-    Needs a Llama opened with logits_all=True and n_batch >= n_ctx.
-
-    decode: the unscored first half goes in as one batch (a prompt: prefill), every later token
-    on its own (generation). The sparse modes are sparse only for one-token batches, so this is
-    how their quality must be measured; for stock and dense it changes nothing but the speed."""
-    llm.reset()
-    if not decode:
-        llm.eval(window)
-    else:
-        split = scored_range(len(window)).start
-        llm.eval(window[:split])
-        for t in window[split:]:
-            llm.eval([t])
-    return np.array(llm.scores[:len(window)], dtype=np.float32, copy=True)
-
-
-def window_nll(logits: np.ndarray, window: list[int]) -> np.ndarray:
-    """NLL of each scored position of one window (nats), float64."""
-    pos = np.array(scored_range(len(window)))
-    lp = log_softmax(logits[pos])
-    return -lp[np.arange(len(pos)), np.asarray(window)[pos + 1]]
+from leanstream_ggml.scoring import log_softmax, scored_range, window_logits, window_nll, windows
+from leanstream_ggml.texts import text_tokens, tokenize_for_perplexity
 
 
 @dataclass
@@ -108,20 +47,27 @@ def _result(nlls: list[np.ndarray], n_ctx: int, n_tokens: int) -> PerplexityResu
                             chunk_ppl=[float(math.exp(v.mean())) for v in nlls])
 
 
-def perplexity(llm, text: str, n_ctx: int, max_chunks: int | None = None, decode: bool = False) -> PerplexityResult:
-    tokens, add_bos = tokenize_for_perplexity(llm, text)
+def _tokens(llm, text: str | Path) -> tuple[list[int], bool]:
+    """(tokens, add_bos) of a text, or of a text or chat file (a Path: texts.text_tokens)."""
+    return text_tokens(llm, text) if isinstance(text, Path) else tokenize_for_perplexity(llm, text)
+
+
+def perplexity(llm, text: str | Path, n_ctx: int, max_chunks: int | None = None,
+               decode: bool = False) -> PerplexityResult:
+    """Perplexity of ``llm`` on a text (str) or a text or chat file (Path)."""
+    tokens, add_bos = _tokens(llm, text)
     nlls = []
     for w in windows(tokens, n_ctx, add_bos, llm.token_bos(), max_chunks):
         nlls.append(window_nll(window_logits(llm, w, decode), w))
     return _result(nlls, n_ctx, len(tokens))
 
 
-def compare(llm, ref, text: str, n_ctx: int, max_chunks: int | None = None, decode: bool = False) -> dict:
+def compare(llm, ref, text: str | Path, n_ctx: int, max_chunks: int | None = None, decode: bool = False) -> dict:
     """Perplexity of ``llm`` and of ``ref`` over identical windows, plus top-1 agreement and mean
     KL(ref || llm) over the scored positions. Tokenization must agree (same vocabulary).
     decode: ``llm`` scores the second half token by token (see window_logits); ``ref`` in one batch."""
-    tokens, add_bos = tokenize_for_perplexity(llm, text)
-    ref_tokens, _ = tokenize_for_perplexity(ref, text)
+    tokens, add_bos = _tokens(llm, text)
+    ref_tokens, _ = _tokens(ref, text)
     if tokens != ref_tokens:
         raise ValueError("the model and the reference tokenize the text differently; not the same vocabulary")
     nll_t, nll_r, agree, kl = [], [], [], []

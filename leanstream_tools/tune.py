@@ -84,7 +84,7 @@ def quality_band(model_dir: Path, actions, sparsity_kw: dict, n_tokens: int, thr
 
     from leanstream_ggml import Llama, manifest as mf
     from .bench import DEFAULT_TEXT
-    from .perplexity import window_logits, window_nll
+    from leanstream_ggml.scoring import window_logits, window_nll
 
     ratios = sorted({c for c, _ in actions})
     # the budget: nine tenths of the FFN on disk, without a hot set. The selection then is the

@@ -18,6 +18,7 @@ import pytest
 
 import bench_modules
 
+from leanstream_ggml import scoring
 from leanstream_tools import cgroup, compare, measure, perplexity
 
 
@@ -241,18 +242,18 @@ def test_page_cache_counts_against_the_limit(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# perplexity.py
+# perplexity.py (its windows and scored positions: the library's scoring.py)
 
 def test_windows_cut_and_bos():
     toks = list(range(10, 30))  # 20 tokens
-    w = perplexity.windows(toks, 8, add_bos=True, bos=1)
+    w = scoring.windows(toks, 8, add_bos=True, bos=1)
     assert len(w) == 2 and w[0] == [1] + list(range(11, 18)) and w[1] == [1] + list(range(19, 26))
-    w = perplexity.windows(toks, 8, add_bos=False, bos=1)
+    w = scoring.windows(toks, 8, add_bos=False, bos=1)
     assert w[1] == list(range(18, 26))
-    assert len(perplexity.windows(toks, 4, False, 1, max_chunks=3)) == 3
+    assert len(scoring.windows(toks, 4, False, 1, max_chunks=3)) == 3
     with pytest.raises(ValueError, match="fewer than one window"):
-        perplexity.windows(toks, 32, False, 1)
-    assert list(perplexity.scored_range(8)) == [4, 5, 6]
+        scoring.windows(toks, 32, False, 1)
+    assert list(scoring.scored_range(8)) == [4, 5, 6]
 
 
 def test_window_nll_matches_a_direct_computation():
@@ -260,7 +261,7 @@ def test_window_nll_matches_a_direct_computation():
     n_ctx, vocab = 8, 11
     logits = rng.normal(size=(n_ctx, vocab)).astype(np.float32)
     window = list(rng.integers(0, vocab, n_ctx))
-    nll = perplexity.window_nll(logits, window)
+    nll = scoring.window_nll(logits, window)
     for i, j in enumerate(range(4, 7)):
         p = np.exp(logits[j].astype(np.float64))
         p /= p.sum()
@@ -277,8 +278,9 @@ class FakeLlama:
         self.table = rng.normal(size=(vocab, vocab)).astype(np.float32)
         self.scores = None
         self.evals = 0
+        self.metadata = {}   # no chat template: a chat is rendered as "Role: content" lines
 
-    def tokenize(self, text: bytes, add_bos: bool = True):
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False):
         body = [2 + (b % (self.vocab - 2)) for b in text]
         return ([1] if add_bos and self.add_bos else []) + body
 
@@ -303,6 +305,21 @@ def test_compare_against_itself_is_exact():
     assert r["top1_agreement"] == 1.0 and r["kl_mean"] == pytest.approx(0.0, abs=1e-12)
     assert r["ppl_ratio"] == pytest.approx(1.0)
     assert r["ppl"] == pytest.approx(perplexity.perplexity(FakeLlama(), text, 16).ppl)
+
+
+def test_a_file_is_scored_as_the_model_sees_it(tmp_path):
+    """`leanstream perplexity --text FILE`: a text file scores as its text; a .jsonl file's chats
+    as the model's chat format renders them (leanstream_ggml/texts.py)."""
+    text = "the quick brown fox jumps over the lazy dog" * 2
+    (tmp_path / "t.txt").write_text(text)
+    assert perplexity.perplexity(FakeLlama(), tmp_path / "t.txt", 16).ppl == perplexity.perplexity(
+        FakeLlama(), text, 16).ppl
+    chat = [{"role": "user", "content": "count the lazy dogs"}, {"role": "assistant", "content": "two lazy dogs"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": chat}) + "\n" + json.dumps(chat) + "\n")
+    rendered = "User: count the lazy dogs\nAssistant: two lazy dogs\n" * 2
+    got = perplexity.compare(FakeLlama(bias=1.0), FakeLlama(), tmp_path / "c.jsonl", n_ctx=16)
+    want = perplexity.compare(FakeLlama(bias=1.0), FakeLlama(), rendered, n_ctx=16)
+    assert got == want and got["n_chunks"] == (1 + len(rendered)) // 16 == 6
 
 
 def test_compare_measures_a_perturbation():

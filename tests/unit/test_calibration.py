@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from converters import calibrate
-from leanstream_ggml import manifest as mf
-from leanstream_tools import texts
+from leanstream_ggml import manifest as mf, texts
+from leanstream_tools.texts import HELDOUT
 
 
 def _lines(path) -> set[str]:
@@ -25,11 +25,11 @@ def _lines(path) -> set[str]:
 def test_calibration_never_sees_the_held_out_texts():
     """No line of 40+ characters is shared between a calibration file and a held-out file (the
     held-out code is other project sources than the calibration's)."""
-    held = set().union(*(_lines(p) for p in texts.HELDOUT.values()))
+    held = set().union(*(_lines(p) for p in HELDOUT.values()))
     for name, path in calibrate.DOMAINS.items():
         shared = _lines(path) & held
         assert not shared, (name, sorted(shared)[:3])
-    assert set(calibrate.DOMAINS) == {"prose", "code", "chat"} == set(texts.HELDOUT)
+    assert set(calibrate.DOMAINS) == {"prose", "code", "chat"} == set(HELDOUT)
 
 
 def test_corpus_adds_the_users_file_as_a_domain(tmp_path):
@@ -88,15 +88,15 @@ def test_chats_are_tokenized_in_the_models_template(smollm2_gguf):
 
     llm = llama_cpp.Llama(str(smollm2_gguf), vocab_only=True, verbose=False)
     try:
-        toks, add_bos = texts.text_tokens(llm, texts.HELDOUT["chat"])
+        toks, add_bos = texts.text_tokens(llm, HELDOUT["chat"])
         im_start = llm.tokenize(b"<|im_start|>", add_bos=False, special=True)
         assert len(im_start) == 1
-        chats = texts.read_chats(texts.HELDOUT["chat"])
+        chats = texts.read_chats(HELDOUT["chat"])
         rendered = "".join(texts.render_chat(llm, c) for c in chats)
         assert rendered.count("<|im_start|>") >= sum(len(c) for c in chats)
         assert add_bos == (len(llm.tokenize(b"", add_bos=True)) > 0)
         assert toks[int(add_bos):].count(im_start[0]) == rendered.count("<|im_start|>")
-        plain, _ = texts.text_tokens(llm, texts.HELDOUT["code"])
+        plain, _ = texts.text_tokens(llm, HELDOUT["code"])
         assert im_start[0] not in plain
     finally:
         llm.close()

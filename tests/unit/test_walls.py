@@ -45,6 +45,15 @@ def test_runtime_sources_never_import_the_converter_or_a_tool():
     assert not offenders, f"the runtime imports converter-side modules or tools: {offenders}"
 
 
+def test_the_converter_imports_no_tool():
+    """The converter stands beside the tools, not above them: what its calibration needs (texts as
+    the model sees them, the windows perplexity scores) is the library's public API, which the
+    tools use too; a change to a tool cannot change a conversion."""
+    offenders = {str(p.relative_to(ROOT)): sorted(bad) for p in sorted((ROOT / "converters").rglob("*.py"))
+                 if (bad := _imports(p) & set(TOOLS))}
+    assert not offenders, f"the converter imports tools: {offenders}"
+
+
 def test_no_module_of_the_library_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "leanstream_ggml").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
