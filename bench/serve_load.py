@@ -58,13 +58,15 @@ def _free_port() -> int:
 
 
 def start_server(model_dir: str, port: int, memory_budget: str | None, n_ctx: int, limit: int | None, log: Path,
-                 extra_env: dict | None = None, extra_args: list[str] | None = None):
-    """The server process (in a new cgroup with the limit where possible): (proc, cgroup or None, why)."""
+                 launcher: list[str] | None = None, extra_args: list[str] | None = None):
+    """The server process (in a new cgroup with the limit where possible): (proc, cgroup or None, why).
+    launcher: the command that runs `leanstream` (default: this interpreter's leanstream_ggml.cli)."""
     from leanstream_ggml.options import BY_NAME
     from leanstream_tools import cgroup
 
-    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "serve", model_dir, "--port", str(port), "--n_ctx", str(n_ctx),
-           "--n_threads", "2", "--n_threads_batch", "2", "--interrupt_requests", "false", "--verbose", "false"]
+    cmd = [*(launcher or [sys.executable, "-m", "leanstream_ggml.cli"]), "serve", model_dir, "--port", str(port),
+           "--n_ctx", str(n_ctx), "--n_threads", "2", "--n_threads_batch", "2", "--interrupt_requests", "false",
+           "--verbose", "false"]
     if memory_budget:
         cmd += [BY_NAME["memory_budget"].flag, memory_budget]
     cmd += extra_args or []
@@ -74,9 +76,8 @@ def start_server(model_dir: str, port: int, memory_budget: str | None, n_ctx: in
             cg = cgroup.MemoryCgroup.create(limit)
         except cgroup.CgroupUnavailable as e:
             why = str(e)
-    env = dict(os.environ, **(extra_env or {}))
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=cg.enter_self if cg else None)
     return proc, cg, why
 

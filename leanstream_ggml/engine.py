@@ -67,21 +67,16 @@ def candidate_blocks(n_blocks: int, sparsity: float, candidate_ratio: float) -> 
     return int(lib.ls_candidate_blocks(int(n_blocks), float(sparsity), float(candidate_ratio)))
 
 
-TEST_HOOKS_ENV = "LEANSTREAM_TEST_HOOKS"
 _FAULTS = {"eio": lib.LS_FAULT_EIO, "short": lib.LS_FAULT_SHORT, "corrupt": lib.LS_FAULT_CORRUPT}
 _HOOK_FIELDS = [name for name, _ in ffi.typeof("ls_test_hooks").fields]
 
 
-def _test_hooks(given: dict | None):
-    """This engine's ls_test_hooks (NULL: none): ``given``, over a JSON object in
-    $LEANSTREAM_TEST_HOOKS (how tests reach an engine in another process, e.g. a server). Keys: the
-    struct's fields (io_delay_us, io_queue_cap, buffered_io, fault: "eio", "short" or "corrupt",
+def _test_hooks(hooks: dict | None):
+    """This engine's ls_test_hooks (NULL: none), from its ``test_hooks`` keyword alone: the library
+    holds no test state, and reads none from the environment (a test that runs an engine in
+    another process wraps its creation there: tests/support/engine_hooks.py). Keys: the struct's
+    fields (io_delay_us, io_queue_cap, buffered_io, fault: "eio", "short" or "corrupt",
     fault_read: which read)."""
-    import json
-    import os
-
-    hooks = json.loads(os.environ.get(TEST_HOOKS_ENV) or "{}")
-    hooks.update(given or {})
     if not hooks:
         return ffi.NULL
     bad = sorted(set(hooks) - set(_HOOK_FIELDS))

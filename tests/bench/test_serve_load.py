@@ -3,7 +3,8 @@ OpenAI client (bench/serve_load.py runs the server and the clients; its long for
 
 Load (short form): SmolLM2, 4 concurrent clients for 2 minutes, the server in a 600 MB memory
 cgroup (SmolLM2's server peaks near 220 MB there). Faults: a read that fails (EIO), arrives short or
-arrives corrupt (test hooks, $LEANSTREAM_TEST_HOOKS), and a block file truncated under the running
+arrives corrupt (test hooks: the server runs through tests/support/engine_hooks.py, which gives its
+engines the hooks of a file this test writes), and a block file truncated under the running
 server, each during a streamed answer: that answer ends with an error event, the server keeps
 serving, and the same request then gets the right answer.
 """
@@ -22,6 +23,7 @@ pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
 
 from leanstream_tools import cgroup  # noqa: E402
 import bench_modules  # noqa: E402
+import engine_hooks  # noqa: E402
 
 serve_load = bench_modules.load("serve_load")
 
@@ -52,9 +54,9 @@ class _Server:
         self.port = serve_load._free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tmp_path / f"server-{self.port}.log"
-        env = {"LEANSTREAM_TEST_HOOKS": json.dumps(hooks)} if hooks else {}
-        self.proc, self.cg, _ = serve_load.start_server(str(model_dir), self.port, budget, 512, None, self.log, env,
-                                                        args)
+        launcher = engine_hooks.launcher(hooks, tmp_path) if hooks else None
+        self.proc, self.cg, _ = serve_load.start_server(str(model_dir), self.port, budget, 512, None, self.log,
+                                                        launcher, args)
         serve_load.wait_up(self.base, self.proc, self.log, headers={"Authorization": f"Bearer {api_key}"})
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, timeout=300, max_retries=0)
 

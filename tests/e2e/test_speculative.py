@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+import engine_hooks
 from converters import blockfile, convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml import params
@@ -339,7 +340,7 @@ def test_temperature_samples_and_stays_within_max_tokens(spec_dir):
     assert g == r
 
 
-def test_read_fault_in_a_verify_pass_is_a_clean_error(spec_dir, monkeypatch):
+def test_read_fault_in_a_verify_pass_is_a_clean_error(spec_dir):
     """A block read that fails during a verify pass raises; the KV cache is left consistent, so
     the next request's answer is plain decoding's after the same request. (llama-cpp-python keeps
     the prompt's prefix in the KV cache and evaluates its last token again alone, which rounds
@@ -363,9 +364,8 @@ def test_read_fault_in_a_verify_pass_is_a_clean_error(spec_dir, monkeypatch):
         probe.close()
     # (the first pass is the prompt's, then a draft reads nothing): the third verify pass's reads
     fault_read = after_prefill + 2 * per_pass + per_pass // 2
-    monkeypatch.setenv("LEANSTREAM_TEST_HOOKS", f'{{"fault": "eio", "fault_read": {fault_read}}}')
-    llm = _llama(spec_dir, speculative="self", draft_stop="fixed")
-    monkeypatch.delenv("LEANSTREAM_TEST_HOOKS")
+    with engine_hooks.given({"fault": "eio", "fault_read": fault_read}):   # this Llama's engine only
+        llm = _llama(spec_dir, speculative="self", draft_stop="fixed")
     try:
         with pytest.raises(LeanstreamError):
             llm.create_completion(PROMPTS[0], max_tokens=64, temperature=0)

@@ -165,18 +165,21 @@ def test_injected_read_fault_is_reported_then_the_block_is_read_again(shuffled_k
         FFNEngine(shuffled_k3, test_hooks={"fault_reed": 1})
 
 
-@pytest.mark.parametrize("via_env", [False, True])
-def test_test_hooks_are_the_engines_own(shuffled_k3, via_env, monkeypatch):
-    """Hooks given to one engine (as an argument, or through $LEANSTREAM_TEST_HOOKS while it is
-    created) reach no other: an engine created while the faulty one is open, and one created after
-    it, read every block intact (the library holds no test state)."""
+@pytest.mark.parametrize("how", ["keyword", "wrapped"])
+def test_test_hooks_are_the_engines_own(shuffled_k3, how, monkeypatch):
+    """Hooks given to one engine (its test_hooks keyword, or engine_hooks.given around its
+    creation, as a test does for a Llama's engine or a child process's) reach no other: an engine
+    created while the faulty one is open, and one created after it, read every block intact. The
+    library holds no test state, nor reads any from the environment."""
+    import engine_hooks
+
+    monkeypatch.setenv("LEANSTREAM_TEST_HOOKS", '{"fault": "eio", "fault_read": 1}')   # (read by nothing)
     x = _x(1, 6)
     with FFNEngine(shuffled_k3) as quiet:
         want = [quiet.eval_layer(il, x, n_threads=2) for il in range(N_LAYER)]
-    if via_env:
-        monkeypatch.setenv("LEANSTREAM_TEST_HOOKS", '{"fault": "eio", "fault_read": 1}')
-        faulty = FFNEngine(shuffled_k3)
-        monkeypatch.delenv("LEANSTREAM_TEST_HOOKS")
+    if how == "wrapped":
+        with engine_hooks.given({"fault": "eio", "fault_read": 1}):
+            faulty = FFNEngine(shuffled_k3)
     else:
         faulty = FFNEngine(shuffled_k3, test_hooks={"fault": "eio", "fault_read": 1})
     with faulty, FFNEngine(shuffled_k3) as beside:

@@ -54,6 +54,17 @@ def test_the_converter_imports_no_tool():
     assert not offenders, f"the converter imports tools: {offenders}"
 
 
+def test_the_library_reads_no_test_variable_from_the_environment():
+    """Test hooks are an engine's own (FFNEngine's test_hooks keyword); no library module reads a
+    test's variable (LEANSTREAM_TEST_*) from the environment, nor names one."""
+    found = []
+    for path in sorted((ROOT / "leanstream_ggml").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "LEANSTREAM_TEST" in node.value:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert not found, f"the library names a test's environment variable: {found}"
+
+
 def test_no_module_of_the_library_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "leanstream_ggml").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
