@@ -141,3 +141,20 @@ def mode_uses(mode: str) -> frozenset[str]:
     a selection of each layer's blocks."""
     bits = lib.ls_mode_uses(mode_id(mode))
     return frozenset(name for name, bit in _USES.items() if bits & bit)
+
+
+_PARAMS_NUMERIC = [name for name, f in ffi.typeof("ls_engine_params").fields if f.type.kind == "primitive"]
+
+
+def mode_defaults(mode: str, predictors: bool = False) -> dict:
+    """The engine's numeric parameters of a mode the user set nothing for, as an engine would run
+    with them (ls_engine_params_resolve): sparsity, hot_fraction (with or without predictors),
+    candidate_ratio, n_io_threads, ... A help shows these instead of writing them again."""
+    p = ffi.new("ls_engine_params *")
+    lib.ls_engine_params_init(p)
+    p.mode = mode_id(mode)
+    paths = ffi.new("const char *[1]")   # (resolving reads only whether predictors are given)
+    if predictors:
+        p.predictor_paths = paths
+    check(lib.ls_engine_params_resolve(p), "ls_engine_params_resolve")
+    return {name: getattr(p, name) for name in _PARAMS_NUMERIC}

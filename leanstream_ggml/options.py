@@ -16,8 +16,12 @@ A command whose flag means something narrower (compare's --memory-limit is the m
 each run) or has a default of its own says so in ``variants``. A help text names another option
 as ``{name}``: the keyword in the docstring, the flag on a command line; and what the engine
 defines as ``{MODES}``, ``{DEFAULT}``, ``{QUALITY}`` (modes.py), ``{MAX_N_IO_THREADS}`` and
-``{ENGINE_n_io_threads}`` (ls_engine_params_init), read when a help is shown: importing this
-module loads no native library (`leanstream convert`'s parser takes info's --memory-limit).
+``{ENGINE_n_io_threads}`` (ls_engine_params_init), and a mode's own default as
+``{name@mode}`` (``{hot_fraction@leanstream+predictors}``: with predictors; ``{sparsity@sparse}``:
+every sparse mode's, one number where they agree), which the engine resolves
+(ls_engine_params_resolve): no default is written here. They are read when a help is shown:
+importing this module loads no native library (`leanstream convert`'s parser takes info's
+--memory-limit).
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ OPTIONS: tuple[Option, ...] = (
            variants={"info": Variant("the plan's mode (default: leanstream with a sketch, else dense)")}),
     Option("sparsity", float, None,
            "fraction of each layer's blocks skipped per decoded token in the sparse modes, in [0, 1) "
-           "(default: the engine's, 0.5)",
+           "(default: the engine's, {sparsity@sparse})",
            _RUNS + ("compare", "tune"), engine=True,
            variants={"compare": Variant("sparse setups without a quality preset: fraction of blocks skipped "
                                         "(default: the engine's)")}),
@@ -109,11 +113,13 @@ OPTIONS: tuple[Option, ...] = (
            ("serve",), engine=True),
     Option("hot_fraction", float, None,
            "powerinfer2 and leanstream: share of the budget pinned for the blocks most often active in "
-           "calibration, in [0, 1] (default: the mode's, 0.5; leanstream without predictors 0.9; 0 pins nothing)",
+           "calibration, in [0, 1] (default: the mode's: powerinfer2 {hot_fraction@powerinfer2+predictors}; "
+           "leanstream {hot_fraction@leanstream+predictors} with predictors, {hot_fraction@leanstream} without; "
+           "0 pins nothing)",
            ("serve",), engine=True),
     Option("candidate_ratio", float, None,
            "leanstream mode with a sketch: blocks whose gate/up rows are computed exactly per token, as a "
-           "multiple of the kept blocks (default: the engine's, 1.5)",
+           "multiple of the kept blocks (default: the engine's, {candidate_ratio@leanstream})",
            ("serve",), engine=True),
     Option("bridge_bytes", int, None,
            "read planning of the sparse modes: a read goes on through a gap of up to this many bytes of "
@@ -184,12 +190,28 @@ class _Names(dict):
             return key if self.style == "doc" else BY_NAME[key].flag
         from . import _native, modes
 
+        if "@" in key:                  # a mode's default, as the engine resolves it
+            return _mode_default(*key.split("@"))
         if key.startswith("ENGINE_"):   # a default ls_engine_params_init sets outright
             p = _native.ffi.new("ls_engine_params *")
             _native.lib.ls_engine_params_init(p)
             return getattr(p, key[len("ENGINE_"):])
         return {"MODES": lambda: ", ".join(modes.MODES), "DEFAULT": lambda: modes.DEFAULT,
                 "QUALITY": lambda: modes.QUALITY, "MAX_N_IO_THREADS": lambda: _native.lib.LS_MAX_IO_THREADS}[key]()
+
+
+def _mode_default(name: str, which: str) -> str:
+    """``{name@mode}`` of a help: the engine's default of parameter ``name`` in a mode ("+predictors":
+    with predictors), or in every sparse mode ("sparse": one value where all agree, else each mode's)."""
+    from . import _native, modes
+
+    mode, _, extra = which.partition("+")
+    predictors = extra == "predictors"
+    if mode != "sparse":
+        return f"{_native.mode_defaults(mode, predictors)[name]:g}"
+    got = {m: f"{_native.mode_defaults(m, predictors)[name]:g}" for m in modes.SPARSE}
+    values = set(got.values())
+    return values.pop() if len(values) == 1 else ", ".join(f"{m} {v}" for m, v in got.items())
 
 
 def _text(o: Option, help: str, style: str) -> str:

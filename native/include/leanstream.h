@@ -138,6 +138,12 @@ LS_API void        ls_engine_free(ls_engine * e);
 LS_API const char * ls_errmsg(void);
 // The engine's parameters with the mode's defaults resolved (path arrays and block_rank: NULL).
 LS_API ls_status   ls_engine_get_params(const ls_engine * e, ls_engine_params * out);  // message of the last failed call on this thread
+// What an engine created from *p would run with, resolved in place without opening anything: the
+// mode's defaults filled in (sparsity; the hot set's share, which depends on whether
+// predictor_paths is set; the candidate ratio) and every range checked (LS_ERR_ARG naming the bad
+// one), as ls_engine_create does. A caller shows the engine's defaults from here (a --help)
+// instead of writing them again.
+LS_API ls_status   ls_engine_params_resolve(ls_engine_params * p);
 LS_API int32_t     ls_abi_version(void);
 // The mode table, as callers ask it: the mode's name ("dense", "oneshot", "dejavu+", "powerinfer2",
 // "leanstream"; NULL outside [0, LS_N_MODES)), and what it reads and does (LS_USES_*, LS_NEEDS_RANK, LS_DECODES_SPARSE bits; 0 for dense).

@@ -76,6 +76,11 @@ ls_status ls_params_resolve(ls_engine_params * p) {
     return LS_OK;
 }
 
+ls_status ls_engine_params_resolve(ls_engine_params * p) {
+    if (!p) { ls_set_error("ls_engine_params_resolve: NULL params"); return LS_ERR_ARG; }
+    return ls_params_resolve(p);
+}
+
 int32_t ls_kept_blocks(int32_t n_blocks, float sparsity) {
     if (n_blocks <= 0) return 0;
     int32_t n = (int32_t) ((1.0 - (double) sparsity) * n_blocks + 0.5);   // round half up

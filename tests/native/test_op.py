@@ -301,3 +301,26 @@ def test_dense_keeps_a_fixed_part_resident_under_a_small_budget(shuffled_k3):
         assert s["blocks_read"] == 2 * h.n_blocks - pinned   # per pass: everything but the pinned prefix
         assert s["cache_bytes"] <= s["cache_capacity"] <= budget
         assert first > s["blocks_read"]
+
+
+def test_an_engine_runs_with_the_defaults_a_help_shows(shuffled_k3):
+    """_native.mode_defaults (ls_engine_params_resolve, what options.py's help texts read) is what
+    an engine of that mode, given nothing, runs with (ls_engine_get_params); bad values are refused
+    there as at creation."""
+    from leanstream_ggml import _native, modes
+
+    with FFNEngine(shuffled_k3) as e:
+        n_blocks = sum(e.layer_info(il)["n_blocks"] for il in range(N_LAYER))
+    for mode in modes.MODES:
+        rank = np.ones(n_blocks, dtype=np.float32) if "needs_rank" in modes.uses(mode) else None
+        with FFNEngine(shuffled_k3, mode=mode, block_rank=rank) as e:
+            want = _native.mode_defaults(mode)
+            assert e.params == {k: want[k] for k in e.params}, mode
+    assert _native.mode_defaults("leanstream")["hot_fraction"] != _native.mode_defaults("leanstream", True)["hot_fraction"]
+    p = _native.ffi.new("ls_engine_params *")
+    _native.lib.ls_engine_params_init(p)
+    p.sparsity = 1.5
+    with pytest.raises(LeanstreamError, match="sparsity must be in"):
+        _native.check(_native.lib.ls_engine_params_resolve(p))
+    with pytest.raises(LeanstreamError, match="NULL params"):
+        _native.check(_native.lib.ls_engine_params_resolve(_native.ffi.NULL))

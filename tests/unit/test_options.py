@@ -143,6 +143,33 @@ def test_help_shows_the_spec_and_its_variants():
     assert f"reads in flight, 1..{_native.lib.LS_MAX_IO_THREADS} (default 16)" in s.format_help()
 
 
+def test_mode_defaults_in_the_help_come_from_the_engine(monkeypatch):
+    """A mode's defaults (sparsity, the hot set's share, the candidate ratio) are the engine's
+    (ls_engine_params_resolve), read when the help is shown; no help text writes a default number."""
+    from leanstream_ggml import _native
+
+    def shown(command: str) -> str:
+        p = argparse.ArgumentParser(prog=command, formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400))
+        options.add_flags(p, command)
+        return p.format_help()
+
+    d = {m: _native.mode_defaults(m) for m in modes.MODES}
+    with_predictors = {m: _native.mode_defaults(m, predictors=True) for m in modes.MODES}
+    assert f"in [0, 1) (default: the engine's, {d['leanstream']['sparsity']:g})" in shown("chat")
+    serve = shown("serve")
+    assert (f"(default: the mode's: powerinfer2 {with_predictors['powerinfer2']['hot_fraction']:g}; leanstream "
+            f"{with_predictors['leanstream']['hot_fraction']:g} with predictors, {d['leanstream']['hot_fraction']:g} "
+            f"without; 0 pins nothing)") in serve
+    assert f"multiple of the kept blocks (default: the engine's, {d['leanstream']['candidate_ratio']:g})" in serve
+    for o in options.OPTIONS:
+        for text in [o.help] + [v.help for v in o.variants.values() if v.help]:
+            assert not re.search(r"default[^)]*?\b(\d*\.\d+|\d{2,})\b", text), (o.name, text)   # 0.5, 16
+    # the engine is asked, not a copy: another resolved value shows
+    real = _native.mode_defaults
+    monkeypatch.setattr(_native, "mode_defaults", lambda m, predictors=False: {**real(m, predictors), "sparsity": 0.25})
+    assert "(default: the engine's, 0.25)" in shown("chat")
+
+
 def test_a_flag_and_a_keyword_fail_with_one_message():
     for argv, name in ((["--sparsity", "1.5"], "sparsity"), (["--mode", "turbo"], "mode"),
                        (["--memory-budget", "lots"], "memory_budget"), (["--draft-max", "0"], "draft_max"),
