@@ -418,6 +418,8 @@ void        ls_dequant_q8_0(float * out, const ls_block_q8_0 * col, int64_t n);
 void        ls_dequant_q6_K(float * out, const uint8_t * col, int64_t n);
 // acc[0..n) += sum_{j<m} h[j] * dequant(cols[j]) (Q8_0 columns, read in place)
 void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
+// the same for T rows (h [m][T], acc [T][n]); each row bit for bit as ls_axpy_q8_0_multi on it alone
+void        ls_axpy_q8_0_rows(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t T, int64_t n);
 // the same for m Q6_K columns (n % 256 == 0), added in place
 void        ls_axpy_q6_K_multi(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t n);
 // the same for T rows (h [m][T], acc [T][n]); each row bit for bit as ls_axpy_q6_K_multi on it alone
@@ -432,6 +434,13 @@ void        ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void *
 // the same for Q4_1 rows and the Q8_1 activation (ggml's vec_dot_q4_1_q8_1 math); pf_lines per 32 values
 void        ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
                          const uint8_t * pf, int pf_lines);
+// the same for nr token rows of x (x_stride bytes apart): ra[t], rb[t], each bit for bit what
+// ls_dot2_q4_K / ls_dot2_q4_1 gives on row t alone (a verify pass); the rows' nibbles and scales
+// unpacked once per few rows, the prefetch stream with the first of them
+void        ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                              float * ra, float * rb, const uint8_t * pf, int pf_lines);
+void        ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                              float * ra, float * rb, const uint8_t * pf, int pf_lines);
 // the same for nt token rows of x (x_stride bytes apart): ra[t], rb[t] (prefill; rows unpacked once
 // per 4 tokens)
 void        ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nt,

@@ -1,7 +1,9 @@
 // kernels.c — the arithmetic of the FFN op that ggml does not provide: the gate activations
-// (one table entry per LS_ACT_*) and the down projection over transposed columns,
-// acc += h * column (Q8_0 columns, the converter's default, get fused AVX2 kernels reading the
-// int8 values in place: block = {f16 d; int8 q[32]}). Leaf file: calls nothing of the library.
+// (one table entry per LS_ACT_*), gate and up of a neuron in one pass (Q4_K, Q4_1 rows), and the
+// down projection over transposed columns, acc += h * column (Q8_0 and Q6_K columns read in
+// place). A verify pass of up to LS_EXACT_ROWS rows has rows kernels that unpack the weights once
+// for several rows and give every row the one-row kernel's bits (docs/design.md §13, §21).
+// Leaf file: calls nothing of the library.
 
 #include "internal.h"
 
@@ -181,13 +183,25 @@ static const uint8_t WORD_BCAST[8][32] __attribute__((aligned(32))) = {
 #undef LS_W
 };
 
-static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                           const uint8_t * pf, int pf_lines) {
+// Gate and up of one neuron against R token rows of x (row r at x + r * x_stride), R a constant
+// 1 .. LS_GU_ROWS at each use: the rows' nibbles and scales are unpacked once per super-block for
+// the R rows, and each row gets the integer lanes and the float operations, in their order, of
+// R = 1 (the one-token kernel): every row's result is that kernel's on the row alone, bit for bit.
+// The prefetch stream (pf_lines per super-block) runs with the pass.
+#define LS_GU_ROWS 4
+static inline __attribute__((always_inline))
+void dot2_q4_K_avx2_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
+                         float * ra, float * rb, const uint8_t * pf, int pf_lines) {
     const ls_block_q4_K * a = va, * b = vb;
-    const ls_block_q8_K * x = vx;
+    const ls_block_q8_K * x[LS_GU_ROWS];
+    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_K *) ((const uint8_t *) vx + (size_t) r * x_stride);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
-    __m128 min_a = _mm_setzero_ps(), min_b = _mm_setzero_ps();
+    __m256 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 8 float lanes of d * scaled sums
+    __m128 min_a[LS_GU_ROWS], min_b[LS_GU_ROWS];   // per row: 4 float lanes of dmin * min sums
+    for (int r = 0; r < R; r++) {
+        acc_a[r] = acc_b[r] = _mm256_setzero_ps();
+        min_a[r] = min_b[r] = _mm_setzero_ps();
+    }
     for (int64_t i = 0; i < n / 256; i++) {
         // the caller's prefetch stream: pf_lines cache lines per super-block, spread over the work
         for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
@@ -196,33 +210,72 @@ static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const vo
         const __m128i ua = q4_K_scales_simd(a[i].scales), ub = q4_K_scales_simd(b[i].scales);
         const __m256i sca = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(ua));
         const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(ub));
-        const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[i].bsums),
-                                           _mm_loadu_si128((const __m128i *) (x[i].bsums + 8)));
-        const __m128i mna = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(ua, 8)), bsp);
-        const __m128i mnb = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_srli_si128(ub, 8)), bsp);
-        __m256i ia = _mm256_setzero_si256(), ib = _mm256_setzero_si256();
+        const __m128i mina = _mm_cvtepu8_epi16(_mm_srli_si128(ua, 8)), minb = _mm_cvtepu8_epi16(_mm_srli_si128(ub, 8));
+        __m256i ia[LS_GU_ROWS], ib[LS_GU_ROWS];
+        for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c + 32));
             const __m256i qa = _mm256_loadu_si256((const __m256i *) (a[i].qs + 32 * c));
             const __m256i qb = _mm256_loadu_si256((const __m256i *) (b[i].qs + 32 * c));
+            const __m256i la = _mm256_and_si256(qa, m4), ha = _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4);
+            const __m256i lb = _mm256_and_si256(qb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
             const __m256i w0 = _mm256_load_si256((const __m256i *) WORD_BCAST[2 * c]);
             const __m256i w1 = _mm256_load_si256((const __m256i *) WORD_BCAST[2 * c + 1]);
-            const __m256i pa0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(qa, m4), x0), _mm256_shuffle_epi8(sca, w0));
-            const __m256i pa1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4), x1), _mm256_shuffle_epi8(sca, w1));
-            const __m256i pb0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(qb, m4), x0), _mm256_shuffle_epi8(scb, w0));
-            const __m256i pb1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4), x1), _mm256_shuffle_epi8(scb, w1));
-            ia = _mm256_add_epi32(ia, _mm256_add_epi32(pa0, pa1));
-            ib = _mm256_add_epi32(ib, _mm256_add_epi32(pb0, pb1));
+            const __m256i sa0 = _mm256_shuffle_epi8(sca, w0), sa1 = _mm256_shuffle_epi8(sca, w1);
+            const __m256i sb0 = _mm256_shuffle_epi8(scb, w0), sb1 = _mm256_shuffle_epi8(scb, w1);
+            for (int r = 0; r < R; r++) {
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *) (x[r][i].qs + 64 * c));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *) (x[r][i].qs + 64 * c + 32));
+                const __m256i pa0 = _mm256_madd_epi16(_mm256_maddubs_epi16(la, x0), sa0);
+                const __m256i pa1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ha, x1), sa1);
+                const __m256i pb0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lb, x0), sb0);
+                const __m256i pb1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hb, x1), sb1);
+                ia[r] = _mm256_add_epi32(ia[r], _mm256_add_epi32(pa0, pa1));
+                ib[r] = _mm256_add_epi32(ib[r], _mm256_add_epi32(pb0, pb1));
+            }
         }
-        const float dx = x[i].d;
-        acc_a = _mm256_fmadd_ps(_mm256_set1_ps(dx * f16_to_f32(a[i].d)), _mm256_cvtepi32_ps(ia), acc_a);
-        acc_b = _mm256_fmadd_ps(_mm256_set1_ps(dx * f16_to_f32(b[i].d)), _mm256_cvtepi32_ps(ib), acc_b);
-        min_a = _mm_fmadd_ps(_mm_set1_ps(dx * f16_to_f32(a[i].dmin)), _mm_cvtepi32_ps(mna), min_a);
-        min_b = _mm_fmadd_ps(_mm_set1_ps(dx * f16_to_f32(b[i].dmin)), _mm_cvtepi32_ps(mnb), min_b);
+        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
+        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
+        for (int r = 0; r < R; r++) {
+            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[r][i].bsums),
+                                               _mm_loadu_si128((const __m128i *) (x[r][i].bsums + 8)));
+            const float dx = x[r][i].d;
+            acc_a[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * da), _mm256_cvtepi32_ps(ia[r]), acc_a[r]);
+            acc_b[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * db), _mm256_cvtepi32_ps(ib[r]), acc_b[r]);
+            min_a[r] = _mm_fmadd_ps(_mm_set1_ps(dx * ma), _mm_cvtepi32_ps(_mm_madd_epi16(mina, bsp)), min_a[r]);
+            min_b[r] = _mm_fmadd_ps(_mm_set1_ps(dx * mb), _mm_cvtepi32_ps(_mm_madd_epi16(minb, bsp)), min_b[r]);
+        }
     }
-    *ra = hsum256(acc_a) - hsum128(min_a);
-    *rb = hsum256(acc_b) - hsum128(min_b);
+    for (int r = 0; r < R; r++) {
+        ra[r] = hsum256(acc_a[r]) - hsum128(min_a[r]);
+        rb[r] = hsum256(acc_b[r]) - hsum128(min_b[r]);
+    }
+}
+
+static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+                           const uint8_t * pf, int pf_lines) {
+    dot2_q4_K_avx2_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
+}
+
+// nr rows in groups of LS_GU_ROWS, the rest in one smaller group; the prefetch stream with the first
+#define LS_GU_ROWS_DISPATCH(body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines) do {                     \
+        int t_ = 0;                                                                                         \
+        for (; t_ + LS_GU_ROWS <= (nr); t_ += LS_GU_ROWS)                                                   \
+            body(LS_GU_ROWS, n, a, b, (const uint8_t *) (x) + (size_t) t_ * (x_stride), x_stride, (ra) + t_, \
+                 (rb) + t_, t_ == 0 ? (pf) : NULL, t_ == 0 ? (pf_lines) : 0);                               \
+        const uint8_t * xt_ = (const uint8_t *) (x) + (size_t) t_ * (x_stride);                             \
+        const uint8_t * pt_ = t_ == 0 ? (pf) : NULL;                                                        \
+        const int lt_ = t_ == 0 ? (pf_lines) : 0;                                                          \
+        switch ((nr) - t_) {                                                                                \
+        case 3: body(3, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                     \
+        case 2: body(2, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                     \
+        case 1: body(1, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                     \
+        default: break;                                                                                     \
+        }                                                                                                   \
+    } while (0)
+
+static void dot2_q4_K_rows_avx2(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                                float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    LS_GU_ROWS_DISPATCH(dot2_q4_K_avx2_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
 }
 
 // ---- gate and up of one neuron in one pass: Q4_1 rows x Q8_1 activation -------------------------
@@ -240,32 +293,53 @@ static inline __m256i q4_1_nibbles(const uint8_t * qs, __m256i m4) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
 }
 
-static void dot2_q4_1_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                           const uint8_t * pf, int pf_lines) {
+// R token rows at once as dot2_q4_K_avx2_body does (the nibbles expanded once per block for the R
+// rows; each row's float operations those of R = 1, the min sum's fused add written out so that
+// no compiler's contraction choice can tell the two apart)
+static inline __attribute__((always_inline))
+void dot2_q4_1_avx2_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
+                         float * ra, float * rb, const uint8_t * pf, int pf_lines) {
     const ls_block_q4_1 * a = va, * b = vb;
-    const ls_block_q8_1 * x = vx;
+    const ls_block_q8_1 * x[LS_GU_ROWS];
+    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_1 *) ((const uint8_t *) vx + (size_t) r * x_stride);
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
-    float min_a = 0.0f, min_b = 0.0f;
+    __m256 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 8 float lanes of (d * dx) * sums
+    float min_a[LS_GU_ROWS], min_b[LS_GU_ROWS];     // per row: sum of m * s
+    for (int r = 0; r < R; r++) {
+        acc_a[r] = acc_b[r] = _mm256_setzero_ps();
+        min_a[r] = min_b[r] = 0.0f;
+    }
     for (int64_t i = 0; i < n / 32; i++) {
         for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        const __m256i y = _mm256_loadu_si256((const __m256i *) x[i].qs);
-        const float dx = f16_to_f32(x[i].d), sx = f16_to_f32(x[i].s);
-        const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_1_nibbles(a[i].qs, m4), y), ones);
-        const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_1_nibbles(b[i].qs, m4), y), ones);
-        acc_a = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(a[i].d) * dx), _mm256_cvtepi32_ps(pa), acc_a);
-        acc_b = _mm256_fmadd_ps(_mm256_set1_ps(f16_to_f32(b[i].d) * dx), _mm256_cvtepi32_ps(pb), acc_b);
-        min_a += f16_to_f32(a[i].m) * sx;
-        min_b += f16_to_f32(b[i].m) * sx;
+        const __m256i na = q4_1_nibbles(a[i].qs, m4), nb = q4_1_nibbles(b[i].qs, m4);
+        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
+        const float ma = f16_to_f32(a[i].m), mb = f16_to_f32(b[i].m);
+        for (int r = 0; r < R; r++) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *) x[r][i].qs);
+            const float dx = f16_to_f32(x[r][i].d), sx = f16_to_f32(x[r][i].s);
+            const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(na, y), ones);
+            const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(nb, y), ones);
+            acc_a[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * dx), _mm256_cvtepi32_ps(pa), acc_a[r]);
+            acc_b[r] = _mm256_fmadd_ps(_mm256_set1_ps(db * dx), _mm256_cvtepi32_ps(pb), acc_b[r]);
+            min_a[r] = fmaf(ma, sx, min_a[r]);
+            min_b[r] = fmaf(mb, sx, min_b[r]);
+        }
     }
-    *ra = hsum256(acc_a) + min_a;
-    *rb = hsum256(acc_b) + min_b;
+    for (int r = 0; r < R; r++) {
+        ra[r] = hsum256(acc_a[r]) + min_a[r];
+        rb[r] = hsum256(acc_b[r]) + min_b[r];
+    }
 }
 
-void ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int pf_lines) {
-    dot2_q4_1_avx2(n, a, b, x, ra, rb, pf, pf_lines);
+static void dot2_q4_1_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+                           const uint8_t * pf, int pf_lines) {
+    dot2_q4_1_avx2_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
+}
+
+static void dot2_q4_1_rows_avx2(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                                float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    LS_GU_ROWS_DISPATCH(dot2_q4_1_avx2_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
 }
 
 // The same two rows against 4 token rows of x at once (prefill): the rows' nibbles and scales are
@@ -337,51 +411,82 @@ void ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, s
     for (; t0 < nt; t0++) dot2_q4_K_avx2(n, a, b, (const uint8_t *) x + (size_t) t0 * x_stride, ra + t0, rb + t0, NULL, 0);
 }
 
-// 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half)
-__attribute__((target("avx512f,avx512bw")))
-static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                             const uint8_t * pf, int pf_lines) {
+// 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half); R token
+// rows at once as dot2_q4_K_avx2_body does, with this kernel's own lanes (16 float lanes, the min
+// sum in one scalar, its fused add written out: the compilers contracted it, now none may differ)
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
+void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
+                           float * ra, float * rb, const uint8_t * pf, int pf_lines) {
     const ls_block_q4_K * a = va, * b = vb;
-    const ls_block_q8_K * x = vx;
+    const ls_block_q8_K * x[LS_GU_ROWS];
+    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_K *) ((const uint8_t *) vx + (size_t) r * x_stride);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512 acc_a = _mm512_setzero_ps(), acc_b = _mm512_setzero_ps();
-    float min_a = 0.0f, min_b = 0.0f;
+    __m512 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 16 float lanes of d * scaled sums
+    float min_a[LS_GU_ROWS], min_b[LS_GU_ROWS];     // per row: sum of dmin * min sums
+    for (int r = 0; r < R; r++) {
+        acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+        min_a[r] = min_b[r] = 0.0f;
+    }
     for (int64_t i = 0; i < n / 256; i++) {
         uint32_t ua[4], ub[4];
         for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
         q4_K_scales(a[i].scales, ua);
         q4_K_scales(b[i].scales, ub);
         const uint8_t * sa = (const uint8_t *) ua, * sb = (const uint8_t *) ub;
-        int32_t bs[8];
-        for (int j = 0; j < 8; j++) bs[j] = (int32_t) x[i].bsums[2 * j] + x[i].bsums[2 * j + 1];
-        __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+        __m512i ia[LS_GU_ROWS], ib[LS_GU_ROWS];
+        for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c += 2) {
             // low nibbles: values 64c..64c+31 | 64(c+1)..+31; high nibbles: the next 32 of each
-            const __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c))),
-                                                  _mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c + 64)), 1);
-            const __m512i x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c + 32))),
-                                                  _mm256_loadu_si256((const __m256i *) (x[i].qs + 64 * c + 96)), 1);
             const __m512i qa = _mm512_loadu_si512((const void *) (a[i].qs + 32 * c));
             const __m512i qb = _mm512_loadu_si512((const void *) (b[i].qs + 32 * c));
+            const __m512i la = _mm512_and_si512(qa, m4), ha = _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4);
+            const __m512i lb = _mm512_and_si512(qb, m4), hb = _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4);
             const __m512i sa0 = _mm512_inserti64x4(_mm512_set1_epi16(sa[2 * c]), _mm256_set1_epi16(sa[2 * c + 2]), 1);
             const __m512i sa1 = _mm512_inserti64x4(_mm512_set1_epi16(sa[2 * c + 1]), _mm256_set1_epi16(sa[2 * c + 3]), 1);
             const __m512i sb0 = _mm512_inserti64x4(_mm512_set1_epi16(sb[2 * c]), _mm256_set1_epi16(sb[2 * c + 2]), 1);
             const __m512i sb1 = _mm512_inserti64x4(_mm512_set1_epi16(sb[2 * c + 1]), _mm256_set1_epi16(sb[2 * c + 3]), 1);
-            const __m512i pa0 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(qa, m4), x0), sa0);
-            const __m512i pa1 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(qa, 4), m4), x1), sa1);
-            const __m512i pb0 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(qb, m4), x0), sb0);
-            const __m512i pb1 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(qb, 4), m4), x1), sb1);
-            ia = _mm512_add_epi32(ia, _mm512_add_epi32(pa0, pa1));
-            ib = _mm512_add_epi32(ib, _mm512_add_epi32(pb0, pb1));
+            for (int r = 0; r < R; r++) {
+                const int8_t * q = x[r][i].qs + 64 * c;
+                const __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) q)),
+                                                      _mm256_loadu_si256((const __m256i *) (q + 64)), 1);
+                const __m512i x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (q + 32))),
+                                                      _mm256_loadu_si256((const __m256i *) (q + 96)), 1);
+                const __m512i pa0 = _mm512_madd_epi16(_mm512_maddubs_epi16(la, x0), sa0);
+                const __m512i pa1 = _mm512_madd_epi16(_mm512_maddubs_epi16(ha, x1), sa1);
+                const __m512i pb0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lb, x0), sb0);
+                const __m512i pb1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hb, x1), sb1);
+                ia[r] = _mm512_add_epi32(ia[r], _mm512_add_epi32(pa0, pa1));
+                ib[r] = _mm512_add_epi32(ib[r], _mm512_add_epi32(pb0, pb1));
+            }
         }
-        const float dx = x[i].d;
-        acc_a = _mm512_fmadd_ps(_mm512_set1_ps(dx * f16_to_f32(a[i].d)), _mm512_cvtepi32_ps(ia), acc_a);
-        acc_b = _mm512_fmadd_ps(_mm512_set1_ps(dx * f16_to_f32(b[i].d)), _mm512_cvtepi32_ps(ib), acc_b);
-        min_a += dx * f16_to_f32(a[i].dmin) * (float) q4_K_min_sum(sa + 8, bs);
-        min_b += dx * f16_to_f32(b[i].dmin) * (float) q4_K_min_sum(sb + 8, bs);
+        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
+        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
+        for (int r = 0; r < R; r++) {
+            int32_t bs[8];
+            for (int j = 0; j < 8; j++) bs[j] = (int32_t) x[r][i].bsums[2 * j] + x[r][i].bsums[2 * j + 1];
+            const float dx = x[r][i].d;
+            acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx * da), _mm512_cvtepi32_ps(ia[r]), acc_a[r]);
+            acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx * db), _mm512_cvtepi32_ps(ib[r]), acc_b[r]);
+            min_a[r] = fmaf(dx * ma, (float) q4_K_min_sum(sa + 8, bs), min_a[r]);
+            min_b[r] = fmaf(dx * mb, (float) q4_K_min_sum(sb + 8, bs), min_b[r]);
+        }
     }
-    *ra = _mm512_reduce_add_ps(acc_a) - min_a;
-    *rb = _mm512_reduce_add_ps(acc_b) - min_b;
+    for (int r = 0; r < R; r++) {
+        ra[r] = _mm512_reduce_add_ps(acc_a[r]) - min_a[r];
+        rb[r] = _mm512_reduce_add_ps(acc_b[r]) - min_b[r];
+    }
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+                             const uint8_t * pf, int pf_lines) {
+    dot2_q4_K_avx512_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void dot2_q4_K_rows_avx512(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                                  float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    LS_GU_ROWS_DISPATCH(dot2_q4_K_avx512_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
 }
 
 // ---- prefill down projection: acc[t] += sum_j h[j][t] * cols[j] over a staged tile ---------------
@@ -461,106 +566,6 @@ static void axpy_tile_avx512(float * restrict acc, const float * restrict h, con
         }
     }
     tile_rest(acc, h, cols, n_staged, T, n_embd, t_end, c_end);
-}
-
-static axpy_q8_0_fn axpy_q8_0_impl = axpy_q8_0_multi_avx2;
-static dot2_q4_K_fn dot2_q4_K_impl = dot2_q4_K_avx2;
-static axpy_tile_fn axpy_tile_impl = axpy_tile_avx2;
-static const char * isa_name = "avx2";
-
-void ls_kernels_init(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, ls_kernels_select);
-}
-
-// ---- start-up self-check of the AVX-512 variants --------------------------------------------------
-//
-// Before the AVX-512 variants are used they must give the AVX2 variants' results (up to f32
-// summation order) on fixed pseudo-random inputs; on a mismatch the AVX2 ones stay, and
-// ls_kernel_isa() says why. Cheap (microseconds) and done once per process.
-
-static uint32_t lcg(uint32_t * s) { *s = *s * 1664525u + 1013904223u; return *s >> 8; }
-
-static bool close_enough(const float * a, const float * b, int n) {
-    float m = 0.0f, e = 0.0f;
-    for (int i = 0; i < n; i++) {
-        m = fmaxf(m, fabsf(a[i]));
-        e = fmaxf(e, fabsf(a[i] - b[i]));
-    }
-    return e <= 1e-4f * m + 1e-6f;
-}
-
-static bool avx512_agrees(void) {
-    enum { N = 512, M = 11, T = 5 };
-    static ls_block_q4_K a[N / 256], b[N / 256];
-    static ls_block_q8_K x[N / 256];
-    static ls_block_q8_0 cols[M][N / 32];
-    static float h[M * T], tile_cols[M * N], acc1[T * N], acc2[T * N];
-    uint32_t s = 12345u;
-    for (int i = 0; i < N / 256; i++) {
-        a[i].d = b[i].d = 0x2e66;      // f16 ~0.1
-        a[i].dmin = b[i].dmin = 0x2a66;
-        for (int j = 0; j < 12; j++) { a[i].scales[j] = (uint8_t) lcg(&s); b[i].scales[j] = (uint8_t) lcg(&s); }
-        for (int j = 0; j < 128; j++) { a[i].qs[j] = (uint8_t) lcg(&s); b[i].qs[j] = (uint8_t) lcg(&s); }
-        x[i].d = 0.01f;
-        for (int j = 0; j < 256; j++) x[i].qs[j] = (int8_t) (lcg(&s) % 255 - 127);
-        for (int j = 0; j < 16; j++) {
-            int sum = 0;
-            for (int q = 0; q < 16; q++) sum += x[i].qs[16 * j + q];
-            x[i].bsums[j] = (int16_t) sum;
-        }
-    }
-    float r1[2], r2[2];
-    dot2_q4_K_avx2(N, a, b, x, &r1[0], &r1[1], NULL, 0);
-    dot2_q4_K_avx512(N, a, b, x, &r2[0], &r2[1], NULL, 0);
-    if (!close_enough(r1, r2, 2)) return false;
-    const ls_block_q8_0 * cp[M];
-    for (int j = 0; j < M; j++) {
-        cp[j] = cols[j];
-        for (int q = 0; q < N / 32; q++) {
-            cols[j][q].d = 0x2e66;
-            for (int v = 0; v < 32; v++) cols[j][q].qs[v] = (int8_t) (lcg(&s) % 255 - 127);
-        }
-    }
-    for (int i = 0; i < M * T; i++) h[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
-    for (int i = 0; i < M * N; i++) tile_cols[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
-    memset(acc1, 0, sizeof(acc1));
-    memset(acc2, 0, sizeof(acc2));
-    axpy_q8_0_multi_avx2(acc1, h, cp, M, N);
-    axpy_q8_0_multi_avx512(acc2, h, cp, M, N);
-    if (!close_enough(acc1, acc2, N)) return false;
-    memset(acc1, 0, sizeof(acc1));
-    memset(acc2, 0, sizeof(acc2));
-    axpy_tile_avx2(acc1, h, tile_cols, M, T, N);
-    axpy_tile_avx512(acc2, h, tile_cols, M, T, N);
-    return close_enough(acc1, acc2, T * N);
-}
-
-void ls_kernels_select(void) {
-    const char * want = getenv("LEANSTREAM_ISA");
-    __builtin_cpu_init();
-    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  !(want && strcmp(want, "avx2") == 0);
-    isa_name = "avx2";
-    if (avx512 && !avx512_agrees()) {
-        avx512 = false;
-        isa_name = "avx2 (the AVX-512 kernels failed their start-up check)";
-    }
-    axpy_q8_0_impl = avx512 ? axpy_q8_0_multi_avx512 : axpy_q8_0_multi_avx2;
-    dot2_q4_K_impl = avx512 ? dot2_q4_K_avx512 : dot2_q4_K_avx2;
-    axpy_tile_impl = avx512 ? axpy_tile_avx512 : axpy_tile_avx2;
-    if (avx512) isa_name = "avx512";
-}
-
-const char * ls_kernel_isa(void) { return isa_name; }
-
-void ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
-    axpy_q8_0_impl(acc, h, cols, m, n);
-}
-
-void ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int pf_lines) {
-    dot2_q4_K_impl(n, a, b, x, ra, rb, pf, pf_lines);
 }
 
 void ls_dequant_q8_0(float * restrict out, const ls_block_q8_0 * restrict col, int64_t n) {
@@ -652,55 +657,397 @@ void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * c
     }
 }
 
-// The same for T token rows: acc[t][0, n) += sum_j h[j][t] * column j (h [m][T]). Each column
-// group's 32 values are unpacked once for all rows; every row then takes exactly the single-row
-// kernel's products and fused adds in its order (columns in order, the same factors), so each row
-// equals ls_axpy_q6_K_multi on that row alone, bit for bit (a verify pass agrees with decoding).
-void ls_axpy_q6_K_rows(float * restrict acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n) {
-    float qf[8][32] __attribute__((aligned(32)));
-    for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
-        for (int64_t b = 0; b < n / 256; b++) {
-            float d[8];
-            for (int j = 0; j < mj; j++) {
-                uint16_t dh;
-                memcpy(&dh, cols[j0 + j] + b * LS_Q6_K_BYTES + 208, 2);
-                d[j] = f16_to_f32(dh);
+// ---- the down projection for T token rows: acc[t] += sum_j h[j][t] * column j ------------------
+//
+// The one-row kernels (axpy_q8_0_multi_*, ls_axpy_q6_K_multi) add per output value: acc[o] takes
+// fma(f_j, q_j[o], acc[o]) for the columns j in order, with f_j = h_j * d_j (Q8_0) or
+// (h_j * d_j) * scale (Q6_K, per 16 values), whatever the ISA or the columns per pass. The rows
+// kernels keep exactly that per value and row: a group of 8 columns' 32 values of one step is
+// unpacked to f32 once for all rows (qf), each row's factors are the same products, and every
+// row's 32 outputs take the fused adds in column order: each row equals the one-row kernel on
+// that row alone, bit for bit, on either ISA. h is [m][T] (as the op stages it), acc [T][n].
+
+#define LS_ROWS_CHUNK 64   // rows whose factors one pass over a column group keeps (f below)
+
+typedef float rows_factors[2][8];   // a row's factors: [values 0..15 | 16..31 of the step][column]
+typedef void (*rows_apply_fn)(float *, int64_t, int64_t, const float (*)[32], const rows_factors *, int);
+
+// acc[t][0, 32) += sum_{j < mj} f[t][.][j] * qf[j] for t < T (acc rows n apart): two rows per
+// pass, so each staged value is loaded once for both
+static void rows_apply_avx2(float * restrict acc, int64_t n, int64_t T, const float (*qf)[32], const rows_factors * f, int mj) {
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) {
+        float * a = acc + (size_t) t * (size_t) n, * b = a + n;
+        __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8), v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
+        __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8), w2 = _mm256_loadu_ps(b + 16), w3 = _mm256_loadu_ps(b + 24);
+        for (int j = 0; j < mj; j++) {
+            const __m256 fa0 = _mm256_broadcast_ss(&f[t][0][j]), fa1 = _mm256_broadcast_ss(&f[t][1][j]);
+            const __m256 fb0 = _mm256_broadcast_ss(&f[t + 1][0][j]), fb1 = _mm256_broadcast_ss(&f[t + 1][1][j]);
+            __m256 q = _mm256_load_ps(qf[j]);
+            v0 = _mm256_fmadd_ps(fa0, q, v0); w0 = _mm256_fmadd_ps(fb0, q, w0);
+            q = _mm256_load_ps(qf[j] + 8);
+            v1 = _mm256_fmadd_ps(fa0, q, v1); w1 = _mm256_fmadd_ps(fb0, q, w1);
+            q = _mm256_load_ps(qf[j] + 16);
+            v2 = _mm256_fmadd_ps(fa1, q, v2); w2 = _mm256_fmadd_ps(fb1, q, w2);
+            q = _mm256_load_ps(qf[j] + 24);
+            v3 = _mm256_fmadd_ps(fa1, q, v3); w3 = _mm256_fmadd_ps(fb1, q, w3);
+        }
+        _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1); _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
+        _mm256_storeu_ps(b, w0); _mm256_storeu_ps(b + 8, w1); _mm256_storeu_ps(b + 16, w2); _mm256_storeu_ps(b + 24, w3);
+    }
+    if (t == T) return;
+    float * a = acc + (size_t) t * (size_t) n;
+    __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8), v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
+    for (int j = 0; j < mj; j++) {
+        const __m256 f0 = _mm256_broadcast_ss(&f[t][0][j]), f1 = _mm256_broadcast_ss(&f[t][1][j]);
+        v0 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j]), v0);
+        v1 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j] + 8), v1);
+        v2 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 16), v2);
+        v3 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 24), v3);
+    }
+    _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1); _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
+}
+
+// the same, 16 lanes wide: a full group's 8 x 32 staged values stay in 16 registers for every row
+// (the factors broadcast from memory into the fused adds)
+__attribute__((target("avx512f")))
+static void rows_apply_avx512(float * restrict acc, int64_t n, int64_t T, const float (*qf)[32], const rows_factors * f, int mj) {
+    if (mj == 8) {
+        __m512 q[8][2];
+        for (int j = 0; j < 8; j++) { q[j][0] = _mm512_load_ps(qf[j]); q[j][1] = _mm512_load_ps(qf[j] + 16); }
+        for (int64_t t = 0; t < T; t++) {
+            float * a = acc + (size_t) t * (size_t) n;
+            __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
+            for (int j = 0; j < 8; j++) {
+                v0 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][0][j]), q[j][0], v0);
+                v1 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][1][j]), q[j][1], v1);
             }
-            for (int half = 0; half < 2; half++) {
-                for (int seg = 0; seg < 4; seg++) {
-                    float s0[8], s1[8];
-                    for (int j = 0; j < mj; j++) {
-                        const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
-                        const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
-                        const __m256i q = q6_K_quants(blk, half, seg);
-                        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-                        _mm256_store_ps(qf[j],      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
-                        _mm256_store_ps(qf[j] + 8,  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
-                        _mm256_store_ps(qf[j] + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
-                        _mm256_store_ps(qf[j] + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
-                        s0[j] = (float) sc[0];
-                        s1[j] = (float) sc[1];
-                    }
-                    for (int64_t t = 0; t < T; t++) {
-                        float * a = acc + (size_t) t * (size_t) n + b * 256 + half * 128 + seg * 32;
-                        __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8);
-                        __m256 v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
+            _mm512_storeu_ps(a, v0); _mm512_storeu_ps(a + 16, v1);
+        }
+        return;
+    }
+    for (int64_t t = 0; t < T; t++) {   // the last columns of a list, fewer than 8
+        float * a = acc + (size_t) t * (size_t) n;
+        __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
+        for (int j = 0; j < mj; j++) {
+            v0 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][0][j]), _mm512_load_ps(qf[j]), v0);
+            v1 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][1][j]), _mm512_load_ps(qf[j] + 16), v1);
+        }
+        _mm512_storeu_ps(a, v0); _mm512_storeu_ps(a + 16, v1);
+    }
+}
+
+// hT[t][j] = h[j0 + j][t] for t in [t0, t0 + Tc), j < mj: a group's h values row by row
+static inline void rows_h(float (*hT)[8], const float * h, int j0, int mj, int64_t t0, int64_t Tc, int64_t T) {
+    for (int64_t t = 0; t < Tc; t++)
+        for (int j = 0; j < mj; j++) hT[t][j] = h[(size_t) (j0 + j) * (size_t) T + (size_t) (t0 + t)];
+}
+
+static void axpy_q8_0_rows_with(rows_apply_fn apply, float * restrict acc, const float * h, const ls_block_q8_0 * const * cols,
+                                int m, int64_t T, int64_t n) {
+    float qf[8][32] __attribute__((aligned(64)));      // a group's 32 values of block b, f32
+    rows_factors f[LS_ROWS_CHUNK] __attribute__((aligned(64)));
+    float hT[LS_ROWS_CHUNK][8];
+    for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
+        const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
+        for (int j0 = 0; j0 < m; j0 += 8) {
+            const int mj = m - j0 < 8 ? m - j0 : 8;
+            const ls_block_q8_0 * const * c = cols + j0;
+            const ls_block_q8_0 * const * nx = cols + j0 + 8;   // fetched while this group computes
+            const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+            rows_h(hT, h, j0, mj, t0, Tc, T);
+            for (int64_t b = 0; b < n / 32; b++) {
+                for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
+                float d[8];
+                for (int j = 0; j < mj; j++) {
+                    d[j] = f16_to_f32(c[j][b].d);
+                    for (int i = 0; i < 32; i += 8)
+                        _mm256_store_ps(qf[j] + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (c[j][b].qs + i)))));
+                }
+                for (int64_t t = 0; t < Tc; t++)
+                    for (int j = 0; j < mj; j++) f[t][0][j] = f[t][1][j] = hT[t][j] * d[j];
+                apply(acc + (size_t) t0 * (size_t) n + b * 32, n, Tc, (const float (*)[32]) qf, f, mj);
+            }
+        }
+    }
+}
+
+static void axpy_q6_K_rows_with(rows_apply_fn apply, float * restrict acc, const float * h, const uint8_t * const * cols,
+                                int m, int64_t T, int64_t n) {
+    float qf[8][32] __attribute__((aligned(64)));      // a group's 32 values of one step, f32
+    rows_factors f[LS_ROWS_CHUNK] __attribute__((aligned(64)));
+    float hT[LS_ROWS_CHUNK][8], hd[LS_ROWS_CHUNK][8];  // h, and h * d of each column's super-block
+    for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
+        const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
+        for (int j0 = 0; j0 < m; j0 += 8) {
+            const int mj = m - j0 < 8 ? m - j0 : 8;
+            const uint8_t * const * nx = cols + j0 + 8;
+            const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+            rows_h(hT, h, j0, mj, t0, Tc, T);
+            for (int64_t b = 0; b < n / 256; b++) {
+                float d[8];
+                for (int j = 0; j < mj; j++) {
+                    uint16_t dh;
+                    memcpy(&dh, cols[j0 + j] + b * LS_Q6_K_BYTES + 208, 2);
+                    d[j] = f16_to_f32(dh);
+                }
+                for (int64_t t = 0; t < Tc; t++)
+                    for (int j = 0; j < mj; j++) hd[t][j] = hT[t][j] * d[j];
+                for (int half = 0; half < 2; half++) {
+                    for (int seg = 0; seg < 4; seg++) {   // values 128 half + 32 seg .. + 31
+                        for (int j = 0; j < n_next; j++)
+                            _mm_prefetch((const char *) (nx[j] + b * LS_Q6_K_BYTES + (half * 4 + seg) * 26), _MM_HINT_T0);
+                        float s0[8], s1[8];
                         for (int j = 0; j < mj; j++) {
-                            const float hd = h[(size_t) (j0 + j) * (size_t) T + (size_t) t] * d[j];
-                            const __m256 f0 = _mm256_set1_ps(hd * s0[j]), f1 = _mm256_set1_ps(hd * s1[j]);
-                            v0 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j]), v0);
-                            v1 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j] + 8), v1);
-                            v2 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 16), v2);
-                            v3 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 24), v3);
+                            const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
+                            const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
+                            const __m256i q = q6_K_quants(blk, half, seg);
+                            const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+                            _mm256_store_ps(qf[j],      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
+                            _mm256_store_ps(qf[j] + 8,  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
+                            _mm256_store_ps(qf[j] + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
+                            _mm256_store_ps(qf[j] + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
+                            s0[j] = (float) sc[0];
+                            s1[j] = (float) sc[1];
                         }
-                        _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1);
-                        _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
+                        for (int64_t t = 0; t < Tc; t++) {
+                            for (int j = 0; j < mj; j++) {
+                                f[t][0][j] = hd[t][j] * s0[j];
+                                f[t][1][j] = hd[t][j] * s1[j];
+                            }
+                        }
+                        apply(acc + (size_t) t0 * (size_t) n + b * 256 + half * 128 + seg * 32, n, Tc, (const float (*)[32]) qf, f, mj);
                     }
                 }
             }
         }
     }
+}
+
+// ---- the variants in use -------------------------------------------------------------------------
+
+typedef void (*dot2_rows_fn)(int64_t, const void *, const void *, const void *, size_t, int, float *, float *, const uint8_t *, int);
+
+static axpy_q8_0_fn axpy_q8_0_impl = axpy_q8_0_multi_avx2;
+static dot2_q4_K_fn dot2_q4_K_impl = dot2_q4_K_avx2;
+static dot2_rows_fn dot2_q4_K_rows_impl = dot2_q4_K_rows_avx2;
+static dot2_rows_fn dot2_q4_1_rows_impl = dot2_q4_1_rows_avx2;
+static axpy_tile_fn axpy_tile_impl = axpy_tile_avx2;
+static rows_apply_fn rows_apply_impl = rows_apply_avx2;
+static bool rows_exact = true;   // the rows kernels passed their start-up check (else row by row)
+static const char * isa_name = "avx2";
+
+void ls_kernels_init(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, ls_kernels_select);
+}
+
+// ---- start-up self-checks -------------------------------------------------------------------------
+//
+// Before the AVX-512 variants are used they must give the AVX2 variants' results (up to f32
+// summation order) on fixed pseudo-random inputs; on a mismatch the AVX2 ones stay, and
+// ls_kernel_isa() says why. The rows kernels of the chosen ISA must then give, for every row, the
+// one-row kernels' bits on that row: else the op's rows are computed one at a time by the one-row
+// kernels (a verify pass must equal decoding whatever the compiler made of either), and
+// ls_kernel_isa() says so. Cheap (microseconds) and done once per process.
+
+static uint32_t lcg(uint32_t * s) { *s = *s * 1664525u + 1013904223u; return *s >> 8; }
+
+static bool close_enough(const float * a, const float * b, int n) {
+    float m = 0.0f, e = 0.0f;
+    for (int i = 0; i < n; i++) {
+        m = fmaxf(m, fabsf(a[i]));
+        e = fmaxf(e, fabsf(a[i] - b[i]));
+    }
+    return e <= 1e-4f * m + 1e-6f;
+}
+
+// the fixed inputs: Q4_K rows a, b, Q8_K / Q8_1 activations of T rows, Q4_1 rows, Q8_0 and Q6_K columns
+enum { CK_N = 512, CK_M = 11, CK_T = 5 };
+static struct {
+    ls_block_q4_K a[CK_N / 256], b[CK_N / 256];
+    ls_block_q8_K x[CK_T][CK_N / 256];
+    ls_block_q4_1 a1[CK_N / 32], b1[CK_N / 32];
+    ls_block_q8_1 x1[CK_T][CK_N / 32];
+    ls_block_q8_0 cols[CK_M][CK_N / 32];
+    uint8_t cols6[CK_M][CK_N / 256 * LS_Q6_K_BYTES];
+    float h[CK_M * CK_T], tile_cols[CK_M * CK_N];
+} ck;
+
+static void check_inputs(void) {
+    uint32_t s = 12345u;
+    for (int i = 0; i < CK_N / 256; i++) {
+        ck.a[i].d = ck.b[i].d = 0x2e66;      // f16 ~0.1
+        ck.a[i].dmin = ck.b[i].dmin = 0x2a66;
+        for (int j = 0; j < 12; j++) { ck.a[i].scales[j] = (uint8_t) lcg(&s); ck.b[i].scales[j] = (uint8_t) lcg(&s); }
+        for (int j = 0; j < 128; j++) { ck.a[i].qs[j] = (uint8_t) lcg(&s); ck.b[i].qs[j] = (uint8_t) lcg(&s); }
+        for (int t = 0; t < CK_T; t++) {
+            ls_block_q8_K * x = &ck.x[t][i];
+            x->d = 0.01f * (float) (t + 1);
+            for (int j = 0; j < 256; j++) x->qs[j] = (int8_t) (lcg(&s) % 255 - 127);
+            for (int j = 0; j < 16; j++) {
+                int sum = 0;
+                for (int q = 0; q < 16; q++) sum += x->qs[16 * j + q];
+                x->bsums[j] = (int16_t) sum;
+            }
+        }
+    }
+    for (int i = 0; i < CK_N / 32; i++) {
+        ck.a1[i] = (ls_block_q4_1) { 0x2e66, 0xae66, { 0 } };   // d ~0.1, m ~-0.1
+        ck.b1[i] = (ls_block_q4_1) { 0x2a66, 0x2e66, { 0 } };
+        for (int j = 0; j < 16; j++) { ck.a1[i].qs[j] = (uint8_t) lcg(&s); ck.b1[i].qs[j] = (uint8_t) lcg(&s); }
+        for (int t = 0; t < CK_T; t++) {
+            ck.x1[t][i].d = 0x2066;   // ~0.008
+            ck.x1[t][i].s = (uint16_t) (0x3c00 + lcg(&s) % 0x800);
+            for (int j = 0; j < 32; j++) ck.x1[t][i].qs[j] = (int8_t) (lcg(&s) % 255 - 127);
+        }
+    }
+    for (int j = 0; j < CK_M; j++) {
+        for (int q = 0; q < CK_N / 32; q++) {
+            ck.cols[j][q].d = 0x2e66;
+            for (int v = 0; v < 32; v++) ck.cols[j][q].qs[v] = (int8_t) (lcg(&s) % 255 - 127);
+        }
+        for (int q = 0; q < CK_N / 256 * LS_Q6_K_BYTES; q++) ck.cols6[j][q] = (uint8_t) lcg(&s);
+        for (int q = 0; q < CK_N / 256; q++) {   // an f16 super-block scale ~0.001..0.002
+            const uint16_t d = (uint16_t) (0x1400 + lcg(&s) % 0x400);
+            memcpy(ck.cols6[j] + q * LS_Q6_K_BYTES + 208, &d, 2);
+        }
+    }
+    for (int i = 0; i < CK_M * CK_T; i++) ck.h[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
+    for (int i = 0; i < CK_M * CK_N; i++) ck.tile_cols[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
+}
+
+static bool avx512_agrees(void) {
+    static float acc1[CK_T * CK_N], acc2[CK_T * CK_N];
+    float r1[2], r2[2];
+    dot2_q4_K_avx2(CK_N, ck.a, ck.b, ck.x[0], &r1[0], &r1[1], NULL, 0);
+    dot2_q4_K_avx512(CK_N, ck.a, ck.b, ck.x[0], &r2[0], &r2[1], NULL, 0);
+    if (!close_enough(r1, r2, 2)) return false;
+    const ls_block_q8_0 * cp[CK_M];
+    for (int j = 0; j < CK_M; j++) cp[j] = ck.cols[j];
+    memset(acc1, 0, sizeof(acc1));
+    memset(acc2, 0, sizeof(acc2));
+    axpy_q8_0_multi_avx2(acc1, ck.h, cp, CK_M, CK_N);
+    axpy_q8_0_multi_avx512(acc2, ck.h, cp, CK_M, CK_N);
+    if (!close_enough(acc1, acc2, CK_N)) return false;
+    memset(acc1, 0, sizeof(acc1));
+    memset(acc2, 0, sizeof(acc2));
+    axpy_tile_avx2(acc1, ck.h, ck.tile_cols, CK_M, CK_T, CK_N);
+    axpy_tile_avx512(acc2, ck.h, ck.tile_cols, CK_M, CK_T, CK_N);
+    return close_enough(acc1, acc2, CK_T * CK_N);
+}
+
+static bool same_bits(const float * a, const float * b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
+
+// every rows kernel in use against its one-row kernel on each of CK_T rows, bit for bit
+static bool rows_agree(void) {
+    float ra[CK_T], rb[CK_T], one[2];
+    dot2_q4_K_rows_impl(CK_N, ck.a, ck.b, ck.x, sizeof(ck.x[0]), CK_T, ra, rb, NULL, 0);
+    for (int t = 0; t < CK_T; t++) {
+        dot2_q4_K_impl(CK_N, ck.a, ck.b, ck.x[t], &one[0], &one[1], NULL, 0);
+        if (!same_bits(one, (float[2]) { ra[t], rb[t] }, 2)) return false;
+    }
+    dot2_q4_1_rows_impl(CK_N, ck.a1, ck.b1, ck.x1, sizeof(ck.x1[0]), CK_T, ra, rb, NULL, 0);
+    for (int t = 0; t < CK_T; t++) {
+        dot2_q4_1_avx2(CK_N, ck.a1, ck.b1, ck.x1[t], &one[0], &one[1], NULL, 0);
+        if (!same_bits(one, (float[2]) { ra[t], rb[t] }, 2)) return false;
+    }
+    static float rows[CK_T * CK_N], row[CK_N];
+    const ls_block_q8_0 * cp[CK_M];
+    const uint8_t * cp6[CK_M];
+    for (int j = 0; j < CK_M; j++) { cp[j] = ck.cols[j]; cp6[j] = ck.cols6[j]; }
+    for (int kind = 0; kind < 2; kind++) {   // Q8_0, Q6_K columns
+        for (int i = 0; i < CK_T * CK_N; i++) rows[i] = ck.tile_cols[i];   // a non-zero start
+        if (kind == 0) axpy_q8_0_rows_with(rows_apply_impl, rows, ck.h, cp, CK_M, CK_T, CK_N);
+        else axpy_q6_K_rows_with(rows_apply_impl, rows, ck.h, cp6, CK_M, CK_T, CK_N);
+        for (int t = 0; t < CK_T; t++) {
+            float ht[CK_M];
+            for (int j = 0; j < CK_M; j++) ht[j] = ck.h[j * CK_T + t];
+            memcpy(row, ck.tile_cols + t * CK_N, sizeof(row));
+            if (kind == 0) axpy_q8_0_impl(row, ht, cp, CK_M, CK_N);
+            else ls_axpy_q6_K_multi(row, ht, cp6, CK_M, CK_N);
+            if (!same_bits(row, rows + t * CK_N, CK_N)) return false;
+        }
+    }
+    return true;
+}
+
+void ls_kernels_select(void) {
+    const char * want = getenv("LEANSTREAM_ISA");
+    __builtin_cpu_init();
+    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  !(want && strcmp(want, "avx2") == 0);
+    check_inputs();
+    isa_name = "avx2";
+    if (avx512 && !avx512_agrees()) {
+        avx512 = false;
+        isa_name = "avx2 (the AVX-512 kernels failed their start-up check)";
+    }
+    axpy_q8_0_impl = avx512 ? axpy_q8_0_multi_avx512 : axpy_q8_0_multi_avx2;
+    dot2_q4_K_impl = avx512 ? dot2_q4_K_avx512 : dot2_q4_K_avx2;
+    dot2_q4_K_rows_impl = avx512 ? dot2_q4_K_rows_avx512 : dot2_q4_K_rows_avx2;
+    dot2_q4_1_rows_impl = dot2_q4_1_rows_avx2;
+    axpy_tile_impl = avx512 ? axpy_tile_avx512 : axpy_tile_avx2;
+    rows_apply_impl = avx512 ? rows_apply_avx512 : rows_apply_avx2;
+    if (avx512) isa_name = "avx512";
+    rows_exact = rows_agree();
+    if (!rows_exact) isa_name = avx512 ? "avx512 (the rows kernels failed their start-up check: rows one at a time)"
+                                       : "avx2 (the rows kernels failed their start-up check: rows one at a time)";
+}
+
+const char * ls_kernel_isa(void) { return isa_name; }
+
+// ---- the entry points -----------------------------------------------------------------------------
+
+void ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
+    axpy_q8_0_impl(acc, h, cols, m, n);
+}
+
+void ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                  const uint8_t * pf, int pf_lines) {
+    dot2_q4_K_impl(n, a, b, x, ra, rb, pf, pf_lines);
+}
+
+void ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                  const uint8_t * pf, int pf_lines) {
+    dot2_q4_1_avx2(n, a, b, x, ra, rb, pf, pf_lines);
+}
+
+// the rows kernels, or (their start-up check failed) the one-row kernels row by row
+void ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                       float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    if (rows_exact) { dot2_q4_K_rows_impl(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines); return; }
+    for (int t = 0; t < nr; t++)
+        dot2_q4_K_impl(n, a, b, (const uint8_t *) x + (size_t) t * x_stride, ra + t, rb + t, t ? NULL : pf, t ? 0 : pf_lines);
+}
+
+void ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                       float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    if (rows_exact) { dot2_q4_1_rows_impl(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines); return; }
+    for (int t = 0; t < nr; t++)
+        dot2_q4_1_avx2(n, a, b, (const uint8_t *) x + (size_t) t * x_stride, ra + t, rb + t, t ? NULL : pf, t ? 0 : pf_lines);
+}
+
+// row t of h [m][T] gathered in chunks of 256 columns for a one-row kernel (the fallback)
+#define LS_ROWWISE(one_row) do {                                                                   \
+        float ht[256];                                                                             \
+        for (int64_t t = 0; t < T; t++) {                                                          \
+            for (int j0 = 0; j0 < m; j0 += 256) {                                                  \
+                const int mj = m - j0 < 256 ? m - j0 : 256;                                        \
+                for (int j = 0; j < mj; j++) ht[j] = h[(size_t) (j0 + j) * (size_t) T + (size_t) t]; \
+                one_row(acc + (size_t) t * (size_t) n, ht, cols + j0, mj, n);                      \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+void ls_axpy_q8_0_rows(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t T, int64_t n) {
+    if (rows_exact) axpy_q8_0_rows_with(rows_apply_impl, acc, h, cols, m, T, n);
+    else LS_ROWWISE(axpy_q8_0_impl);
+}
+
+void ls_axpy_q6_K_rows(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n) {
+    if (rows_exact) axpy_q6_K_rows_with(rows_apply_impl, acc, h, cols, m, T, n);
+    else LS_ROWWISE(ls_axpy_q6_K_multi);
 }
 
 void ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd) {

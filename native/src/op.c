@@ -116,15 +116,10 @@ static void flush(float * acc, const float * h, const float * cols, const uint8_
         ls_axpy_tile(acc, h, cols, n_staged, T, n_embd);
         return;
     }
-    if (down_type == GGML_TYPE_Q6_K && T > 1) {   // the columns unpacked once for every row
-        ls_axpy_q6_K_rows(acc, h, qcols, n_staged, T, n_embd);
-        return;
-    }
-    float hs[LS_TILE_MAX];
-    for (int64_t t = 0; t < T; t++) {
-        for (int j = 0; j < n_staged; j++) hs[j] = h[(size_t) j * T + t];
-        axpy_in_place(down_type, acc + (size_t) t * n_embd, hs, qcols, n_staged, n_embd);
-    }
+    if (T == 1) axpy_in_place(down_type, acc, h, qcols, n_staged, n_embd);
+    // more rows: the columns unpacked once for all of them, each row as that token alone
+    else if (down_type == GGML_TYPE_Q6_K) ls_axpy_q6_K_rows(acc, h, qcols, n_staged, T, n_embd);
+    else ls_axpy_q8_0_rows(acc, h, (const ls_block_q8_0 * const *) qcols, n_staged, T, n_embd);
 }
 
 // gate . x and up . x of one neuron: Q4_K or Q4_1 gate and up rows (the common GGUF cases) in one
@@ -290,6 +285,13 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
                 if (fused == LS_FUSED_Q4_K && !rowwise) {   // prefill: every token against the rows, 4 tokens per pass
                     float * g = gu_tmp, * u = gu_tmp + Tc;
                     ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) Tc, g, u);
+                    for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
+                } else if (fused && Tc > 1) {   // the rows kernels: the weights unpacked once per few rows, each row as alone
+                    float * g = gu_tmp, * u = gu_tmp + Tc;
+                    const uint8_t * gr = gate + j * L->gate_row_bytes, * ur = up + j * L->up_row_bytes;
+                    const uint8_t * nx = nxt_for(pf.nxt, pf.lines, j, fused, n_embd);
+                    if (fused == LS_FUSED_Q4_K) ls_dot2_q4_K_rows(n_embd, gr, ur, xg, rg, (int) Tc, g, u, nx, pf.lines);
+                    else ls_dot2_q4_1_rows(n_embd, gr, ur, xg, rg, (int) Tc, g, u, nx, pf.lines);
                     for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
                 } else {
                     for (int64_t t = 0; t < Tc; t++) {

@@ -10,6 +10,10 @@ in float64, where x~ is x rounded the way ggml rounds a matmul's activations bef
 quantized dot products (the weight type's vec_dot_type: Q8_0/Q8_1 per 32 values, Q8_K per 256,
 F16), so the only differences left to the native op are f32 summation order.
 
+The FFN kernels one by one (native/src/kernels.c): gate/up dot products of quantized rows with
+the quantized activation (``dot_q4_K_q8_K``, ``dot_q4_1_q8_1``) and the down projection over
+quantized columns (``axpy_columns``), in float64 from the blocks' bytes (numpy dtypes below).
+
 The sketch scorer (``reference_scores``, native/src/sketch.c) and the predictor evaluator
 (``reference_eval``, native/src/predictor.c), computed with numpy.
 """
@@ -109,6 +113,48 @@ def ffn_reference(w: LayerWeights, x: np.ndarray, *, activation: str = "silu",
     sel = slice(None) if neurons is None else np.asarray(neurons)
     h = act(xg @ w.gate[sel].T.astype(np.float64), activation) * (xu @ w.up[sel].T.astype(np.float64))
     return h @ w.down[sel].astype(np.float64)
+
+
+# ---- the FFN kernels one by one ---------------------------------------------------------------------
+
+# ggml's activation blocks (the vec_dot types of Q4_K and Q4_1 rows) and Q8_0 columns, as numpy dtypes
+BLOCK_Q8_K = np.dtype([("d", "<f4"), ("qs", "i1", 256), ("bsums", "<i2", 16)])   # 292 bytes per 256 values
+BLOCK_Q8_1 = np.dtype([("d", "<f2"), ("s", "<f2"), ("qs", "i1", 32)])             # s = d * sum(qs), in f16
+BLOCK_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
+
+
+def dequantize_blocks(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """f64 values of rows of ggml blocks (gguf-py's dequantization) [.., n_bytes] -> [.., n]."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    raw = np.ascontiguousarray(raw).view(np.uint8)
+    return dequantize(raw, Q[type_name]).astype(np.float64)
+
+
+def dot_q4_K_q8_K(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """w [n_rows, n/256 * 144] Q4_K rows (bytes), x [n_tokens, n/256] BLOCK_Q8_K -> [n_tokens, n_rows]:
+    each row . x as ggml's vec_dot_q4_K_q8_K means it (x = d * qs; its bsums are the sums of qs)."""
+    xv = (x["d"][..., None].astype(np.float64) * x["qs"]).reshape(len(x), -1)
+    return xv @ dequantize_blocks(w, "Q4_K").T
+
+
+def dot_q4_1_q8_1(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """w [n_rows, n/32 * 20] Q4_1 rows, x [n_tokens, n/32] BLOCK_Q8_1 -> [n_tokens, n_rows], as ggml's
+    vec_dot_q4_1_q8_1: per block d * dx * sum(q4 q8) + m * s, with x's own f16 s for its sum."""
+    b = np.ascontiguousarray(w).view(np.uint8).reshape(len(w), -1, 20)
+    d = b[..., 0:2].copy().view("<f2")[..., 0].astype(np.float64)          # [rows, blocks]
+    m = b[..., 2:4].copy().view("<f2")[..., 0].astype(np.float64)
+    q = np.concatenate([b[..., 4:] & 15, b[..., 4:] >> 4], axis=-1).astype(np.float64)   # [rows, blocks, 32]
+    xd, xs = x["d"].astype(np.float64), x["s"].astype(np.float64)          # [tokens, blocks]
+    dots = np.einsum("rbi,tbi->trb", q, x["qs"].astype(np.float64))
+    return (dots * d[None] * xd[:, None]).sum(-1) + xs @ m.T
+
+
+def axpy_columns(acc: np.ndarray, h: np.ndarray, cols: np.ndarray, type_name: str) -> np.ndarray:
+    """acc [T, n] + sum_j h[j, t] * column j for every row t: h [m, T], cols [m, column bytes] of
+    type_name (Q8_0, Q6_K), in float64 (the down projection over transposed columns)."""
+    return acc.astype(np.float64) + np.asarray(h, np.float64).T @ dequantize_blocks(cols, type_name)
 
 
 # ---- the sketch scorer (LS2 rows) ------------------------------------------------------------------
