@@ -130,7 +130,7 @@ class Llama(llama_cpp.Llama):
             self.memory_plan = memplan.plan(path, m, o["memory_limit"], mode=mode,
                                             n_ctx=int(kwargs.get("n_ctx", 512)),
                                             n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
-                                            n_outputs=o["draft_max"] + 1 if spec != "off" else 1)
+                                            n_outputs=self._verify_rows_max(o) if spec != "off" else 1)
             self.memory_plan.check()
             o["memory_budget"] = self.memory_plan.budget
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers], activation=m.activation,
@@ -158,7 +158,7 @@ class Llama(llama_cpp.Llama):
             from .speculative import Drafter
 
             self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
-                                    max_rows=EXACT_ROWS, vocab=self._draft_vocab())
+                                    max_rows=self._verify_rows_max(o), vocab=self._draft_vocab())
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(
@@ -230,6 +230,14 @@ class Llama(llama_cpp.Llama):
                 f"{freq_path}: block frequencies must be finite floats of shape [n_layer, n_blocks] = "
                 f"[{m.n_layer}, {m.layers[0].n_blocks}], got {getattr(freq, 'dtype', '?')} {getattr(freq, 'shape', '?')}")
         return freq
+
+    @staticmethod
+    def _verify_rows_max(o: dict) -> int:
+        """The most rows a verify pass decodes: the pending tokens and a tree of draft_max steps of
+        the draft's best tokens (the memory plan counts their logits)."""
+        from .speculative import DEFAULT_WIDTH
+
+        return min(EXACT_ROWS, 1 + o["draft_max"] * DEFAULT_WIDTH)
 
     def _draft_vocab(self):
         """The draft's vocabulary: the first speculative.DRAFT_VOCAB tokens of the converter's
@@ -308,6 +316,11 @@ class Llama(llama_cpp.Llama):
         (``logits(i)``), without logits_all's n_ctx x n_vocab array (bench/speculative.py times it)."""
         self._verify_rows = len(tokens)
         self.eval(tokens)
+
+    def draft_vocab(self):
+        """The speculative draft's vocabulary now (int32 token ids, ascending: the converter's
+        ranked tokens and the context's), or None: every token (no ranking, or no speculation)."""
+        return None if self._drafter is None else self._drafter.vocab()
 
     def rewind(self, n_tokens: int) -> None:
         """Forget every position from ``n_tokens`` on (the tokens and the KV cache): what a

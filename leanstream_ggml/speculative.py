@@ -106,6 +106,9 @@ class Drafter:
         if self._vocab is not None:
             llm.engine.set_draft_vocab(sorted(self._vocab))
 
+    def vocab(self):
+        return None if self._vocab is None else np.array(sorted(self._vocab), dtype=np.int32)
+
     def see(self, tokens) -> None:
         """Tokens of the context: the draft's vocabulary takes those it lacks."""
         if self._vocab is None:

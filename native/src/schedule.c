@@ -182,6 +182,36 @@ static ls_status pin_sparse_plan(ls_engine * e, ls_layer * L, const float * x_re
 
 // ---- dense -----------------------------------------------------------------------------------
 
+// The blocks of the next dense layer that are not resident for good, pinned and queued behind this
+// layer's reads, as far as the budget goes (mode dense: decode reads every layer in turn, so
+// layer il + 1, and after the last layer the first one of the next pass, is what comes next).
+// Its reads then run while this layer and the attention between the two compute, and while a
+// speculative draft computes (it reads nothing). Dense mode's pinned set leaves one layer of
+// slots beside it: at half the FFN resident that is the streamed part of two layers.
+static void prefetch_next_dense(ls_engine * e, ls_layer * L) {
+    ls_layer * N = &e->layers[(L->il + 1) % e->n_layers];
+    if (N == L || N->pinned_forever || N->n_prefetch > 0) return;
+    ls_plan * P = &e->plan;
+    int32_t * want = P->scratch, n = 0;
+    for (int32_t b = 0; b < N->info.n_blocks; b++)
+        if (!(N->hot_pinned && N->hot_pinned[b])) want[n++] = b;
+    const int32_t got = acquire_and_read(e, N, want, n, P->scratch2);
+    for (int32_t i = 0; i < got; i++) {
+        N->in_prefetch[want[i]] = 1;
+        N->prefetch[N->n_prefetch++] = want[i];
+    }
+    atomic_fetch_add(&N->stats.blocks_prefetched, (uint64_t) got);
+}
+
+// Let go of the pins a prefetch took on L's blocks (the op's own pins hold them now).
+static void drop_prefetch_pins(ls_engine * e, ls_layer * L) {
+    for (int32_t i = 0; i < L->n_prefetch; i++) {
+        ls_cache_release(e, L, L->prefetch[i], false);
+        L->in_prefetch[L->prefetch[i]] = 0;
+    }
+    L->n_prefetch = 0;
+}
+
 ls_status ls_sched_plan_dense(ls_engine * e, ls_layer * L) {
     ls_plan * P = &e->plan;
     const int32_t nb = L->info.n_blocks;
@@ -203,9 +233,12 @@ ls_status ls_sched_plan_dense(ls_engine * e, ls_layer * L) {
     for (int32_t lo = 0; lo < nb && P->chunks.n < LS_MAX_CHUNKS; lo += chunk) {
         P->chunks.end[P->chunks.n++] = lo + chunk < nb ? lo + chunk : nb;
     }
-    if (P->chunks.end[P->chunks.n - 1] != nb) return LS_ERR_BUDGET; // > LS_MAX_CHUNKS chunks
+    if (P->chunks.end[P->chunks.n - 1] != nb) { drop_prefetch_pins(e, L); return LS_ERR_BUDGET; } // > LS_MAX_CHUNKS chunks
     P->n_pinned = acquire_and_read(e, L, P->blocks, P->chunks.end[0], P->scratch2);
-    return P->n_pinned == P->chunks.end[0] ? LS_OK : LS_ERR_BUDGET;
+    drop_prefetch_pins(e, L);
+    if (P->n_pinned != P->chunks.end[0]) return LS_ERR_BUDGET;
+    if (!e->policy->sparse && P->chunks.n == 1) prefetch_next_dense(e, L);
+    return LS_OK;
 }
 
 ls_status ls_sched_next_chunk(ls_engine * e, int32_t c) {
