@@ -13,13 +13,14 @@ one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
 
 import numpy as np
+
+import benchkit
 
 
 def decode(llm, prompt, n):
@@ -41,12 +42,9 @@ def decode(llm, prompt, n):
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import options
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model")
-    options.add_flags(ap, options.SCRIPT, names=("memory_budget",))
-    ap.set_defaults(memory_budget="16MiB")     # a budget below the FFN: every token reads blocks
+    benchkit.flags(ap, "memory_budget", defaults={"memory_budget": "16MiB"})   # below the FFN: every token reads
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=6)
     ap.add_argument("-t", "--threads", type=int, default=2)

@@ -13,13 +13,14 @@ median, and whether every answer equals the quiet one token for token.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+import benchkit
 
 PROMPT = "Explain in a few sentences how a hash table handles collisions."
 BUSY = "while True:\n    pass\n"
@@ -49,11 +50,9 @@ def with_busy(n_per_core: int, fn):
 
 
 def main() -> int:
-    from leanstream_ggml import options
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model_dir")
-    options.add_flags(ap, options.SCRIPT, names=("mode", "memory_budget"))
+    benchkit.flags(ap, "mode", "memory_budget")
     ap.add_argument("--busy", type=int, nargs="+", default=[0, 1, 3])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)

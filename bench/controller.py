@@ -26,16 +26,13 @@ second half scored) of each --configs entry per regime, quiet ("dense" for the r
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import benchkit
 
 PROMPT = "def merge_sorted(a, b):\n"
 
@@ -155,28 +152,16 @@ def child_ppl(a: dict) -> dict:
 
 def run(a: dict, timeout_s: float = 1800) -> dict:
     """One run in a fresh process; in a memory cgroup for a whole-process regime."""
-    from leanstream_ggml import params
-    from leanstream_tools import cgroup
-
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(a)]
-    limit = None if a["regime"].endswith("%") or a["regime"].startswith("budget=") else \
-        params.size_bytes(a["regime"], "regime")
-    r = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=timeout_s)
-    if r.status != "ok":
-        return {"error": f"{r.status}: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return benchkit.run_child(__file__, a, limit_bytes=benchkit.regime_limit(a["regime"]), timeout_s=timeout_s)[0]
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import options
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__, child=True)
     ap.add_argument("model", nargs="?")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--regimes", default="35%,1000MB")
     ap.add_argument("--contend", default="0,1")
     ap.add_argument("--configs", default="off,table," + ",".join(f"fixed:{k}" for k in range(9)))
-    options.add_flags(ap, options.SCRIPT, names=("sparsity",))
+    benchkit.flags(ap, "sparsity")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=32)
@@ -186,9 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.child:
-        a = json.loads(args.child)
-        print(json.dumps(child_ppl(a) if a.get("ppl") else child(a)))
-        return 0
+        return benchkit.answer_child(args.child, lambda a: child_ppl(a) if a.get("ppl") else child(a))
     base = {"model": args.model, "threads": args.threads, "warmup": args.warmup, "tokens": args.tokens,
             "sparsity": args.sparsity}
     regimes = args.regimes.split(",")
@@ -218,11 +201,7 @@ def main(argv=None) -> int:
                         print(json.dumps(r), file=sys.stderr, flush=True)
                         doc["runs"].append(r)
         doc["summary"] = summarize(doc["runs"])
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return benchkit.emit(doc, args.out)
 
 
 def summarize(runs: list[dict]) -> list[dict]:

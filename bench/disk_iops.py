@@ -31,16 +31,14 @@ Nothing else may run during the measurement (docs/design.md §6).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+import benchkit
 
 HERE = Path(__file__).resolve().parent
 DEPTHS = (1, 4, 16, 64, 128)
@@ -49,12 +47,7 @@ SIZES = (4096, 16384, 65536, 262144, 1 << 20)
 
 def build(out_dir: Path) -> Path:
     """bench/disk_iops.c compiled into out_dir (cc -O2 -pthread)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise SystemExit("disk_iops: no C compiler (cc or gcc) on PATH; set CC")
-    exe = out_dir / "disk_iops"
-    subprocess.run([cc, "-O2", "-pthread", "-o", str(exe), str(HERE / "disk_iops.c")], check=True)
-    return exe
+    return benchkit.build_c(HERE / "disk_iops.c", out_dir, "-pthread")
 
 
 def run_cell(exe: Path, files: list[str], size: int, depth: int, n_reads: int, seed: int) -> float:
@@ -95,7 +88,7 @@ def breakeven(stride: int, iops_block: float, bandwidth: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model", type=Path, help="a converted model directory")
     ap.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS))
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="read sizes (multiples of 4096)")
@@ -103,7 +96,6 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of reads before the first cell")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     a = ap.parse_args()
-    sys.path.insert(0, str(HERE.parent))
     from leanstream_ggml import manifest as mf
     from leanstream_tools import measure as hm
 
@@ -139,11 +131,7 @@ def main() -> int:
                         "mean": round(float(freq.mean()), 4),
                         "percentiles": {str(q): round(float(np.percentile(freq, q)), 4) for q in (1, 5, 10, 25, 50, 75, 90)},
                         "share_of_blocks_below_breakeven": round(float((freq < f_star).mean()), 4)}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
-    return 0
+    return benchkit.emit(out, a.out)
 
 
 if __name__ == "__main__":

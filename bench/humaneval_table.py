@@ -18,18 +18,14 @@ flip against --baseline (default "dense") each way.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from leanstream_tools import humaneval  # noqa: E402
-from leanstream_tools.compare import selecting_budget  # noqa: E402
+import benchkit
+from leanstream_tools import humaneval
+from leanstream_tools.compare import selecting_budget
 
 DEFAULT_SETUPS = "stock,stock-q3_k_m,stock-q2_k,dense,leanstream,leanstream@ppl+5%"
 
@@ -59,14 +55,14 @@ def main(argv=None) -> int:
 
     from leanstream_ggml import models
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("--model", required=True, help="GGUF path or recipe name (the stock source)")
     ap.add_argument("--model-dir", required=True, help="its converted model directory")
     ap.add_argument("--setups", default=DEFAULT_SETUPS)
     ap.add_argument("--baseline", default="dense", help="the setup flips are counted against")
     ap.add_argument("--limit", type=int, default=None, help="the first N problems (default: all 164)")
     ap.add_argument("--max-tokens", type=int, default=humaneval.DEFAULT_MAX_TOKENS)
-    ap.add_argument("--memory-budget", type=int, default=None, help="sparse setups' budget in bytes")
+    benchkit.flags(ap, "memory_budget")   # the sparse setups' (default: one block short of FFN + sketch)
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--out", default=None, help="the summary JSON (default: OUT_DIR/summary.json)")

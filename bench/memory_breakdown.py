@@ -10,12 +10,13 @@ Run it with the model's files cold (the script drops their page cache first, unl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+import benchkit
 
 
 def smaps_rollup() -> dict[str, int]:
@@ -46,11 +47,9 @@ def snapshot(stage: str, files: dict[str, list[Path]], llm=None) -> dict:
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import options
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model", help="a model directory")
-    options.add_flags(ap, options.SCRIPT, names=("mode", "memory_budget"))
+    benchkit.flags(ap, "mode", "memory_budget")
     ap.add_argument("-c", "--ctx-size", type=int, default=512)
     ap.add_argument("-b", "--batch-size", type=int, default=512, help="n_batch = n_ubatch")
     ap.add_argument("-p", "--n-prompt", type=int, default=64)

@@ -13,27 +13,20 @@ median round).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import benchkit
+
 HERE = Path(__file__).resolve().parent
 
 
 def build(out_dir: Path) -> Path:
     """bench/memory_read.c compiled into out_dir (cc -O2 -mavx2 -pthread)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise SystemExit("memory_read: no C compiler (cc or gcc) on PATH; set CC")
-    exe = out_dir / "memory_read"
-    subprocess.run([cc, "-O2", "-mavx2", "-pthread", "-o", str(exe), str(HERE / "memory_read.c")], check=True)
-    return exe
+    return benchkit.build_c(HERE / "memory_read.c", out_dir, "-mavx2", "-pthread")
 
 
 def run(exe: Path, n_bytes: int, n_threads: int, rounds: int) -> dict:
@@ -55,7 +48,7 @@ def measure(n_bytes: int, n_threads: int, rounds: int = 7) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("--bytes", type=int, default=256 << 20, help="buffer size (larger than the last-level cache)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
@@ -63,11 +56,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.bytes < 64 or a.threads < 1 or a.rounds < 1:
         ap.error("--bytes must be >= 64, --threads and --rounds >= 1")
-    text = json.dumps(measure(a.bytes, a.threads, a.rounds), indent=1)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
-    return 0
+    return benchkit.emit(measure(a.bytes, a.threads, a.rounds), a.out)
 
 
 if __name__ == "__main__":

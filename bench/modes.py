@@ -1,9 +1,9 @@
 """Decode speed of every engine mode at several FFN budgets and sparsities (issue: the streamed
 sparse FFN). One process; each configuration gets a fresh Llama over the same model directory.
 
-    python bench/modes.py MODEL_DIR [--budgets 0.1,0.25,0.5,1.0] [--sparsity 0.5,0.8]
-        [--modes dense,oneshot,dejavu+,powerinfer2,leanstream] [--tokens 24] [--repeats 3]
-        [--stock SOURCE.gguf [--quality]] [--out results.json] [--plot results.png]
+    python bench/modes.py MODEL_DIR [--budgets 0.1,0.25,0.5,1.0] [--sparsity 0.5 0.8]
+        [--mode dense oneshot dejavu+ powerinfer2 leanstream] [--tokens 24] [--repeats 3]
+        [--stock SOURCE.gguf [--perplexity]] [--out results.json] [--plot results.png]
 
 Budgets are fractions of the model's FFN bytes on disk. Block reads use O_DIRECT, so the page
 cache does not hide them: "bytes read per token" is real disk traffic. Before timing, each
@@ -11,24 +11,20 @@ configuration decodes a short greedy continuation and checks it is text (and, fo
 it equals a stock llama-cpp-python continuation when the stock GGUF is given with --stock).
 Prints one JSON object. A configuration whose budget cannot hold one layer's working set is
 reported as "budget too small", not run. Decode speed is timed on real text, teacher-forced
-(every token differs, as in generation). --quality adds the decode-scored perplexity of every
+(every token differs, as in generation). --perplexity adds the decode-scored perplexity of every
 (mode, sparsity) against stock: the price of the speed.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from leanstream_ggml import modes as engine_modes  # noqa: E402  (the engine's modes: what each one does)
+import benchkit
+from leanstream_ggml import modes as engine_modes  # (the engine's modes: what each one does)
 
 PROMPT = "The main differences between a process and a thread are"
 
@@ -76,7 +72,7 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
 
     try:
         llm = Llama(str(model_dir), mode=mode, sparsity=sparsity if engine_modes.is_sparse(mode) else None,
-                    memory_budget=budget or None, n_ctx=256, n_threads=args.threads, n_io_threads=args.io_threads,
+                    memory_budget=budget or None, n_ctx=256, n_threads=args.threads, n_io_threads=args.n_io_threads,
                     hot_fraction=args.hot_fraction,
                     n_threads_batch=args.threads, verbose=False)
     except (LeanstreamError, ValueError) as e:
@@ -97,25 +93,25 @@ def run_one(model_dir, mode, budget, sparsity, args, stock_text):
                 "bytes_read_per_token": s["bytes_read"] / max(1, args.tokens),
                 "io_stall_share": s["io_stall_ns"] / max(1, s["op_ns"] * nth),
                 "predictor_us_per_token": s["predictor_ns"] / 1e3 / max(1, args.tokens),
-                "cache_bytes": s["cache_bytes"], "cache_capacity": s["cache_capacity"]}
+                "cache_bytes": s["cache_bytes"], "cache_capacity": s["cache_capacity"],
+                "io_threads": llm.engine.params["n_io_threads"]}
     finally:
         llm.close()
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model_dir", help="converted model directory (or, with --table, a results JSON)")
     ap.add_argument("--table", action="store_true", help="print the markdown tables of a results JSON and exit")
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
-    ap.add_argument("--sparsity", default="0.5,0.8")
-    ap.add_argument("--modes", default="dense,oneshot,dejavu+,powerinfer2,leanstream")
+    # every mode at the same pinned share (powerinfer2's and leanstream's with predictors)
+    benchkit.flags(ap, "mode", "sparsity", "n_io_threads", "hot_fraction", sweep=("mode", "sparsity"),
+                   defaults={"mode": list(engine_modes.MODES), "sparsity": [0.5, 0.8], "hot_fraction": 0.5})
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--io-threads", type=int, default=16, help="I/O workers = reads in flight (default 16)")
-    ap.add_argument("--hot-fraction", type=float, default=0.5, help="powerinfer2/leanstream pinned share of the budget")
     ap.add_argument("--stock", help="the source GGUF: check dense against stock llama-cpp-python")
-    ap.add_argument("--quality", action="store_true",
+    ap.add_argument("--perplexity", action="store_true",
                     help="also measure decode-scored perplexity vs stock per (mode, sparsity) (needs --stock)")
     ap.add_argument("--quality-ctx", type=int, default=256)
     ap.add_argument("--quality-chunks", type=int, default=1)
@@ -125,8 +121,8 @@ def main(argv=None) -> int:
     if args.table:
         print(markdown(json.loads(Path(args.model_dir).read_text())))
         return 0
-    if args.quality and not args.stock:
-        ap.error("--quality needs --stock GGUF")
+    if args.perplexity and not args.stock:
+        ap.error("--perplexity needs --stock GGUF")
 
     from leanstream_ggml import manifest
 
@@ -142,21 +138,21 @@ def main(argv=None) -> int:
     results = []
     for frac in [float(x) for x in args.budgets.split(",") if x]:   # --budgets "": quality only
         budget = 0 if frac >= 1.0 else int(frac * ffn)
-        for mode in args.modes.split(","):
-            for s in ([float(x) for x in args.sparsity.split(",")] if engine_modes.is_sparse(mode) else [0.0]):
+        for mode in args.mode:
+            for s in (args.sparsity if engine_modes.is_sparse(mode) else [0.0]):
                 r = run_one(args.model_dir, mode, budget, s, args, stock_text)
                 r.update(mode=mode, sparsity=s, budget_fraction=frac, budget_bytes=budget)
                 print(json.dumps({k: r[k] for k in r if k not in ("check", "decode_tps_all")}), file=sys.stderr)
                 results.append(r)
     qual = []
-    if args.quality:
+    if args.perplexity:
         from leanstream_tools import systems
 
         n = args.quality_ctx
         ref = systems.open_model(args.stock, "stock", n_ctx=n, n_threads=args.threads, n_batch=n, logits_all=True)
         try:
-            for mode in args.modes.split(","):
-                for s in ([float(x) for x in args.sparsity.split(",")] if engine_modes.is_sparse(mode) else [0.0]):
+            for mode in args.mode:
+                for s in (args.sparsity if engine_modes.is_sparse(mode) else [0.0]):
                     q = quality(args.model_dir, mode, s, ref, args)
                     q.update(mode=mode, sparsity=s)
                     print(json.dumps(q), file=sys.stderr)
@@ -164,13 +160,11 @@ def main(argv=None) -> int:
         finally:
             ref.close()
     doc = {"model_dir": Path(args.model_dir).name,  # no machine paths in results
-           "architecture": m.architecture, "ffn_bytes": ffn, "threads": args.threads, "io_threads": args.io_threads,
+           "architecture": m.architecture, "ffn_bytes": ffn, "threads": args.threads,
+           "io_threads": next((r["io_threads"] for r in results if "io_threads" in r), args.n_io_threads),
            "hot_fraction": args.hot_fraction, "tokens": args.tokens, "repeats": args.repeats,
            "date": time.strftime("%Y-%m-%d"), "results": results, "quality": qual}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    benchkit.emit(doc, args.out)
     if args.plot:
         plot(doc, args.plot)
     return 0

@@ -26,12 +26,12 @@ to dense mode's reads at the same cache (a fixed prefix of the scan cached).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+import benchkit
 
 POLICIES = ("lru", "frequency", "reuse", "belady")
 
@@ -145,8 +145,10 @@ def _fit_reuse(needs: list[np.ndarray], n_parts: int) -> np.ndarray:
     return np.linalg.lstsq(np.concatenate(X), np.concatenate(y), rcond=None)[0]
 
 
-def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_ratio: float, granularity: str):
-    """(needs per token, bytes per part id, MB per token needed) from a leanstream decode."""
+def record(model_dir: str, text: str, n_tokens: int, sparsity: float | None, candidate_ratio: float | None,
+           granularity: str):
+    """(needs per token, bytes per part id, offset per part id, file per part id, the selection's
+    {"sparsity", "candidate_ratio"}) from a leanstream decode (None: the engine's default)."""
     import gguf
 
     from leanstream_ggml import Llama, manifest
@@ -194,29 +196,28 @@ def record(model_dir: str, text: str, n_tokens: int, sparsity: float, candidate_
                 if granularity == "parts":
                     per.append(offs[il] + info["n_blocks"] + e.last_plan(il))
             needs.append(np.unique(np.concatenate(per)).astype(np.int64))
+        selection = {"sparsity": round(llm.sparsity, 6), "candidate_ratio": round(e.candidate_ratio, 6)}
     finally:
         llm.close()
-    return needs, size, offset, file_of
+    return needs, size, offset, file_of, selection
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model_dir")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--sparsity", type=float, default=0.5)
-    ap.add_argument("--candidate-ratio", type=float, default=1.5)
+    # the bridge: the engine measures c*B at start (22-30 KiB on the disk the project measured on)
+    benchkit.flags(ap, "sparsity", "candidate_ratio", "bridge_bytes", defaults={"bridge_bytes": 24 << 10})
     ap.add_argument("--cache-mb", type=float, nargs="+", default=[200, 265, 450])
     ap.add_argument("--granularity", choices=("parts", "blocks"), default="parts")
-    ap.add_argument("--bridge-bytes", type=int, default=24 << 10,
-                    help="the read rule's longest bridged gap (the engine measures c*B at start: 22-30 KiB on the "
-                         "disk the project measured on)")
     ap.add_argument("--text", default=None, help="held-out text (default: the bench's bundled text)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from leanstream_tools.bench import DEFAULT_TEXT
 
     text = Path(a.text or DEFAULT_TEXT).read_text(encoding="utf-8")
-    needs, size, offset, file_of = record(a.model_dir, text, a.tokens, a.sparsity, a.candidate_ratio, a.granularity)
+    needs, size, offset, file_of, selection = record(a.model_dir, text, a.tokens, a.sparsity, a.candidate_ratio,
+                                                     a.granularity)
     n_calib = len(needs) // 2
     need_mb = float(np.mean([size[n].sum() for n in needs[n_calib:]])) / 1e6
     disk = (offset, file_of, float(a.bridge_bytes))
@@ -234,14 +235,9 @@ def main() -> int:
                      **{f"{p}_disk_mb_per_token": round(v[1] / 1e6, 1) for p, v in got.items()},
                      **{f"{p}_reads_per_token": int(v[2]) for p, v in got.items()},
                      "dense_disk_mb_per_token": round(d_bytes / 1e6, 1), "dense_reads_per_token": d_reads})
-    out = {"model": a.model_dir, "tokens": len(needs), "scored_tokens": len(needs) - n_calib, "sparsity": a.sparsity,
-           "candidate_ratio": a.candidate_ratio, "granularity": a.granularity, "needed_mb_per_token": round(need_mb, 2),
-           "rows": rows}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    out = {"model": a.model_dir, "tokens": len(needs), "scored_tokens": len(needs) - n_calib, **selection,
+           "granularity": a.granularity, "needed_mb_per_token": round(need_mb, 2), "rows": rows}
+    return benchkit.emit(out, a.out)
 
 
 if __name__ == "__main__":

@@ -27,13 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import benchkit  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
     ap.add_argument("gguf", help="the source GGUF (stock llama-cpp-python runs it)")
     ap.add_argument("--modes", default="dense,leanstream", help="plugin modes, comma-separated")
-    ap.add_argument("--sparsity", type=float, default=0.5)
+    benchkit.flags(ap, "sparsity")   # (default: the engine's)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=512, help="prefill length (tokens)")
     ap.add_argument("--gen", type=int, default=32, help="decoded tokens per round")
@@ -47,14 +49,15 @@ def main(argv=None) -> int:
     man = mf.load(args.model_dir)
     systems = [("stock", args.gguf, {"system": "stock"})]
     for m in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        extra = {"sparsity": args.sparsity} if modes.is_sparse(m) else None
+        extra = {"sparsity": args.sparsity} if modes.is_sparse(m) and args.sparsity is not None else None
         if modes.is_sparse(m):
             try:
                 man.mode_files(args.model_dir, modes.uses(m), m)
             except ValueError as e:
                 print(json.dumps({"skipped": m, "why": str(e)}), flush=True)
                 continue
-        systems.append((f"{m} s={args.sparsity}" if modes.is_sparse(m) else m, args.model_dir, {"mode": m, "extra": extra}))
+        name = f"{m} s={args.sparsity:g}" if extra else m
+        systems.append((name, args.model_dir, {"mode": m, "extra": extra}))
 
     out = open(args.out, "a") if args.out else None
     rows: dict[str, list[dict]] = {name: [] for name, _, _ in systems}

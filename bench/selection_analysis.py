@@ -20,23 +20,18 @@ picked, against two baselines: the previous token's candidates of the same layer
 (random_recall = n_cand / n_ff).
 
     python bench/selection_analysis.py model.lsm source.gguf [--tokens 384] [--sparsity 0.3]
-        [--ratio 1.2] [--domain code=path ...] [--out bench/results/x.jsonl]
+        [--candidate-ratio 1.2] [--domain code=path ...] [--out bench/results/x.jsonl]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from leanstream_tools.texts import HELDOUT  # noqa: E402
+import benchkit
+from leanstream_tools.texts import HELDOUT
 
 
 def domain_tokens(vocab_llm, path, n_tokens: int) -> list[int]:
@@ -112,12 +107,11 @@ def ahead_recall(sk_ahead: np.ndarray, sk: np.ndarray, keep: np.ndarray, n_cand:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model")
     ap.add_argument("source")
     ap.add_argument("--tokens", type=int, default=384, help="tokens per domain")
-    ap.add_argument("--sparsity", type=float, default=0.3)
-    ap.add_argument("--ratio", type=float, default=1.2)
+    benchkit.flags(ap, "sparsity", "candidate_ratio", defaults={"sparsity": 0.3, "candidate_ratio": 1.2})
     ap.add_argument("--domain", action="append", default=[], metavar="NAME=PATH",
                     help="domains to analyse (default: the held-out prose, code and chat)")
     ap.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -138,13 +132,7 @@ def main() -> int:
     voc.close()
     cap = capture(a.source, toks, a.threads)
     act = lambda z: act_fn(z, m.activation)   # noqa: E731
-    sink = open(a.out, "a") if a.out else None
-
-    def emit(row):
-        line = json.dumps(row)
-        print(line, flush=True)
-        if sink:
-            sink.write(line + "\n")
+    emit = benchkit.Lines(a.out)
 
     per_token = {k: [] for k in domains}
     prev_x = {}   # domain -> layer n-1's input
@@ -156,7 +144,7 @@ def main() -> int:
         n = len(perm)
         if lw.k != 1:
             raise SystemExit("selection_analysis: one neuron per block only (convert with --k 1)")
-        n_keep, n_cand = kept_blocks(n, a.sparsity), candidate_blocks(n, a.sparsity, a.ratio)
+        n_keep, n_cand = kept_blocks(n, a.sparsity), candidate_blocks(n, a.sparsity, a.candidate_ratio)
         for name in domains:
             x, act_a = cap[name][il]
             af = act_a[:, perm]                              # file order, like the sketch rows
@@ -179,9 +167,8 @@ def main() -> int:
         worst = np.sort(tot)[::-1][: max(1, len(tot) // 10)]
         emit({"domain": name, "err_cascade_mean": float(tot.mean() / m.n_layer),
               "worst10_share": float(worst.sum() / tot.sum()),
-              "sparsity": a.sparsity, "ratio": a.ratio})
-    if sink:
-        sink.close()
+              "sparsity": a.sparsity, "ratio": a.candidate_ratio})
+    emit.close()
     return 0
 
 

@@ -18,7 +18,6 @@ kills, and whether the server was still up at the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -31,6 +30,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+import benchkit
 
 PARAGRAPH = ("The committee reviewed the proposal in detail and asked the authors to explain how the "
              "measurements were taken, which baselines were used, and whether the results hold on other "
@@ -242,7 +243,7 @@ def run(model_dir: str, *, clients: int = 4, minutes: float = 2.0, memory_limit:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model_dir")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=2.0)
@@ -253,13 +254,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
-    r = run(a.model_dir, clients=a.clients, minutes=a.minutes, memory_limit=a.memory_limit,
-            memory_budget=a.memory_budget, n_ctx=a.n_ctx, seed=a.seed)
-    text = json.dumps(r, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-    return 0
+    return benchkit.emit(run(a.model_dir, clients=a.clients, minutes=a.minutes, memory_limit=a.memory_limit,
+                             memory_budget=a.memory_budget, n_ctx=a.n_ctx, seed=a.seed), a.out)
 
 
 if __name__ == "__main__":

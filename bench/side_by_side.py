@@ -51,12 +51,10 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from leanstream_tools import cgroup, measure  # noqa: E402
-from leanstream_tools.compare import (  # noqa: E402
+import benchkit
+from benchkit import REPO
+from leanstream_tools import cgroup, measure
+from leanstream_tools.compare import (
     STOCK, add_greedy_match, bench_run, cgroup_doc, check_setups, child_env, choose_reserve, is_stock, log,
     measure_perplexities, model_doc, parse_systems, prepare_models, stock_files, stock_quant, workspace)
 
@@ -199,9 +197,7 @@ def plot(doc: dict, path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from leanstream_ggml import options
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="GGUF path or model recipe name")
     ap.add_argument("--model-dir", default=None, help="converted model directory (default: converted on first use)")
     ap.add_argument("--systems", default="stock,dense", help="comma list: stock and/or LeanStream modes")
@@ -219,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="take the perplexities from an earlier run's JSON instead of measuring them again")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window (n_ctx; second half scored)")
     ap.add_argument("--ppl-chunks", type=int, default=None, help="perplexity windows (default: every one of the text)")
-    options.add_flags(ap, options.SCRIPT, names=("sparsity",))
+    benchkit.flags(ap, "sparsity")
     ap.add_argument("--reserve", default=None,
                     help="memory a LeanStream run keeps outside its weight budget (default: measured, see above)")
     ap.add_argument("--timeout", type=float, default=900, help="wall-clock cap per run (s); past it: 'timeout'")

@@ -10,13 +10,12 @@ perplexity ratio, top-1 agreement, mean KL, and from the engine's counters the f
 mode's FFN bytes a token computes with (gate/up of every candidate + down of the kept blocks),
 the sketch's resident MB and the scorer's time per layer and token.
 
-    python bench/sparse_quality.py model.lsm source.gguf --sparsity 0.3 0.5 --ratio 1.25 1.5 \
+    python bench/sparse_quality.py model.lsm source.gguf --sparsity 0.3 0.5 --candidate-ratio 1.25 1.5 \
         [--mode leanstream] [--ctx 512 --chunks 2] [--out bench/results/x.jsonl]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from leanstream_tools.bench import DEFAULT_TEXT  # noqa: E402
-from leanstream_tools.measure import machine_info  # noqa: E402
-from leanstream_ggml import modes  # noqa: E402
-from leanstream_ggml.scoring import log_softmax, scored_range, window_logits, windows  # noqa: E402
-from leanstream_ggml.texts import text_tokens  # noqa: E402
+import benchkit
+from leanstream_ggml import modes
+from leanstream_ggml.scoring import log_softmax, scored_range, window_logits, windows
+from leanstream_ggml.texts import text_tokens
+from leanstream_tools.bench import DEFAULT_TEXT
+from leanstream_tools.measure import machine_info
 
 
 def reference_windows(gguf: str, text_path, n_ctx: int, chunks: int, n_threads: int):
@@ -78,13 +76,12 @@ def score(llm, refs, n_ctx: int, totals: dict) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__)
     ap.add_argument("model")
     ap.add_argument("reference")
-    ap.add_argument("--mode", nargs="+", default=["leanstream"])
-    ap.add_argument("--sparsity", type=float, nargs="+", default=[0.5])
-    ap.add_argument("--ratio", type=float, nargs="+", default=[1.5])
-    ap.add_argument("--memory-budget", default=None, help="FFN budget (default: all; quality only)")
+    # (sparsity, candidate ratio: the engine's defaults unless given; the budget: all, quality only)
+    benchkit.flags(ap, "mode", "sparsity", "candidate_ratio", "memory_budget",
+                   sweep=("mode", "sparsity", "candidate_ratio"), defaults={"mode": [modes.QUALITY]})
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
     ap.add_argument("--text", default=str(DEFAULT_TEXT), help="held-out text, or .jsonl chats (leanstream_ggml/texts.py)")
@@ -98,14 +95,15 @@ def main() -> int:
     dense_bytes = sum(e.n_blocks * e.block_payload for e in m.layers)   # per token, dense mode
     n_blocks = sum(e.n_blocks for e in m.layers)
     refs = reference_windows(a.reference, a.text, a.ctx, a.chunks, a.threads)
-    sink = open(a.out, "a") if a.out else None
+    emit = benchkit.Lines(a.out)
     for mode in a.mode:
-        for s in a.sparsity:
-            for ratio in (a.ratio if modes.is_cascade(mode) and m.sketch else [None]):
+        cascade = bool(modes.is_cascade(mode) and m.sketch)
+        for s in a.sparsity or [None]:
+            for ratio in (a.candidate_ratio or [None]) if cascade else [None]:
                 kw = dict(mode=mode, n_ctx=a.ctx, n_batch=a.ctx, n_threads=a.threads, logits_all=True, verbose=False)
                 if modes.is_sparse(mode):
                     kw["sparsity"] = s
-                if ratio is not None:
+                if cascade:
                     kw["candidate_ratio"] = ratio
                 if a.memory_budget:
                     kw["memory_budget"] = a.memory_budget
@@ -116,12 +114,14 @@ def main() -> int:
                 dec_tokens = max(1, st["tokens"])
                 resident = llm.stats()["resident_bytes"]
                 row.update({
-                    "model": Path(a.model).name, "text": Path(a.text).name, "mode": mode, "sparsity": s if modes.is_sparse(mode) else 0.0,
-                    "candidate_ratio": ratio, "memory_budget": a.memory_budget,
+                    "model": Path(a.model).name, "text": Path(a.text).name, "mode": mode,
+                    "sparsity": round(llm.sparsity, 6) if modes.is_sparse(mode) else 0.0,
+                    "candidate_ratio": round(llm.engine.candidate_ratio, 6) if cascade else None,
+                    "memory_budget": a.memory_budget,
                     "bytes_read_fraction": st["bytes_read"] / dec_tokens / dense_bytes,
                     "method": ("resident layers: exact h of every block->down"
-                               if ratio is not None and st["blocks_candidates"] >= n_blocks * dec_tokens else
-                               "sketch->candidates->exact h->down" if ratio is not None else
+                               if cascade and st["blocks_candidates"] >= n_blocks * dec_tokens else
+                               "sketch->candidates->exact h->down" if cascade else
                                "layer-ahead predictor" if modes.is_sparse(mode) else "dense"),
                     "bytes_fraction": st["bytes_computed"] / dec_tokens / dense_bytes,
                     "resident_MB": resident / 1e6,
@@ -133,13 +133,8 @@ def main() -> int:
                     "load1": os.getloadavg()[0],
                 })
                 llm.close()
-                line = json.dumps(row)
-                print(line, flush=True)
-                if sink:
-                    sink.write(line + "\n")
-                    sink.flush()
-    if sink:
-        sink.close()
+                emit(row)
+    emit.close()
     print(json.dumps({"machine": machine_info()}), flush=True)
     return 0
 

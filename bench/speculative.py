@@ -28,16 +28,13 @@ between its token and the other (a near-tie is a margin below ~0.5).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import benchkit
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "speculative-prompts.json"
 REF = "off:fa"   # plain decoding with the attention speculative decoding uses: the answers to match
@@ -152,19 +149,15 @@ def child_passes(a: dict) -> dict:
 
 
 def run(a: dict, timeout_s: float = 3600) -> dict:
-    from leanstream_ggml import params
-    from leanstream_tools import cgroup, measure
+    from leanstream_tools import measure
 
     files = measure.model_files(a["model"]) + [Path(p) for p in a["gguf"].values()]
     measure.drop_page_cache(files)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(a)]
-    limit = None if a["regime"] == "ram" else params.size_bytes(a["regime"], "regime")
-    r = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=timeout_s, account=True)
+    out, r = benchkit.run_child(__file__, a, limit_bytes=benchkit.regime_limit(a["regime"]), timeout_s=timeout_s,
+                                account=True)
     peak = r.cgroup.get("max_usage_bytes")
-    if r.status != "ok":
-        tail = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
-        return {"error": f"{r.status}: {tail}", "peak_bytes": peak, "wall_s": r.wall_s}
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if "error" in out:
+        return {**out, "peak_bytes": peak, "wall_s": r.wall_s}
     out.update(peak_bytes=peak, wall_s=r.wall_s, oom_kill=r.cgroup.get("oom_kill", 0))
     return out
 
@@ -253,9 +246,8 @@ def summarize(doc: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchkit.parser(__doc__, child=True)
     ap.add_argument("model", nargs="?")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--gguf", default=None, help="the source GGUF (stock configs)")
     ap.add_argument("--regimes", default="1000MB,ram")
     ap.add_argument("--configs", default="off,auto,self,ngram")
@@ -269,9 +261,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.child:
-        a = json.loads(args.child)
-        print(json.dumps(child_passes(a) if a.get("passes") else child(a)))
-        return 0
+        return benchkit.answer_child(args.child, lambda a: child_passes(a) if a.get("passes") else child(a))
     data = json.loads(PROMPTS.read_text())
     prompts = [(d, t) for d in args.domains.split(",") for t in data[d][:args.prompts]]
     configs = args.configs.split(",")
@@ -304,11 +294,7 @@ def main(argv=None) -> int:
                 print(json.dumps(brief), file=sys.stderr, flush=True)
                 doc["runs"].append(r)
     if args.passes:
-        text = json.dumps(doc, indent=1)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
-        return 0
+        return benchkit.emit(doc, args.out)
     # divergences from plain dense decoding (same regime, same prompt), and their margins
     for r in doc["runs"]:
         if "error" in r or r["config"] in ("off", REF) or not parse_config(r["config"])["system"] == "plugin":
@@ -327,11 +313,7 @@ def main(argv=None) -> int:
         for p in r.get("prompts", []):
             p.pop("prompt_tokens", None)
     doc["summary"] = summarize(doc)
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0
+    return benchkit.emit(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -226,25 +226,39 @@ def _text(o: Option, help: str, style: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, command: str,
-              names: tuple[str, ...] | None = None) -> None:
+              names: tuple[str, ...] | None = None, *, sweep: tuple[str, ...] = (),
+              defaults: dict | None = None) -> None:
     """The flags of ``command``'s options (only ``names`` of them, if given), each with default
-    None unless the command's variant has one, so that ``given`` sees what the user set."""
+    None unless the command's variant has one, so that ``given`` sees what the user set.
+    ``sweep``: the options whose flag takes one or more values (a list: a bench script that runs
+    each); ``defaults``: the caller's own defaults where it has them (a bench script's setting,
+    shown in the help), over the variant's."""
     options = for_command(command)
+    defaults = defaults or {}
     if names is not None:
         missing = set(names) - {o.name for o in options}
         if missing:
             raise ValueError(f"{command} takes no option {', '.join(sorted(missing))}")
         options = [o for o in options if o.name in names]
+    unknown = (set(sweep) | set(defaults)) - {o.name for o in options}
+    if unknown:
+        raise ValueError(f"sweep or defaults name options not added here: {', '.join(sorted(unknown))}")
     for o in options:
         v = o.variants.get(command, Variant())
+        default = defaults.get(o.name, v.default)
         help = _text(o, o.help if v.help is None else v.help, "flag")
-        if v.default is not None:
-            help += f" (default: {v.default})"
-        kw = dict(dest=o.name, default=v.default, help=help.replace("%", "%%"))
+        if default is not None:
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            help += f" (default{' here' if o.name in defaults else ''}: {shown})"
+        if o.name in sweep:
+            help += " (one or more values: each is run)"
+        kw = dict(dest=o.name, default=default, help=help.replace("%", "%%"))
         if o.type is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = o.parse
+            if o.name in sweep:
+                kw["nargs"] = "+"
         parser.add_argument(o.flag, **kw)
 
 

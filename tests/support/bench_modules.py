@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:   # the scripts import their shared helper (bench/benchkit.py) by name
+    sys.path.insert(0, str(BENCH))
 
 
 def load(name: str):

@@ -126,6 +126,24 @@ def test_add_flags_can_take_a_subset_into_a_group():
         options.add_flags(argparse.ArgumentParser(), "tune", names=("controller",))
 
 
+def test_a_script_sweeps_an_option_with_its_own_defaults():
+    """A bench script's flags (the "script" command): a sweep takes one or more values, each parsed
+    as the option's type; a script's own default shows in the help and counts as given."""
+    p = argparse.ArgumentParser(exit_on_error=False, formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400))
+    options.add_flags(p, options.SCRIPT, names=("mode", "sparsity", "memory_budget"), sweep=("mode", "sparsity"),
+                      defaults={"sparsity": [0.3, 0.5]})
+    a = p.parse_args(["--mode", "dense", "leanstream", "--memory-budget", "1GB"])
+    assert a.mode == ["dense", "leanstream"] and a.sparsity == [0.3, 0.5] and a.memory_budget == "1GB"
+    assert p.parse_args(["--sparsity", "0.7"]).sparsity == [0.7]
+    assert p.parse_args([]).mode is None
+    text = p.format_help()
+    assert "(default here: 0.3 0.5) (one or more values: each is run)" in text
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        p.parse_args(["--sparsity", "lots"])
+    with pytest.raises(ValueError, match="not added here: candidate_ratio"):
+        options.add_flags(argparse.ArgumentParser(), options.SCRIPT, names=("sparsity",), sweep=("candidate_ratio",))
+
+
 def test_help_shows_the_spec_and_its_variants():
     p = argparse.ArgumentParser(prog="chat", formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400))
     options.add_flags(p, "chat")
@@ -237,6 +255,8 @@ def _python_files(*roots: str):
 
 
 def test_no_front_end_declares_an_option_flag_itself():
+    """Front ends and bench/ scripts take engine options from the table (options.add_flags;
+    bench/benchkit.py's flags), never by an add_argument of their own."""
     flags = {o.flag for o in options.OPTIONS}
     found = []
     for path in _python_files(*FRONT_ENDS, "bench"):
@@ -244,7 +264,7 @@ def test_no_front_end_declares_an_option_flag_itself():
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and node.func.attr == "add_argument"):
                 strings = {a.value for a in node.args if isinstance(a, ast.Constant)}
-                if strings & ({"--memory-limit"} if path.parts[-2] == "bench" else flags):
+                if strings & flags:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, f"flags of options.py declared again: {found}"
 
