@@ -156,12 +156,6 @@ static inline __m128i q4_K_scales_simd(const uint8_t * p) {
     return _mm_or_si128(lo, hi);
 }
 
-static inline int32_t q4_K_min_sum(const uint8_t * mins, const int32_t * bs) {
-    int32_t s = 0;
-    for (int j = 0; j < 8; j++) s += (int32_t) mins[j] * bs[j];
-    return s;
-}
-
 static inline float hsum128(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -256,20 +250,23 @@ static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const vo
     dot2_q4_K_avx2_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
 }
 
-// nr rows in groups of LS_GU_ROWS, the rest in one smaller group; the prefetch stream with the first
+// nr rows in as few passes over the weights as groups of LS_GU_ROWS allow, the groups as even as
+// they can be (5 rows: 3 + 2, not 4 + 1: a pass of one row is slower per row); the prefetch
+// stream with the first
 #define LS_GU_ROWS_DISPATCH(body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines) do {                     \
-        int t_ = 0;                                                                                         \
-        for (; t_ + LS_GU_ROWS <= (nr); t_ += LS_GU_ROWS)                                                   \
-            body(LS_GU_ROWS, n, a, b, (const uint8_t *) (x) + (size_t) t_ * (x_stride), x_stride, (ra) + t_, \
-                 (rb) + t_, t_ == 0 ? (pf) : NULL, t_ == 0 ? (pf_lines) : 0);                               \
-        const uint8_t * xt_ = (const uint8_t *) (x) + (size_t) t_ * (x_stride);                             \
-        const uint8_t * pt_ = t_ == 0 ? (pf) : NULL;                                                        \
-        const int lt_ = t_ == 0 ? (pf_lines) : 0;                                                          \
-        switch ((nr) - t_) {                                                                                \
-        case 3: body(3, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                     \
-        case 2: body(2, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                     \
-        case 1: body(1, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                     \
-        default: break;                                                                                     \
+        for (int t_ = 0; t_ < (nr); ) {                                                                     \
+            const int left_ = (nr) - t_, passes_ = (left_ + LS_GU_ROWS - 1) / LS_GU_ROWS;                  \
+            const int g_ = (left_ + passes_ - 1) / passes_;                                                 \
+            const uint8_t * xt_ = (const uint8_t *) (x) + (size_t) t_ * (x_stride);                         \
+            const uint8_t * pt_ = t_ == 0 ? (pf) : NULL;                                                    \
+            const int lt_ = t_ == 0 ? (pf_lines) : 0;                                                      \
+            switch (g_) {                                                                                   \
+            case 4: body(4, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                 \
+            case 3: body(3, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                 \
+            case 2: body(2, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                 \
+            default: body(1, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                \
+            }                                                                                               \
+            t_ += g_;                                                                                       \
         }                                                                                                   \
     } while (0)
 
@@ -411,6 +408,17 @@ void ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, s
     for (; t0 < nt; t0++) dot2_q4_K_avx2(n, a, b, (const uint8_t *) x + (size_t) t0 * x_stride, ra + t0, rb + t0, NULL, 0);
 }
 
+// _mm512_shuffle_epi8 masks for the 512-bit kernel: PAIR_BCAST[c + s] (c = 0, 2; s = 0, 1) broadcasts
+// word 2c + s of each 128-bit lane to the low 256 bits and word 2c + 2 + s to the high 256 bits
+static const uint8_t PAIR_BCAST[4][64] __attribute__((aligned(64))) = {
+#define LS_W8(w) 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, \
+                 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1
+#define LS_P(lo, hi) { LS_W8(lo), LS_W8(lo), LS_W8(hi), LS_W8(hi) }
+    LS_P(0, 2), LS_P(1, 3), LS_P(4, 6), LS_P(5, 7)
+#undef LS_P
+#undef LS_W8
+};
+
 // 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half); R token
 // rows at once as dot2_q4_K_avx2_body does, with this kernel's own lanes (16 float lanes, the min
 // sum in one scalar, its fused add written out: the compilers contracted it, now none may differ)
@@ -428,11 +436,10 @@ void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void *
         min_a[r] = min_b[r] = 0.0f;
     }
     for (int64_t i = 0; i < n / 256; i++) {
-        uint32_t ua[4], ub[4];
         for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        q4_K_scales(a[i].scales, ua);
-        q4_K_scales(b[i].scales, ub);
-        const uint8_t * sa = (const uint8_t *) ua, * sb = (const uint8_t *) ub;
+        // the 8 scales as int16 in every 128-bit lane, broadcast per sub-block by shuffles
+        const __m128i ua = q4_K_scales_simd(a[i].scales), ub = q4_K_scales_simd(b[i].scales);
+        const __m512i sca = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(ua)), scb = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(ub));
         __m512i ia[LS_GU_ROWS], ib[LS_GU_ROWS];
         for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c += 2) {
@@ -441,10 +448,9 @@ void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void *
             const __m512i qb = _mm512_loadu_si512((const void *) (b[i].qs + 32 * c));
             const __m512i la = _mm512_and_si512(qa, m4), ha = _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4);
             const __m512i lb = _mm512_and_si512(qb, m4), hb = _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4);
-            const __m512i sa0 = _mm512_inserti64x4(_mm512_set1_epi16(sa[2 * c]), _mm256_set1_epi16(sa[2 * c + 2]), 1);
-            const __m512i sa1 = _mm512_inserti64x4(_mm512_set1_epi16(sa[2 * c + 1]), _mm256_set1_epi16(sa[2 * c + 3]), 1);
-            const __m512i sb0 = _mm512_inserti64x4(_mm512_set1_epi16(sb[2 * c]), _mm256_set1_epi16(sb[2 * c + 2]), 1);
-            const __m512i sb1 = _mm512_inserti64x4(_mm512_set1_epi16(sb[2 * c + 1]), _mm256_set1_epi16(sb[2 * c + 3]), 1);
+            const __m512i w0 = _mm512_load_si512((const void *) PAIR_BCAST[c]), w1 = _mm512_load_si512((const void *) PAIR_BCAST[c + 1]);
+            const __m512i sa0 = _mm512_shuffle_epi8(sca, w0), sa1 = _mm512_shuffle_epi8(sca, w1);   // scales 2c | 2c+2, 2c+1 | 2c+3
+            const __m512i sb0 = _mm512_shuffle_epi8(scb, w0), sb1 = _mm512_shuffle_epi8(scb, w1);
             for (int r = 0; r < R; r++) {
                 const int8_t * q = x[r][i].qs + 64 * c;
                 const __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) q)),
@@ -461,14 +467,19 @@ void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void *
         }
         const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
         const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
+        // the min sums sum_s min_s * bsum_s of a and b as exact integers: one madd per row
+        const __m256i minab = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(ua, ub));
         for (int r = 0; r < R; r++) {
-            int32_t bs[8];
-            for (int j = 0; j < 8; j++) bs[j] = (int32_t) x[r][i].bsums[2 * j] + x[r][i].bsums[2 * j + 1];
+            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[r][i].bsums),
+                                               _mm_loadu_si128((const __m128i *) (x[r][i].bsums + 8)));
+            const __m256i mm = _mm256_madd_epi16(minab, _mm256_broadcastsi128_si256(bsp));   // a: 4 lanes | b: 4
+            __m128i ms = _mm_hadd_epi32(_mm256_castsi256_si128(mm), _mm256_extracti128_si256(mm, 1));
+            ms = _mm_hadd_epi32(ms, ms);                                                      // a, b, a, b
             const float dx = x[r][i].d;
             acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx * da), _mm512_cvtepi32_ps(ia[r]), acc_a[r]);
             acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx * db), _mm512_cvtepi32_ps(ib[r]), acc_b[r]);
-            min_a[r] = fmaf(dx * ma, (float) q4_K_min_sum(sa + 8, bs), min_a[r]);
-            min_b[r] = fmaf(dx * mb, (float) q4_K_min_sum(sb + 8, bs), min_b[r]);
+            min_a[r] = fmaf(dx * ma, (float) _mm_cvtsi128_si32(ms), min_a[r]);
+            min_b[r] = fmaf(dx * mb, (float) _mm_extract_epi32(ms, 1), min_b[r]);
         }
     }
     for (int r = 0; r < R; r++) {
@@ -663,24 +674,42 @@ void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * c
 // fma(f_j, q_j[o], acc[o]) for the columns j in order, with f_j = h_j * d_j (Q8_0) or
 // (h_j * d_j) * scale (Q6_K, per 16 values), whatever the ISA or the columns per pass. The rows
 // kernels keep exactly that per value and row: a group of 8 columns' 32 values of one step is
-// unpacked to f32 once for all rows (qf), each row's factors are the same products, and every
-// row's 32 outputs take the fused adds in column order: each row equals the one-row kernel on
-// that row alone, bit for bit, on either ISA. h is [m][T] (as the op stages it), acc [T][n].
+// unpacked to f32 once for all rows, each row's factors are the same products, and every row's 32
+// outputs take the fused adds in column order: each row equals the one-row kernel on that row
+// alone, bit for bit, on either ISA. h is [m][T] (as the op stages it), acc [T][n].
+//
+// A group short of 8 columns (the end of a list) is filled with columns of zeros whose factors are
+// -0: fma(-0, 0, v) is v for every v (-0 included), so they change no bit, and every step adds 8.
 
 #define LS_ROWS_CHUNK 64   // rows whose factors one pass over a column group keeps (f below)
 
 typedef float rows_factors[2][8];   // a row's factors: [values 0..15 | 16..31 of the step][column]
-typedef void (*rows_apply_fn)(float *, int64_t, int64_t, const float (*)[32], const rows_factors *, int);
 
-// acc[t][0, 32) += sum_{j < mj} f[t][.][j] * qf[j] for t < T (acc rows n apart): two rows per
-// pass, so each staged value is loaded once for both
-static void rows_apply_avx2(float * restrict acc, int64_t n, int64_t T, const float (*qf)[32], const rows_factors * f, int mj) {
+// hT[t][j] = h[j0 + j][t] for t in [t0, t0 + Tc), j < 8 (-0 past the list's mj columns)
+static inline void rows_h(float (*hT)[8], const float * h, int j0, int mj, int64_t t0, int64_t Tc, int64_t T) {
+    for (int64_t t = 0; t < Tc; t++)
+        for (int j = 0; j < 8; j++) hT[t][j] = j < mj ? h[(size_t) (j0 + j) * (size_t) T + (size_t) (t0 + t)] : -0.0f;
+}
+
+// f[t][0][j] = hd[t][j] * s0[j], f[t][1][j] = hd[t][j] * s1[j] for t < Tc (Q8_0: s0 = s1 = d, hd = h)
+static inline void rows_factors_of(rows_factors * f, const float (*hd)[8], const float * s0, const float * s1, int64_t Tc) {
+    const __m256 a = _mm256_loadu_ps(s0), b = _mm256_loadu_ps(s1);
+    for (int64_t t = 0; t < Tc; t++) {
+        const __m256 v = _mm256_loadu_ps(hd[t]);
+        _mm256_store_ps(f[t][0], _mm256_mul_ps(v, a));
+        _mm256_store_ps(f[t][1], _mm256_mul_ps(v, b));
+    }
+}
+
+// acc[t][0, 32) += sum_j f[t][.][j] * qf[j] for t < T (acc rows n apart), the 8 columns in order:
+// two rows per pass, so each staged value is loaded once for both
+static void rows_step_avx2(float * restrict acc, int64_t n, int64_t T, const float (*qf)[32], const rows_factors * f) {
     int64_t t = 0;
     for (; t + 2 <= T; t += 2) {
         float * a = acc + (size_t) t * (size_t) n, * b = a + n;
         __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8), v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
         __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8), w2 = _mm256_loadu_ps(b + 16), w3 = _mm256_loadu_ps(b + 24);
-        for (int j = 0; j < mj; j++) {
+        for (int j = 0; j < 8; j++) {
             const __m256 fa0 = _mm256_broadcast_ss(&f[t][0][j]), fa1 = _mm256_broadcast_ss(&f[t][1][j]);
             const __m256 fb0 = _mm256_broadcast_ss(&f[t + 1][0][j]), fb1 = _mm256_broadcast_ss(&f[t + 1][1][j]);
             __m256 q = _mm256_load_ps(qf[j]);
@@ -698,7 +727,7 @@ static void rows_apply_avx2(float * restrict acc, int64_t n, int64_t T, const fl
     if (t == T) return;
     float * a = acc + (size_t) t * (size_t) n;
     __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8), v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
-    for (int j = 0; j < mj; j++) {
+    for (int j = 0; j < 8; j++) {
         const __m256 f0 = _mm256_broadcast_ss(&f[t][0][j]), f1 = _mm256_broadcast_ss(&f[t][1][j]);
         v0 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j]), v0);
         v1 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j] + 8), v1);
@@ -708,116 +737,154 @@ static void rows_apply_avx2(float * restrict acc, int64_t n, int64_t T, const fl
     _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1); _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
 }
 
-// the same, 16 lanes wide: a full group's 8 x 32 staged values stay in 16 registers for every row
-// (the factors broadcast from memory into the fused adds)
-__attribute__((target("avx512f")))
-static void rows_apply_avx512(float * restrict acc, int64_t n, int64_t T, const float (*qf)[32], const rows_factors * f, int mj) {
-    if (mj == 8) {
-        __m512 q[8][2];
-        for (int j = 0; j < 8; j++) { q[j][0] = _mm512_load_ps(qf[j]); q[j][1] = _mm512_load_ps(qf[j] + 16); }
-        for (int64_t t = 0; t < T; t++) {
-            float * a = acc + (size_t) t * (size_t) n;
-            __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
-            for (int j = 0; j < 8; j++) {
-                v0 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][0][j]), q[j][0], v0);
-                v1 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][1][j]), q[j][1], v1);
-            }
-            _mm512_storeu_ps(a, v0); _mm512_storeu_ps(a + 16, v1);
-        }
-        return;
-    }
-    for (int64_t t = 0; t < T; t++) {   // the last columns of a list, fewer than 8
+// the same, 16 lanes wide, with the group's 8 x 32 values in 16 registers for every row (the
+// factors broadcast from memory into the fused adds)
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline))
+void rows_step_avx512(float * restrict acc, int64_t n, int64_t T, const __m512 q[8][2], const rows_factors * f) {
+    for (int64_t t = 0; t < T; t++) {
         float * a = acc + (size_t) t * (size_t) n;
         __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
-        for (int j = 0; j < mj; j++) {
-            v0 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][0][j]), _mm512_load_ps(qf[j]), v0);
-            v1 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][1][j]), _mm512_load_ps(qf[j] + 16), v1);
+        for (int j = 0; j < 8; j++) {
+            v0 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][0][j]), q[j][0], v0);
+            v1 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][1][j]), q[j][1], v1);
         }
         _mm512_storeu_ps(a, v0); _mm512_storeu_ps(a + 16, v1);
     }
 }
 
-// hT[t][j] = h[j0 + j][t] for t in [t0, t0 + Tc), j < mj: a group's h values row by row
-static inline void rows_h(float (*hT)[8], const float * h, int j0, int mj, int64_t t0, int64_t Tc, int64_t T) {
-    for (int64_t t = 0; t < Tc; t++)
-        for (int j = 0; j < mj; j++) hT[t][j] = h[(size_t) (j0 + j) * (size_t) T + (size_t) (t0 + t)];
+// One step of a rows kernel, per ISA: the group's 32 values of step b (Q8_0: block b; Q6_K: values
+// 32 b .. + 31 of the columns' super-blocks, b = 8 super-block + 4 half + seg) unpacked for the
+// mj columns of cols (the others zeros), then added to every row with its factors f.
+typedef void (*rows_step_fn)(float *, int64_t, int64_t, const void * const *, int, int64_t, const rows_factors *);
+
+static void q8_0_step_avx2(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
+    float qf[8][32] __attribute__((aligned(64)));
+    for (int j = 0; j < 8; j++) {
+        const int8_t * qs = j < mj ? ((const ls_block_q8_0 *) cols[j])[b].qs : NULL;
+        for (int i = 0; i < 32; i += 8)
+            _mm256_store_ps(qf[j] + i, qs ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (qs + i))))
+                                          : _mm256_setzero_ps());
+    }
+    rows_step_avx2(acc, n, T, (const float (*)[32]) qf, f);
 }
 
-static void axpy_q8_0_rows_with(rows_apply_fn apply, float * restrict acc, const float * h, const ls_block_q8_0 * const * cols,
+__attribute__((target("avx512f,avx512bw")))
+static void q8_0_step_avx512(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
+    __m512 q[8][2];
+    for (int j = 0; j < 8; j++) {
+        const int8_t * qs = j < mj ? ((const ls_block_q8_0 *) cols[j])[b].qs : NULL;
+        q[j][0] = qs ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) qs))) : _mm512_setzero_ps();
+        q[j][1] = qs ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (qs + 16)))) : _mm512_setzero_ps();
+    }
+    rows_step_avx512(acc, n, T, (const __m512 (*)[2]) q, f);
+}
+
+static void q6_K_step_avx2(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
+    float qf[8][32] __attribute__((aligned(64)));
+    for (int j = 0; j < 8; j++) {
+        if (j >= mj) { memset(qf[j], 0, sizeof(qf[j])); continue; }
+        const __m256i q = q6_K_quants((const uint8_t *) cols[j] + b / 8 * LS_Q6_K_BYTES, b % 8 / 4, b % 4);
+        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+        _mm256_store_ps(qf[j],      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
+        _mm256_store_ps(qf[j] + 8,  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
+        _mm256_store_ps(qf[j] + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
+        _mm256_store_ps(qf[j] + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
+    }
+    rows_step_avx2(acc, n, T, (const float (*)[32]) qf, f);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void q6_K_step_avx512(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
+    __m512 q[8][2];
+    for (int j = 0; j < 8; j++) {
+        const __m256i v = j < mj ? q6_K_quants((const uint8_t *) cols[j] + b / 8 * LS_Q6_K_BYTES, b % 8 / 4, b % 4)
+                                 : _mm256_setzero_si256();
+        q[j][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+        q[j][1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    }
+    rows_step_avx512(acc, n, T, (const __m512 (*)[2]) q, f);
+}
+
+// S[k][j] = (float) scale k (of 16) of column j's super-block sb, for the 8 columns of a group
+// (1 past the list's mj): the bytes transposed by unpacks, 8 columns' scales of a step in one load
+static inline void q6_K_scales8(float S[16][8], const uint8_t * const * c, int mj, int64_t sb) {
+    __m128i r[8];
+    for (int j = 0; j < 8; j++)
+        r[j] = j < mj ? _mm_loadu_si128((const __m128i *) (c[j] + sb * LS_Q6_K_BYTES + 192)) : _mm_set1_epi8(1);
+    __m128i t[8], u[8];
+    for (int j = 0; j < 4; j++) {   // byte pairs of columns 2j, 2j+1: scales 0..7 | 8..15
+        t[2 * j] = _mm_unpacklo_epi8(r[2 * j], r[2 * j + 1]);
+        t[2 * j + 1] = _mm_unpackhi_epi8(r[2 * j], r[2 * j + 1]);
+    }
+    for (int j = 0; j < 2; j++) {   // 4 columns' bytes per scale: scales 0..3, 4..7, 8..11, 12..15
+        u[4 * j]     = _mm_unpacklo_epi16(t[4 * j], t[4 * j + 2]);
+        u[4 * j + 1] = _mm_unpackhi_epi16(t[4 * j], t[4 * j + 2]);
+        u[4 * j + 2] = _mm_unpacklo_epi16(t[4 * j + 1], t[4 * j + 3]);
+        u[4 * j + 3] = _mm_unpackhi_epi16(t[4 * j + 1], t[4 * j + 3]);
+    }
+    for (int q = 0; q < 4; q++) {   // 8 columns' bytes per scale, two scales per register
+        const __m128i lo = _mm_unpacklo_epi32(u[q], u[q + 4]), hi = _mm_unpackhi_epi32(u[q], u[q + 4]);
+        _mm256_store_ps(S[4 * q],     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+        _mm256_store_ps(S[4 * q + 1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+        _mm256_store_ps(S[4 * q + 2], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+        _mm256_store_ps(S[4 * q + 3], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+    }
+}
+
+// acc[t] += sum_j h[j][t] * column j, Q8_0 columns, through step (the ISA's): per group of 8
+// columns and block, the factors h * d of every row, then the step; the next group's columns are
+// fetched while this one computes (as the one-row kernels do)
+static void axpy_q8_0_rows_with(rows_step_fn step, float * restrict acc, const float * h, const ls_block_q8_0 * const * cols,
                                 int m, int64_t T, int64_t n) {
-    float qf[8][32] __attribute__((aligned(64)));      // a group's 32 values of block b, f32
     rows_factors f[LS_ROWS_CHUNK] __attribute__((aligned(64)));
-    float hT[LS_ROWS_CHUNK][8];
+    float hT[LS_ROWS_CHUNK][8] __attribute__((aligned(32)));
     for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
         const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
         for (int j0 = 0; j0 < m; j0 += 8) {
             const int mj = m - j0 < 8 ? m - j0 : 8;
-            const ls_block_q8_0 * const * c = cols + j0;
-            const ls_block_q8_0 * const * nx = cols + j0 + 8;   // fetched while this group computes
+            const ls_block_q8_0 * const * c = cols + j0, * const * nx = cols + j0 + 8;
             const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
             rows_h(hT, h, j0, mj, t0, Tc, T);
             for (int64_t b = 0; b < n / 32; b++) {
                 for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
                 float d[8];
-                for (int j = 0; j < mj; j++) {
-                    d[j] = f16_to_f32(c[j][b].d);
-                    for (int i = 0; i < 32; i += 8)
-                        _mm256_store_ps(qf[j] + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (c[j][b].qs + i)))));
-                }
-                for (int64_t t = 0; t < Tc; t++)
-                    for (int j = 0; j < mj; j++) f[t][0][j] = f[t][1][j] = hT[t][j] * d[j];
-                apply(acc + (size_t) t0 * (size_t) n + b * 32, n, Tc, (const float (*)[32]) qf, f, mj);
+                for (int j = 0; j < 8; j++) d[j] = j < mj ? f16_to_f32(c[j][b].d) : 1.0f;
+                rows_factors_of(f, (const float (*)[8]) hT, d, d, Tc);
+                step(acc + (size_t) t0 * (size_t) n + b * 32, n, Tc, (const void * const *) c, mj, b, f);
             }
         }
     }
 }
 
-static void axpy_q6_K_rows_with(rows_apply_fn apply, float * restrict acc, const float * h, const uint8_t * const * cols,
+// the same for Q6_K columns: per super-block h * d of every row, per step of 32 values the factors
+// (h * d) * scale of its two groups of 16
+static void axpy_q6_K_rows_with(rows_step_fn step, float * restrict acc, const float * h, const uint8_t * const * cols,
                                 int m, int64_t T, int64_t n) {
-    float qf[8][32] __attribute__((aligned(64)));      // a group's 32 values of one step, f32
     rows_factors f[LS_ROWS_CHUNK] __attribute__((aligned(64)));
-    float hT[LS_ROWS_CHUNK][8], hd[LS_ROWS_CHUNK][8];  // h, and h * d of each column's super-block
+    float hT[LS_ROWS_CHUNK][8] __attribute__((aligned(32))), hd[LS_ROWS_CHUNK][8] __attribute__((aligned(32)));
     for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
         const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
         for (int j0 = 0; j0 < m; j0 += 8) {
             const int mj = m - j0 < 8 ? m - j0 : 8;
-            const uint8_t * const * nx = cols + j0 + 8;
+            const uint8_t * const * c = cols + j0, * const * nx = cols + j0 + 8;
             const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
             rows_h(hT, h, j0, mj, t0, Tc, T);
-            for (int64_t b = 0; b < n / 256; b++) {
+            for (int64_t sb = 0; sb < n / 256; sb++) {
                 float d[8];
-                for (int j = 0; j < mj; j++) {
-                    uint16_t dh;
-                    memcpy(&dh, cols[j0 + j] + b * LS_Q6_K_BYTES + 208, 2);
+                for (int j = 0; j < 8; j++) {
+                    uint16_t dh = 0x3c00;   // 1: a padding column's h * d stays -0
+                    if (j < mj) memcpy(&dh, c[j] + sb * LS_Q6_K_BYTES + 208, 2);
                     d[j] = f16_to_f32(dh);
                 }
-                for (int64_t t = 0; t < Tc; t++)
-                    for (int j = 0; j < mj; j++) hd[t][j] = hT[t][j] * d[j];
-                for (int half = 0; half < 2; half++) {
-                    for (int seg = 0; seg < 4; seg++) {   // values 128 half + 32 seg .. + 31
-                        for (int j = 0; j < n_next; j++)
-                            _mm_prefetch((const char *) (nx[j] + b * LS_Q6_K_BYTES + (half * 4 + seg) * 26), _MM_HINT_T0);
-                        float s0[8], s1[8];
-                        for (int j = 0; j < mj; j++) {
-                            const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
-                            const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
-                            const __m256i q = q6_K_quants(blk, half, seg);
-                            const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-                            _mm256_store_ps(qf[j],      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
-                            _mm256_store_ps(qf[j] + 8,  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
-                            _mm256_store_ps(qf[j] + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
-                            _mm256_store_ps(qf[j] + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
-                            s0[j] = (float) sc[0];
-                            s1[j] = (float) sc[1];
-                        }
-                        for (int64_t t = 0; t < Tc; t++) {
-                            for (int j = 0; j < mj; j++) {
-                                f[t][0][j] = hd[t][j] * s0[j];
-                                f[t][1][j] = hd[t][j] * s1[j];
-                            }
-                        }
-                        apply(acc + (size_t) t0 * (size_t) n + b * 256 + half * 128 + seg * 32, n, Tc, (const float (*)[32]) qf, f, mj);
-                    }
+                const __m256 d8 = _mm256_loadu_ps(d);
+                for (int64_t t = 0; t < Tc; t++) _mm256_store_ps(hd[t], _mm256_mul_ps(_mm256_load_ps(hT[t]), d8));
+                float S[16][8] __attribute__((aligned(32)));
+                q6_K_scales8(S, c, mj, sb);
+                for (int hs = 0; hs < 8; hs++) {   // values 32 hs .. + 31 (half hs / 4, seg hs % 4): scales 2 hs, 2 hs + 1
+                    for (int j = 0; j < n_next; j++)
+                        _mm_prefetch((const char *) (nx[j] + sb * LS_Q6_K_BYTES + hs * 26), _MM_HINT_T0);
+                    rows_factors_of(f, (const float (*)[8]) hd, S[2 * hs], S[2 * hs + 1], Tc);
+                    step(acc + (size_t) t0 * (size_t) n + sb * 256 + hs * 32, n, Tc, (const void * const *) c, mj, sb * 8 + hs, f);
                 }
             }
         }
@@ -833,7 +900,7 @@ static dot2_q4_K_fn dot2_q4_K_impl = dot2_q4_K_avx2;
 static dot2_rows_fn dot2_q4_K_rows_impl = dot2_q4_K_rows_avx2;
 static dot2_rows_fn dot2_q4_1_rows_impl = dot2_q4_1_rows_avx2;
 static axpy_tile_fn axpy_tile_impl = axpy_tile_avx2;
-static rows_apply_fn rows_apply_impl = rows_apply_avx2;
+static rows_step_fn q8_0_step_impl = q8_0_step_avx2, q6_K_step_impl = q6_K_step_avx2;
 static bool rows_exact = true;   // the rows kernels passed their start-up check (else row by row)
 static const char * isa_name = "avx2";
 
@@ -958,8 +1025,8 @@ static bool rows_agree(void) {
     for (int j = 0; j < CK_M; j++) { cp[j] = ck.cols[j]; cp6[j] = ck.cols6[j]; }
     for (int kind = 0; kind < 2; kind++) {   // Q8_0, Q6_K columns
         for (int i = 0; i < CK_T * CK_N; i++) rows[i] = ck.tile_cols[i];   // a non-zero start
-        if (kind == 0) axpy_q8_0_rows_with(rows_apply_impl, rows, ck.h, cp, CK_M, CK_T, CK_N);
-        else axpy_q6_K_rows_with(rows_apply_impl, rows, ck.h, cp6, CK_M, CK_T, CK_N);
+        if (kind == 0) axpy_q8_0_rows_with(q8_0_step_impl, rows, ck.h, cp, CK_M, CK_T, CK_N);
+        else axpy_q6_K_rows_with(q6_K_step_impl, rows, ck.h, cp6, CK_M, CK_T, CK_N);
         for (int t = 0; t < CK_T; t++) {
             float ht[CK_M];
             for (int j = 0; j < CK_M; j++) ht[j] = ck.h[j * CK_T + t];
@@ -988,7 +1055,8 @@ void ls_kernels_select(void) {
     dot2_q4_K_rows_impl = avx512 ? dot2_q4_K_rows_avx512 : dot2_q4_K_rows_avx2;
     dot2_q4_1_rows_impl = dot2_q4_1_rows_avx2;
     axpy_tile_impl = avx512 ? axpy_tile_avx512 : axpy_tile_avx2;
-    rows_apply_impl = avx512 ? rows_apply_avx512 : rows_apply_avx2;
+    q8_0_step_impl = avx512 ? q8_0_step_avx512 : q8_0_step_avx2;
+    q6_K_step_impl = avx512 ? q6_K_step_avx512 : q6_K_step_avx2;
     if (avx512) isa_name = "avx512";
     rows_exact = rows_agree();
     if (!rows_exact) isa_name = avx512 ? "avx512 (the rows kernels failed their start-up check: rows one at a time)"
@@ -1041,12 +1109,12 @@ void ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x
     } while (0)
 
 void ls_axpy_q8_0_rows(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t T, int64_t n) {
-    if (rows_exact) axpy_q8_0_rows_with(rows_apply_impl, acc, h, cols, m, T, n);
+    if (rows_exact) axpy_q8_0_rows_with(q8_0_step_impl, acc, h, cols, m, T, n);
     else LS_ROWWISE(axpy_q8_0_impl);
 }
 
 void ls_axpy_q6_K_rows(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n) {
-    if (rows_exact) axpy_q6_K_rows_with(rows_apply_impl, acc, h, cols, m, T, n);
+    if (rows_exact) axpy_q6_K_rows_with(q6_K_step_impl, acc, h, cols, m, T, n);
     else LS_ROWWISE(ls_axpy_q6_K_multi);
 }
 
