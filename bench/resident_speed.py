@@ -12,6 +12,15 @@ Prints one JSON line per (round, system) and a summary line per system at the en
 decode and prefill tok/s (median over rounds) and their ratio to stock in the same rounds.
 Sparse modes other than leanstream need predictors in the model directory (converted with
 --predictors); they are skipped, with a note, when it has none.
+
+    python bench/resident_speed.py MODEL_DIR --op-rows 1,2,5,9,17,33,64 [--rounds 5] [--threads 2]
+
+The FFN op alone per row count (a speculative verify pass of T rows, or a short prefill): every
+layer's op (ls_ffn_eval_layers, dense, memory budget unlimited, one thread start for all layers) on
+T random rows, once the blocks are resident. Before it times, it checks that each row of a T-row
+op equals the op on that row alone, bit for bit (the contract of batches up to LS_EXACT_ROWS).
+Row counts are interleaved round by round; prints one JSON object: per T the median ms per pass
+and its range over rounds, and ms per extra row ((t(T) - t(1)) / (T - 1)).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,10 +40,47 @@ if str(REPO) not in sys.path:
 import benchkit  # noqa: E402
 
 
+def op_rows(model_dir: str, rows: list[int], rounds: int, threads: int, calls: int = 3) -> dict:
+    """ms per op pass over every layer for each T in rows (see the module's docstring)."""
+    import numpy as np
+
+    from leanstream_ggml import engine, manifest as mf
+
+    man = mf.load(model_dir)
+    paths = [man.resolve(model_dir, L.file) for L in man.layers]
+    with engine.FFNEngine(paths, mode="dense", memory_budget=0) as e:
+        n, n_embd = len(paths), e.layer_info(0)["n_embd"]
+        x = np.random.default_rng(0).standard_normal((max(rows), n_embd)).astype(np.float32)
+        e.eval_layers(0, n, x[:1], threads)   # reads every block; the layers stay resident
+        for T in rows:   # correct before timed: each row as that token alone, bit for bit
+            y = e.eval_layer(n - 1, x[:T], threads)
+            for t in range(T):
+                if not np.array_equal(y[t], e.eval_layer(n - 1, x[t:t + 1], threads)[0]):
+                    raise SystemExit(f"row {t} of a {T}-row op differs from that row alone")
+        ms: dict[int, list[float]] = {T: [] for T in rows}
+        for _ in range(rounds):
+            for T in rows:
+                best = float("inf")
+                for _ in range(calls):   # the best of a few calls: a busy neighbour only adds time
+                    t0 = time.perf_counter()
+                    e.eval_layers(0, n, x[:T], threads)
+                    best = min(best, time.perf_counter() - t0)
+                ms[T].append(best * 1e3)
+    med = {T: statistics.median(v) for T, v in ms.items()}
+    base = med.get(1)
+    return {"model": man.source.filename,
+            "layers": n, "threads": threads, "rounds": rounds, "kernel_isa": engine.kernel_isa(),
+            "load1": os.getloadavg()[0],
+            "ms_per_pass": {str(T): round(med[T], 2) for T in rows},
+            "ms_range": {str(T): [round(min(v), 2), round(max(v), 2)] for T, v in ms.items()},
+            "ms_per_extra_row": {str(T): round((med[T] - base) / (T - 1), 2) for T in rows if base and T > 1}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir")
-    ap.add_argument("gguf", help="the source GGUF (stock llama-cpp-python runs it)")
+    ap.add_argument("gguf", nargs="?", help="the source GGUF (stock llama-cpp-python runs it)")
+    ap.add_argument("--op-rows", help="time the FFN op alone for these row counts (comma-separated)")
     ap.add_argument("--modes", default="dense,leanstream", help="plugin modes, comma-separated")
     benchkit.flags(ap, "sparsity")   # (default: the engine's)
     ap.add_argument("--rounds", type=int, default=3)
@@ -42,6 +89,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
+    if args.op_rows:
+        rows = sorted({int(r) for r in args.op_rows.split(",")})
+        print(json.dumps(op_rows(args.model_dir, rows, args.rounds, args.threads)), flush=True)
+        return 0
+    if not args.gguf:
+        ap.error("the source GGUF is needed (or --op-rows)")
 
     from leanstream_ggml import engine, manifest as mf, modes
     from leanstream_tools import bench

@@ -8,12 +8,20 @@ the layers together larger than the last-level cache), so the weights come from 
   speed does not depend on the values);
 - "smollm2": the real SmolLM2-135M (Q4_1 gate/up), all 30 layers.
 
+A verify pass (``test_verify_pass_*``): the same layers on T = 2, 5, 17 token rows at once, each
+row bit for bit the one-token op's (checked before timing); extra_info carries the one-row pass
+measured in the same test and the ms each extra row adds ((t(T) - t(1)) / (T - 1)).
+bench/resident_speed.py --op-rows measures the whole of a real model per row count.
+
     pytest tests/bench/test_kernel_bench.py --benchmark-only [--benchmark-json out.json]
 
 extra_info carries weight_gb_s, memory_read_gb_s and their ratio; nothing here asserts a speed.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import numpy as np
 import pytest
@@ -77,3 +85,39 @@ def test_kernel_gb_s_qwen_shape(benchmark, qwen_shape):
 def test_kernel_gb_s_smollm2(benchmark, smollm2_dir):
     m = mf.load(smollm2_dir)
     _bench(benchmark, [m.resolve(smollm2_dir, L.file) for L in m.layers])
+
+
+def _bench_rows(benchmark, paths, n_rows):
+    with FFNEngine(paths, mode="dense") as e:
+        n_embd, n = e.layer_info(0)["n_embd"], len(paths)
+        x = np.random.default_rng(1).standard_normal((n_rows, n_embd)).astype(np.float32)
+        y = e.eval_layers(0, n, x, N_THREADS)   # loads every block
+        for t in range(n_rows):   # correct before timed: each row as that token alone
+            assert np.array_equal(y[t], e.eval_layers(0, n, x[t:t + 1], N_THREADS)[0])
+        one = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            e.eval_layers(0, n, x[:1], N_THREADS)
+            one.append(time.perf_counter() - t0)
+
+        def verify_pass():
+            e.eval_layers(0, n, x, N_THREADS)
+
+        benchmark.pedantic(verify_pass, rounds=15, warmup_rounds=2)
+    t1, tt = statistics.median(one) * 1e3, benchmark.stats.stats.median * 1e3
+    benchmark.extra_info.update({"rows": n_rows, "one_row_ms": round(t1, 2), "pass_ms": round(tt, 2),
+                                 "extra_row_ms": round((tt - t1) / (n_rows - 1), 2),
+                                 "isa": ffi.string(lib.ls_kernel_isa()).decode(), "threads": N_THREADS})
+    print(f"\n{benchmark.name}: {tt:.1f} ms for {n_rows} rows, {t1:.1f} ms for one: "
+          f"{(tt - t1) / (n_rows - 1):.2f} ms per extra row")
+
+
+@pytest.mark.parametrize("n_rows", [2, 5, 17])
+def test_verify_pass_qwen_shape(benchmark, qwen_shape, n_rows):
+    _bench_rows(benchmark, qwen_shape, n_rows)
+
+
+@pytest.mark.parametrize("n_rows", [2, 5, 17])
+def test_verify_pass_smollm2(benchmark, smollm2_dir, n_rows):
+    m = mf.load(smollm2_dir)
+    _bench_rows(benchmark, [m.resolve(smollm2_dir, L.file) for L in m.layers], n_rows)
