@@ -420,8 +420,8 @@ static const uint8_t PAIR_BCAST[4][64] __attribute__((aligned(64))) = {
 };
 
 // 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half); R token
-// rows at once as dot2_q4_K_avx2_body does, with this kernel's own lanes (16 float lanes, the min
-// sum in one scalar, its fused add written out: the compilers contracted it, now none may differ)
+// rows at once as dot2_q4_K_avx2_body does, with this kernel's own lanes (16 float lanes; the min
+// sum one float per row, its fused add written out: the compilers contracted the scalar form)
 __attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
 void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
                            float * ra, float * rb, const uint8_t * pf, int pf_lines) {
@@ -430,11 +430,8 @@ void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void *
     for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_K *) ((const uint8_t *) vx + (size_t) r * x_stride);
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     __m512 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 16 float lanes of d * scaled sums
-    float min_a[LS_GU_ROWS], min_b[LS_GU_ROWS];     // per row: sum of dmin * min sums
-    for (int r = 0; r < R; r++) {
-        acc_a[r] = acc_b[r] = _mm512_setzero_ps();
-        min_a[r] = min_b[r] = 0.0f;
-    }
+    __m128 min_a = _mm_setzero_ps(), min_b = min_a;  // lane r: row r's sum of dmin * min sums
+    for (int r = 0; r < R; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
         // the 8 scales as int16 in every 128-bit lane, broadcast per sub-block by shuffles
@@ -452,11 +449,9 @@ void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void *
             const __m512i sa0 = _mm512_shuffle_epi8(sca, w0), sa1 = _mm512_shuffle_epi8(sca, w1);   // scales 2c | 2c+2, 2c+1 | 2c+3
             const __m512i sb0 = _mm512_shuffle_epi8(scb, w0), sb1 = _mm512_shuffle_epi8(scb, w1);
             for (int r = 0; r < R; r++) {
-                const int8_t * q = x[r][i].qs + 64 * c;
-                const __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) q)),
-                                                      _mm256_loadu_si256((const __m256i *) (q + 64)), 1);
-                const __m512i x1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (q + 32))),
-                                                      _mm256_loadu_si256((const __m256i *) (q + 96)), 1);
+                const __m512i y0 = _mm512_loadu_si512((const void *) (x[r][i].qs + 64 * c));       // chunk c
+                const __m512i y1 = _mm512_loadu_si512((const void *) (x[r][i].qs + 64 * c + 64));  // chunk c + 1
+                const __m512i x0 = _mm512_shuffle_i64x2(y0, y1, 0x44), x1 = _mm512_shuffle_i64x2(y0, y1, 0xee);
                 const __m512i pa0 = _mm512_madd_epi16(_mm512_maddubs_epi16(la, x0), sa0);
                 const __m512i pa1 = _mm512_madd_epi16(_mm512_maddubs_epi16(ha, x1), sa1);
                 const __m512i pb0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lb, x0), sb0);
@@ -467,24 +462,34 @@ void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void *
         }
         const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
         const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
-        // the min sums sum_s min_s * bsum_s of a and b as exact integers: one madd per row
+        // the min sums sum_s min_s * bsum_s of a and b as exact integers, one madd per row, the
+        // rows' sums gathered by horizontal adds: [row 0..3 of a | row 0..3 of b]; each row's fused
+        // add in its own lane (the one-row kernel's scalar one, lane 0)
         const __m256i minab = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(ua, ub));
-        for (int r = 0; r < R; r++) {
+        __m256i mm[4];
+        float dx[4] = { 0 };
+        for (int r = 0; r < 4; r++) {
+            if (r >= R) { mm[r] = _mm256_setzero_si256(); continue; }
             const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[r][i].bsums),
                                                _mm_loadu_si128((const __m128i *) (x[r][i].bsums + 8)));
-            const __m256i mm = _mm256_madd_epi16(minab, _mm256_broadcastsi128_si256(bsp));   // a: 4 lanes | b: 4
-            __m128i ms = _mm_hadd_epi32(_mm256_castsi256_si128(mm), _mm256_extracti128_si256(mm, 1));
-            ms = _mm_hadd_epi32(ms, ms);                                                      // a, b, a, b
-            const float dx = x[r][i].d;
-            acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx * da), _mm512_cvtepi32_ps(ia[r]), acc_a[r]);
-            acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx * db), _mm512_cvtepi32_ps(ib[r]), acc_b[r]);
-            min_a[r] = fmaf(dx * ma, (float) _mm_cvtsi128_si32(ms), min_a[r]);
-            min_b[r] = fmaf(dx * mb, (float) _mm_extract_epi32(ms, 1), min_b[r]);
+            mm[r] = _mm256_madd_epi16(minab, _mm256_broadcastsi128_si256(bsp));   // a: 4 lanes | b: 4
+            dx[r] = x[r][i].d;
+            acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r] * da), _mm512_cvtepi32_ps(ia[r]), acc_a[r]);
+            acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r] * db), _mm512_cvtepi32_ps(ib[r]), acc_b[r]);
         }
+        const __m256i h01 = _mm256_hadd_epi32(mm[0], mm[1]);
+        const __m256i h23 = R > 2 ? _mm256_hadd_epi32(mm[2], mm[3]) : h01;
+        const __m256 ms = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h01, h23));
+        const __m128 dxv = _mm_loadu_ps(dx);
+        min_a = _mm_fmadd_ps(_mm_mul_ps(dxv, _mm_set1_ps(ma)), _mm256_castps256_ps128(ms), min_a);
+        min_b = _mm_fmadd_ps(_mm_mul_ps(dxv, _mm_set1_ps(mb)), _mm256_extractf128_ps(ms, 1), min_b);
     }
+    float mina[4], minb[4];
+    _mm_storeu_ps(mina, min_a);
+    _mm_storeu_ps(minb, min_b);
     for (int r = 0; r < R; r++) {
-        ra[r] = _mm512_reduce_add_ps(acc_a[r]) - min_a[r];
-        rb[r] = _mm512_reduce_add_ps(acc_b[r]) - min_b[r];
+        ra[r] = _mm512_reduce_add_ps(acc_a[r]) - mina[r];
+        rb[r] = _mm512_reduce_add_ps(acc_b[r]) - minb[r];
     }
 }
 
