@@ -54,7 +54,7 @@ def steps(llm, n: int, fraction: float) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import Llama, manifest, memplan, options
+    from leanstream_ggml import Llama, manifest, memplan, options, params
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     m = manifest.load(args.model)
     budget = None
     if args.memory_limit:
-        budget = memplan.plan(args.model, m, args.memory_limit, mode="dense").budget
+        budget = memplan.plan(args.model, m, params.size_bytes(args.memory_limit, "memory_limit"), mode="dense").budget
     llm = Llama(args.model, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False,
                 speculative="self", **({"memory_budget": budget} if budget else {}))
     try:

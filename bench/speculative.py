@@ -6,16 +6,16 @@
 
 A regime is "ram" (no limit) or a whole-process limit ("1000MB": each run in its own memory
 cgroup of exactly that many bytes, the engine's budget from the memory plan). A config is
-plugin dense with ``speculative=`` KIND[:kN][:fN][:fixed|:pminX] (KIND off, auto, self or ngram;
-kN: draft_max N; fN: draft_fraction N; fixed: always draft draft_max; pminX: llama.cpp's p_min stop;
-fa: flash attention, which speculative configs use by default: "off:fa" is plain decoding their
-answers are compared with, token for token), or stock
+plugin dense with ``speculative=`` KIND[:kN][:wN][:fN][:fixed|:pminX] (KIND off, auto, self or ngram;
+kN: draft_max N; wN: draft_width N (1: a chain); fN: draft_fraction N; fixed: always draft
+draft_max, every drafted token verified; pminX: llama.cpp's p_min stop; fa: flash attention, the
+plugin's default in every config), or stock
 llama-cpp-python on the GGUF ("stock") or on a re-quantized copy ("q3_k_m"), "+ngram": with its
 prompt lookup draft (LlamaPromptLookupDecoding, n-grams <= 3, 8 tokens).
 
 Every run is a fresh process with the model's files dropped from the page cache first (cold):
-for each prompt (bench/data/speculative-prompts.json: code and chat prompts nothing else in
-the project reads) the chat template's prompt, then greedy decoding of up to --max-tokens tokens
+for each prompt (--prompt-file: bench/data/speculative-prompts.json, the development set, or
+speculative-heldout.json, the held-out one) the chat template's prompt, then greedy decoding of up to --max-tokens tokens
 through ``generate`` (the loop completion and chat use). Decode tok/s = (tokens - 1) / (time
 from the first token to the last). Per round every (regime, config) runs once, back to back.
 
@@ -52,6 +52,8 @@ def parse_config(config: str) -> dict:
     for o in opts:
         if o.startswith("k") and o[1:].isdigit():
             out["draft_max"] = int(o[1:])
+        elif o.startswith("w") and o[1:].isdigit():
+            out["draft_width"] = int(o[1:])
         elif o == "fixed":
             out["draft_stop"] = "fixed"
         elif o.startswith("pmin"):
@@ -81,7 +83,7 @@ def child(a: dict) -> dict:
     if cfg["system"] == "plugin":
         from leanstream_ggml import Llama
 
-        kw = {k: cfg[k] for k in ("speculative", "draft_max", "draft_stop", "draft_fraction", "flash_attn") if k in cfg}
+        kw = {k: cfg[k] for k in ("speculative", "draft_max", "draft_width", "draft_stop", "draft_fraction", "flash_attn") if k in cfg}
         if a["regime"] != "ram":
             kw["memory_limit"] = a["regime"]
         llm = Llama(a["model"], n_ctx=a["ctx"], n_threads=a["threads"], n_threads_batch=a["threads"],
@@ -253,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="off,auto,self,ngram")
     ap.add_argument("--domains", default="code,chat")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per domain")
+    ap.add_argument("--prompt-file", default=str(PROMPTS),
+                    help="the prompts (JSON: {domain: [text, ...]}); default the development set, "
+                         "bench/data/speculative-heldout.json the held-out one")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=1)
@@ -262,7 +267,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return benchkit.answer_child(args.child, lambda a: child_passes(a) if a.get("passes") else child(a))
-    data = json.loads(PROMPTS.read_text())
+    data = json.loads(Path(args.prompt_file).read_text())
     prompts = [(d, t) for d in args.domains.split(",") for t in data[d][:args.prompts]]
     configs = args.configs.split(",")
     gguf = {}

@@ -158,7 +158,7 @@ class Llama(llama_cpp.Llama):
             from .speculative import Drafter
 
             self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
-                                    max_rows=self._verify_rows_max(o), vocab=self._draft_vocab())
+                                    width=o["draft_width"], max_rows=self._verify_rows_max(o), vocab=self._draft_vocab())
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(
@@ -235,9 +235,7 @@ class Llama(llama_cpp.Llama):
     def _verify_rows_max(o: dict) -> int:
         """The most rows a verify pass decodes: the pending tokens and a tree of draft_max steps of
         the draft's best tokens (the memory plan counts their logits)."""
-        from .speculative import DEFAULT_WIDTH
-
-        return min(EXACT_ROWS, 1 + o["draft_max"] * DEFAULT_WIDTH)
+        return min(EXACT_ROWS, 1 + o["draft_max"] * o["draft_width"])
 
     def _draft_vocab(self):
         """The draft's vocabulary: the first speculative.DRAFT_VOCAB tokens of the converter's

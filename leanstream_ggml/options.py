@@ -140,13 +140,20 @@ OPTIONS: tuple[Option, ...] = (
            ("chat", "serve")),
     Option("speculative", str, "off",
            "exact speculative decoding in {DEFAULT} mode (docs/design.md §21): auto (drafts from the "
-           "engine's resident blocks and from prompt lookup, the longer one verified in one pass, the "
-           "controller deciding how far to draft), self (the resident-block draft only), ngram (prompt lookup "
+           "engine's resident blocks and from prompt lookup in one token tree verified in one pass, the "
+           "controller choosing how far to draft and which tokens to verify, drafting nothing where a pass "
+           "of several rows does not pay), self (the resident-block draft only), ngram (prompt lookup "
            "only), off (in the sparse modes always). Every emitted token is sampled from the model's own "
-           "logits; stats()[\"speculative\"] counts passes, drafted and accepted tokens, draft and verify time",
+           "logits, so answers are plain decoding's; stats()[\"speculative\"] counts passes, drafted and "
+           "accepted tokens, tokens per pass by tree shape, draft and verify time",
            ("chat", "serve", "bench")),
     Option("draft_max", int, 8,
-           "speculative decoding: the longest draft; the verify pass returns one logit row more",
+           "speculative decoding: the self draft's most steps (the deepest tree), and prompt lookup's longest "
+           "proposal",
+           ("chat", "serve", "bench")),
+    Option("draft_width", int, 3,
+           "speculative decoding: the self draft's best tokens per step that a token tree may verify "
+           "(1: a chain); the verify pass has at most 1 + {draft_max} x {draft_width} rows",
            ("chat", "serve", "bench")),
     Option("draft_fraction", float, 1.0,
            "speculative decoding: the self draft computes each layer's most important fraction of its blocks "

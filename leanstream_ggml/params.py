@@ -270,6 +270,12 @@ def draft_max(value) -> int:
     return _default("draft_max") if value is None else _int_in(value, "draft_max", 1, MAX_DRAFT)
 
 
+def draft_width(value) -> int:
+    from .draft_control import MAX_RANK
+
+    return _default("draft_width") if value is None else _int_in(value, "draft_width", 1, MAX_RANK)
+
+
 def draft_fraction(value) -> float:
     if value is None:
         return _default("draft_fraction")
@@ -306,6 +312,7 @@ CHECKS = {
     "controller": controller,
     "speculative": speculative,
     "draft_max": draft_max,
+    "draft_width": draft_width,
     "draft_fraction": draft_fraction,
     "draft_stop": draft_stop,
     "reuse_prefix": bool,

@@ -33,7 +33,6 @@ from .draft_control import MAX_RANK, N_Q, Meter, q_bucket, select
 from .tree import Tree, kept_prefix, layout, walk
 
 KINDS = ("auto", "self", "ngram", "off")
-DEFAULT_WIDTH = 3      # the self draft's tokens per step a tree may take (1: a chain)
 DRAFT_VOCAB = 32768    # the draft's output projection: this many of the ranked tokens, + the context's
 
 
@@ -85,7 +84,7 @@ class Drafter:
     prompt lookup's proposal, cut by the controller (or by draft_stop's rule)."""
 
     def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float = 1.0,
-                 width: int = DEFAULT_WIDTH, max_rows: int = 64, ngram_size: int = 3, vocab=None):
+                 width: int = 3, max_rows: int = 64, ngram_size: int = 3, vocab=None):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self.llm, self.kind, self.k_max, self.fraction = llm, kind, draft_max, fraction
