@@ -41,9 +41,11 @@ measurement as JSON, --plot a PNG: ppl ratio against decode tok/s, one point per
 Pareto front (the setups no other one beats on both) marked.
 
 Three layers: setups.py (the names, what is decided before running), runner.py (the files,
-the child runs and their typed results: a memory plan's refusal is a PlanRefused), report.py
-(the rows, the Pareto front, the table, the plot). bench/side_by_side.py (several limits, decode
-tok/s against the limit) shares the runner with the command.
+the child runs and their typed results: a ChildRun per child process, a RunRecord per bench
+run, a memory plan's refusal a PlanRefused), report.py (a ReportRow per setup, the Pareto
+front, the table, the plot: all read one Report, whose to_dict() is the JSON).
+bench/side_by_side.py (several limits, decode tok/s against the limit) shares the runner with
+the command.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ from pathlib import Path
 
 from .. import cgroup, measure
 from .report import (  # noqa: F401
-    cgroup_doc, failure_reason, format_table, front_of, limit_label, limit_line, make_rows, model_doc,
-    pareto_front, plot)
+    Report, ReportRow, cgroup_doc, failure_reason, format_table, front_of, limit_label, limit_line, make_rows,
+    model_doc, pareto_front, plot, plot_rows)
 from .runner import (  # noqa: F401
-    RESERVE_MARGIN, ROOT, ChildRun, PlanRefused, add_greedy_match, bench_command, bench_run, child_env,
-    choose_reserve, engine_args, flag, greedy_match, log, measure_perplexities, perplexity_command, plugin_budget,
-    prepare_models, private_copies, read_json, resolve_model_dir, run_child, stock_files, summarize, workspace)
+    RESERVE_MARGIN, ROOT, ChildRun, PlanRefused, RunRecord, add_greedy_match, bench_command, bench_record, bench_run,
+    child_env, choose_reserve, engine_args, flag, greedy_match, log, measure_perplexities, perplexity_command,
+    plugin_budget, prepare_models, private_copies, read_json, resolve_model_dir, run_child, stock_files, summarize,
+    workspace)
 from .setups import (  # noqa: F401
     DEFAULT_SETUPS, STOCK, check_setups, is_stock, parse_limit, parse_systems, plan_setups, plugin_availability,
     plugin_mode, selecting_budget, sketch_bytes, stock_fit, stock_quant)
@@ -71,7 +74,7 @@ FULL = {"n_prompt": 64, "n_gen": 32, "repetitions": 3, "ppl_chunks": None}
 SHORT = {"n_prompt": 16, "n_gen": 8, "repetitions": 1, "ppl_chunks": 1}
 
 
-def run(args) -> dict:
+def run(args) -> Report:
     """Measure every setup of ``args`` and return the report (see the module docstring)."""
     systems = check_setups(parse_systems(args.setups))
     limit = parse_limit(args.memory_limit)
@@ -96,34 +99,31 @@ def run(args) -> dict:
 
         # every setup under the limit, back to back (the plugin setups by their memory plan)
         for s in todo:
-            runs[s], _ = bench_run(s, path_of(s), run_limit, None, args,
-                                   env=env, account=ok)
+            runs[s], _ = bench_record(s, path_of(s), run_limit, None, args, env=env, account=ok)
         # quality: stock on the source (the reference of every ratio, a setup or not) and every setup that ran
-        scored = [STOCK] + [s for s in todo if s != STOCK and runs[s]["status"] == "ok"]
+        scored = [STOCK] + [s for s in todo if s != STOCK and runs[s].status == "ok"]
         ppl = measure_perplexities({s: path_of(s) for s in scored}, args, env=env, account=ok)
     add_greedy_match(list(runs.values()))
     rows = make_rows(systems, plans, runs, ppl, accounted=ok)
-    return {
-        "benchmark": "compare",
+    return Report(
         **model_doc(source, dir_orig),
-        "memory_limit_bytes": limit,
-        "limit_applied": applied,
-        "cgroup": cgroup_doc(ok, where),
-        "setups": rows,
-        "pareto_front": front_of(rows),
-        "settings": {"n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
-                     "n_ctx": args.ctx_size, "n_batch": args.batch_size, "n_threads": args.threads,
-                     "ppl_ctx": args.ppl_ctx, "ppl_chunks": args.ppl_chunks, "sparsity": args.sparsity,
-                     "short": args.short, "timeout_s": args.timeout, "private_copy": args.private_copy,
-                     "page_cache_dropped": True,
-                     "plugin_budget": "each plugin setup's memory plan under the limit (memplan.py)",
-                     "prompt": "bundled held-out technical text (leanstream_tools/data)"},
-        "stock": next((e["result"]["stock"] for e in runs.values() if e.get("result")), None),
-        "stock_files": stock_files({s: ggufs_orig[s] for s in systems if is_stock(s)}, source),
-        "machine": measure.machine_info(),
-        "runs": list(runs.values()),
-        "perplexity": ppl,
-    }
+        memory_limit_bytes=limit,
+        limit_applied=applied,
+        cgroup=cgroup_doc(ok, where),
+        setups=rows,
+        pareto_front=front_of(rows),
+        settings={"n_prompt": args.n_prompt, "n_gen": args.n_gen, "repetitions": args.repetitions,
+                  "n_ctx": args.ctx_size, "n_batch": args.batch_size, "n_threads": args.threads,
+                  "ppl_ctx": args.ppl_ctx, "ppl_chunks": args.ppl_chunks, "sparsity": args.sparsity,
+                  "short": args.short, "timeout_s": args.timeout, "private_copy": args.private_copy,
+                  "page_cache_dropped": True,
+                  "plugin_budget": "each plugin setup's memory plan under the limit (memplan.py)",
+                  "prompt": "bundled held-out technical text (leanstream_tools/data)"},
+        stock=next((e.result["stock"] for e in runs.values() if e.result), None),
+        stock_files=stock_files({s: ggufs_orig[s] for s in systems if is_stock(s)}, source),
+        machine=measure.machine_info(),
+        runs=list(runs.values()),
+        perplexity=ppl)
 
 
 def _sized(args) -> None:
@@ -137,15 +137,15 @@ def _sized(args) -> None:
 
 def cmd_compare(args) -> int:
     _sized(args)
-    doc = run(args)   # bad values and paths: one line (leanstream_ggml/errors.py, in cli.main)
+    report = run(args)   # bad values and paths: one line (leanstream_ggml/errors.py, in cli.main)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(report.to_dict(), indent=1) + "\n")
     if args.plot:
-        plot(doc, args.plot)
-    print(format_table(doc))
-    if not doc["limit_applied"] and doc["memory_limit_bytes"] is not None:
-        print(f"\nNOTE: {limit_line(doc)}", file=sys.stderr)
+        plot(report, args.plot)
+    print(format_table(report))
+    if not report.limit_applied and report.memory_limit_bytes is not None:
+        print(f"\nNOTE: {limit_line(report)}", file=sys.stderr)
     return 0
 
 

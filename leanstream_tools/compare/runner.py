@@ -2,14 +2,18 @@
 `leanstream perplexity` in a fresh child process (inside a child memory cgroup where a limit
 applies). A child writes its JSON document to a file the runner names (--json-file) and, when
 its memory plan refuses the limit, the plan to another (--plan-refused-file) with its own exit
-status: the runner records that as a PlanRefused, never by reading the child's stderr.
+status: the runner records that as a PlanRefused, never by reading the child's stderr. What a
+child reports is a ChildRun; what a bench run gives the report is a RunRecord, the JSON's
+"runs" (to_dict / from_dict).
 
-bench/side_by_side.py (several limits, decode tok/s against the limit) runs through these too.
+bench/side_by_side.py (several limits, decode tok/s against the limit) runs through these too,
+its runs as the records' JSON objects (bench_run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -17,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanstream_ggml import modes
@@ -72,6 +76,49 @@ def run_child(cmd: list[str], *, limit_bytes: int | None, timeout_s: float, env:
             r = read_json(refused_file) or {}
             refused = PlanRefused(r.get("message", ""), r.get("plan"))
     return ChildRun(res, doc, refused)
+
+
+@dataclass
+class RunRecord:
+    """One setup's `leanstream bench` run at one limit (bench_record), as the report's "runs"
+    hold it: to_dict() is its JSON object and from_dict() reads one back (every file written
+    since the records were dicts: the same keys, the same values). A run that started no child
+    (skipped) has no returncode, wall_s or stderr_tail in the JSON; reason, memory_plan and
+    result are there when they are set, greedy_match_vs_stock with a result."""
+    system: str
+    limit_bytes: int | None                       # its cgroup's limit; None: unlimited
+    memory_budget_bytes: int | None               # a plugin run's --memory-budget; None: stock, its plan, no limit
+    plugin_reserve_bytes: int | None              # limit - budget where a reserve gave the budget
+    page_cache_resident_at_start_bytes: int | None   # of its model files, after the drop; None: not known
+    loadavg_1min_at_start: float
+    status: str                                   # cgroup.CommandResult's, "skipped", "does not fit" or "error"
+    cgroup: dict = field(default_factory=dict)    # the child's MemoryCgroup.stats() at exit ({}: none)
+    returncode: int | None = None
+    wall_s: float | None = None                   # None: no child ran
+    stderr_tail: str = ""                         # "" when the child exited ok
+    reason: str | None = None                     # why it was skipped or did not fit
+    memory_plan: dict | None = None               # the plan that refused the limit (MemoryPlan.to_dict)
+    result: dict | None = None                    # summarize(the child's bench document)
+    greedy_match_vs_stock: float | None = None    # add_greedy_match
+
+    def to_dict(self) -> dict:
+        d = {"system": self.system, "limit_bytes": self.limit_bytes, "memory_budget_bytes": self.memory_budget_bytes,
+             "plugin_reserve_bytes": self.plugin_reserve_bytes,
+             "page_cache_resident_at_start_bytes": self.page_cache_resident_at_start_bytes,
+             "loadavg_1min_at_start": self.loadavg_1min_at_start, "status": self.status}
+        if self.wall_s is not None:
+            d.update(returncode=self.returncode, wall_s=self.wall_s, cgroup=self.cgroup, stderr_tail=self.stderr_tail)
+        else:
+            d["cgroup"] = self.cgroup
+        d.update({k: v for k, v in (("reason", self.reason), ("memory_plan", self.memory_plan),
+                                    ("result", self.result)) if v is not None})
+        if self.result is not None:
+            d["greedy_match_vs_stock"] = self.greedy_match_vs_stock
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunRecord:
+        return cls(**d)
 
 
 def read_json(path: Path) -> dict | None:
@@ -286,8 +333,8 @@ def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | Non
     return plan.reserve, "the memory plan's: what the process needs besides the FFN engine (memplan.py)"
 
 
-def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, args, *, env: dict,
-              account: bool, drop_cache: bool = True) -> tuple[dict, dict | None]:
+def bench_record(system: str, path: Path, limit: int | None, reserve: int | None, args, *, env: dict,
+                 account: bool, drop_cache: bool = True) -> tuple[RunRecord, dict | None]:
     """One `leanstream bench --json` of ``system`` on ``path`` in a fresh process, in its own
     child memory cgroup limited to ``limit`` (None: unlimited; a cgroup for its accounting only
     if ``account``), after dropping the page cache of its model files. A plugin run under a
@@ -301,38 +348,40 @@ def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, a
     resident = [measure.resident_bytes(f) for f in files]
     planned = not is_stock(system) and limit is not None and reserve is None
     budget = None if is_stock(system) or limit is None or planned else plugin_budget(limit, reserve)
-    entry = {"system": system, "limit_bytes": limit, "memory_budget_bytes": budget,
-             "plugin_reserve_bytes": None if is_stock(system) or limit is None or planned else reserve,
-             "page_cache_resident_at_start_bytes": None if any(r is None for r in resident) else sum(resident),
-             "loadavg_1min_at_start": round(os.getloadavg()[0], 2)}
+    record = functools.partial(
+        RunRecord, system=system, limit_bytes=limit, memory_budget_bytes=budget,
+        plugin_reserve_bytes=None if budget is None else reserve,
+        page_cache_resident_at_start_bytes=None if any(r is None for r in resident) else sum(resident),
+        loadavg_1min_at_start=round(os.getloadavg()[0], 2))
     sketch = (0 if budget is None or is_stock(system) or not modes.is_sparse(plugin_mode(system)[0])
               else sketch_bytes(path))
     if budget == 0 or (budget is not None and budget < sketch):
-        entry.update(status="skipped", cgroup={},
+        rec = record(status="skipped",
                      reason=(f"limit below the reserve ({measure.format_size(reserve)})" if budget == 0 else
                              f"the budget the reserve leaves ({measure.format_size(budget)}) cannot hold the "
                              f"sketch ({measure.format_size(sketch)})"))
-        log(f"{system:>18} @ {measure.format_size(limit):>7}: skipped ({entry['reason']})")
-        return entry, None
+        log(f"{system:>18} @ {measure.format_size(limit):>7}: skipped ({rec.reason})")
+        return rec, None
     child = run_child(bench_command(path, system, args, budget, limit if planned else None),
                       limit_bytes=limit, timeout_s=args.timeout, env=env, account=account)
     res, bj = child.command, child.doc
-    entry.update(res.to_dict())
+    ran = res.to_dict()   # the cgroup module's rounding and stderr tail
+    rec = record(**{k: ran[k] for k in ("status", "returncode", "wall_s", "cgroup", "stderr_tail")})
     if child.refused is not None:
-        entry.update(status="does not fit", reason=child.refused.reason, memory_plan=child.refused.plan)
+        rec.status, rec.reason, rec.memory_plan = "does not fit", child.refused.reason, child.refused.plan
     if res.status == "ok" and bj is None:
-        entry.update(status="error", stderr_tail="no JSON document written\n" + res.stderr[-2000:])
+        rec.status, rec.stderr_tail = "error", "no JSON document written\n" + res.stderr[-2000:]
     if bj is not None:
-        entry["result"] = summarize(bj)
-    r = entry.get("result") or {}
+        rec.result = summarize(bj)
+    r = rec.result or {}
     per_token = r.get("disk_read_bytes_per_decode_token")
-    log(f"{system:>18} @ {measure.format_size(limit):>7}: {entry['status']:>7} "
+    log(f"{system:>18} @ {measure.format_size(limit):>7}: {rec.status:>7} "
         f"decode {r.get('decode_tok_s') or 0:7.2f} tok/s  prefill {r.get('prefill_tok_s') or 0:7.1f} tok/s  "
         f"peak RSS {measure.format_size(r.get('peak_rss_bytes'))}  "
-        f"cgroup peak {measure.format_size(entry['cgroup'].get('max_usage_bytes'))}  "
+        f"cgroup peak {measure.format_size(rec.cgroup.get('max_usage_bytes'))}  "
         f"disk/decode-token {measure.format_size(int(per_token)) if per_token is not None else 'n/a'}  "
-        f"({entry['wall_s']:.0f} s)")
-    return entry, bj
+        f"({rec.wall_s:.0f} s)")
+    return rec, bj
 
 
 def measure_perplexities(paths: dict, args, *, env: dict, account: bool) -> dict:
@@ -360,11 +409,23 @@ def greedy_match(a: list[int] | None, b: list[int] | None) -> float | None:
     return k / n
 
 
-def add_greedy_match(runs: list[dict]) -> None:
+def add_greedy_match(runs: list[RunRecord] | list[dict]) -> None:
     """Correctness before speed: each run's greedy continuation against stock's (without a limit
-    where there is such a run): ``greedy_match_vs_stock``."""
-    stock = [e for e in runs if e["system"] == STOCK and e.get("result")]
-    ref = next((e for e in stock if e["limit_bytes"] is None), stock[0] if stock else None)
-    for e in runs:
-        if e.get("result"):
-            e["greedy_match_vs_stock"] = greedy_match(e["result"]["generated"], ref and ref["result"]["generated"])
+    where there is such a run): ``greedy_match_vs_stock``. Runs given as their JSON objects
+    (bench/side_by_side.py's, from bench_run) get it as a key."""
+    records = [RunRecord.from_dict(e) if isinstance(e, dict) else e for e in runs]
+    stock = [e for e in records if e.system == STOCK and e.result]
+    ref = next((e for e in stock if e.limit_bytes is None), stock[0] if stock else None)
+    for e, rec in zip(runs, records):
+        if rec.result:
+            rec.greedy_match_vs_stock = greedy_match(rec.result["generated"], ref and ref.result["generated"])
+            if isinstance(e, dict):
+                e["greedy_match_vs_stock"] = rec.greedy_match_vs_stock
+
+
+def bench_run(system: str, path: Path, limit: int | None, reserve: int | None, args, *, env: dict,
+              account: bool, drop_cache: bool = True) -> tuple[dict, dict | None]:
+    """bench_record with the record as its JSON object (RunRecord.to_dict): bench/side_by_side.py
+    keeps its runs so."""
+    rec, bj = bench_record(system, path, limit, reserve, args, env=env, account=account, drop_cache=drop_cache)
+    return rec.to_dict(), bj

@@ -134,7 +134,7 @@ def test_short_sizes_and_explicit_ones():
 # ---------------------------------------------------------------------------------------------
 # the report
 
-def _fake_doc(applied=True):
+def _fake_report(applied=True):
     """A report as `run` assembles it, from made-up plans, runs and perplexities."""
     systems = ["stock", "stock-q3_k_m", "stock-q2_k", "dense", "leanstream", "leanstream@ppl+5%"]
     mb = 10**6
@@ -150,48 +150,55 @@ def _fake_doc(applied=True):
         "leanstream@ppl+5%": {"kind": "plugin", "fits": True, "sparsity": 0.53, "status": "planned", "reason": None},
     }
 
+    def run(system, status, budget=None, reserve=None, **kw):
+        return compare.RunRecord(system=system, limit_bytes=1000 * mb, memory_budget_bytes=budget,
+                                 plugin_reserve_bytes=reserve, page_cache_resident_at_start_bytes=0,
+                                 loadavg_1min_at_start=0.5, status=status, **kw)
+
     def ok(system, tok_s, peak, budget=None):
-        return {"system": system, "status": "ok", "limit_bytes": 1000 * mb, "memory_budget_bytes": budget,
-                "plugin_reserve_bytes": None if budget is None else 1000 * mb - budget,
-                "cgroup": {"max_usage_bytes": peak}, "wall_s": 9.0,
-                "result": {"decode_tok_s": tok_s, "prefill_tok_s": 5 * tok_s, "peak_rss_bytes": peak + mb,
-                           "generated": [1, 2, 3]}}
+        return run(system, "ok", budget, None if budget is None else 1000 * mb - budget, returncode=0, wall_s=9.0,
+                   cgroup={"max_usage_bytes": peak},
+                   result={"decode_tok_s": tok_s, "prefill_tok_s": 5 * tok_s, "peak_rss_bytes": peak + mb,
+                           "generated": [1, 2, 3], "stock": "llama-cpp-python"})
 
     runs = {"stock": ok("stock", 1.2, 990 * mb), "stock-q2_k": ok("stock-q2_k", 24.0, 800 * mb),
             "dense": ok("dense", 2.6, 995 * mb, budget=48 * mb),
-            "leanstream": {"system": "leanstream", "status": "skipped", "limit_bytes": 1000 * mb,
-                           "memory_budget_bytes": 0, "plugin_reserve_bytes": 1050 * mb, "cgroup": {},
-                           "reason": "limit below the reserve (1.05GB)"},
-            "leanstream@ppl+5%": {"system": "leanstream@ppl+5%", "status": "error", "limit_bytes": 1000 * mb,
-                                  "returncode": 1, "cgroup": {}, "wall_s": 3.0,
-                                  "stderr_tail": "Traceback ...\nValueError: budget too small\n"}}
+            "leanstream": run("leanstream", "skipped", 0, 1050 * mb, reason="limit below the reserve (1.05GB)"),
+            "leanstream@ppl+5%": run("leanstream@ppl+5%", "error", returncode=1, wall_s=3.0,
+                                     stderr_tail="Traceback ...\nValueError: budget too small\n")}
+    compare.add_greedy_match(list(runs.values()))
     ppl = {"stock": {"ppl": 10.0}, "stock-q2_k": {"ppl": 13.4}, "dense": {"ppl": 10.01}}
     rows = compare.make_rows(systems, plans, runs, ppl, accounted=True)
-    return {"benchmark": "compare", "model": "m.Q4_K_M.gguf", "memory_limit_bytes": 1000 * mb, "limit_applied": applied,
-            "cgroup": {"writable": True, "path": "/x"} if applied else {"writable": False, "reason": "read-only"},
-            "setups": rows, "pareto_front": compare.front_of(rows),
-            "settings": {"n_prompt": 16, "n_gen": 8, "repetitions": 1, "ppl_ctx": 512, "ppl_chunks": 1, "n_threads": 2},
-            "machine": {"cpu": "AMD EPYC", "cores": 2, "date": "2026-12-01"}}
+    return compare.Report(
+        model="m.Q4_K_M.gguf", model_path="/models/m.Q4_K_M.gguf", model_bytes=1100 * mb, model_dir=None,
+        model_dir_bytes=None, memory_limit_bytes=1000 * mb, limit_applied=applied,
+        cgroup={"writable": True, "path": "/x"} if applied else {"writable": False, "reason": "read-only"},
+        setups=rows, pareto_front=compare.front_of(rows),
+        settings={"n_prompt": 16, "n_gen": 8, "repetitions": 1, "ppl_ctx": 512, "ppl_chunks": 1, "n_threads": 2},
+        stock="llama-cpp-python", stock_files={}, machine={"cpu": "AMD EPYC", "cores": 2, "date": "2026-12-01"},
+        runs=list(runs.values()), perplexity=ppl)
 
 
 def test_rows_ratios_and_reasons():
-    doc = _fake_doc()
-    rows = {r["setup"]: r for r in doc["setups"]}
+    report = _fake_report()
+    rows = {r.setup: r for r in report.setups}
     assert list(rows) == list(compare.DEFAULT_SETUPS)
-    assert rows["stock"]["ppl_ratio"] == 1.0 and rows["dense"]["ppl_ratio"] == pytest.approx(1.001)
-    assert rows["stock-q2_k"]["ppl_ratio"] == pytest.approx(1.34) and rows["stock-q2_k"]["peak_bytes"] == 800 * 10**6
-    assert rows["stock-q3_k_m"]["status"] == "does not fit" and rows["stock-q3_k_m"]["decode_tok_s"] is None
-    assert rows["leanstream"]["fits"] is False and "reserve" in rows["leanstream"]["reason"]
-    assert rows["leanstream@ppl+5%"]["reason"] == "failed: ValueError: budget too small"
-    assert rows["leanstream@ppl+5%"]["sparsity"] == 0.53
+    assert rows["stock"].ppl_ratio == 1.0 and rows["dense"].ppl_ratio == pytest.approx(1.001)
+    assert rows["stock-q2_k"].ppl_ratio == pytest.approx(1.34) and rows["stock-q2_k"].peak_bytes == 800 * 10**6
+    assert rows["stock-q3_k_m"].status == "does not fit" and rows["stock-q3_k_m"].decode_tok_s is None
+    assert rows["leanstream"].fits is False and "reserve" in rows["leanstream"].reason
+    assert rows["leanstream@ppl+5%"].reason == "failed: ValueError: budget too small"
+    assert rows["leanstream@ppl+5%"].sparsity == 0.53
+    assert rows["dense"].greedy_match_vs_stock == 1.0 and rows["leanstream"].greedy_match_vs_stock is None
     for r in rows.values():   # every setup: a rate, or the reason it has none
-        assert (r["decode_tok_s"] or 0) > 0 or r["reason"]
-    assert doc["pareto_front"] == ["stock-q2_k", "dense", "stock"]
-    json.dumps(doc)   # the JSON --out writes
+        assert (r.decode_tok_s or 0) > 0 or r.reason
+    assert report.pareto_front == ["stock-q2_k", "dense", "stock"]
+    doc = json.loads(json.dumps(report.to_dict()))   # the JSON --out writes
+    assert doc["benchmark"] == "compare" and compare.Report.from_dict(doc) == report
 
 
 def test_table_says_what_ran_and_what_did_not():
-    text = compare.format_table(_fake_doc())
+    text = compare.format_table(_fake_report())
     assert text.splitlines()[0] == "m.Q4_K_M.gguf: 1GB whole-process memory limit (cgroup), page cache included"
     assert "| setup | fits? | decode tok/s | peak MB (cgroup) | ppl × stock | note |" in text
     assert "| stock * | no | 1.20 | 990 | 1.000 | m.Q4_K_M.gguf (1.10GB); its file is larger than the limit" in text
@@ -202,16 +209,16 @@ def test_table_says_what_ran_and_what_did_not():
 
 
 def test_a_limit_not_applied_is_said():
-    doc = _fake_doc(applied=False)
-    assert "NOT APPLIED" in compare.limit_line(doc) and "read-only" in compare.limit_line(doc)
-    assert "NOT APPLIED" in compare.format_table(doc).splitlines()[0]
-    assert "peak MB (RSS)" in compare.format_table(doc)
+    report = _fake_report(applied=False)
+    assert "NOT APPLIED" in compare.limit_line(report) and "read-only" in compare.limit_line(report)
+    assert "NOT APPLIED" in compare.format_table(report).splitlines()[0]
+    assert "peak MB (RSS)" in compare.format_table(report)
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install matplotlib)")
     out = tmp_path / "front.png"
-    compare.plot(_fake_doc(), str(out))
+    compare.plot(_fake_report(), str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -229,6 +236,7 @@ def test_compare_on_smollm2(smollm2_sketch_dir, tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
+    assert compare.Report.from_dict(doc).to_dict() == doc
     rows = {row["setup"]: row for row in doc["setups"]}
     assert list(rows) == list(compare.DEFAULT_SETUPS)
     for row in rows.values():
@@ -264,12 +272,12 @@ def test_a_budget_below_the_sketch_is_skipped_before_running(smollm2_sketch_dir)
     sketch = compare.sketch_bytes(smollm2_sketch_dir)
     assert sketch > 0
     reserve = 100 * 2**20
-    e, bj = compare.bench_run("leanstream", smollm2_sketch_dir, reserve + sketch // 2, reserve,
-                              argparse.Namespace(), env={}, account=False, drop_cache=False)
-    assert bj is None and e["status"] == "skipped" and "cannot hold the sketch" in e["reason"]
-    e, _ = compare.bench_run("leanstream", smollm2_sketch_dir, reserve, reserve, argparse.Namespace(),
-                             env={}, account=False, drop_cache=False)
-    assert e["status"] == "skipped" and "below the reserve" in e["reason"]
+    e, bj = compare.bench_record("leanstream", smollm2_sketch_dir, reserve + sketch // 2, reserve,
+                                 argparse.Namespace(), env={}, account=False, drop_cache=False)
+    assert bj is None and e.status == "skipped" and "cannot hold the sketch" in e.reason
+    e, _ = compare.bench_record("leanstream", smollm2_sketch_dir, reserve, reserve, argparse.Namespace(),
+                                env={}, account=False, drop_cache=False)
+    assert e.status == "skipped" and "below the reserve" in e.reason
 
 
 def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
@@ -289,7 +297,7 @@ def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
 def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
     """A plugin run whose memory plan refuses the limit: the child writes the plan to the file the
     runner names and exits with its own status; the runner gives a PlanRefused carrying the plan
-    (never read from the child's stderr), and bench_run's record says "does not fit"."""
+    (never read from the child's stderr), and bench_record's record says "does not fit"."""
     from converters import convert
     from gguf_synth import write_tiny_model
     from leanstream_tools import cli, compare
