@@ -222,6 +222,78 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# the reports in bench/results, written while the records were dicts: the fixtures of what the JSON holds
+RESULTS = sorted((REPO / "bench" / "results").glob("compare-*.json"))
+_results = pytest.mark.parametrize("path", RESULTS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no bench/results/compare-*.json to read back"))], ids=lambda p: p.name if p else "none")
+
+
+@_results
+def test_a_report_reads_back_as_it_was_written(path):
+    """Report.from_dict then to_dict: the same JSON text, key for key and value for value (every
+    run record and every row included)."""
+    text = path.read_text()
+    report = compare.Report.from_dict(json.loads(text))
+    assert all(isinstance(r, compare.RunRecord) for r in report.runs)
+    assert all(isinstance(r, compare.ReportRow) for r in report.setups)
+    assert json.dumps(report.to_dict(), indent=1) + "\n" == text
+
+
+@_results
+def test_rows_are_made_again_from_a_report_s_runs(path):
+    """make_rows on the RunRecords of a real report (its plans taken back from its rows) gives
+    the rows it wrote as dicts, and front_of its Pareto front."""
+    doc = json.loads(path.read_text())
+    report = compare.Report.from_dict(doc)
+    plans = {r.setup: {"kind": r.kind, "file": r.file, "file_bytes": r.file_bytes, "sparsity": r.sparsity,
+                       "fits": r.fits, "status": r.status, "reason": r.reason} for r in report.setups}
+    runs = {e.system: e for e in report.runs}
+    rows = compare.make_rows([r.setup for r in report.setups], plans, runs, report.perplexity,
+                             accounted=report.cgroup["writable"])
+    assert [r.to_dict() for r in rows] == doc["setups"]
+    assert compare.front_of(rows) == doc["pareto_front"]
+
+
+@_results
+def test_table_and_plot_read_the_rows_the_json_has(path):
+    """The table's lines, the plot's points and the JSON's "setups" come from the same ReportRow
+    objects."""
+    report = compare.Report.from_dict(json.loads(path.read_text()))
+    doc = report.to_dict()
+    table = compare.format_table(report).splitlines()
+    lines = table[table.index("| --- | --- | ---: | ---: | ---: | --- |") + 1:][:len(report.setups) + 1]
+    assert lines[-1] == ""   # the table ends after a line per row
+    assert len(lines) - 1 == len(report.setups) == len(doc["setups"])
+    for line, row, d in zip(lines, report.setups, doc["setups"]):
+        assert d == row.to_dict() and line.startswith(f"| {row.setup}")
+        assert (f"{row.decode_tok_s:.2f}" if row.decode_tok_s is not None else row.status) in line
+    shown, front, missing = compare.plot_rows(report)
+    assert all(any(r is x for x in report.setups) for r in shown + front + missing)
+    assert [r.setup for r in front] == report.pareto_front and len(shown) + len(missing) == len(report.setups)
+    assert all(r.decode_tok_s is not None and r.ppl_ratio is not None for r in shown)
+
+
+def test_side_by_side_gets_its_runs_as_the_json_s_objects(tmp_path):
+    """bench/side_by_side.py keeps its runs as dicts: bench_run gives the record's to_dict(), and
+    add_greedy_match on those sets the key the records would have."""
+    d = tmp_path / "m.lsm"
+    d.mkdir()
+    (d / "manifest.json").write_text("{}")
+    rec, bj = compare.bench_record("dense", d, 100, 100, argparse.Namespace(), env={}, account=False,
+                                   drop_cache=False)
+    e, _ = compare.bench_run("dense", d, 100, 100, argparse.Namespace(), env={}, account=False, drop_cache=False)
+    assert bj is None and rec.status == "skipped" and "below the reserve" in rec.reason
+    assert e == rec.to_dict() | {"loadavg_1min_at_start": e["loadavg_1min_at_start"]}
+    assert list(e) == ["system", "limit_bytes", "memory_budget_bytes", "plugin_reserve_bytes",
+                       "page_cache_resident_at_start_bytes", "loadavg_1min_at_start", "status", "cgroup", "reason"]
+    report = _fake_report()
+    dicts = [r.to_dict() for r in report.runs]
+    for x in dicts:
+        x.pop("greedy_match_vs_stock", None)
+    compare.add_greedy_match(dicts)
+    assert dicts == [r.to_dict() for r in report.runs]
+
+
 # ---------------------------------------------------------------------------------------------
 # end to end on SmolLM2
 
