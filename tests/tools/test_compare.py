@@ -366,18 +366,44 @@ def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
 
 
-def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
-    """A plugin run whose memory plan refuses the limit: the child writes the plan to the file the
-    runner names and exits with its own status; the runner gives a PlanRefused carrying the plan
-    (never read from the child's stderr), and bench_record's record says "does not fit"."""
+def _tiny_model(tmp_path) -> tuple[Path, Path]:
+    """(a synthetic llama GGUF of 2 layers, its directory converted for dense mode): seconds."""
     from converters import convert
     from gguf_synth import write_tiny_model
-    from leanstream_tools import cli, compare
 
     src = tmp_path / "tiny.gguf"
     write_tiny_model(src, arch="llama", n_layer=2, n_embd=64, n_ff=96, types={"ffn": "F16"}, seed=2)
     d = tmp_path / "tiny.lsm"
     convert(src, d, progress=False, sketch="none")
+    return src, d
+
+
+def test_compare_on_a_tiny_model(tmp_path):
+    """The command end to end in the fast tier: stock and dense on a synthetic model, each in its
+    own process; the JSON it writes reads back as the Report, and the table has a line per row."""
+    src, d = _tiny_model(tmp_path)
+    out = tmp_path / "compare.json"
+    r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "compare", str(src), "--model-dir", str(d),
+                        "--setups", "stock,dense", "--short", "-t", "1", "-c", "128", "-b", "128", "--ppl-ctx", "64",
+                        "--timeout", "120", "--no-private-copy", "--out", str(out)],
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    report = compare.Report.from_dict(doc)
+    assert report.to_dict() == doc and [e.system for e in report.runs] == ["stock", "dense"]
+    for row in report.setups:
+        assert row.status == "ok" and row.decode_tok_s > 0 and row.ppl_ratio is not None, row
+        assert f"| {row.setup}" in r.stdout and f"{row.decode_tok_s:.2f}" in r.stdout
+    assert report.setups[0].ppl_ratio == 1.0 and report.setups[1].greedy_match_vs_stock is not None
+
+
+def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
+    """A plugin run whose memory plan refuses the limit: the child writes the plan to the file the
+    runner names and exits with its own status; the runner gives a PlanRefused carrying the plan
+    (never read from the child's stderr), and bench_record's record says "does not fit"."""
+    from leanstream_tools import cli
+
+    _, d = _tiny_model(tmp_path)
     args = argparse.Namespace(n_prompt=4, n_gen=2, repetitions=1, ctx_size=128, batch_size=128, threads=2,
                               sparsity=None, timeout=120)
     child = compare.run_child(compare.bench_command(d, "dense", args, None, memory_limit=20 * 10**6),
@@ -395,14 +421,9 @@ def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
 def test_the_reserve_without_a_measured_run_is_the_memory_plan_s(tmp_path):
     """side_by_side's reserve when no unlimited run measured it: the library's memory plan (what
     the process needs besides the engine), not a second model of memory in the tool."""
-    from converters import convert
-    from gguf_synth import write_tiny_model
     from leanstream_ggml import manifest, memplan
 
-    src = tmp_path / "tiny.gguf"
-    write_tiny_model(src, arch="llama", n_layer=2, n_embd=64, n_ff=96, types={"ffn": "F16"}, seed=2)
-    d = tmp_path / "tiny.lsm"
-    convert(src, d, progress=False, sketch="none")
+    _, d = _tiny_model(tmp_path)
     reserve, how = compare.choose_reserve(None, d, None, n_ctx=256)
     plan = memplan.plan(d, manifest.load(d), 0, mode="dense", n_ctx=256)
     assert "memory plan" in how
