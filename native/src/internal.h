@@ -441,10 +441,6 @@ void        ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const v
                               float * ra, float * rb, const uint8_t * pf, int pf_lines);
 void        ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
                               float * ra, float * rb, const uint8_t * pf, int pf_lines);
-// the same for nt token rows of x (x_stride bytes apart): ra[t], rb[t] (prefill; rows unpacked once
-// per 4 tokens)
-void        ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nt,
-                           float * ra, float * rb);
 // picks the AVX2 or AVX-512 variants for this CPU, once (LEANSTREAM_ISA=avx2 forces AVX2)
 void        ls_kernels_init(void);
 

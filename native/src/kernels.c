@@ -133,19 +133,8 @@ static void axpy_q8_0_multi_avx512(float * restrict acc, const float * h, const 
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } ls_block_q4_K;
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } ls_block_q8_K;
 
-// the packed 6-bit scales -> bytes 0..7 scales, 8..15 mins
-static inline void q4_K_scales(const uint8_t * p, uint32_t u[4]) {
-    memcpy(u, p, 12);
-    const uint32_t lo6 = 0x3f3f3f3f, lo4 = 0x0f0f0f0f, lo2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4);
-    const uint32_t mins_lo = u[1] & lo6;
-    u[1] = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);
-    u[2] = mins_lo;
-    u[0] &= lo6;
-}
-
-// The same unpacking in SIMD, for the AVX2 kernels: a 16-byte load from the 12 scale bytes (the 4
-// bytes after them are the block's nibbles, ignored) -> bytes 0..7 scales, 8..15 mins.
+// The packed 6-bit scales unpacked in SIMD: a 16-byte load from the 12 scale bytes (the 4 bytes
+// after them are the block's nibbles, ignored) -> bytes 0..7 scales, 8..15 mins.
 static inline __m128i q4_K_scales_simd(const uint8_t * p) {
     const __m128i v = _mm_loadu_si128((const __m128i *) p);               // u0 u1 u2 (junk)
     const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));      // u0 u2 u1 u2
@@ -337,75 +326,6 @@ static void dot2_q4_1_avx2(int64_t n, const void * va, const void * vb, const vo
 static void dot2_q4_1_rows_avx2(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
                                 float * ra, float * rb, const uint8_t * pf, int pf_lines) {
     LS_GU_ROWS_DISPATCH(dot2_q4_1_avx2_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
-
-// The same two rows against 4 token rows of x at once (prefill): the rows' nibbles and scales are
-// unpacked once per super-block and used for every token. x[t] starts at x + t * x_stride.
-static void dot2x4_q4_K_avx2(int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
-                             float * ra, float * rb) {
-    const ls_block_q4_K * a = va, * b = vb;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const ls_block_q8_K * x0p = vx;
-    const ls_block_q8_K * x1p = (const ls_block_q8_K *) ((const uint8_t *) vx + x_stride);
-    const ls_block_q8_K * x2p = (const ls_block_q8_K *) ((const uint8_t *) vx + 2 * x_stride);
-    const ls_block_q8_K * x3p = (const ls_block_q8_K *) ((const uint8_t *) vx + 3 * x_stride);
-    const ls_block_q8_K * xp[4] = { x0p, x1p, x2p, x3p };
-    float fa[4] = { 0 }, fb[4] = { 0 };
-    __m256i sc[2][8] __attribute__((aligned(32)));   // per-sub-block scale broadcasts, rows a and b
-    for (int64_t i = 0; i < n / 256; i++) {
-        uint32_t ua[4], ub[4];
-        q4_K_scales(a[i].scales, ua);
-        q4_K_scales(b[i].scales, ub);
-        const __m256i sca = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) ua)));
-        const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) ub)));
-        for (int w = 0; w < 8; w++) {
-            const __m256i m = _mm256_load_si256((const __m256i *) WORD_BCAST[w]);
-            sc[0][w] = _mm256_shuffle_epi8(sca, m);
-            sc[1][w] = _mm256_shuffle_epi8(scb, m);
-        }
-        __m256i ia0 = _mm256_setzero_si256(), ia1 = ia0, ia2 = ia0, ia3 = ia0;
-        __m256i ib0 = ia0, ib1 = ia0, ib2 = ia0, ib3 = ia0;
-        for (int c = 0; c < 4; c++) {
-            const __m256i qa = _mm256_loadu_si256((const __m256i *) (a[i].qs + 32 * c));
-            const __m256i qb = _mm256_loadu_si256((const __m256i *) (b[i].qs + 32 * c));
-            const __m256i la = _mm256_and_si256(qa, m4), ha = _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4);
-            const __m256i lb = _mm256_and_si256(qb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-#define LS_TOKEN(T, IA, IB) do {                                                                          \
-                const __m256i y0 = _mm256_loadu_si256((const __m256i *) (xp[T][i].qs + 64 * c));          \
-                const __m256i y1 = _mm256_loadu_si256((const __m256i *) (xp[T][i].qs + 64 * c + 32));     \
-                IA = _mm256_add_epi32(IA, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(la, y0), sc[0][2 * c]), \
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(ha, y1), sc[0][2 * c + 1]))); \
-                IB = _mm256_add_epi32(IB, _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lb, y0), sc[1][2 * c]), \
-                                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hb, y1), sc[1][2 * c + 1]))); \
-            } while (0)
-            LS_TOKEN(0, ia0, ib0);
-            LS_TOKEN(1, ia1, ib1);
-            LS_TOKEN(2, ia2, ib2);
-            LS_TOKEN(3, ia3, ib3);
-#undef LS_TOKEN
-        }
-        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
-        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
-        const __m128i mna = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) (ua + 2)));
-        const __m128i mnb = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) (ub + 2)));
-        const __m256i ia[4] = { ia0, ia1, ia2, ia3 }, ib[4] = { ib0, ib1, ib2, ib3 };
-        for (int t = 0; t < 4; t++) {
-            const ls_block_q8_K * x = xp[t] + i;
-            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x->bsums),
-                                               _mm_loadu_si128((const __m128i *) (x->bsums + 8)));
-            const float dx = x->d;
-            // per super-block sums in f32, like the single-token kernel's lanes summed at the end
-            fa[t] += dx * da * hsum256(_mm256_cvtepi32_ps(ia[t])) - dx * ma * hsum128(_mm_cvtepi32_ps(_mm_madd_epi16(mna, bsp)));
-            fb[t] += dx * db * hsum256(_mm256_cvtepi32_ps(ib[t])) - dx * mb * hsum128(_mm_cvtepi32_ps(_mm_madd_epi16(mnb, bsp)));
-        }
-    }
-    for (int t = 0; t < 4; t++) { ra[t] = fa[t]; rb[t] = fb[t]; }
-}
-
-void ls_dot2xn_q4_K(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nt, float * ra, float * rb) {
-    int t0 = 0;
-    for (; t0 + 4 <= nt; t0 += 4) dot2x4_q4_K_avx2(n, a, b, (const uint8_t *) x + (size_t) t0 * x_stride, x_stride, ra + t0, rb + t0);
-    for (; t0 < nt; t0++) dot2_q4_K_avx2(n, a, b, (const uint8_t *) x + (size_t) t0 * x_stride, ra + t0, rb + t0, NULL, 0);
 }
 
 // _mm512_shuffle_epi8 masks for the 512-bit kernel: PAIR_BCAST[c + s] (c = 0, 2; s = 0, 1) broadcasts

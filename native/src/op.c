@@ -282,11 +282,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
             for (int64_t j = 0; j < k; j++) {
                 if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
                 float * hj = h + (size_t) n_staged * Tc;
-                if (fused == LS_FUSED_Q4_K && !rowwise) {   // prefill: every token against the rows, 4 tokens per pass
-                    float * g = gu_tmp, * u = gu_tmp + Tc;
-                    ls_dot2xn_q4_K(n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, rg, (int) Tc, g, u);
-                    for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
-                } else if (fused && Tc > 1) {   // the rows kernels: the weights unpacked once per few rows, each row as alone
+                if (fused && Tc > 1) {   // the rows kernels: each row's gate/up as that token's alone, the weights unpacked once per few rows
                     float * g = gu_tmp, * u = gu_tmp + Tc;
                     const uint8_t * gr = gate + j * L->gate_row_bytes, * ur = up + j * L->up_row_bytes;
                     const uint8_t * nx = nxt_for(pf.nxt, pf.lines, j, fused, n_embd);
