@@ -26,22 +26,21 @@ import reference as ref
 REPO = Path(__file__).resolve().parents[2]
 ROW_COUNTS = [1, 2, 3, 5, 8, 17, 64]
 
-CDEF = """
-void ls_kernels_select(void);
-const char * ls_kernel_isa(void);
-void ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int pf_lines);
-void ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int pf_lines);
-void ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                       float * ra, float * rb, const uint8_t * pf, int pf_lines);
-void ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                       float * ra, float * rb, const uint8_t * pf, int pf_lines);
-void ls_axpy_q8_0_multi(float * acc, const float * h, const void * const * cols, int m, int64_t n);
-void ls_axpy_q8_0_rows(float * acc, const float * h, const void * const * cols, int m, int64_t T, int64_t n);
-void ls_axpy_q6_K_multi(float * acc, const float * h, const void * const * cols, int m, int64_t n);
-void ls_axpy_q6_K_rows(float * acc, const float * h, const void * const * cols, int m, int64_t T, int64_t n);
-"""
+# the kernels the tests call, declared as the library declares them (internal.h, leanstream.h)
+KERNELS = ["ls_kernels_select", "ls_kernel_isa", "ls_dot2_q4_K", "ls_dot2_q4_1", "ls_dot2_q4_K_rows",
+           "ls_dot2_q4_1_rows", "ls_axpy_q8_0_multi", "ls_axpy_q8_0_rows", "ls_axpy_q6_K_multi", "ls_axpy_q6_K_rows"]
+
+
+def kernel_cdef() -> str:
+    headers = [(REPO / "native" / "src" / "internal.h").read_text(),
+               (REPO / "native" / "include" / "leanstream.h").read_text()]
+    text = "\n".join(headers)
+    decls = [re.search(r"typedef struct \{[^}]*\} ls_block_q8_0;", text).group(0)]
+    for name in KERNELS:
+        m = re.search(r"^(?:LS_API\s+)?[\w ]+\*?\s*\b" + name + r"\([^;]*\);", text, re.M)
+        assert m, f"{name} is not declared in internal.h or leanstream.h"
+        decls.append(re.sub(r"^LS_API\s+", "", m.group(0)))
+    return "\n".join(decls)
 
 
 def library_flags() -> list[str]:
@@ -62,7 +61,7 @@ def kernels(tmp_path_factory):
                     str(REPO / "native" / "src" / "kernels.c"), "-lm", "-o", str(so)],
                    check=True, capture_output=True, text=True)
     ffi = cffi.FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(kernel_cdef())
     return ffi, ffi.dlopen(str(so))
 
 
@@ -182,9 +181,9 @@ def test_dot2_rows_equal_the_one_row_kernel_and_the_reference(k, fmt, T):
 
 # ---- the down projection for T rows ------------------------------------------------------------------
 
-AXPY = {   # column format: (its columns, the one-row and the rows kernel)
-    "Q8_0": (q8_0_cols, "ls_axpy_q8_0_multi", "ls_axpy_q8_0_rows"),
-    "Q6_K": (q6_K_cols, "ls_axpy_q6_K_multi", "ls_axpy_q6_K_rows"),
+AXPY = {   # column format: (its columns, their C type, the one-row and the rows kernel)
+    "Q8_0": (q8_0_cols, "ls_block_q8_0", "ls_axpy_q8_0_multi", "ls_axpy_q8_0_rows"),
+    "Q6_K": (q6_K_cols, "uint8_t", "ls_axpy_q6_K_multi", "ls_axpy_q6_K_rows"),
 }
 
 
@@ -193,7 +192,7 @@ AXPY = {   # column format: (its columns, the one-row and the rows kernel)
 @pytest.mark.parametrize("T", ROW_COUNTS + [70])  # 70: more rows than the kernels' factor table holds
 def test_axpy_rows_equal_the_one_row_kernel_and_the_reference(k, fmt, m, T):
     ffi, lib, isa = k
-    make_cols, one_name, rows_name = AXPY[fmt]
+    make_cols, ctype, one_name, rows_name = AXPY[fmt]
     one, rows = getattr(lib, one_name), getattr(lib, rows_name)
     rng = np.random.default_rng(1000 * m + T)
     n = 1536
@@ -201,7 +200,7 @@ def test_axpy_rows_equal_the_one_row_kernel_and_the_reference(k, fmt, m, T):
     h = rng.standard_normal((m, T)).astype(np.float32)   # [m][T], as the op stages it
     h[0, 0] = 0.0                                         # (a neuron that is off in one row)
     acc0 = rng.standard_normal((T, n)).astype(np.float32)  # a partial output already there
-    cp = ffi.new("void *[]", [_ptr(ffi, c) for c in cols])
+    cp = ffi.new(f"{ctype} *[]", [_ptr(ffi, c, f"{ctype} *") for c in cols])
     acc = acc0.copy()
     rows(_ptr(ffi, acc, "float *"), _ptr(ffi, h, "float *"), cp, m, T, n)
     want = ref.axpy_columns(acc0, h, cols, fmt)
