@@ -29,28 +29,29 @@ PROMPT = "Explain how a hash map handles collisions, with a short Python example
 
 
 def steps(llm, n: int, fraction: float) -> tuple[float, float]:
-    """(median seconds of a draft step, median seconds of its FFN ops) over n steps after the
+    """(median seconds of a draft step, mean seconds of its FFN ops) over n steps after the
     context, each decoding the draft's own top token; the context is restored after."""
     eng = llm.engine
     n_past, tok = llm.n_tokens, int(llm.input_ids[llm.n_tokens - 1])
     llm.rewind(n_past - 1)
     eng.set_draft(True, fraction)
-    total, ffn = [], []
+    total = []
+    skip = min(2, n - 1)   # the first steps warm caches
     try:
-        for _ in range(n):
-            s0 = eng.stats()["draft_ns"]
+        for i in range(n):
+            if i == skip:
+                s0 = eng.stats()["draft_ns"]   # (outside the timed steps: stats() is not free)
             t0 = time.perf_counter()
             llm.eval([tok])
             ids, _ = eng.draft_top(0, 1)
             total.append(time.perf_counter() - t0)
-            ffn.append((eng.stats()["draft_ns"] - s0) / 1e9)
             tok = int(ids[0]) if len(ids) else tok
+        ffn = (eng.stats()["draft_ns"] - s0) / 1e9 / (n - skip)
     finally:
         eng.set_draft(False)
         llm.rewind(n_past - 1)
         llm.eval([int(llm.input_ids[n_past - 1])])
-    skip = min(2, n - 1)   # the first steps warm caches
-    return statistics.median(total[skip:]), statistics.median(ffn[skip:])
+    return statistics.median(total[skip:]), ffn
 
 
 def main(argv=None) -> int:

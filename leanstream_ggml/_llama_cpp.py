@@ -212,12 +212,12 @@ def reuse_prefix(llm: llama_cpp.Llama, tokens: list[int], reset: bool) -> tuple[
 
 def sampler(llm: llama_cpp.Llama, **kw):
     """The sampler chain ``generate`` builds from its sampling arguments (temp, top_k, top_p,
-    min_p, penalties, mirostat, logits processors, grammar); ``.sample(llm._ctx, row)`` samples a
-    row of the last decode and accepts the token."""
+    min_p, penalties, mirostat, logits processors, grammar), as a function: ``sample(row)``
+    samples a row of the last decode (-1: its last) and accepts the token."""
     llm._mirostat_mu = ctypes.c_float(2.0 * kw.get("mirostat_tau", 5.0))
     s = llm._init_sampler(**kw)
     llm._sampler = s
-    return s
+    return lambda row: s.sample(llm._ctx, row)
 
 
 def input_ids(llm: llama_cpp.Llama):
@@ -268,17 +268,24 @@ class TreeBatch:
 
 def tree_decode(llm: llama_cpp.Llama, tokens, positions, seqs, n_seq: int) -> None:
     """Decodes a token tree's batch after the KV cache's n_tokens (tree.py): the context is copied
-    into sequences 1 .. n_seq - 1 first; every row's logits are kept (``logits(row)``)."""
+    into sequences 1 .. n_seq - 1 first; every row's logits are kept (``logits(row)``). A decode
+    that fails (the op's read error, raised after the graph ran) leaves the KV cache as it was:
+    the context alone, in sequence 0."""
     mem = llama_cpp.llama_get_memory(llm.ctx)
     for s in range(1, n_seq):
         llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
-    tb = llm.__dict__.get("_tree_batch")
-    if tb is None or tb.n_tokens < len(tokens) or tb.n_seq_max < n_seq:
-        if tb is not None:
-            tb.close()
-        tb = llm._tree_batch = TreeBatch(max(len(tokens), 64), max(n_seq, 64))
-    tb.fill(tokens, positions, seqs)
-    llm._ctx.decode(tb._batch)
+    try:
+        tb = llm.__dict__.get("_tree_batch")
+        if tb is None or tb.n_tokens < len(tokens) or tb.n_seq_max < n_seq:
+            if tb is not None:
+                tb.close()
+            tb = llm._tree_batch = TreeBatch(max(len(tokens), 64), max(n_seq, 64))
+        tb.fill(tokens, positions, seqs)
+        llm._ctx.decode(tb._batch)
+    except BaseException:
+        tree_keep(llm, llm.n_tokens, [], n_seq)
+        llm._requires_eval = True
+        raise
 
 
 def tree_keep(llm: llama_cpp.Llama, n_past: int, kept: list[int], n_seq: int) -> None:

@@ -211,6 +211,10 @@ class Meter:
         """P(the model's token is the draft's rank-``rank`` token | the draft's top-1 bin)."""
         return float(self.rank_p[qbin, rank]) if rank < MAX_RANK else 0.0
 
+    def changed(self) -> None:
+        """Something the table is solved from changed (the pass costs it shares)."""
+        self._dirty = True
+
     def ready(self) -> bool:
         return math.isfinite(self.costs.t_pass[1])
 

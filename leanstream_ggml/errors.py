@@ -44,6 +44,6 @@ def describe(exc: BaseException) -> str | None:
     if isinstance(exc, (manifest.ManifestError, params.ParameterError, memplan.MemoryPlanError, FetchError)):
         return str(exc)
     # by name: the runtime never imports the converter, nor the native library just to classify
-    if type(exc).__name__ in ("ConvertError", "LeanstreamError"):
+    if type(exc).__name__ in ("ConvertError", "LeanstreamError", "ControllerError"):
         return str(exc)
     return None

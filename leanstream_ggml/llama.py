@@ -122,9 +122,12 @@ class Llama(llama_cpp.Llama):
                     warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
                                   f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
                 o["sparsity"] = params.sparsity_for_quality(m.sketch.quality, params.quality(quality))
-        elif spec in ("auto", "self") and (m.block_importance_file() or m.block_freq_file()):
+        elif m.block_importance_file() or m.block_freq_file():
             # dense mode pins each layer's most important blocks (not a prefix of the scan): the
-            # draft FFN; by mean |h| x ||down|| where the converter measured it, else by frequency
+            # speculative draft's FFN, and every layer keeps a streamed part, which the next
+            # layer's prefetch reads while this one computes (a prefix of the scan leaves whole
+            # layers to stream, too large to prefetch); by mean |h| x ||down|| where the converter
+            # measured it, else by frequency. The same set with speculation on or off.
             block_rank = self._block_rank(path, m.block_importance_file())
         if o["memory_limit"]:
             self.memory_plan = memplan.plan(path, m, o["memory_limit"], mode=mode,
@@ -143,7 +146,10 @@ class Llama(llama_cpp.Llama):
         self.hot_blocks = self._engine.stats()["hot_blocks"] if modes.is_sparse(mode) else 0
         # one KV cache for the sequences of a token tree (speculative.py), in every mode, so that
         # plain decoding runs on the same context
-        with _llama_cpp.context_params(n_seq_max=EXACT_ROWS, kv_unified=True):
+        # (as many as a batch holds outputs: llama.cpp reserves n_seq_max rows of logits and
+        # asserts they fit in n_batch's)
+        self._n_seq = self._seq_max(kwargs)
+        with _llama_cpp.context_params(n_seq_max=self._n_seq, kv_unified=True):
             super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
         # a row of a batch of up to EXACT_ROWS tokens rounds as that token alone, in plain decoding
@@ -158,7 +164,9 @@ class Llama(llama_cpp.Llama):
             from .speculative import Drafter
 
             self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
-                                    width=o["draft_width"], max_rows=self._verify_rows_max(o), vocab=self._draft_vocab())
+                                    width=o["draft_width"], max_rows=min(self._verify_rows_max(o), self._n_seq),
+                                    vocab=self._draft_vocab(),
+                                    resident=self._resident_share())
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(
@@ -230,6 +238,19 @@ class Llama(llama_cpp.Llama):
                 f"{freq_path}: block frequencies must be finite floats of shape [n_layer, n_blocks] = "
                 f"[{m.n_layer}, {m.layers[0].n_blocks}], got {getattr(freq, 'dtype', '?')} {getattr(freq, 'shape', '?')}")
         return freq
+
+    def _resident_share(self) -> float:
+        """The share of each layer's blocks dense mode keeps resident (its pinned set; 1: all)."""
+        s = self._engine.stats()
+        total = sum(e.n_blocks for e in self.manifest.layers)
+        return min(1.0, s["hot_blocks"] / total) if s["hot_blocks"] else 1.0
+
+    @staticmethod
+    def _seq_max(kwargs: dict) -> int:
+        """The context's n_seq_max: EXACT_ROWS, or fewer where a batch is smaller (llama_cpp.Llama
+        takes n_batch = min(n_batch, n_ctx); n_ctx 0 is the model's own, at least any batch)."""
+        n_batch, n_ctx = int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ctx", 512))
+        return max(1, min(EXACT_ROWS, n_batch, n_ctx or n_batch))
 
     @staticmethod
     def _verify_rows_max(o: dict) -> int:

@@ -138,7 +138,7 @@ OPTIONS: tuple[Option, ...] = (
            "(action K of that policy's actions, or of control.DEFAULT_ACTIONS where none was tuned, on every "
            "layer)",
            ("chat", "serve")),
-    Option("speculative", str, "off",
+    Option("speculative", str, "auto",
            "exact speculative decoding in {DEFAULT} mode (docs/design.md §21): auto (drafts from the "
            "engine's resident blocks and from prompt lookup in one token tree verified in one pass, the "
            "controller choosing how far to draft and which tokens to verify, drafting nothing where a pass "
@@ -155,9 +155,10 @@ OPTIONS: tuple[Option, ...] = (
            "speculative decoding: the self draft's best tokens per step that a token tree may verify "
            "(1: a chain); the verify pass has at most 1 + {draft_max} x {draft_width} rows",
            ("chat", "serve", "bench")),
-    Option("draft_fraction", float, 1.0,
+    Option("draft_fraction", float, None,
            "speculative decoding: the self draft computes each layer's most important fraction of its blocks "
-           "(those resident; 1: every resident block): a cheaper, less faithful draft",
+           "(those resident; 1: every resident block); default: the controller's choice among shares of what "
+           "RAM holds (a smaller draft steps faster and agrees less), by the rate it measures for each",
            ("chat", "serve", "bench")),
     Option("draft_stop", str, None,
            "speculative decoding: how far to draft: controller (default: the table solved from the costs and "

@@ -249,8 +249,8 @@ MAX_DRAFT = 64
 
 
 def speculative(value, mode: str | None = None) -> str:
-    """speculative: None (the default, off until its speed bar is met; docs/design.md §21), "auto"
-    (self draft + prompt lookup, the controller choosing how far; in a sparse mode "off"), "self",
+    """speculative: None (the default: "auto"; docs/design.md §21), "auto" (self draft + prompt
+    lookup in one tree, the controller choosing what to draft and verify; in a sparse mode "off"), "self",
     "ngram" or "off". Speculative decoding verifies with the dense pass, so a sparse mode refuses
     self and ngram (its answers would change). mode None: the value alone is checked."""
     from . import modes
@@ -276,7 +276,7 @@ def draft_width(value) -> int:
     return _default("draft_width") if value is None else _int_in(value, "draft_width", 1, MAX_RANK)
 
 
-def draft_fraction(value) -> float:
+def draft_fraction(value) -> float | None:
     if value is None:
         return _default("draft_fraction")
     f = _real_in(value, "draft_fraction", 0.0, 1.0, hi_open=False)

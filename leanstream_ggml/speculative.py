@@ -33,6 +33,9 @@ from .draft_control import MAX_RANK, N_Q, Meter, q_bucket, select
 from .tree import Tree, kept_prefix, layout, walk
 
 KINDS = ("auto", "self", "ngram", "off")
+# the self draft's sizes the controller chooses from: shares of what RAM holds of each layer (its
+# resident blocks are its most important ones); a smaller draft steps faster and agrees less
+ARMS = (1.0, 0.75, 0.55)
 DRAFT_VOCAB = 32768    # the draft's output projection: this many of the ranked tokens, + the context's
 
 
@@ -48,6 +51,7 @@ class SpecStats:
     redecoded: int = 0       # accepted tokens off the main path, decoded again in the next pass
     by_kind: dict = field(default_factory=lambda: {"self": 0, "ngram": 0, "both": 0})
     by_shape: dict = field(default_factory=dict)   # "depth x nodes" -> [passes, tokens]
+    by_fraction: dict = field(default_factory=dict)  # the self draft's size -> [steps, seconds]
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("passes", "drafted", "accepted", "draft_steps", "plain_passes", "redecoded")}
@@ -58,6 +62,7 @@ class SpecStats:
         d["acceptance"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
         d["proposals"] = dict(self.by_kind)
         d["by_shape"] = {k: {"passes": v[0], "tokens_per_pass": round(v[1] / v[0], 3)} for k, v in sorted(self.by_shape.items())}
+        d["by_fraction"] = {k: {"steps": v[0], "step_ms": round(1e3 * v[1] / v[0], 3)} for k, v in sorted(self.by_fraction.items())}
         return d
 
 
@@ -83,22 +88,29 @@ class Drafter:
     """Proposes the token tree of a pass: the self draft's steps (their top ``width`` tokens) and
     prompt lookup's proposal, cut by the controller (or by draft_stop's rule)."""
 
-    def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float = 1.0,
-                 width: int = 3, max_rows: int = 64, ngram_size: int = 3, vocab=None):
+    def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float | None = None,
+                 width: int = 3, max_rows: int = 64, ngram_size: int = 3, vocab=None, resident: float = 1.0):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self.llm, self.kind, self.k_max, self.fraction = llm, kind, draft_max, fraction
+        self.llm, self.kind, self.k_max = llm, kind, draft_max
         self.width = max(1, min(width, MAX_RANK))
         self.max_rows = max_rows
         self.stop, self.p_min = parse_stop(stop)
-        self.meter = Meter(draft_max, max_rows)
+        # one meter per draft size (its acceptance and step time; the pass costs are shared): the
+        # given fraction of each layer's blocks, or the controller's choice among ARMS x the share
+        # of each layer RAM holds (``resident``), the size whose solved rate is best
+        self.fractions = [fraction] if fraction is not None else [max(1e-3, a * resident) for a in ARMS]
+        self.meters = [Meter(draft_max, max_rows) for _ in self.fractions]
+        for m in self.meters[1:]:
+            m.costs.t_pass = self.meters[0].costs.t_pass
+        self.arm = 0
         # prompt lookup's proposals cost nothing to make; their acceptance is measured apart (one
         # bin), the pass costs are the same
         self.lookup_meter = Meter(draft_max, max_rows)
-        self.lookup_meter.costs.t_pass = self.meter.costs.t_pass
+        self.lookup_meter.costs.t_pass = self.meters[0].costs.t_pass
         self.stats = SpecStats()
         self.lookup = LlamaPromptLookupDecoding(max_ngram_size=ngram_size, num_pred_tokens=draft_max)
-        self._batch = _llama_cpp.Batch(max(llm.n_batch, draft_max + 1))
+        self._draft_batch = _llama_cpp.Batch(max(llm.n_batch, draft_max + 1))
         # the draft's vocabulary: the converter's ranked tokens (None: every token) and every token
         # of the context (names and identifiers a prompt brings are what a ranking misses)
         self._vocab = None if vocab is None else set(int(t) for t in vocab)
@@ -118,7 +130,20 @@ class Drafter:
             self.llm.engine.set_draft_vocab(np.fromiter(self._vocab, dtype=np.int32))
 
     def close(self) -> None:
-        self._batch.close()
+        self._draft_batch.close()
+
+    @property
+    def meter(self) -> Meter:
+        """The meter of the draft size in use."""
+        return self.meters[self.arm]
+
+    def _choose_arm(self) -> None:
+        """The draft size whose solved policy is fastest (an untried one first: its step time is
+        not known, so its rate is the best; its acceptance starts from the prior)."""
+        if len(self.meters) == 1 or self.stop != "controller":
+            return
+        rates = [(t.rate if t is not None else 0.0) for t in (m.table() for m in self.meters)]
+        self.arm = int(np.argmax(rates))
 
     # -- the tree of one pass --------------------------------------------------------------------
     def propose(self, context: list[int], n_past: int, pending: list[int]) -> Tree:
@@ -128,6 +153,8 @@ class Drafter:
         if room <= 0:
             return Tree()
         tree, t_spent = Tree(), 0.0
+        self._choose_arm()
+        tree.arm = self.arm
         if self.kind in ("auto", "ngram"):
             prop = [int(t) for t in self.lookup(np.asarray(context, dtype=np.intc))[: min(self.k_max, room)]]
             a, cur = self.lookup_meter.chance(N_Q - 1, 0), -1
@@ -160,16 +187,19 @@ class Drafter:
             return 0.0
         llm, eng = self.llm, self.llm.engine
         cur, p, pos, toks, spent, depth = -1, 1.0, n_past, pending, 0.0, 0
-        eng.set_draft(True, self.fraction)
+        eng.set_draft(True, self.fractions[self.arm])
         try:
             while depth < k_cap:
                 t0 = time.perf_counter()
-                self._batch.decode(llm, toks, pos)
+                self._draft_batch.decode(llm, toks, pos)
                 ids, probs = eng.draft_top(0, self.width)   # (the batch keeps its last row only)
                 dt = time.perf_counter() - t0
                 spent += dt
                 self.stats.draft_steps += 1
                 self.stats.draft_s += dt
+                fs = self.stats.by_fraction.setdefault(f"{self.fractions[self.arm]:.3g}", [0, 0.0])
+                fs[0] += 1
+                fs[1] += dt
                 self.meter.draft_timed(dt)
                 b = q_bucket(float(probs[0]))
                 self.meter.drafted(b)
@@ -194,12 +224,12 @@ class Drafter:
     def learn(self, tree: Tree, accepted: list[int], emitted: list[int]) -> None:
         """What the walk showed: at every self-draft step it reached along the draft's chain, the
         rank of the model's token among the draft's top tokens; prompt lookup's tokens likewise."""
-        main_ok = True
+        main_ok, meter = True, self.meters[tree.arm]
         for d, (cands, b) in enumerate(tree.steps):
             if d >= len(emitted) or not main_ok:
                 break
             tok = emitted[d]
-            self.meter.observe(b, cands.index(tok) if tok in cands else -1)
+            meter.observe(b, cands.index(tok) if tok in cands else -1)
             main_ok = d < len(accepted) and tree.nodes[accepted[d]].source == "self" and tree.nodes[accepted[d]].rank == 0
         cur = -1
         for d, tok in enumerate(emitted):
@@ -214,7 +244,9 @@ class Drafter:
 
     def timed(self, n_rows: int, seconds: float) -> None:
         self.stats.verify_s += seconds
-        self.meter.pass_timed(n_rows, seconds)
+        self.meters[0].pass_timed(n_rows, seconds)
+        for m in self.meters[1:] + [self.lookup_meter]:
+            m.changed()   # (they share the pass costs)
 
 
 def generate(llm, drafter: Drafter, tokens, *, reset: bool = True, stopping_criteria=None, **sampling):
@@ -234,7 +266,7 @@ def generate(llm, drafter: Drafter, tokens, *, reset: bool = True, stopping_crit
         if pending:
             emitted, base, in_kv = _pass(llm, drafter, smp, pending, plain=first)
         else:
-            emitted, base, in_kv = [smp.sample(llm._ctx, -1)], llm.n_tokens, 0
+            emitted, base, in_kv = [smp(-1)], llm.n_tokens, 0
         first = False
         context = list(_llama_cpp.input_ids(llm)[:base])
         pending = emitted[in_kv:]
@@ -267,7 +299,7 @@ def _pass(llm, drafter: Drafter, smp, pending: list[int], plain: bool) -> tuple[
         if m == 1:
             st.plain_passes += 1
             drafter.timed(1, time.perf_counter() - t0)
-        return [smp.sample(llm._ctx, -1)], n_past + m, 0
+        return [smp(-1)], n_past + m, 0
     lay = layout(tree)
     rows = pending + [tree.nodes[i].token for i in lay.order]
     pos = list(range(n_past, n_past + m)) + [n_past + m - 1 + tree.nodes[i].depth for i in lay.order]
@@ -279,7 +311,7 @@ def _pass(llm, drafter: Drafter, smp, pending: list[int], plain: bool) -> tuple[
     def sample(r: int) -> int:
         # the sampler sees the context up to this row (logits processors read input_ids)
         _llama_cpp.set_context(llm, n_past, pending + path)
-        tok = smp.sample(llm._ctx, m - 1 if r < 0 else m + r)
+        tok = smp(m - 1 if r < 0 else m + r)
         path.append(tok)
         return tok
 

@@ -45,6 +45,7 @@ class Tree:
     # per depth d (index d - 1): the self draft's top tokens at that step and its confidence bin
     # (what the controller learns rank acceptance from, whether or not a node was made of them)
     steps: list[tuple[list[int], int]] = field(default_factory=list)
+    arm: int = 0         # the draft size that drafted it (speculative.Drafter)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -75,7 +76,7 @@ class Tree:
 
     def subtree(self, keep: list[int]) -> "Tree":
         """The tree of the nodes ``keep`` (each one's parent kept too), indices renumbered."""
-        new = Tree(steps=self.steps)
+        new = Tree(steps=self.steps, arm=self.arm)
         index = {-1: -1}
         for i in sorted(keep):
             n = self.nodes[i]

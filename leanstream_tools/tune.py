@@ -267,6 +267,11 @@ def run(args) -> int:
         # kept apart from the policies too: an interrupted tune does not measure it again
         mf.write_atomic(model_dir / mf.controller_quality_file(sparsity), json.dumps(band, indent=1) + "\n")
     allowed = np.array([band["allowed"][str(c)] for c, _ in actions])
+    if not allowed.any():
+        raise control.ControllerError(
+            f"no candidate ratio keeps perplexity within x{args.quality_target:g} of dense at sparsity {sparsity:g} "
+            f"(measured: {', '.join(f'x{c}: x{r:.3f}' for c, r in band['ratio'].items())}): give a larger "
+            f"--quality-target or a lower --sparsity")
     print(f"quality band at sparsity {sparsity:g} (perplexity vs dense, the worse of prose and code): "
           + ", ".join(f"candidates x{c}: x{r:.3f}{'' if band['allowed'][c] else ' (over the target: not offered)'}"
                       for c, r in band["ratio"].items()))
@@ -288,6 +293,12 @@ def run(args) -> int:
         q, s = np.median(disk[(ph == 0) & (disk > 0)]), np.median(disk[(ph == 1) & (disk > 0)])
         if s > q * 1.1:
             disk_edges = [float(np.sqrt(q * s))]
+    ran = {int(a) for a in samples["action"]}
+    if not any(allowed[a] for a in ran):
+        raise control.ControllerError(
+            f"the profile's {len(samples['seq'])} controlled ops ran none of the actions the quality band allows "
+            f"(candidate ratios {', '.join(str(actions[a][0]) for a in range(len(actions)) if allowed[a])}): profile "
+            f"more tokens (--tokens, now {args.tokens}), or restart it (--restart)")
     binned = control.bin_states(samples, load_edges, disk_edges)
     table, V, Q, counts = control.solve(binned, m.n_layer, len(actions), len(load_edges) + 1, len(disk_edges) + 1,
                                         allowed=allowed)

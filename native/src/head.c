@@ -100,6 +100,53 @@ static inline int32_t q6_K_sum_avx2(const uint8_t * q, const __m256i * sc16, con
     return hsum_i32(acc);
 }
 
+// The same super-block sums in AVX-512BW: the 256 values in four registers (64 each) and the
+// scales spread over them once, every row's x then multiplied in four steps.
+__attribute__((target("avx512f,avx512bw")))
+static void q6_K_head_row_avx512(const ls_q6_K * w, int64_t n, const ls_q8_K * const * x, int64_t T, float * out,
+                                 size_t out_stride) {
+    float acc[LS_EXACT_ROWS];
+    for (int64_t t = 0; t < T; t++) acc[t] = 0.0f;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    // shift counts of qh per 16-bit lane: the low 256 bits one segment, the high the next
+    const __m512i sh_a = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i sh_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    __m512i idx[4];   // i16 lane l of chunk c takes the scale of group 4c + l / 8
+    for (int c = 0; c < 4; c++) {
+        int16_t v[32];
+        for (int l = 0; l < 32; l++) v[l] = (int16_t) (4 * c + l / 8);
+        idx[c] = _mm512_loadu_si512((const void *) v);
+    }
+    for (int64_t b = 0; b < n / 256; b++) {
+        __m512i q[4], sc[4];
+        for (int half = 0; half < 2; half++) {
+            const __m512i l = _mm512_loadu_si512((const void *) (w[b].ql + 64 * half));
+            const __m256i h256 = _mm256_loadu_si256((const __m256i *) (w[b].qh + 32 * half));
+            const __m512i hh = _mm512_inserti64x4(_mm512_castsi256_si512(h256), h256, 1);
+            const __m512i ha = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hh, sh_a), m2), 4);
+            const __m512i hb = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hh, sh_b), m2), 4);
+            q[2 * half] = _mm512_or_si512(_mm512_and_si512(l, m4), ha);
+            q[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4), hb);
+        }
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) w[b].sc));
+        for (int c = 0; c < 4; c++) sc[c] = _mm512_permutexvar_epi16(idx[c], _mm512_castsi256_si512(s16));
+        const float dw = _cvtsh_ss(w[b].d);
+        for (int64_t t = 0; t < T; t++) {
+            const ls_q8_K * xb = &x[t][b];
+            __m512i s = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_maddubs_epi16(q[c], _mm512_loadu_si512((const void *) (xb->qs + 64 * c)));
+                s = _mm512_add_epi32(s, _mm512_madd_epi16(p, sc[c]));
+            }
+            const __m256i bm = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *) xb->bsums));
+            const int32_t S = _mm512_reduce_add_epi32(s) - 32 * hsum_i32(bm);
+            const float f = dw * xb->d;
+            acc[t] = fmaf(f, (float) S, acc[t]);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) out[(size_t) t * out_stride] = acc[t];
+}
+
 // rows [t0, t1) of y[t][v] = W_v . x_t for one Q6_K weight row of n values
 static void q6_K_head_row(const ls_q6_K * w, int64_t n, const ls_q8_K * const * x, int64_t T, float * out, size_t out_stride) {
     uint8_t q[256] __attribute__((aligned(32)));
@@ -178,6 +225,7 @@ static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * user
     const int64_t n = subset ? H->n_vocab_draft : n_vocab;
     const int64_t i0 = n * ith / nth, i1 = n * (ith + 1) / nth;
     const bool own = w->type == GGML_TYPE_Q6_K && vt == GGML_TYPE_Q8_K;   // this file's kernel (module doc)
+    const bool avx512 = strncmp(ls_kernel_isa(), "avx512", 6) == 0;
     const ls_q8_K * xs[LS_EXACT_ROWS];
     for (int64_t t = 0; t < T; t++) xs[t] = (const ls_q8_K *) (H->xq + (size_t) t * xrow);
     const size_t ystride = dst->nb[1] / sizeof(float);
@@ -185,7 +233,7 @@ static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * user
         const int64_t v = subset ? H->vocab[i] : i;
         const uint8_t * wr = (const uint8_t *) w->data + (size_t) v * w->nb[1];
         if (own) {
-            q6_K_head_row((const ls_q6_K *) wr, n_embd, xs, T, (float *) dst->data + v, ystride);
+            (avx512 ? q6_K_head_row_avx512 : q6_K_head_row)((const ls_q6_K *) wr, n_embd, xs, T, (float *) dst->data + v, ystride);
             continue;
         }
         for (int64_t t = 0; t < T; t++) {

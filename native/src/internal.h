@@ -283,7 +283,7 @@ struct ls_engine {
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
-//   head.c       ls_output_build: the LM head's node, the draft vocabulary -> cpu.c util.c
+//   head.c       ls_output_build: the LM head's node, the draft vocabulary -> kernels.c cpu.c util.c
 //   op.c         the op's three paths, ls_ffn_eval            -> schedule.c control.c engine.c sketch.c kernels.c checksum.c cache.c util.c
 //   schedule.c   selection, chunks, pins, prefetch            -> control.c cache.c io.c predictor.c mode.c util.c
 //   control.c    the streaming controller: state, lookup       -> util.c

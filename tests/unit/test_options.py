@@ -19,7 +19,7 @@ from leanstream_ggml import modes, options, params
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction",
          "candidate_ratio", "bridge_bytes", "verify_checksums", "controller", "speculative", "draft_max",
-         "draft_fraction", "draft_stop")
+         "draft_width", "draft_fraction", "draft_stop")
 
 
 def _parse(command: str, argv: list[str]) -> argparse.Namespace:
@@ -72,11 +72,11 @@ def test_llama_signature_and_docstring_are_the_spec():
 def test_each_command_takes_exactly_its_options():
     want = {
         "chat": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "controller", "speculative",
-                 "draft_max", "draft_fraction", "draft_stop"},
+                 "draft_max", "draft_width", "draft_fraction", "draft_stop"},
         "serve": set(NAMES) - {"verify_checksums"} | {"reuse_prefix"},
         "info": {"memory_limit", "mode"},
         "bench": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums",
-                  "speculative", "draft_max", "draft_fraction", "draft_stop"},
+                  "speculative", "draft_max", "draft_width", "draft_fraction", "draft_stop"},
         "perplexity": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums"},
         "eval": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums"},
         "compare": {"memory_limit", "sparsity"},
@@ -202,8 +202,8 @@ def test_a_flag_and_a_keyword_fail_with_one_message():
 
 def test_rules_between_options():
     v = params.llama_options({})
-    assert v["mode"] == modes.DEFAULT and v["controller"] == "off" and v["speculative"] == "off"
-    assert v["draft_max"] == 8 and v["draft_fraction"] == 1.0 and v["verify_checksums"] is True
+    assert v["mode"] == modes.DEFAULT and v["controller"] == "off" and v["speculative"] == "auto"
+    assert v["draft_max"] == 8 and v["draft_width"] == 3 and v["draft_fraction"] is None and v["verify_checksums"] is True
     assert v["memory_budget"] is None and v["sparsity"] is None          # the engine's defaults
     assert params.llama_options({"quality": "ppl+5%"})["mode"] == modes.QUALITY
     assert params.llama_options({"memory_limit": "1GB"})["memory_limit"] == 10**9
