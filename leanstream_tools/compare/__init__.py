@@ -3,7 +3,8 @@
     leanstream compare qwen2.5-coder-1.5b-instruct --memory-limit 1GB --out cmp.json --plot cmp.png
     leanstream compare model.gguf --memory-limit 600MB --short     # a smoke test (CI: SmolLM2)
 
-Setups (--setups, a comma list; default: all six below):
+Setups (--setups, a comma list; default: stock, stock+lookup, stock-q3_k_m, stock-q3_k_m+lookup,
+stock-q2_k, dense, dense+off, leanstream, leanstream@ppl+5%):
 
 - "stock": stock llama-cpp-python (llama_cpp.Llama, mmap, its defaults) on the GGUF given, the
   source quant. It always runs: beyond the limit its mmap'd pages are read from disk again.
@@ -16,6 +17,14 @@ Setups (--setups, a comma list; default: all six below):
   "MODE@ppl+N%", e.g. "leanstream@ppl+5%": leanstream at the sparsity quality="ppl+N%" takes
   from the converter's calibration. A mode the directory cannot run (no sketch, no
   calibration) is not run, and the reason is given.
+- speculative decoding, a suffix: "stock+lookup", "stock-q3_k_m+lookup": the same stock setup
+  with llama-cpp-python's prompt lookup decoding (draft_model=LlamaPromptLookupDecoding, its
+  default 10 tokens a proposal; logits_all, which its draft path needs); "dense+off" (plain
+  decoding), "dense+auto", "dense+self", "dense+ngram": the plugin's speculative kind, a bare
+  "dense" the library's default (auto). The sparse modes decode plainly ("+self" and "+ngram"
+  are refused there). Every run records its kind, a plugin run with speculation its stats
+  (tokens per pass, acceptance, draft step ms); the twins share one perplexity measurement
+  (speculation changes no logit).
 
 Measured for each setup:
 
@@ -67,7 +76,7 @@ from .runner import (  # noqa: F401
     workspace)
 from .setups import (  # noqa: F401
     DEFAULT_SETUPS, STOCK, check_setups, is_stock, parse_limit, parse_systems, plan_setups, plugin_availability,
-    plugin_mode, selecting_budget, sketch_bytes, stock_fit, stock_quant)
+    plugin_mode, selecting_budget, sketch_bytes, speculative_kind, split_speculative, stock_fit, stock_quant)
 
 # (n_prompt, n_gen, repetitions, perplexity windows): a measurement, and --short's smoke test
 FULL = {"n_prompt": 64, "n_gen": 32, "repetitions": 3, "ppl_chunks": None}

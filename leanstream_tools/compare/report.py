@@ -16,7 +16,8 @@ from .setups import STOCK
 @dataclass
 class ReportRow:
     """One setup's row: a line of the table, a point of the plot, an object of the JSON's
-    "setups" (to_dict / from_dict). make_rows builds them."""
+    "setups" (to_dict / from_dict). make_rows builds them. The speculative fields are in the
+    JSON where set (a report written before them has none: they read back as None)."""
     setup: str
     kind: str                          # "stock" or "plugin"
     file: str | None                   # a stock setup's GGUF (name)
@@ -35,9 +36,20 @@ class ReportRow:
     ppl: float | None                  # held-out perplexity (measure_perplexities)
     ppl_ratio: float | None            # ppl / stock's
     greedy_match_vs_stock: float | None
+    speculative: str | None = None     # how it decoded: "off", "lookup" (stock), the plugin's kind
+    tokens_per_pass: float | None = None   # the plugin's speculative stats of its last decode (passes with a draft)
+    acceptance: float | None = None
+    draft_step_ms: float | None = None
+
+    SPECULATIVE: ClassVar[tuple[str, ...]] = ("speculative", "tokens_per_pass", "acceptance", "draft_step_ms")
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in self.SPECULATIVE or getattr(self, f.name) is not None}
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculative not in (None, "off")
 
     @classmethod
     def from_dict(cls, d: dict) -> ReportRow:
@@ -138,6 +150,7 @@ def make_rows(systems: list[str], plans: dict, runs: dict[str, RunRecord], ppl: 
         status = e.status if e else plan["status"]
         ok = status == "ok"
         peak = (e and e.cgroup.get("max_usage_bytes")) if accounted else r.get("peak_rss_bytes")
+        spec = (e and e.speculative_stats) or {}
         rows.append(ReportRow(
             setup=s, kind=plan["kind"], file=plan.get("file"), file_bytes=plan.get("file_bytes"),
             sparsity=plan.get("sparsity"), fits=False if status in ("skipped", "oom", "does not fit") else plan["fits"],
@@ -148,7 +161,10 @@ def make_rows(systems: list[str], plans: dict, runs: dict[str, RunRecord], ppl: 
             decode_tok_s=r.get("decode_tok_s") if ok else None, prefill_tok_s=r.get("prefill_tok_s") if ok else None,
             peak_bytes=peak if ok else None, peak_rss_bytes=r.get("peak_rss_bytes"),
             ppl=p, ppl_ratio=p / ref if p is not None and ref else None,
-            greedy_match_vs_stock=e and e.greedy_match_vs_stock))
+            greedy_match_vs_stock=e and e.greedy_match_vs_stock,
+            speculative=(e and e.speculative) or plan.get("speculative"),
+            tokens_per_pass=spec.get("tokens_per_pass"), acceptance=spec.get("acceptance"),
+            draft_step_ms=spec.get("draft_step_ms") or None))   # 0.0: no self-draft step (lookup proposals)
     return rows
 
 
@@ -199,6 +215,15 @@ def format_table(report: Report) -> str:
             notes.append(f"sparsity {r.sparsity:g}")
         if r.memory_budget_bytes:
             notes.append(f"budget {measure.format_size(r.memory_budget_bytes)}")
+        if r.speculates:
+            spec = [f"speculative {r.speculative}"]
+            if r.tokens_per_pass is not None:
+                spec.append(f"{r.tokens_per_pass:.2f} tokens/pass")
+            if r.acceptance is not None:
+                spec.append(f"{r.acceptance:.0%} of drafts accepted")
+            if r.draft_step_ms is not None:
+                spec.append(f"draft step {r.draft_step_ms:.1f} ms")
+            notes.append(", ".join(spec))
         if r.reason:
             notes.append(r.reason)
         mark = " *" if r.setup in front else ""
@@ -217,7 +242,8 @@ def plot_rows(report: Report) -> tuple[list[ReportRow], list[ReportRow], list[Re
 
 def plot(report: Report, path: str) -> None:
     """ppl ratio (y) against decode tok/s (x): one labelled point per setup that ran and was
-    scored, the Pareto front as a step line through its ringed points; the others listed below."""
+    scored (a triangle where it decoded speculatively), the Pareto front as a step line through
+    its ringed points; the others listed below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,7 +254,7 @@ def plot(report: Report, path: str) -> None:
     ax.axhline(1.0, color="0.6", lw=0.8, ls=":")
     for r in rows:
         color = "C0" if r.kind == "stock" else "C1"
-        ax.plot([r.decode_tok_s], [r.ppl_ratio], "o", color=color)
+        ax.plot([r.decode_tok_s], [r.ppl_ratio], "^" if r.speculates else "o", color=color)
         ax.annotate(r.setup, (r.decode_tok_s, r.ppl_ratio), textcoords="offset points", xytext=(5, 4), fontsize=8)
     if front:
         xs = [r.decode_tok_s for r in reversed(front)]   # slowest (best quality) first
@@ -237,6 +263,8 @@ def plot(report: Report, path: str) -> None:
         ax.plot(xs, ys, "o", mfc="none", mec="C2", ms=11, mew=1.5)
     ax.plot([], [], "o", color="C0", label="stock llama-cpp-python")
     ax.plot([], [], "o", color="C1", label="leanstream plugin")
+    if any(r.speculates for r in rows):
+        ax.plot([], [], "^", color="0.4", label="speculative decoding")
     ax.set_xlabel("decode tokens/s")
     ax.set_ylabel("held-out perplexity / stock's")
     ax.set_xlim(left=0)

@@ -28,7 +28,8 @@ from leanstream_ggml import modes
 
 from .. import cgroup, measure
 from ..cli import PLAN_REFUSED_EXIT
-from .setups import STOCK, is_stock, plugin_mode, selecting_budget, sketch_bytes, stock_quant
+from .setups import (STOCK, is_stock, plugin_mode, selecting_budget, sketch_bytes, speculative_kind,
+                     split_speculative, stock_quant)
 
 ROOT = Path(__file__).resolve().parents[2]   # the directory holding leanstream_tools/ (the checkout)
 
@@ -83,8 +84,9 @@ class RunRecord:
     """One setup's `leanstream bench` run at one limit (bench_record), as the report's "runs"
     hold it: to_dict() is its JSON object and from_dict() reads one back (every file written
     since the records were dicts: the same keys, the same values). A run that started no child
-    (skipped) has no returncode, wall_s or stderr_tail in the JSON; reason, memory_plan and
-    result are there when they are set, greedy_match_vs_stock with a result."""
+    (skipped) has no returncode, wall_s or stderr_tail in the JSON; reason, memory_plan, result,
+    speculative and speculative_stats are there when they are set, greedy_match_vs_stock with a
+    result."""
     system: str
     limit_bytes: int | None                       # its cgroup's limit; None: unlimited
     memory_budget_bytes: int | None               # a plugin run's --memory-budget; None: stock, its plan, no limit
@@ -100,6 +102,8 @@ class RunRecord:
     memory_plan: dict | None = None               # the plan that refused the limit (MemoryPlan.to_dict)
     result: dict | None = None                    # summarize(the child's bench document)
     greedy_match_vs_stock: float | None = None    # add_greedy_match
+    speculative: str | None = None                # how it decodes (speculative_kind); None: a record from before
+    speculative_stats: dict | None = None         # the plugin's stats()["speculative"], its last decode (when on)
 
     def to_dict(self) -> dict:
         d = {"system": self.system, "limit_bytes": self.limit_bytes, "memory_budget_bytes": self.memory_budget_bytes,
@@ -114,6 +118,8 @@ class RunRecord:
                                     ("result", self.result)) if v is not None})
         if self.result is not None:
             d["greedy_match_vs_stock"] = self.greedy_match_vs_stock
+        d.update({k: v for k, v in (("speculative", self.speculative), ("speculative_stats", self.speculative_stats))
+                  if v is not None})
         return d
 
     @classmethod
@@ -245,14 +251,18 @@ def flag(name: str) -> str:
     return BY_NAME[name].flag
 
 
-def engine_args(system: str, sparsity: float | None) -> list[str]:
-    """The `leanstream bench` / `perplexity` options that select a setup's system and mode."""
-    from ..systems import PLUGIN, STOCK as STOCK_SYSTEM
+def engine_args(system: str, sparsity: float | None, decode: bool = False) -> list[str]:
+    """The `leanstream bench` / `perplexity` options that select a setup's system and mode, and
+    where it ``decode``s (bench) its speculative suffix: stock+lookup's system, a plugin's
+    --speculative (none: the library's default). Perplexity scores logits, which speculation
+    does not change."""
+    from ..systems import PLUGIN, STOCK as STOCK_SYSTEM, STOCK_LOOKUP
 
+    kind = split_speculative(system)[1] if decode else None
     if is_stock(system):
-        return ["--system", STOCK_SYSTEM]
+        return ["--system", STOCK_LOOKUP if kind else STOCK_SYSTEM]
     mode, quality = plugin_mode(system)
-    out = ["--system", PLUGIN, flag("mode"), mode]
+    out = ["--system", PLUGIN, flag("mode"), mode] + ([flag("speculative"), kind] if kind else [])
     if quality is not None:
         return out + [flag("quality"), quality]
     return out + ([flag("sparsity"), str(sparsity)] if sparsity is not None and modes.is_sparse(mode) else [])
@@ -265,7 +275,7 @@ def bench_command(model: Path, system: str, args, budget: int | None, memory_lim
     cmd = [sys.executable, "-m", "leanstream_tools.cli", "bench", str(model), "--json",
            "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.repetitions),
            "-c", str(args.ctx_size), "-b", str(args.batch_size), "-t", str(args.threads)]
-    cmd += engine_args(system, args.sparsity)
+    cmd += engine_args(system, args.sparsity, decode=True)
     if budget is not None and not is_stock(system):
         cmd += [flag("memory_budget"), str(budget)]
     elif memory_limit is not None and not is_stock(system):
@@ -352,7 +362,7 @@ def bench_record(system: str, path: Path, limit: int | None, reserve: int | None
         RunRecord, system=system, limit_bytes=limit, memory_budget_bytes=budget,
         plugin_reserve_bytes=None if budget is None else reserve,
         page_cache_resident_at_start_bytes=None if any(r is None for r in resident) else sum(resident),
-        loadavg_1min_at_start=round(os.getloadavg()[0], 2))
+        loadavg_1min_at_start=round(os.getloadavg()[0], 2), speculative=speculative_kind(system))
     sketch = (0 if budget is None or is_stock(system) or not modes.is_sparse(plugin_mode(system)[0])
               else sketch_bytes(path))
     if budget == 0 or (budget is not None and budget < sketch):
@@ -373,6 +383,9 @@ def bench_record(system: str, path: Path, limit: int | None, reserve: int | None
         rec.status, rec.stderr_tail = "error", "no JSON document written\n" + res.stderr[-2000:]
     if bj is not None:
         rec.result = summarize(bj)
+        spec = (bj.get("engine_decode") or {}).get("speculative")
+        if spec is not None:   # its per-shape and per-fraction tables stay in result["engine_decode"]
+            rec.speculative_stats = {k: v for k, v in spec.items() if k not in ("by_shape", "by_fraction")}
     r = rec.result or {}
     per_token = r.get("disk_read_bytes_per_decode_token")
     log(f"{system:>18} @ {measure.format_size(limit):>7}: {rec.status:>7} "
@@ -380,16 +393,23 @@ def bench_record(system: str, path: Path, limit: int | None, reserve: int | None
         f"peak RSS {measure.format_size(r.get('peak_rss_bytes'))}  "
         f"cgroup peak {measure.format_size(rec.cgroup.get('max_usage_bytes'))}  "
         f"disk/decode-token {measure.format_size(int(per_token)) if per_token is not None else 'n/a'}  "
-        f"({rec.wall_s:.0f} s)")
+        + (f"{rec.speculative_stats.get('tokens_per_pass')} tokens/pass  " if rec.speculative_stats else "")
+        + f"({rec.wall_s:.0f} s)")
     return rec, bj
 
 
 def measure_perplexities(paths: dict, args, *, env: dict, account: bool) -> dict:
     """Held-out perplexity of each setup ({setup: model path}), once, without a limit: a memory
     limit changes where the weights are read from, not what is computed (the sparse setups at a
-    budget that selects as every limited run does: perplexity_command)."""
-    out = {}
+    budget that selects as every limited run does: perplexity_command). Speculation changes no
+    logit: setups that differ only in it ("stock", "stock+lookup") share the first one's
+    measurement, its record marked "measured_as" that setup."""
+    out, first = {}, {}
     for system, path in paths.items():
+        twin = first.setdefault(split_speculative(system)[0], system)
+        if twin != system:
+            out[system] = out[twin] | {"measured_as": twin}
+            continue
         child = run_child(perplexity_command(path, system, args), limit_bytes=None,
                           timeout_s=args.timeout * 4, env=env, account=account)
         res, pj = child.command, child.doc

@@ -2,7 +2,9 @@
 
 A setup is "stock" (llama-cpp-python on the GGUF given), "stock-<type>" (the same on a smaller
 quantization of it), an engine mode ("dense", "leanstream", ...: the plugin on the converted
-directory) or "MODE@ppl+N%" (a mode at the sparsity a quality preset chooses).
+directory) or "MODE@ppl+N%" (a mode at the sparsity a quality preset chooses), and after a "+"
+how it decodes: "+lookup" (stock: llama-cpp-python's prompt lookup decoding) or a plugin
+speculative kind ("dense+off", "dense+self", ...; without one the library's default).
 """
 
 from __future__ import annotations
@@ -12,44 +14,72 @@ from pathlib import Path
 from leanstream_ggml import modes
 
 from .. import measure
+from ..systems import LOOKUP
 
 STOCK = "stock"
-DEFAULT_SETUPS = ("stock", "stock-q3_k_m", "stock-q2_k", "dense", "leanstream", "leanstream@ppl+5%")
+DEFAULT_SETUPS = ("stock", "stock+lookup", "stock-q3_k_m", "stock-q3_k_m+lookup", "stock-q2_k", "dense", "dense+off",
+                  "leanstream", "leanstream@ppl+5%")
 
 
 # ---------------------------------------------------------------------------------------------
 # setup names
 
+def split_speculative(system: str) -> tuple[str, str | None]:
+    """(the setup without its speculative suffix, the suffix or None): "stock+lookup" ->
+    ("stock", "lookup"), "dense" -> ("dense", None); a quality preset's "+5%" is no suffix."""
+    base, plus, kind = system.rpartition("+")
+    return (base, kind) if plus and kind.isalpha() else (system, None)
+
+
 def is_stock(system: str) -> bool:
     """stock llama-cpp-python: on the GGUF given ("stock") or a smaller quantization of it."""
-    return system == STOCK or system.startswith(STOCK + "-")
+    base = split_speculative(system)[0]
+    return base == STOCK or base.startswith(STOCK + "-")
 
 
 def stock_quant(system: str) -> str | None:
     """"stock-q3_k_m" -> "Q3_K_M"; None for the GGUF as given."""
-    return system[len(STOCK) + 1:].upper() if system.startswith(STOCK + "-") else None
+    base = split_speculative(system)[0]
+    return base[len(STOCK) + 1:].upper() if base.startswith(STOCK + "-") else None
 
 
 def plugin_mode(system: str) -> tuple[str, str | None]:
     """A plugin setup's (engine mode, quality preset): "leanstream@ppl+5%" -> ("leanstream",
-    "ppl+5%"), "dense" -> ("dense", None)."""
-    mode, _, quality = system.partition("@")
+    "ppl+5%"), "dense+off" -> ("dense", None)."""
+    mode, _, quality = split_speculative(system)[0].partition("@")
     return mode, quality or None
+
+
+def speculative_kind(system: str) -> str:
+    """How a setup decodes: stock "lookup" or "off"; a plugin setup the kind its Llama's
+    ``.speculative`` is (params.speculative, the validator Llama sets it from: its suffix, else
+    the library's default; "off" in the sparse modes)."""
+    from leanstream_ggml import params
+
+    kind = split_speculative(system)[1]
+    if is_stock(system):
+        return LOOKUP if kind == LOOKUP else "off"
+    return params.speculative(kind, plugin_mode(system)[0])
 
 
 def check_setups(systems: list[str]) -> list[str]:
     """The setups, each checked: a stock quantization llama.cpp's quantizer makes, an engine
-    mode, a quality preset of leanstream mode. ParameterError naming the bad one."""
+    mode, a quality preset of leanstream mode, a speculative kind that setup decodes with (none
+    but "off" and "auto" in a sparse mode). ParameterError naming the bad one."""
     from leanstream_ggml import params
 
     from ..quants import FTYPES
 
     for s in systems:
+        kind = split_speculative(s)[1]
         if is_stock(s):
             q = stock_quant(s)
             if q is not None and q not in FTYPES:
                 raise params.ParameterError("--setups", f"{s!r}: no quantization {q} (known: "
                                                         f"{', '.join(t.lower() for t in FTYPES)})")
+            if kind not in (None, LOOKUP):
+                raise params.ParameterError("--setups", f"{s!r}: stock decodes plainly or with +{LOOKUP} "
+                                                        f"(llama-cpp-python's prompt lookup decoding)")
             continue
         mode, quality = plugin_mode(s)
         if mode not in modes.MODES:
@@ -60,6 +90,14 @@ def check_setups(systems: list[str]) -> list[str]:
             if mode != modes.QUALITY:
                 raise params.ParameterError("--setups", f"{s!r}: a quality preset chooses {modes.QUALITY} mode's "
                                                         f"sparsity (write {modes.QUALITY}@{quality})")
+        if kind is not None and kind not in params.SPECULATIVE_KINDS:
+            raise params.ParameterError("--setups", f"{s!r}: no speculative kind {kind!r} (kinds: "
+                                                    f"{', '.join(params.SPECULATIVE_KINDS)})")
+        if kind in ("self", "ngram") and modes.is_sparse(mode):
+            # params.speculative refuses them there too: the dense pass verifies, the answers would change
+            raise params.ParameterError("--setups", f"{s!r}: {mode} mode decodes sparse and speculative decoding "
+                                                    f"verifies with the dense pass (write {modes.DEFAULT}+{kind}, "
+                                                    f"or {mode}+off)")
     return systems
 
 
@@ -149,10 +187,10 @@ def plugin_availability(model_dir: Path, system: str) -> tuple[str | None, float
 def plan_setups(systems: list[str], ggufs: dict, model_dir: Path | None, limit: int | None, enforced: bool,
                 sparsity: float | None) -> dict:
     """What is decided before anything runs: for each setup its kind, its file, whether it fits
-    the limit by its file alone (stock), whether the directory can run it (plugin), and its
-    sparsity (the one a quality preset chooses, or --sparsity). A plugin setup fits an
-    ``enforced`` limit until its reserve says otherwise. status "planned", or "does not fit" /
-    "not run" with the reason."""
+    the limit by its file alone (stock), whether the directory can run it (plugin), its sparsity
+    (the one a quality preset chooses, or --sparsity) and its speculative kind. A plugin setup
+    fits an ``enforced`` limit until its reserve says otherwise. status "planned", or "does not
+    fit" / "not run" with the reason."""
     plans = {}
     source = ggufs[STOCK].stat().st_size
     for s in systems:
@@ -161,11 +199,12 @@ def plan_setups(systems: list[str], ggufs: dict, model_dir: Path | None, limit: 
             runs, fits, reason = stock_fit(size, source, limit, stock_quant(s) is None)
             status = "planned" if runs else ("does not fit" if fits is False else "not run")
             plans[s] = {"kind": "stock", "file": ggufs[s].name, "file_bytes": size, "fits": fits,
-                        "status": status, "reason": reason}
+                        "status": status, "reason": reason, "speculative": speculative_kind(s)}
         else:
             reason, chosen = plugin_availability(model_dir, s)
             mode, quality = plugin_mode(s)
             plans[s] = {"kind": "plugin", "fits": True if enforced and limit is not None and not reason else None,
                         "sparsity": chosen if quality else sparsity if modes.is_sparse(mode) else None,
-                        "status": "not run" if reason else "planned", "reason": reason}
+                        "status": "not run" if reason else "planned", "reason": reason,
+                        "speculative": speculative_kind(s)}
     return plans

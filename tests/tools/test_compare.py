@@ -66,10 +66,29 @@ def test_setup_names_are_checked():
     assert compare.check_setups(list(compare.DEFAULT_SETUPS)) == list(compare.DEFAULT_SETUPS)
     assert compare.plugin_mode("leanstream@ppl+5%") == ("leanstream", "ppl+5%")
     assert compare.plugin_mode("dense") == ("dense", None)
+    assert compare.plugin_mode("leanstream@ppl+5%+off") == ("leanstream", "ppl+5%")
+    # a quality preset's "+5%" is no speculative suffix
+    assert compare.split_speculative("leanstream@ppl+5%") == ("leanstream@ppl+5%", None)
+    assert compare.split_speculative("stock-q3_k_m+lookup") == ("stock-q3_k_m", "lookup")
+    assert compare.is_stock("stock-q3_k_m+lookup") and compare.stock_quant("stock-q3_k_m+lookup") == "Q3_K_M"
+    assert compare.is_stock("stock+lookup") and compare.stock_quant("stock+lookup") is None
+    assert not compare.is_stock("dense+off") and compare.plugin_mode("dense+off") == ("dense", None)
+    # the kind each decodes with: a bare plugin setup the library's default, a sparse one off
+    kinds = {"stock": "off", "stock+lookup": "lookup", "dense": params.speculative(None, "dense"),
+             "dense+off": "off", "dense+ngram": "ngram", "leanstream": "off", "leanstream+auto": "off"}
+    assert compare.check_setups(list(kinds)) == list(kinds)
+    assert {s: compare.speculative_kind(s) for s in kinds} == kinds and kinds["dense"] == "auto"
     for bad, why in (("stock-q9_z", "no quantization Q9_Z"), ("warp", "no engine mode 'warp'"),
                      ("dense@ppl+5%", "write leanstream@ppl\\+5%"), ("leanstream@fast", "quality")):
         with pytest.raises(params.ParameterError, match=why):
             compare.check_setups([bad])
+    # a sparse mode decodes plainly: the dense pass verifies drafts, so self and ngram are refused there
+    for bad, why in (("leanstream+self", "leanstream mode decodes sparse"),
+                     ("leanstream@ppl+5%+ngram", "dense\\+ngram"), ("stock+auto", "\\+lookup"),
+                     ("dense+lookup", "no speculative kind 'lookup'")):
+        with pytest.raises(params.ParameterError, match=why) as e:
+            compare.check_setups(["stock", bad])
+        assert e.value.name == "--setups" and repr(bad) in str(e.value)
 
 
 def test_does_not_fit_decision():
@@ -92,11 +111,13 @@ def test_plan_of_stock_setups(tmp_path):
     for name, size in (("stock", 1000), ("stock-q3_k_m", 700), ("stock-q2_k", 500)):
         files[name] = tmp_path / f"{name}.gguf"
         files[name].write_bytes(b"\0" * size)
+    files["stock-q2_k+lookup"] = files["stock-q2_k"]
     plans = compare.plan_setups(list(files), files, None, limit=600, enforced=True, sparsity=None)
     assert {s: p["status"] for s, p in plans.items()} == \
-        {"stock": "planned", "stock-q3_k_m": "does not fit", "stock-q2_k": "planned"}
-    assert [plans[s]["fits"] for s in files] == [False, False, True]
+        {"stock": "planned", "stock-q3_k_m": "does not fit", "stock-q2_k": "planned", "stock-q2_k+lookup": "planned"}
+    assert [plans[s]["fits"] for s in files] == [False, False, True, True]
     assert plans["stock-q2_k"]["file_bytes"] == 500 and plans["stock-q2_k"]["file"] == "stock-q2_k.gguf"
+    assert [plans[s]["speculative"] for s in files] == ["off", "off", "off", "lookup"]
 
 
 def test_commands_select_each_setup():
@@ -111,6 +132,15 @@ def test_commands_select_each_setup():
     assert "--sparsity" not in dense and dense[dense.index("--chunks") + 1] == "1"
     stock = compare.bench_command(Path("m.gguf"), "stock-q2_k", args, 12345)
     assert stock[stock.index("--system") + 1] == "stock" and "--memory-budget" not in stock
+    # the speculative suffix selects how bench decodes; perplexity scores logits, which it leaves as they are
+    lookup = compare.bench_command(Path("m.gguf"), "stock+lookup", args, None)
+    assert lookup[lookup.index("--system") + 1] == "stock+lookup"
+    lookup = compare.perplexity_command(Path("m.gguf"), "stock+lookup", args)
+    assert lookup[lookup.index("--system") + 1] == "stock"
+    off = compare.bench_command(Path("m.lsm"), "dense+off", args, None)
+    assert off[off.index("--mode") + 1] == "dense" and off[off.index("--speculative") + 1] == "off"
+    assert "--speculative" not in compare.bench_command(Path("m.lsm"), "dense", args, None)
+    assert "--speculative" not in compare.perplexity_command(Path("m.lsm"), "dense+off", args)
 
 
 def _parse(*argv):
@@ -136,7 +166,8 @@ def test_short_sizes_and_explicit_ones():
 
 def _fake_report(applied=True):
     """A report as `run` assembles it, from made-up plans, runs and perplexities."""
-    systems = ["stock", "stock-q3_k_m", "stock-q2_k", "dense", "leanstream", "leanstream@ppl+5%"]
+    systems = ["stock", "stock+lookup", "stock-q3_k_m", "stock-q3_k_m+lookup", "stock-q2_k", "dense", "dense+off",
+               "leanstream", "leanstream@ppl+5%"]
     mb = 10**6
     plans = {
         "stock": {"kind": "stock", "file": "m.Q4_K_M.gguf", "file_bytes": 1100 * mb, "fits": False,
@@ -146,6 +177,8 @@ def _fake_report(applied=True):
         "stock-q2_k": {"kind": "stock", "file": "m.Q2_K.gguf", "file_bytes": 700 * mb, "fits": True,
                        "status": "planned", "reason": None},
         "dense": {"kind": "plugin", "fits": True, "sparsity": None, "status": "planned", "reason": None},
+        "dense+off": {"kind": "plugin", "fits": True, "sparsity": None, "status": "planned", "reason": None,
+                      "speculative": "off"},
         "leanstream": {"kind": "plugin", "fits": True, "sparsity": None, "status": "planned", "reason": None},
         "leanstream@ppl+5%": {"kind": "plugin", "fits": True, "sparsity": 0.53, "status": "planned", "reason": None},
     }
@@ -155,19 +188,29 @@ def _fake_report(applied=True):
                                  plugin_reserve_bytes=reserve, page_cache_resident_at_start_bytes=0,
                                  loadavg_1min_at_start=0.5, status=status, **kw)
 
-    def ok(system, tok_s, peak, budget=None):
+    def ok(system, tok_s, peak, budget=None, generated=(1, 2, 3), **kw):
         return run(system, "ok", budget, None if budget is None else 1000 * mb - budget, returncode=0, wall_s=9.0,
                    cgroup={"max_usage_bytes": peak},
                    result={"decode_tok_s": tok_s, "prefill_tok_s": 5 * tok_s, "peak_rss_bytes": peak + mb,
-                           "generated": [1, 2, 3], "stock": "llama-cpp-python"})
+                           "generated": list(generated), "stock": "llama-cpp-python"}, **kw)
 
-    runs = {"stock": ok("stock", 1.2, 990 * mb), "stock-q2_k": ok("stock-q2_k", 24.0, 800 * mb),
-            "dense": ok("dense", 2.6, 995 * mb, budget=48 * mb),
+    # the stock+q3 twins are planned, not run (as plan_setups decides them); "stock", "stock-q2_k"
+    # and "dense" are records as a report before the speculative fields has them
+    for s in ("stock+lookup", "stock-q3_k_m+lookup"):
+        plans[s] = plans[s.removesuffix("+lookup")] | {"speculative": "lookup"}
+    spec = {"passes": 4, "drafted": 9, "accepted": 6, "tokens_per_pass": 2.5, "acceptance": 0.6667,
+            "draft_step_ms": 12.5, "proposals": {"self": 3, "ngram": 1, "both": 0}}
+    runs = {"stock": ok("stock", 1.2, 990 * mb),
+            "stock+lookup": ok("stock+lookup", 1.5, 992 * mb, generated=(1, 2, 4), speculative="lookup"),
+            "stock-q2_k": ok("stock-q2_k", 24.0, 800 * mb),
+            "dense": ok("dense", 2.6, 995 * mb, budget=48 * mb, speculative="auto", speculative_stats=spec),
+            "dense+off": ok("dense+off", 2.0, 994 * mb, budget=48 * mb, speculative="off"),
             "leanstream": run("leanstream", "skipped", 0, 1050 * mb, reason="limit below the reserve (1.05GB)"),
             "leanstream@ppl+5%": run("leanstream@ppl+5%", "error", returncode=1, wall_s=3.0,
                                      stderr_tail="Traceback ...\nValueError: budget too small\n")}
     compare.add_greedy_match(list(runs.values()))
-    ppl = {"stock": {"ppl": 10.0}, "stock-q2_k": {"ppl": 13.4}, "dense": {"ppl": 10.01}}
+    ppl = {"stock": {"ppl": 10.0}, "stock+lookup": {"ppl": 10.0, "measured_as": "stock"}, "stock-q2_k": {"ppl": 13.4},
+           "dense": {"ppl": 10.01}, "dense+off": {"ppl": 10.01, "measured_as": "dense"}}
     rows = compare.make_rows(systems, plans, runs, ppl, accounted=True)
     return compare.Report(
         model="m.Q4_K_M.gguf", model_path="/models/m.Q4_K_M.gguf", model_bytes=1100 * mb, model_dir=None,
@@ -190,9 +233,19 @@ def test_rows_ratios_and_reasons():
     assert rows["leanstream@ppl+5%"].reason == "failed: ValueError: budget too small"
     assert rows["leanstream@ppl+5%"].sparsity == 0.53
     assert rows["dense"].greedy_match_vs_stock == 1.0 and rows["leanstream"].greedy_match_vs_stock is None
+    assert rows["stock+lookup"].greedy_match_vs_stock == pytest.approx(2 / 3)   # against stock's, not its own
     for r in rows.values():   # every setup: a rate, or the reason it has none
         assert (r.decode_tok_s or 0) > 0 or r.reason
-    assert report.pareto_front == ["stock-q2_k", "dense", "stock"]
+    assert rows["stock+lookup"].ppl_ratio == 1.0 and rows["dense+off"].ppl_ratio == rows["dense"].ppl_ratio
+    assert {s: r.speculative for s, r in rows.items()} == {
+        "stock": None, "stock+lookup": "lookup", "stock-q3_k_m": None, "stock-q3_k_m+lookup": "lookup",
+        "stock-q2_k": None, "dense": "auto", "dense+off": "off", "leanstream": None, "leanstream@ppl+5%": None}
+    assert (rows["dense"].tokens_per_pass, rows["dense"].acceptance, rows["dense"].draft_step_ms) == (2.5, 0.6667, 12.5)
+    assert rows["dense+off"].tokens_per_pass is None and rows["stock+lookup"].tokens_per_pass is None
+    # a row without speculative fields (a report from before them) writes none; one with them, those set
+    assert "speculative" not in rows["stock"].to_dict() and "tokens_per_pass" not in rows["dense+off"].to_dict()
+    assert rows["dense"].to_dict()["tokens_per_pass"] == 2.5
+    assert report.pareto_front == ["stock-q2_k", "dense", "stock+lookup"]
     doc = json.loads(json.dumps(report.to_dict()))   # the JSON --out writes
     assert doc["benchmark"] == "compare" and compare.Report.from_dict(doc) == report
 
@@ -201,9 +254,13 @@ def test_table_says_what_ran_and_what_did_not():
     text = compare.format_table(_fake_report())
     assert text.splitlines()[0] == "m.Q4_K_M.gguf: 1GB whole-process memory limit (cgroup), page cache included"
     assert "| setup | fits? | decode tok/s | peak MB (cgroup) | ppl × stock | note |" in text
-    assert "| stock * | no | 1.20 | 990 | 1.000 | m.Q4_K_M.gguf (1.10GB); its file is larger than the limit" in text
+    assert "| stock | no | 1.20 | 990 | 1.000 | m.Q4_K_M.gguf (1.10GB); its file is larger than the limit" in text
     assert "| stock-q3_k_m | no | does not fit | – | – |" in text
-    assert "| dense * | yes | 2.60 | 995 | 1.001 | budget 48MB |" in text
+    assert ("| dense * | yes | 2.60 | 995 | 1.001 | budget 48MB; speculative auto, 2.50 tokens/pass, 67% of drafts "
+            "accepted, draft step 12.5 ms |") in text
+    assert "| dense+off | yes | 2.00 | 994 | 1.001 | budget 48MB |" in text
+    assert "| stock+lookup * | no | 1.50 | 992 | 1.000 | m.Q4_K_M.gguf (1.10GB); speculative lookup; its file" in text
+    assert "| stock-q3_k_m+lookup | no | does not fit | – | – |" in text
     assert "| leanstream | no | skipped | – | – | limit below the reserve (1.05GB) |" in text
     assert "| leanstream@ppl+5% | yes | error | – | – | sparsity 0.53; failed: ValueError: budget too small |" in text
 
@@ -246,7 +303,8 @@ def test_rows_are_made_again_from_a_report_s_runs(path):
     doc = json.loads(path.read_text())
     report = compare.Report.from_dict(doc)
     plans = {r.setup: {"kind": r.kind, "file": r.file, "file_bytes": r.file_bytes, "sparsity": r.sparsity,
-                       "fits": r.fits, "status": r.status, "reason": r.reason} for r in report.setups}
+                       "fits": r.fits, "status": r.status, "reason": r.reason, "speculative": r.speculative}
+             for r in report.setups}
     runs = {e.system: e for e in report.runs}
     rows = compare.make_rows([r.setup for r in report.setups], plans, runs, report.perplexity,
                              accounted=report.cgroup["writable"])
@@ -285,7 +343,9 @@ def test_side_by_side_gets_its_runs_as_the_json_s_objects(tmp_path):
     assert bj is None and rec.status == "skipped" and "below the reserve" in rec.reason
     assert e == rec.to_dict() | {"loadavg_1min_at_start": e["loadavg_1min_at_start"]}
     assert list(e) == ["system", "limit_bytes", "memory_budget_bytes", "plugin_reserve_bytes",
-                       "page_cache_resident_at_start_bytes", "loadavg_1min_at_start", "status", "cgroup", "reason"]
+                       "page_cache_resident_at_start_bytes", "loadavg_1min_at_start", "status", "cgroup", "reason",
+                       "speculative"]
+    assert e["speculative"] == "auto"   # the library's default, which a bare "dense" runs
     report = _fake_report()
     dicts = [r.to_dict() for r in report.runs]
     for x in dicts:
@@ -379,22 +439,33 @@ def _tiny_model(tmp_path) -> tuple[Path, Path]:
 
 
 def test_compare_on_a_tiny_model(tmp_path):
-    """The command end to end in the fast tier: stock and dense on a synthetic model, each in its
-    own process; the JSON it writes reads back as the Report, and the table has a line per row."""
+    """The command end to end in the fast tier: stock and dense, each plainly and speculatively,
+    on a synthetic model, each in its own process; the JSON it writes reads back as the Report,
+    and the table has a line per row."""
     src, d = _tiny_model(tmp_path)
     out = tmp_path / "compare.json"
+    setups = ["stock", "stock+lookup", "dense", "dense+off"]
     r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "compare", str(src), "--model-dir", str(d),
-                        "--setups", "stock,dense", "--short", "-t", "1", "-c", "128", "-b", "128", "--ppl-ctx", "64",
-                        "--timeout", "120", "--no-private-copy", "--out", str(out)],
+                        "--setups", ",".join(setups), "--short", "-t", "1", "-c", "128", "-b", "128",
+                        "--ppl-ctx", "64", "--timeout", "120", "--no-private-copy", "--out", str(out)],
                        capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(out.read_text())
     report = compare.Report.from_dict(doc)
-    assert report.to_dict() == doc and [e.system for e in report.runs] == ["stock", "dense"]
+    assert report.to_dict() == doc and [e.system for e in report.runs] == setups
     for row in report.setups:
         assert row.status == "ok" and row.decode_tok_s > 0 and row.ppl_ratio is not None, row
         assert f"| {row.setup}" in r.stdout and f"{row.decode_tok_s:.2f}" in r.stdout
-    assert report.setups[0].ppl_ratio == 1.0 and report.setups[1].greedy_match_vs_stock is not None
+        assert row.greedy_match_vs_stock is not None and len(report.runs[0].result["generated"]) == 8
+    rows = {row.setup: row for row in report.setups}
+    assert rows["stock"].ppl_ratio == 1.0
+    # how each decoded; a bare "dense" speculates (the default), its stats recorded
+    assert [e.speculative for e in report.runs] == ["off", "lookup", "auto", "off"]
+    assert report.runs[2].speculative_stats["tokens_per_pass"] >= 0 and rows["dense"].tokens_per_pass is not None
+    assert report.runs[1].speculative_stats is None and report.runs[3].speculative_stats is None
+    # one perplexity per file and mode: speculation changes no logit
+    assert doc["perplexity"]["stock+lookup"]["measured_as"] == "stock" and rows["stock+lookup"].ppl_ratio == 1.0
+    assert doc["perplexity"]["dense+off"]["ppl"] == doc["perplexity"]["dense"]["ppl"]
 
 
 def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
