@@ -1,7 +1,7 @@
 """`leanstream convert` and `leanstream info`.
 
     leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
-                       [--sketch ls2|none] [--predictors none|quick|full] [--order coact|freq|none]
+                       [--sketch ls2|none] [--predictors none|quick|full] [--order importance|coact|freq|none]
                        [--calibration FILE]
     leanstream info [DIR]
 

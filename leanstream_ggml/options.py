@@ -146,25 +146,25 @@ OPTIONS: tuple[Option, ...] = (
            "only), off (in the sparse modes always). Every emitted token is sampled from the model's own "
            "logits, so answers are plain decoding's; stats()[\"speculative\"] counts passes, drafted and "
            "accepted tokens, tokens per pass by tree shape, draft and verify time",
-           ("chat", "serve", "bench")),
+           ("chat", "serve", "bench", "eval")),
     Option("draft_max", int, 8,
            "speculative decoding: the self draft's most steps (the deepest tree), and prompt lookup's longest "
            "proposal",
-           ("chat", "serve", "bench")),
+           ("chat", "serve", "bench", "eval")),
     Option("draft_width", int, 3,
            "speculative decoding: the self draft's best tokens per step that a token tree may verify "
            "(1: a chain); the verify pass has at most 1 + {draft_max} x {draft_width} rows",
-           ("chat", "serve", "bench")),
+           ("chat", "serve", "bench", "eval")),
     Option("draft_fraction", float, None,
            "speculative decoding: the self draft computes each layer's most important fraction of its blocks "
            "(those resident; 1: every resident block); default: the controller's choice among shares of what "
            "RAM holds (a smaller draft steps faster and agrees less), by the rate it measures for each",
-           ("chat", "serve", "bench")),
+           ("chat", "serve", "bench", "eval")),
     Option("draft_stop", str, None,
            "speculative decoding: how far to draft: controller (default: the table solved from the costs and "
            "acceptance this process measures), fixed (always {draft_max}), p_min:X (stop below the draft's "
            "top-1 probability X, as llama.cpp does)",
-           ("chat", "serve", "bench")),
+           ("chat", "serve", "bench", "eval")),
     Option("reuse_prefix", bool, False,
            "evaluate only what a prompt adds to the previous request's (faster for chats; an answer may then "
            "differ in rounding from the same request alone); off: every request starts from an empty context",

@@ -294,18 +294,19 @@ def _pass(llm, drafter: Drafter, smp, pending: list[int], plain: bool) -> tuple[
     tree = Tree() if plain else drafter.propose(context, n_past, pending)
     st = drafter.stats
     t0 = time.perf_counter()
+    # a pass's cost as the controller weighs it: the decode, the sampling and the KV cache's upkeep
     if not len(tree):
         llm.eval(pending)
+        tok = smp(-1)
         if m == 1:
             st.plain_passes += 1
             drafter.timed(1, time.perf_counter() - t0)
-        return [smp(-1)], n_past + m, 0
+        return [tok], n_past + m, 0
     lay = layout(tree)
     rows = pending + [tree.nodes[i].token for i in lay.order]
     pos = list(range(n_past, n_past + m)) + [n_past + m - 1 + tree.nodes[i].depth for i in lay.order]
     seqs = [list(range(lay.n_seq))] * m + lay.seqs
     _llama_cpp.tree_decode(llm, rows, pos, seqs, lay.n_seq)
-    drafter.timed(len(rows), time.perf_counter() - t0)
     path: list[int] = []
 
     def sample(r: int) -> int:
@@ -318,6 +319,7 @@ def _pass(llm, drafter: Drafter, smp, pending: list[int], plain: bool) -> tuple[
     accepted, emitted = walk(tree, lay, sample)
     n_keep = kept_prefix(lay, accepted)
     _llama_cpp.tree_keep(llm, n_past, pending + emitted[:n_keep], lay.n_seq)
+    drafter.timed(len(rows), time.perf_counter() - t0)
     drafter.learn(tree, accepted, emitted)
     st.passes += 1
     st.drafted += len(tree)

@@ -236,3 +236,18 @@ def test_tune_writes_a_checked_policy(smollm2_sketch_dir, tmp_path):
     (d / control.CONTROLLER_FILE).write_text(json.dumps(doc)[:-2])
     with pytest.raises(mf.ManifestError, match="corrupt"):
         Llama(str(d), mode="leanstream", memory_budget=budget, controller="table", n_ctx=64, verbose=False)
+
+
+def test_tune_that_finds_no_policy_says_why_in_one_line(smollm2_sketch_dir, tmp_path, capsys):
+    """A budget where the profile cannot run what the quality band allows (24 MiB of SmolLM2's
+    default conversion): one line naming what to change, exit status 1, no controller file."""
+    from leanstream_ggml.cli import main
+
+    d = tmp_path / "smol.lsm"
+    shutil.copytree(smollm2_sketch_dir, d)
+    capsys.readouterr()
+    assert main(["tune", str(d), "--memory-budget", "24MiB", "--tokens", "24", "--quality-tokens", "48",
+                 "--no-contend"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("leanstream tune: ")]
+    assert len(err) == 1 and ("--quality-target" in err[0] or "--tokens" in err[0] or "budget" in err[0]), err
+    assert not (d / control.CONTROLLER_FILE).exists()
