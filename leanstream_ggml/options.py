@@ -138,7 +138,7 @@ OPTIONS: tuple[Option, ...] = (
            "(action K of that policy's actions, or of control.DEFAULT_ACTIONS where none was tuned, on every "
            "layer)",
            ("chat", "serve")),
-    Option("speculative", str, "off",
+    Option("speculative", str, "auto",
            "exact speculative decoding in {DEFAULT} mode (docs/design.md §21): auto (drafts from the "
            "engine's resident blocks and from prompt lookup in one token tree verified in one pass, the "
            "controller choosing how far to draft and which tokens to verify, drafting nothing where a pass "

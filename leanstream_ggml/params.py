@@ -249,7 +249,7 @@ MAX_DRAFT = 64
 
 
 def speculative(value, mode: str | None = None) -> str:
-    """speculative: None (the default: "off"; docs/design.md §21), "auto" (self draft + prompt
+    """speculative: None (the default: "auto"; docs/design.md §21), "auto" (self draft + prompt
     lookup in one tree, the controller choosing what to draft and verify; in a sparse mode "off"), "self",
     "ngram" or "off". Speculative decoding verifies with the dense pass, so a sparse mode refuses
     self and ngram (its answers would change). mode None: the value alone is checked."""

@@ -217,7 +217,7 @@ def test_q_bins_and_grid():
 
 
 def test_options_are_checked():
-    assert params.speculative(None, "dense") == "off"          # the default (docs/design.md §21)
+    assert params.speculative(None, "dense") == "auto"         # the default
     assert params.speculative(None, "leanstream") == "off"      # sparse decode: no verify pass
     with pytest.raises(params.ParameterError, match="speculative"):
         params.speculative("yes", "dense")

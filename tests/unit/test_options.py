@@ -203,7 +203,7 @@ def test_a_flag_and_a_keyword_fail_with_one_message():
 
 def test_rules_between_options():
     v = params.llama_options({})
-    assert v["mode"] == modes.DEFAULT and v["controller"] == "off" and v["speculative"] == "off"
+    assert v["mode"] == modes.DEFAULT and v["controller"] == "off" and v["speculative"] == "auto"
     assert v["draft_max"] == 8 and v["draft_width"] == 3 and v["draft_fraction"] is None and v["verify_checksums"] is True
     assert v["memory_budget"] is None and v["sparsity"] is None          # the engine's defaults
     assert params.llama_options({"quality": "ppl+5%"})["mode"] == modes.QUALITY
