@@ -162,6 +162,9 @@ class Meter:
 
     PRIOR = 4.0
     ALPHA = 0.3
+    RTOL = 0.05      # the costs moved less than this since the table was solved: it stands
+    CLIP = 1.5       # a time is taken as at most this factor from the estimate (one slow pass, a
+                     # page fault or a neighbour's burst, must not make drafting look cheap for good)
 
     def __init__(self, k_max: int, max_rows: int = 0):
         self.k_max = k_max
@@ -173,21 +176,23 @@ class Meter:
         self.rank_hit = self.PRIOR * np.concatenate([mid[:, None], rest], axis=1)   # [N_Q, MAX_RANK]
         self.q_n = np.full(N_Q, 1.0)
         self._table: DraftTable | None = None
+        self._solved_costs: tuple | None = None
         self._dirty = True
         self._update()
 
     def _ewma(self, old: float, new: float) -> float:
-        return new if not math.isfinite(old) else (1 - self.ALPHA) * old + self.ALPHA * new
+        if not math.isfinite(old):
+            return new
+        new = min(max(new, old / self.CLIP), old * self.CLIP)
+        return (1 - self.ALPHA) * old + self.ALPHA * new
 
     def pass_timed(self, n_rows: int, seconds: float) -> None:
         if not 1 <= n_rows < len(self.costs.t_pass):
             return
         self.costs.t_pass[n_rows] = self._ewma(self.costs.t_pass[n_rows], seconds)
-        self._dirty = True
 
     def draft_timed(self, seconds: float) -> None:
         self.costs.t_draft = self._ewma(self.costs.t_draft, seconds)
-        self._dirty = True
 
     def observe(self, qbin: int, rank: int) -> None:
         """A verified draft step: its q bin and the rank of the model's token among the draft's
@@ -211,17 +216,52 @@ class Meter:
         """P(the model's token is the draft's rank-``rank`` token | the draft's top-1 bin)."""
         return float(self.rank_p[qbin, rank]) if rank < MAX_RANK else 0.0
 
-    def changed(self) -> None:
-        """Something the table is solved from changed (the pass costs it shares)."""
-        self._dirty = True
-
     def ready(self) -> bool:
         return math.isfinite(self.costs.t_pass[1])
 
+    def _costs_moved(self) -> bool:
+        t_pass, t_draft = self._solved_costs
+        now, d = self.costs.t_pass, self.costs.t_draft
+        if math.isfinite(d) != math.isfinite(t_draft) or (math.isfinite(d) and abs(d - t_draft) > self.RTOL * t_draft):
+            return True
+        known = np.isfinite(now)
+        if not np.array_equal(known, np.isfinite(t_pass)):
+            return True              # a pass size timed for the first time
+        return bool((np.abs(now[known] - t_pass[known]) > self.RTOL * t_pass[known]).any())
+
     def table(self) -> DraftTable | None:
+        """The solved table; solved again after a new observation or when a cost moved more than
+        RTOL (every pass retimes them, by a few per cent: solving the three arms' tables every pass
+        cost 1 ms, a tenth of a token of a small model in RAM)."""
         if not self.ready():
             return None
-        if self._dirty or self._table is None:
+        if self._table is None or self._dirty or self._costs_moved():
             self._table = solve(self.costs)
+            self._solved_costs = (self.costs.t_pass.copy(), self.costs.t_draft)
             self._dirty = False
         return self._table
+
+
+class LookupMeter:
+    """Prompt lookup's acceptance: the chance that the model's next token is the one lookup
+    copied. It is a property of the text being written now (code repeating its own names accepts
+    most, fresh prose almost nothing), so the counts start from a weak prior (PRIOR_N tokens at
+    PRIOR_P) and decay toward it with every pass (DECAY: about 35 passes' half-life): two misses
+    take lookup's chance below what a row costs in RAM, and it is tried again later."""
+
+    PRIOR_N, PRIOR_P, DECAY = 2.0, 0.5, 0.98
+
+    def __init__(self):
+        self.n, self.hit = self.PRIOR_N, self.PRIOR_N * self.PRIOR_P
+
+    def observe(self, hit: bool) -> None:
+        self.n += 1.0
+        self.hit += float(hit)
+
+    def tick(self) -> None:
+        """A pass went by."""
+        self.n = self.PRIOR_N + (self.n - self.PRIOR_N) * self.DECAY
+        self.hit = self.PRIOR_N * self.PRIOR_P + (self.hit - self.PRIOR_N * self.PRIOR_P) * self.DECAY
+
+    def chance(self) -> float:
+        return self.hit / self.n

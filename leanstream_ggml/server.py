@@ -253,8 +253,13 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
     server_settings = server_settings or ServerSettings()
     if model_settings is None:
         model_settings = ModelSettings(model=str(model_dir))
-    else:
-        model_settings = model_settings.model_copy(update={"model": str(model_dir)})
+    update = {"model": str(model_dir)}
+    if "flash_attn" not in model_settings.model_fields_set:
+        # theirs defaults to False and is passed to Llama explicitly; the plugin's default (True)
+        # is the attention whose batch rows round as the token alone, so that speculation and
+        # batching change no answer (docs/design.md §21)
+        update["flash_attn"] = True
+    model_settings = model_settings.model_copy(update=update)
     app, current = create_server_app(functools.partial(_served_llama_class(), **leanstream_options),
                                      server_settings=server_settings, model_settings=model_settings)
 
@@ -298,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     # loopback unless told otherwise (theirs: "localhost"); logits of the last token only (theirs keep
     # n_ctx x n_vocab floats for logprobs: 200 MB for SmolLM2 at n_ctx 1024, 620 MB for Qwen2.5)
     p.set_defaults(host="127.0.0.1", logits_all=False)
+    # flash attention unless told otherwise, as Llama (create_app)
+    for a in s._group_actions:
+        if a.dest == "flash_attn":
+            a.help = "Whether to use flash attention (default: True, the plugin's Llama default)"
     return p
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _llama_cpp
-from .draft_control import MAX_RANK, N_Q, Meter, q_bucket, select
+from .draft_control import MAX_RANK, LookupMeter, Meter, q_bucket, select
 from .tree import Tree, kept_prefix, layout, walk
 
 KINDS = ("auto", "self", "ngram", "off")
@@ -37,6 +37,9 @@ KINDS = ("auto", "self", "ngram", "off")
 # resident blocks are its most important ones); a smaller draft steps faster and agrees less
 ARMS = (1.0, 0.75, 0.55)
 DRAFT_VOCAB = 32768    # the draft's output projection: this many of the ranked tokens, + the context's
+# after this many passes with a draft, one without: a one-token pass is what drafting is weighed
+# against, and it is timed only when nothing is drafted
+REMEASURE = 64
 
 
 @dataclass
@@ -104,10 +107,10 @@ class Drafter:
         for m in self.meters[1:]:
             m.costs.t_pass = self.meters[0].costs.t_pass
         self.arm = 0
-        # prompt lookup's proposals cost nothing to make; their acceptance is measured apart (one
-        # bin), the pass costs are the same
-        self.lookup_meter = Meter(draft_max, max_rows)
-        self.lookup_meter.costs.t_pass = self.meters[0].costs.t_pass
+        self._since_plain = 0
+        # prompt lookup's proposals cost nothing to make; their acceptance is measured apart, over
+        # the last few dozen passes
+        self.lookup_meter = LookupMeter()
         self.stats = SpecStats()
         self.lookup = LlamaPromptLookupDecoding(max_ngram_size=ngram_size, num_pred_tokens=draft_max)
         self._draft_batch = _llama_cpp.Batch(max(llm.n_batch, draft_max + 1))
@@ -150,14 +153,15 @@ class Drafter:
         """The tree to verify after ``pending`` (the tokens not yet decoded; the KV cache holds
         context[:n_past])."""
         room = min(self.llm.n_ctx() - n_past - len(pending) - 1, self.max_rows - len(pending))
-        if room <= 0:
+        if room <= 0 or self._since_plain >= REMEASURE:
             return Tree()
         tree, t_spent = Tree(), 0.0
         self._choose_arm()
         tree.arm = self.arm
         if self.kind in ("auto", "ngram"):
             prop = [int(t) for t in self.lookup(np.asarray(context, dtype=np.intc))[: min(self.k_max, room)]]
-            a, cur = self.lookup_meter.chance(N_Q - 1, 0), -1
+            self.lookup_meter.tick()
+            a, cur = self.lookup_meter.chance(), -1
             for t in prop:
                 cur = tree.add(cur, t, a, "ngram")
         if self.kind in ("auto", "self"):
@@ -237,16 +241,15 @@ class Drafter:
             if not kids:
                 break
             hit = any(tree.nodes[i].token == tok for i in kids)
-            self.lookup_meter.observe(N_Q - 1, 0 if hit else -1)
+            self.lookup_meter.observe(hit)
             if not hit or d >= len(accepted):
                 break
             cur = accepted[d]
 
     def timed(self, n_rows: int, seconds: float) -> None:
         self.stats.verify_s += seconds
-        self.meters[0].pass_timed(n_rows, seconds)
-        for m in self.meters[1:] + [self.lookup_meter]:
-            m.changed()   # (they share the pass costs)
+        self.meters[0].pass_timed(n_rows, seconds)   # (the other meters share its pass costs)
+        self._since_plain = 0 if n_rows == 1 else self._since_plain + 1
 
 
 def generate(llm, drafter: Drafter, tokens, *, reset: bool = True, stopping_criteria=None, **sampling):

@@ -104,7 +104,8 @@ def test_plain_completion_is_the_plugins(client, server):
     got = client.completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0.0,
                                     extra_body={"repeat_penalty": 1.0})
     after = _get_json(server["base"] + "/leanstream/stats")
-    llm = Llama(str(server["model_dir"]), n_ctx=1024, n_threads=2, n_threads_batch=2, flash_attn=False, verbose=False)
+    # (the server keeps the plugin's flash attention: its --flash_attn defaults to theirs, False)
+    llm = Llama(str(server["model_dir"]), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
     try:
         ref = llm(prompt, max_tokens=8, temperature=0.0)["choices"][0]["text"]
     finally:

@@ -17,7 +17,7 @@ from converters import blockfile, convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml import params
 from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.draft_control import N_Q, P_GRID, Costs, Meter, q_bucket, solve
+from leanstream_ggml.draft_control import N_Q, P_GRID, Costs, LookupMeter, Meter, q_bucket, solve
 from leanstream_ggml.speculative import parse_stop
 from reference import ffn_reference, load_layer
 
@@ -209,6 +209,54 @@ def test_meter_learns_acceptance_and_costs():
     assert m.chance(N_Q - 1, 2) == pytest.approx((50 + 4 * 0.01 * 0.25) / (100 + 4))
     assert m.chance(N_Q - 1, 1) < 0.01
     assert m.table() is not None
+
+
+def test_one_slow_pass_does_not_make_drafting_look_cheap():
+    """A pass timed 5x slower (a page fault, a neighbour's burst) moves the estimate by at most
+    CLIP: in RAM, where a draft step costs a token, the table still drafts nothing."""
+    m = Meter(4)
+    for _ in range(20):
+        m.pass_timed(1, 0.010)
+        m.pass_timed(2, 0.013)
+    m.draft_timed(0.011)
+    assert not m.table().draft[0].any()
+    m.pass_timed(1, 0.050)
+    assert m.costs.t_pass[1] == pytest.approx(0.7 * 0.010 + 0.3 * 0.015)
+    assert not m.table().draft[0].any()
+
+
+def test_the_table_is_solved_again_only_when_a_cost_moves():
+    m = Meter(4)
+    m.pass_timed(1, 0.2)
+    m.draft_timed(0.02)
+    t = m.table()
+    m.pass_timed(1, 0.201)                         # within RTOL: the same table
+    assert m.table() is t
+    m.pass_timed(3, 0.25)                          # a size timed for the first time
+    t2 = m.table()
+    assert t2 is not t
+    for _ in range(5):
+        m.pass_timed(1, 0.3)                       # the costs moved
+    assert m.table() is not t2
+    t3 = m.table()
+    m.observe(N_Q - 1, 0)                          # a new observation
+    assert m.table() is not t3
+
+
+def test_lookup_acceptance_follows_the_text_and_recovers():
+    lm = LookupMeter()
+    assert lm.chance() == pytest.approx(lm.PRIOR_P)
+    for _ in range(2):
+        lm.tick()
+        lm.observe(False)
+    assert lm.chance() < 0.26                      # two misses: below what a row costs in RAM
+    for _ in range(200):                           # a long stretch without lookup's proposals
+        lm.tick()
+    assert lm.chance() == pytest.approx(lm.PRIOR_P, abs=0.01)
+    for _ in range(10):
+        lm.tick()
+        lm.observe(True)
+    assert lm.chance() > 0.85
 
 
 def test_q_bins_and_grid():
