@@ -153,7 +153,9 @@ class Drafter:
         """The tree to verify after ``pending`` (the tokens not yet decoded; the KV cache holds
         context[:n_past])."""
         room = min(self.llm.n_ctx() - n_past - len(pending) - 1, self.max_rows - len(pending))
-        if room <= 0 or self._since_plain >= REMEASURE:
+        # nothing drafted before a one-token pass is timed (what a draft is weighed against), and
+        # once every REMEASURE passes to retime it
+        if room <= 0 or not self.meter.ready() or self._since_plain >= REMEASURE:
             return Tree()
         tree, t_spent = Tree(), 0.0
         self._choose_arm()

@@ -77,10 +77,26 @@ def _write(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def _perf(llm):
-    """llama.cpp's own counters of the model's context: (decode ms, tokens decoded one by one)."""
+_SPEC_KEYS = ("passes", "accepted", "plain_passes", "draft_time_s", "verify_time_s")
+
+
+def _spec(llm) -> dict | None:
+    spec = llm.stats().get("speculative") if hasattr(llm, "stats") else None
+    return None if spec is None else {k: spec[k] for k in _SPEC_KEYS}
+
+
+def _perf(llm, spec0: dict | None = None):
+    """(decode ms, tokens decoded after the prompt) since ``spec0`` (_spec before the answer):
+    llama.cpp's own counters of the model's context, or where the plugin decoded speculatively
+    its own (llama.cpp counts a verify pass of several rows as prompt evaluation): the draft
+    steps' and passes' seconds and the tokens the passes gave."""
     from leanstream_ggml import context
 
+    spec = _spec(llm)
+    if spec is not None and spec0 is not None:
+        d = {k: spec[k] - spec0[k] for k in _SPEC_KEYS}
+        if d["passes"]:
+            return 1e3 * (d["draft_time_s"] + d["verify_time_s"]), d["passes"] + d["accepted"] + d["plain_passes"]
     p = context.perf_context(llm)
     return p.t_eval_ms, p.n_eval
 
@@ -94,13 +110,14 @@ def generate(llm, probs: list[dict], done: dict, *, max_tokens: int, save, progr
     todo = [p for p in probs if p["task_id"] not in done]
     for p in tqdm(todo, desc="HumanEval", unit="problem", disable=not progress):
         context.reset_perf(llm)
+        spec0 = _spec(llm)
         llm.reset()   # no prefix reuse between problems: each answer is computed as if alone
         t0 = time.perf_counter()
         out = llm.create_chat_completion(
             messages=[{"role": "user", "content": INSTRUCTION.format(prompt=p["prompt"])}],
             temperature=0.0, top_k=1, max_tokens=max_tokens, seed=0)
         wall = time.perf_counter() - t0
-        eval_ms, n_eval = _perf(llm)
+        eval_ms, n_eval = _perf(llm, spec0)
         answer = out["choices"][0]["message"]["content"] or ""
         done[p["task_id"]] = {"task_id": p["task_id"], "answer": answer,
                               "completion": extract_code(answer, p["entry_point"]),
