@@ -65,16 +65,16 @@ class Costs:
     def pass_cost(self) -> np.ndarray:
         """t_pass with the unmeasured sizes filled in: linear between measured ones, the slope of
         the last two beyond them (a single measured size: flat, so that drafting gets tried)."""
-        t = self.t_pass.copy()
-        known = [b for b in range(1, len(t)) if math.isfinite(t[b])]
-        if not known:
+        t = self.t_pass
+        known = np.flatnonzero(np.isfinite(t[1:])) + 1
+        if not len(known):
             raise ValueError("no pass has been timed")
-        xs, ys = np.array(known, float), t[known]
+        xs, ys = known.astype(float), t[known]
         out = np.interp(np.arange(len(t), dtype=float), xs, ys)
         if len(known) >= 2 and known[-1] < len(t) - 1:
             slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
-            for b in range(known[-1] + 1, len(t)):
-                out[b] = ys[-1] + slope * (b - known[-1])
+            beyond = np.arange(known[-1] + 1, len(t))
+            out[beyond] = ys[-1] + slope * (beyond - known[-1])
         return out
 
 
@@ -93,40 +93,60 @@ class DraftTable:
         return bool(self.draft[i, j])
 
 
-def _interp_v(v: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """v on P_GRID (descending) at the points p."""
-    return np.interp(p, P_GRID[::-1], v[::-1])
+def _interp_matrix(p: np.ndarray) -> np.ndarray:
+    """W with W @ v = v on P_GRID (descending) linearly interpolated at the points p (flattened),
+    clamped at the grid's ends as np.interp does: the recursion below is then one product per
+    draft position, whatever the values."""
+    xp = P_GRID[::-1]
+    p = np.clip(p.ravel(), xp[0], xp[-1])
+    j = np.clip(np.searchsorted(xp, p, side="right") - 1, 0, len(xp) - 2)
+    w = (p - xp[j]) / (xp[j + 1] - xp[j])
+    g = len(P_GRID)
+    W = np.zeros((len(p), g))
+    rows = np.arange(len(p))
+    W[rows, g - 1 - j] = 1.0 - w
+    W[rows, g - 2 - j] += w
+    return W
 
 
-def solve(costs: Costs, iters: int = 30) -> DraftTable:
+def solve(costs: Costs, iters: int = 30, rate: float | None = None) -> DraftTable:
     """The draft-or-verify table maximising expected tokens per second (backward recursion over
-    the draft position for tokens - lambda * seconds, lambda updated to the policy's own rate)."""
+    the draft position for tokens - lambda * seconds, lambda updated to the policy's own rate,
+    from ``rate`` if given: the last solved rate, for costs that moved a little)."""
     k, T = costs.k_max, costs.pass_cost()
     a, f = np.clip(costs.accept, 0.0, 1.0), costs.q_freq / max(costs.q_freq.sum(), 1e-12)
     td = costs.t_draft if math.isfinite(costs.t_draft) else 0.0
-    lam = 1.0 / T[1]
-    draft = np.zeros((k + 1, len(P_GRID)), bool)
+    g = len(P_GRID)
+    # no policy that drafts can beat plain decoding when even drafting i tokens that are each
+    # accepted at the best bin's chance does not (any history: every path's chance is at most
+    # a_max ** depth): the table is then plain, and its deeper rows are never consulted (in RAM,
+    # where a draft step costs about a token, that is every pass, and the recursion is skipped)
+    i = np.arange(1, k + 1)
+    bound = (1.0 + np.cumsum(float(a.max()) ** i)) / (i * td + T[2:k + 2])
+    if not (bound > 1.0 / T[1]).any():
+        return DraftTable(draft=np.zeros((k + 1, g), bool), rate=1.0 / T[1], tokens_per_pass=1.0)
+    # after one more drafted token from P on the grid, with its q bin's acceptance: P * a[q]; the
+    # expected value of a function on the grid there is M @ (its values), the tokens gained gain
+    pn = P_GRID[:, None] * a[None, :]                          # [grid, q]
+    M = np.einsum("q,gqh->gh", f, _interp_matrix(pn).reshape(g, len(a), g))
+    gain = (f[None, :] * pn).sum(1)
+    lam = max(rate or 0.0, 1.0 / T[1])     # (plain decoding's rate is always within reach)
+    draft = np.zeros((k + 1, g), bool)
     n_tok = cost = None
     for _ in range(iters):
-        # V[i]: value at (i, P) for P on the grid; N and C: the policy's expected tokens and time
-        V = 1.0 - lam * T[k + 1] * np.ones(len(P_GRID))
-        N, C = np.ones(len(P_GRID)), T[k + 1] * np.ones(len(P_GRID))
-        for i in range(k, -1, -1):
+        # X: the value at (i, P), the policy's expected tokens and time, for P on the grid
+        X = np.empty((g, 3))
+        X[:] = (1.0 - lam * T[k + 1], 1.0, T[k + 1])
+        for i in range(k - 1, -1, -1):
             stop_v = 1.0 - lam * T[i + 1]
-            if i == k:
-                draft[i] = False
-                V, N, C = np.full(len(P_GRID), stop_v), np.ones(len(P_GRID)), np.full(len(P_GRID), T[i + 1])
-                continue
-            pn = P_GRID[:, None] * a[None, :]                         # [grid, q]: P after the next token
-            go_v = -lam * td + (f[None, :] * (pn + _interp_v(V, pn))).sum(1)
-            go_n = (f[None, :] * (pn + _interp_v(N, pn))).sum(1)
-            go_c = td + (f[None, :] * _interp_v(C, pn)).sum(1)
-            d = go_v > stop_v
+            go = M @ X
+            go[:, 0] += gain - lam * td
+            go[:, 1] += gain
+            go[:, 2] += td
+            d = go[:, 0] > stop_v
             draft[i] = d
-            V = np.where(d, go_v, stop_v)
-            N = np.where(d, go_n, 1.0)
-            C = np.where(d, go_c, T[i + 1])
-        n_tok, cost = float(N[0]), float(C[0])
+            X = np.where(d[:, None], go, np.array([stop_v, 1.0, T[i + 1]]))
+        n_tok, cost = float(X[0, 1]), float(X[0, 2])
         new = n_tok / cost
         if abs(new - lam) <= 1e-9 * max(lam, 1.0):
             break
@@ -219,6 +239,10 @@ class Meter:
     def ready(self) -> bool:
         return math.isfinite(self.costs.t_pass[1])
 
+    def changed(self) -> bool:
+        """An observation came since the table was last solved."""
+        return self._dirty
+
     def _costs_moved(self) -> bool:
         t_pass, t_draft = self._solved_costs
         now, d = self.costs.t_pass, self.costs.t_draft
@@ -236,7 +260,7 @@ class Meter:
         if not self.ready():
             return None
         if self._table is None or self._dirty or self._costs_moved():
-            self._table = solve(self.costs)
+            self._table = solve(self.costs, rate=None if self._table is None else self._table.rate)
             self._solved_costs = (self.costs.t_pass.copy(), self.costs.t_draft)
             self._dirty = False
         return self._table
