@@ -237,6 +237,14 @@ def summarize(doc: dict) -> list[dict]:
                         "acceptance": sum(x["accepted"] for x in sp) / max(1, sum(x["drafted"] for x in sp)),
                         "draft_s": sum(x["draft_time_s"] for x in sp), "verify_s": sum(x["verify_time_s"] for x in sp),
                         "draft_steps": sum(x["draft_steps"] for x in sp)}
+                    by_n = {}
+                    for x in sp:
+                        for n, v in (x.get("lookup_by_ngram") or {}).items():
+                            a = by_n.setdefault(n, [0, 0.0])
+                            a[0], a[1] = a[0] + v["passes"], a[1] + v["passes"] * v["first_hit"]
+                    if by_n:
+                        row["speculative"]["lookup_by_ngram"] = {
+                            n: {"passes": a[0], "first_hit": round(a[1] / a[0], 3)} for n, a in sorted(by_n.items()) if a[0]}
                 row["divergences"] = [q["divergence"] for p in ps for q in p if q.get("divergence")]
                 rows[config] = row
             base = rows.get("off", {}).get("decode_tps")

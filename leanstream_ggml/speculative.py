@@ -9,8 +9,9 @@ holds, then one pass checks them all:
   and the KV cache are the model's own, so a draft step reads nothing and costs an in-RAM decode
   of what it computes. At each step it offers its top token, and its runner-up tokens where it is
   unsure;
-- *prompt lookup* (llama-cpp-python's ``LlamaPromptLookupDecoding``) copies what followed the
-  last n-gram earlier in the context: free when it has a proposal;
+- *prompt lookup* (llama-cpp-python's ``LlamaPromptLookupDecoding``'s proposal, and the size of
+  the n-gram it matched) copies what followed the last n-gram earlier in the context: free when
+  it has a proposal;
 - both go into one token tree (tree.py), the controller (draft_control.py) keeps the nodes worth
   a row, and one ``llama_decode`` verifies them all; the walk samples the model's own token at
   each node with the user's sampler, so every emitted token is the one plain decoding gives
@@ -40,6 +41,9 @@ DRAFT_VOCAB = 32768    # the draft's output projection: this many of the ranked 
 # after this many passes with a draft, one without: a one-token pass is what drafting is weighed
 # against, and it is timed only when nothing is drafted
 REMEASURE = 64
+# the draft size is chosen again after a new observation, or every this many passes (choosing
+# checks every size's table: a tenth of a millisecond, a hundredth of a small model's token)
+CHOOSE_EVERY = 16
 
 
 @dataclass
@@ -55,6 +59,7 @@ class SpecStats:
     by_kind: dict = field(default_factory=lambda: {"self": 0, "ngram": 0, "both": 0})
     by_shape: dict = field(default_factory=dict)   # "depth x nodes" -> [passes, tokens]
     by_fraction: dict = field(default_factory=dict)  # the self draft's size -> [steps, seconds]
+    by_ngram: dict = field(default_factory=dict)     # lookup's matched n-gram size -> [passes, hits]
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("passes", "drafted", "accepted", "draft_steps", "plain_passes", "redecoded")}
@@ -66,6 +71,7 @@ class SpecStats:
         d["proposals"] = dict(self.by_kind)
         d["by_shape"] = {k: {"passes": v[0], "tokens_per_pass": round(v[1] / v[0], 3)} for k, v in sorted(self.by_shape.items())}
         d["by_fraction"] = {k: {"steps": v[0], "step_ms": round(1e3 * v[1] / v[0], 3)} for k, v in sorted(self.by_fraction.items())}
+        d["lookup_by_ngram"] = {str(k): {"passes": v[0], "first_hit": round(v[1] / v[0], 3)} for k, v in sorted(self.by_ngram.items())}
         return d
 
 
@@ -87,14 +93,30 @@ def parse_stop(value) -> tuple[str, float]:
     raise ValueError(f"expected 'controller', 'fixed' or 'p_min:X' (0 <= X <= 1), got {value!r}")
 
 
+def lookup(ids: np.ndarray, max_n: int, k: int) -> tuple[int, np.ndarray]:
+    """Prompt lookup as llama-cpp-python's ``LlamaPromptLookupDecoding`` does it (the longest
+    n-gram ≤ max_n ending the context that occurs earlier with a token after it; its earliest
+    occurrence; the k tokens after it), and the size of that n-gram: what the proposal's
+    acceptance depends on, which the library does not return. Vectorized on the positions where
+    the last token occurred (the library's sliding windows cost ~0.1 ms a pass, a hundredth of a
+    small model's token)."""
+    n_in = len(ids)
+    ends = np.flatnonzero(ids[:-1] == ids[-1]) if n_in > 1 else ids[:0]
+    for n in range(min(max_n, n_in - 1), 0, -1):
+        e = ends[ends >= n - 1]
+        for j in range(1, n):
+            e = e[ids[e - j] == ids[n_in - 1 - j]]
+        if len(e):
+            return n, ids[e[0] + 1:e[0] + 1 + k]
+    return 0, ids[:0]
+
+
 class Drafter:
     """Proposes the token tree of a pass: the self draft's steps (their top ``width`` tokens) and
     prompt lookup's proposal, cut by the controller (or by draft_stop's rule)."""
 
     def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float | None = None,
                  width: int = 3, max_rows: int = 64, ngram_size: int = 3, vocab=None, resident: float = 1.0):
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
         self.llm, self.kind, self.k_max = llm, kind, draft_max
         self.width = max(1, min(width, MAX_RANK))
         self.max_rows = max_rows
@@ -108,15 +130,18 @@ class Drafter:
             m.costs.t_pass = self.meters[0].costs.t_pass
         self.arm = 0
         self._since_plain = 0
+        self._since_choice = CHOOSE_EVERY
         # prompt lookup's proposals cost nothing to make; their acceptance is measured apart, over
-        # the last few dozen passes
-        self.lookup_meter = LookupMeter()
+        # the last few dozen passes, for each size of the n-gram matched (a copy after one
+        # matching token is taken about a sixth of the time, after three about three quarters)
+        self.ngram_size = ngram_size
+        self.lookup_meters = [LookupMeter() for _ in range(ngram_size)]
         self.stats = SpecStats()
-        self.lookup = LlamaPromptLookupDecoding(max_ngram_size=ngram_size, num_pred_tokens=draft_max)
         self._draft_batch = _llama_cpp.Batch(max(llm.n_batch, draft_max + 1))
         # the draft's vocabulary: the converter's ranked tokens (None: every token) and every token
         # of the context (names and identifiers a prompt brings are what a ranking misses)
         self._vocab = None if vocab is None else set(int(t) for t in vocab)
+        self._vocab_stale = False
         if self._vocab is not None:
             llm.engine.set_draft_vocab(sorted(self._vocab))
 
@@ -124,13 +149,20 @@ class Drafter:
         return None if self._vocab is None else np.array(sorted(self._vocab), dtype=np.int32)
 
     def see(self, tokens) -> None:
-        """Tokens of the context: the draft's vocabulary takes those it lacks."""
+        """Tokens of the context: the draft's vocabulary takes those it lacks (the engine's copy
+        before the next draft step: passing the vocabulary costs ~1 ms, and where drafting does
+        not pay no step comes)."""
         if self._vocab is None:
             return
         new = {int(t) for t in tokens} - self._vocab
         if new:
             self._vocab |= new
+            self._vocab_stale = True
+
+    def _sync_vocab(self) -> None:
+        if self._vocab_stale:
             self.llm.engine.set_draft_vocab(np.fromiter(self._vocab, dtype=np.int32))
+            self._vocab_stale = False
 
     def close(self) -> None:
         self._draft_batch.close()
@@ -145,13 +177,17 @@ class Drafter:
         not known, so its rate is the best; its acceptance starts from the prior)."""
         if len(self.meters) == 1 or self.stop != "controller":
             return
+        self._since_choice += 1
+        if self._since_choice < CHOOSE_EVERY and not any(m.changed() for m in self.meters):
+            return
+        self._since_choice = 0
         rates = [(t.rate if t is not None else 0.0) for t in (m.table() for m in self.meters)]
         self.arm = int(np.argmax(rates))
 
     # -- the tree of one pass --------------------------------------------------------------------
-    def propose(self, context: list[int], n_past: int, pending: list[int]) -> Tree:
-        """The tree to verify after ``pending`` (the tokens not yet decoded; the KV cache holds
-        context[:n_past])."""
+    def propose(self, context: np.ndarray, n_past: int, pending: list[int]) -> Tree:
+        """The tree to verify after ``pending`` (the tokens not yet decoded; ``context``: the
+        tokens in the KV cache, n_past of them, then ``pending``)."""
         room = min(self.llm.n_ctx() - n_past - len(pending) - 1, self.max_rows - len(pending))
         # nothing drafted before a one-token pass is timed (what a draft is weighed against), and
         # once every REMEASURE passes to retime it
@@ -161,11 +197,13 @@ class Drafter:
         self._choose_arm()
         tree.arm = self.arm
         if self.kind in ("auto", "ngram"):
-            prop = [int(t) for t in self.lookup(np.asarray(context, dtype=np.intc))[: min(self.k_max, room)]]
-            self.lookup_meter.tick()
-            a, cur = self.lookup_meter.chance(), -1
-            for t in prop:
-                cur = tree.add(cur, t, a, "ngram")
+            tree.ngram, prop = lookup(context, self.ngram_size, min(self.k_max, room))
+            for m in self.lookup_meters:
+                m.tick()
+            if tree.ngram:
+                a, cur = self.lookup_meters[tree.ngram - 1].chance(), -1
+                for t in prop:
+                    cur = tree.add(cur, int(t), a, "ngram")
         if self.kind in ("auto", "self"):
             t_spent = self._self_draft(tree, n_past, pending, min(self.k_max, room))
         if len(tree) and self.stop == "controller":
@@ -192,6 +230,7 @@ class Drafter:
         if not self._more(0, 1.0, 1.0):
             return 0.0
         llm, eng = self.llm, self.llm.engine
+        self._sync_vocab()
         cur, p, pos, toks, spent, depth = -1, 1.0, n_past, pending, 0.0, 0
         eng.set_draft(True, self.fractions[self.arm])
         try:
@@ -243,7 +282,11 @@ class Drafter:
             if not kids:
                 break
             hit = any(tree.nodes[i].token == tok for i in kids)
-            self.lookup_meter.observe(hit)
+            self.lookup_meters[tree.ngram - 1].observe(hit)
+            if d == 0:
+                ns = self.stats.by_ngram.setdefault(tree.ngram, [0, 0])
+                ns[0] += 1
+                ns[1] += int(hit)
             if not hit or d >= len(accepted):
                 break
             cur = accepted[d]
@@ -273,12 +316,12 @@ def generate(llm, drafter: Drafter, tokens, *, reset: bool = True, stopping_crit
         else:
             emitted, base, in_kv = [smp(-1)], llm.n_tokens, 0
         first = False
-        context = list(_llama_cpp.input_ids(llm)[:base])
         pending = emitted[in_kv:]
         drafter.see(emitted)
         for k, tok in enumerate(emitted):
             if stopping_criteria is not None and stopping_criteria(
-                    np.array(context + emitted[:k], dtype=np.intc), _llama_cpp.last_scores(llm)):
+                    np.append(_llama_cpp.input_ids(llm)[:base], np.array(emitted[:k], dtype=np.intc)),
+                    _llama_cpp.last_scores(llm)):
                 return
             sent = yield tok
             if sent is not None:   # the caller's tokens follow this one: what was sampled after it is void
@@ -295,8 +338,8 @@ def _pass(llm, drafter: Drafter, smp, pending: list[int], plain: bool) -> tuple[
     tokens, where they start (the position after ``pending``) and how many of them the KV cache
     holds (the rest are decoded again with the next pass)."""
     n_past, m = llm.n_tokens, len(pending)
-    context = list(_llama_cpp.input_ids(llm)) + pending
-    tree = Tree() if plain else drafter.propose(context, n_past, pending)
+    tree = Tree() if plain else drafter.propose(np.append(_llama_cpp.input_ids(llm), np.array(pending, dtype=np.intc)),
+                                                n_past, pending)
     st = drafter.stats
     t0 = time.perf_counter()
     # a pass's cost as the controller weighs it: the decode, the sampling and the KV cache's upkeep

@@ -46,6 +46,7 @@ class Tree:
     # (what the controller learns rank acceptance from, whether or not a node was made of them)
     steps: list[tuple[list[int], int]] = field(default_factory=list)
     arm: int = 0         # the draft size that drafted it (speculative.Drafter)
+    ngram: int = 0       # the n-gram size prompt lookup matched for it (0: none)
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -76,7 +77,7 @@ class Tree:
 
     def subtree(self, keep: list[int]) -> "Tree":
         """The tree of the nodes ``keep`` (each one's parent kept too), indices renumbered."""
-        new = Tree(steps=self.steps, arm=self.arm)
+        new = Tree(steps=self.steps, arm=self.arm, ngram=self.ngram)
         index = {-1: -1}
         for i in sorted(keep):
             n = self.nodes[i]

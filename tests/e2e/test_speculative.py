@@ -18,7 +18,7 @@ from gguf_synth import write_tiny_model
 from leanstream_ggml import params
 from leanstream_ggml.engine import FFNEngine
 from leanstream_ggml.draft_control import N_Q, P_GRID, Costs, LookupMeter, Meter, q_bucket, solve
-from leanstream_ggml.speculative import parse_stop
+from leanstream_ggml.speculative import lookup, parse_stop
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 3
@@ -197,6 +197,51 @@ def test_solver_against_brute_force(seed):
     assert t.rate == pytest.approx(_exact_rate(c, table_policy), rel=0.02)
 
 
+def _solve_reference(costs: Costs, iters: int = 30):
+    """The recursion written directly (np.interp of each next value at each point): the draft
+    table and rate that solve()'s one product per position must equal."""
+    k, T = costs.k_max, costs.pass_cost()
+    a, f = np.clip(costs.accept, 0.0, 1.0), costs.q_freq / costs.q_freq.sum()
+    td = costs.t_draft if math.isfinite(costs.t_draft) else 0.0
+    at = lambda v, p: np.interp(p, P_GRID[::-1], v[::-1])    # noqa: E731
+    lam, g = 1.0 / T[1], len(P_GRID)
+    draft = np.zeros((k + 1, g), bool)
+    for _ in range(iters):
+        V, N, C = np.full(g, 1.0 - lam * T[k + 1]), np.ones(g), np.full(g, T[k + 1])
+        for i in range(k - 1, -1, -1):
+            stop_v = 1.0 - lam * T[i + 1]
+            pn = P_GRID[:, None] * a[None, :]
+            go_v = -lam * td + (f * (pn + at(V, pn))).sum(1)
+            go_n = (f * (pn + at(N, pn))).sum(1)
+            go_c = td + (f * at(C, pn)).sum(1)
+            draft[i] = d = go_v > stop_v
+            V, N, C = np.where(d, go_v, stop_v), np.where(d, go_n, 1.0), np.where(d, go_c, T[i + 1])
+        new = N[0] / C[0]
+        if abs(new - lam) <= 1e-9 * max(lam, 1.0):
+            break
+        lam = new
+    return draft, N[0] / C[0]
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_solver_equals_the_direct_recursion(seed):
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 9))
+    c = _costs(k, rng.uniform(0.01, 0.3), rng.uniform(0.001, 0.1), rng.uniform(0.0, 0.1), rng.uniform(0.0, 1.0, N_Q),
+               rng.uniform(0.1, 1.0, N_Q))
+    draft, rate = _solve_reference(c)
+    t = solve(c)
+    assert t.rate == pytest.approx(rate, rel=1e-9)
+    assert np.array_equal(t.draft[0], draft[0])
+    if draft[0].any():
+        # (a decision may differ only where drafting and stopping are worth the same)
+        assert (t.draft != draft).mean() <= 0.01
+    # (where nothing is drafted, the deeper rows are never consulted)
+    # from the last solved rate (costs that moved a little): the same policy
+    warm = solve(c, rate=rate * rng.uniform(0.7, 1.3))
+    assert warm.rate == pytest.approx(rate, rel=1e-9)
+
+
 def test_meter_learns_acceptance_and_costs():
     m = Meter(4)
     assert m.table() is None                       # nothing timed yet: no drafting
@@ -257,6 +302,29 @@ def test_lookup_acceptance_follows_the_text_and_recovers():
         lm.tick()
         lm.observe(True)
     assert lm.chance() > 0.85
+
+
+def test_lookup_is_llama_cpp_pythons_and_says_the_ngram_size():
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    find = LlamaPromptLookupDecoding.find_candidate_pred_tokens
+    rng = np.random.default_rng(0)
+    sizes = set()
+    for trial in range(600):
+        ids = rng.integers(0, (3, 6, 40)[trial % 3], size=int(rng.integers(1, 60))).astype(np.intc)
+        k = int(rng.integers(1, 9))
+        n, prop = lookup(ids, 3, k)
+        sizes.add(n)
+        assert np.array_equal(prop, find(ids, 3, k))         # the library's proposal
+        if n:
+            assert np.array_equal(find(ids, n, k), prop)      # the same from that size
+            # and the longest: no earlier occurrence of the last n + 1 tokens with one after it
+            m = n + 1
+            assert n == 3 or m > len(ids) - 1 or not any(
+                np.array_equal(ids[i:i + m], ids[-m:]) for i in range(len(ids) - m))
+        else:
+            assert len(prop) == 0
+    assert sizes == {0, 1, 2, 3}
 
 
 def test_q_bins_and_grid():
