@@ -77,6 +77,22 @@ def chat_prompt_tokens(llm, text: str) -> list[int]:
     return llm.tokenize(f.prompt.encode(), add_bos=not f.added_special, special=True)
 
 
+def greedy(llm, tokens: list[int], max_tokens: int) -> tuple[list[int], float | None, float | None]:
+    """Greedy decoding through ``generate`` (the loop completion and chat use): the answer (up to
+    max_tokens tokens, EOS excluded), the prefill's seconds (to the first token) and the decode's
+    (from the first token to the last; None under two tokens)."""
+    out, stamps = [], []
+    t_start = time.perf_counter()
+    for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        stamps.append(time.perf_counter())
+        if tok == llm.token_eos() or len(out) >= max_tokens:
+            break
+        out.append(int(tok))
+    n = len(out)
+    return (out, stamps[0] - t_start if stamps else None,
+            stamps[min(n, len(stamps) - 1)] - stamps[0] if n > 1 else None)
+
+
 def child(a: dict) -> dict:
     cfg = parse_config(a["config"])
     t0 = time.perf_counter()
@@ -102,18 +118,9 @@ def child(a: dict) -> dict:
             toks = chat_prompt_tokens(llm, text)
             if hasattr(llm, "reset_stats"):
                 llm.reset_stats()
-            out, stamps = [], []
-            t_start = time.perf_counter()
-            for tok in llm.generate(toks, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
-                stamps.append(time.perf_counter())
-                if tok == llm.token_eos() or len(out) >= a["max_tokens"]:
-                    break
-                out.append(int(tok))
-            n = len(out)
-            r = {"domain": domain, "prompt_tokens": toks, "tokens": out,
-                 "prefill_s": stamps[0] - t_start if stamps else None,
-                 "decode_s": stamps[min(n, len(stamps) - 1)] - stamps[0] if n > 1 else None}
-            r["decode_tps"] = (n - 1) / r["decode_s"] if r["decode_s"] else None
+            out, prefill_s, decode_s = greedy(llm, toks, a["max_tokens"])
+            r = {"domain": domain, "prompt_tokens": toks, "tokens": out, "prefill_s": prefill_s, "decode_s": decode_s,
+                 "decode_tps": (len(out) - 1) / decode_s if decode_s else None}
             if hasattr(llm, "stats"):
                 s = llm.stats()
                 r["speculative"] = s.get("speculative")

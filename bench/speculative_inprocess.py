@@ -21,22 +21,13 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 
 import benchkit
-from speculative import PROMPTS, chat_prompt_tokens
+from speculative import PROMPTS, chat_prompt_tokens, greedy
 
 
-def decode(llm, tokens, max_tokens: int) -> tuple[list[int], float]:
-    llm.reset()
-    out, stamps = [], []
-    for t in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
-        stamps.append(time.perf_counter())
-        if t == llm.token_eos() or len(out) >= max_tokens:
-            break
-        out.append(int(t))
-    n = len(out)
-    return out, (stamps[min(n, len(stamps) - 1)] - stamps[0]) if n > 1 else 0.0
+def tps(run: dict) -> float:
+    return (run["tokens"] - 1) / run["decode_s"]
 
 
 def main(argv=None) -> int:
@@ -62,36 +53,30 @@ def main(argv=None) -> int:
     domains = args.domains.split(",")
     kw = dict(n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False, mode="dense")
     llms = {c: Llama(args.model, speculative=c, **kw) for c in configs}
-    runs, answers, k = [], {}, 0
+    runs, k = [], 0
     for r in range(args.rounds):
         for dom in domains:
             for i, text in enumerate(prompts[dom][:args.prompts]):
                 order = configs if k % 2 == 0 else configs[::-1]
                 k += 1
                 for c in order:
-                    toks = chat_prompt_tokens(llms[c], text)
-                    out, secs = decode(llms[c], toks, args.max_tokens)
-                    runs.append({"round": r, "domain": dom, "prompt": i, "config": c, "tokens": len(out), "decode_s": secs,
-                                 "answer": out})
-    for x in runs:
-        if x["config"] == "off":
-            answers.setdefault((x["domain"], x["prompt"]), x["answer"])
+                    llms[c].reset()   # (a prompt seen in an earlier round is prefilled again, as in the first)
+                    out, _, secs = greedy(llms[c], chat_prompt_tokens(llms[c], text), args.max_tokens)
+                    runs.append({"round": r, "domain": dom, "prompt": i, "config": c, "tokens": len(out),
+                                 "decode_s": secs or 0.0, "answer": out})
+    off = {(x["domain"], x["prompt"], x["round"]): x for x in runs if x["config"] == "off"}
     summary = []
     for dom in domains:
         rows = {}
         for c in configs:
             rs = [x for x in runs if x["domain"] == dom and x["config"] == c]
             rows[c] = {"decode_tps": sum(x["tokens"] - 1 for x in rs) / max(1e-9, sum(x["decode_s"] for x in rs)),
-                       "same_answers": all(x["answer"] == answers[(dom, x["prompt"])] for x in rs)}
+                       "same_answers": all(x["answer"] == off[(dom, x["prompt"], 0)]["answer"] for x in rs)}
         base = rows["off"]["decode_tps"]
         for c in configs:
             rows[c]["ratio_to_off"] = rows[c]["decode_tps"] / base
-            per = []
-            for x in runs:
-                if x["domain"] == dom and x["config"] == c and x["decode_s"]:
-                    ref = next(y for y in runs if y["domain"] == dom and y["config"] == "off"
-                               and y["prompt"] == x["prompt"] and y["round"] == x["round"])
-                    per.append(((x["tokens"] - 1) / x["decode_s"]) / ((ref["tokens"] - 1) / ref["decode_s"]))
+            per = [tps(x) / tps(off[(dom, x["prompt"], x["round"])]) for x in runs
+                   if x["domain"] == dom and x["config"] == c and x["decode_s"] and off[(dom, x["prompt"], x["round"])]["decode_s"]]
             rows[c]["ratio_by_prompt"] = {"min": min(per), "median": statistics.median(per), "max": max(per)}
         summary.append({"domain": dom, "configs": rows})
     for x in runs:

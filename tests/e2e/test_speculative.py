@@ -234,9 +234,9 @@ def test_solver_equals_the_direct_recursion(seed):
     assert t.rate == pytest.approx(rate, rel=1e-9)
     assert np.array_equal(t.draft[0], draft[0])
     if draft[0].any():
-        # (a decision may differ only where drafting and stopping are worth the same)
+        # (a decision may differ only where drafting and stopping are worth the same; where
+        # nothing is drafted at the start, the deeper rows are never consulted)
         assert (t.draft != draft).mean() <= 0.01
-    # (where nothing is drafted, the deeper rows are never consulted)
     # from the last solved rate (costs that moved a little): the same policy
     warm = solve(c, rate=rate * rng.uniform(0.7, 1.3))
     assert warm.rate == pytest.approx(rate, rel=1e-9)
