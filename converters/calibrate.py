@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from leanstream_ggml import manifest as mf
-from leanstream_ggml.scoring import log_softmax, window_logits, windows
+from leanstream_ggml.scoring import windows
 from leanstream_ggml.texts import text_tokens
 
 SPARSITIES = (0.3, 0.4, 0.5, 0.6, 0.7)
@@ -44,16 +44,12 @@ def corpus(user=None) -> dict[str, Path]:
     return out
 
 
-def _windows(llm, path: Path) -> list[list[int]]:
+def window_tokens(llm, path: Path) -> list[list[int]]:
+    """The calibration windows of one domain's text (N_WINDOWS of N_CTX tokens; [] if shorter)."""
     tokens, add_bos = text_tokens(llm, path)
     if len(tokens) < N_CTX:
         return []
     return windows(tokens, N_CTX, add_bos, llm.token_bos(), N_WINDOWS)
-
-
-def _logits(llm, w: list[int], decode: bool) -> np.ndarray:
-    pos = np.arange(N_CTX // 2, N_CTX - 1)
-    return log_softmax(window_logits(llm, w, decode=decode)[pos])
 
 
 def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
@@ -72,37 +68,36 @@ def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
         llm.close()
 
 
-def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_threads: int = 2,
-              progress: bool = True, log=print) -> list[dict]:
-    """The quality table (module doc) of leanstream mode vs stock on the corpus (``text_path``:
-    the user's file, an extra domain); [] when no domain's text holds one window."""
-    import llama_cpp
+def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limit: int | None = None,
+              n_threads: int = 2, progress: bool = True, log=print) -> list[dict]:
+    """The quality table (module doc) of leanstream mode against the references the profile
+    stage gathered with dense mode (``{domain: [(window, nll, top)]}``, converters/profile_pass.py;
+    dense reproduces stock llama.cpp within its rounding noise); [] when no domain's text holds
+    one window. Under ``memory_limit`` every run plans within it (the table then holds for the
+    budget it leaves, which is what a sparse run under that limit gets)."""
     from tqdm import tqdm
 
     from leanstream_ggml import Llama
 
-    kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, logits_all=True, verbose=False)
-    stock = llama_cpp.Llama(str(src), **kw)
-    try:
-        domains = {}
-        for name, path in corpus(text_path).items():
-            ws = _windows(stock, path)
-            if not ws:
-                log(f"calibrate: the {name} text ({path.name}) is shorter than one window of {N_CTX} "
-                    f"tokens; left out")
-                continue
-            domains[name] = [(w, _targets(_logits(stock, w, decode=False), w)) for w in ws]
-    finally:
-        stock.close()
+    domains = {name: [(list(map(int, w)), (nll, top)) for w, nll, top in refs] for name, refs in references.items() if refs}
+    for name in [n for n, refs in references.items() if not refs]:
+        log(f"calibrate: the {name} text is shorter than one window of {N_CTX} tokens; left out")
     if not domains:
         return []
-    budget = _sketch_budget(Llama, out, manifest, kw)
+    kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, logits_all=True, verbose=False, speculative="off")
+    if memory_limit:
+        # logits_all keeps n_ctx rows of logits besides what the plan counts
+        from leanstream_ggml.memplan import read_base
+
+        n_vocab = read_base(manifest.resolve(out, manifest.base.file)).n_vocab
+        limit = {"memory_limit": memory_limit - N_CTX * n_vocab * 4}
+    else:
+        limit = {"memory_budget": _sketch_budget(Llama, out, manifest, kw)}
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
         # no hot set: hot blocks are always candidates (scored exactly, their rows are resident),
         # which selects better than the sketch alone; the table holds for the smallest hot set
-        llm = Llama(str(out), mode="leanstream", sparsity=s, memory_budget=budget, hot_fraction=0.0,
-                    _manifest=manifest, **kw)
+        llm = Llama(str(out), mode="leanstream", sparsity=s, hot_fraction=0.0, _manifest=manifest, **limit, **kw)
         try:
             per = {name: _score(llm, wr) for name, wr in domains.items()}
         finally:
@@ -112,12 +107,27 @@ def calibrate(src: Path, out: Path, manifest: mf.Manifest, *, text_path=None, n_
     return table
 
 
-def _targets(logp: np.ndarray, w: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Of a window's scored log-probabilities [positions, vocab]: the negative log-likelihood of
-    each next token and the top-1 token. Only these are kept per reference window: the whole
-    rows of a 262k vocabulary (gemma3) would hold ~0.5 GB per window."""
-    nxt = np.asarray(w)[N_CTX // 2 + 1:N_CTX]
-    return -logp[np.arange(len(nxt)), nxt], logp.argmax(-1)
+def _targets(llm, w: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The next-token NLL and the top-1 token of each scored position of window w, decoded token
+    by token (the sparse modes are sparse only for one-token batches), one row of logits at a
+    time (a 262k vocabulary's rows, gemma3, would take ~0.5 GB per window at once)."""
+    llm.reset()
+    split = N_CTX // 2
+    llm.eval(w[:split])
+    for t in w[split:]:
+        llm.eval([t])
+    return row_targets((llm.scores[pos] for pos in range(split, N_CTX - 1)), w[split + 1:N_CTX])
+
+
+def row_targets(rows, nxt) -> tuple[np.ndarray, np.ndarray]:
+    """(NLL of nxt[i] under logits row i, argmax of row i), one row at a time (float64)."""
+    nll, top = [], []
+    for z, t in zip(rows, nxt):
+        z = np.asarray(z, dtype=np.float64)
+        lse = z.max() + np.log(np.exp(z - z.max()).sum())
+        nll.append(lse - z[t])
+        top.append(int(z.argmax()))
+    return np.asarray(nll), np.asarray(top, np.int64)
 
 
 def _score(llm, windows_refs) -> dict:
@@ -125,7 +135,7 @@ def _score(llm, windows_refs) -> dict:
     (next-token NLL, top-1) per window."""
     nll_t, nll_r, agree = [], [], []
     for w, (ref_nll, ref_top) in windows_refs:
-        nll, top = _targets(_logits(llm, w, decode=True), w)
+        nll, top = _targets(llm, w)
         nll_t.append(nll)
         nll_r.append(ref_nll)
         agree.append(top == ref_top)

@@ -2,7 +2,7 @@
 
     leanstream convert [IN.gguf | MODEL_NAME] [OUT_DIR] [--k K] [--align N] [--force] [--quiet]
                        [--sketch ls2|none] [--predictors none|quick|full] [--order importance|coact|freq|none]
-                       [--calibration FILE]
+                       [--calibration FILE] [--calibrate] [--memory-limit BYTES]
     leanstream info [DIR]
 
 Without IN, convert uses the default model (SmolLM2-135M-Instruct, fetched into the model cache);
@@ -238,7 +238,7 @@ def _sparse_line(m, d: Path) -> str:
 
 # convert options passed to convert_model only when given (their parsers' default is None)
 _CONVERT_OPTIONS = ("k", "align", "profile_dir", "sketch", "order", "calibrate", "predictors", "calibration",
-                    "down_type")
+                    "down_type", "memory_limit", "profile_tokens")
 
 
 def register(subparsers) -> None:
@@ -246,9 +246,11 @@ def register(subparsers) -> None:
         "convert", help="convert a GGUF model into a LeanStream model directory",
         description="Rewrite a GGUF's FFN into neuron block files streamed with O_DIRECT (the rest of "
                     "the model goes to base.gguf) and write the 2-bit sketch leanstream mode selects "
-                    "neurons with (no training: minutes); predictors are trained on request. Stages: read, order, "
-                    "profile, train, write, sketch, manifest; restartable: re-run the same command after "
-                    "an interruption and it resumes where it stopped.")
+                    "neurons with (no training: minutes); predictors are trained on request. Stages: read, write "
+                    "(source order), activations (one pass of the plugin's dense engine over the calibration "
+                    "text), order, reorder (in place), sketch, manifest; all within --memory-limit; each prints "
+                    "its time and peak memory. Restartable: re-run the same command after an interruption and "
+                    "it resumes where it stopped.")
     p.add_argument("model", nargs="?", default=None,
                    help="GGUF file or known model name (default: the cached SmolLM2-135M-Instruct)")
     p.add_argument("out_dir", nargs="?", default=None,
@@ -278,9 +280,18 @@ def register(subparsers) -> None:
                         "and the rest streams in one piece), neurons the sparse modes read together placed "
                         "together (coact), most often read first (freq), or as in the GGUF (none)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
-                   help="with the sketch: measure what each sparsity costs on the bundled prose, code and chat "
-                        "texts (the table quality='ppl+5%%' chooses from, by its worst domain; a few minutes "
-                        "for a 1.5B model)")
+                   help="with the sketch: also measure what each sparsity costs on the bundled prose, code and chat "
+                        "texts (the table quality='ppl+5%%' chooses from, by its worst domain; off by default: only "
+                        "quality= needs it, and it takes longer than the rest of the conversion, ~5 minutes for a "
+                        "1.5B model)")
+    p.add_argument("--profile-tokens", type=int, default=None, metavar="N",
+                   help="positions of the calibration text the model runs on to order the neurons and rank the "
+                        "draft vocabulary (default 4096; the conversion's longest stage is proportional to it)")
+    p.add_argument("--memory-limit", default=None, metavar="BYTES",
+                   help="memory the whole conversion holds, e.g. 1GB or 700MiB (default: what the machine or its "
+                        "memory cgroup allows, printed before the first stage); the model runs through the "
+                        "plugin's dense engine within it, and a limit too small for one layer is refused with "
+                        "the numbers")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="your own text (or .jsonl chats, one {\"messages\": [...]} per line): calibrated as one more "
                         "domain and profiled for the neuron order (and it replaces the bundled prompts "

@@ -30,6 +30,7 @@ from leanstream_ggml.checksum import crc32c_rows
 from leanstream_ggml.formats import MIN_ALIGN
 
 from . import blockfile
+from ._faults import kill_point
 from .fileio import PARTIAL, atomic_write_text, atomic_writer, fsync_dir, sha256_file
 from .validate import check_tensors
 
@@ -533,54 +534,150 @@ def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 
 
 # ---- the write stage: base.gguf and the block files ---------------------------------------------
 
-def write_model(source: Source, out: Path, *, progress: bool = True) -> tuple[list[mf.LayerEntry], mf.Totals, int]:
-    """Write base.gguf and ffn/blk.<il>.bin (a file already complete from an interrupted run is
-    kept). Returns the manifest's layer entries, totals and the number of layers kept."""
+def _layer_header(source: Source, layer) -> blockfile.BlockHeader:
+    model = source.model
+    gate_rows, up_rows = _rows_as_bytes(layer.gate, model.n_ff), _rows_as_bytes(layer.up, model.n_ff)
+    return blockfile.make_header(
+        il=layer.il, n_embd=model.n_embd, n_ff=model.n_ff, k=source.k, gate_type=int(layer.gate.tensor_type),
+        up_type=int(layer.up.tensor_type), down_type=int(_down_type(layer.down.tensor_type, model.n_embd, source.down_type)),
+        align=source.align, gate_row_bytes=gate_rows.shape[1], up_row_bytes=up_rows.shape[1],
+        down_col_bytes=_down_col_bytes(layer.down.tensor_type, model.n_embd, source.down_type))
+
+
+def _write_source_layer(source: Source, path: Path, layer, h: blockfile.BlockHeader, slots: np.ndarray) -> None:
+    """One layer's block file from the source's tensors (one layer's rows and columns in RAM)."""
+    model = source.model
+    down_cols, down_type = down_columns(layer.down, model.n_embd, model.n_ff, source.down_type)  # uint8 [n_ff, col_bytes]
+    assert int(down_type) == h.down_type and down_cols.shape[1] == h.down_col_bytes
+    _write_layer(path, h, slots, pack_blocks(_rows_as_bytes(layer.gate, model.n_ff), _rows_as_bytes(layer.up, model.n_ff),
+                                             down_cols, slots, h))
+    release_source_pages(model)
+
+
+def release_source_pages(model: _Model) -> None:
+    """Drop the source's mapped pages from this process (clean file pages: read again if needed),
+    so that a layer done with is not held until the end of the conversion."""
+    mm = getattr(model.reader.data, "_mmap", None)
+    if mm is not None and hasattr(mm, "madvise"):
+        import mmap
+
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
+
+
+def write_model(source: Source, out: Path, *, progress: bool = True, write: bool = True) -> tuple[list[mf.LayerEntry], mf.Totals, int]:
+    """Write base.gguf and ffn/blk.<il>.bin in the source's slot order (a file already complete
+    from an interrupted run is kept; ``write=False``: the files are there already, only their
+    entries are made). Returns the manifest's layer entries, totals and the number of layers kept."""
     from tqdm import tqdm
 
-    model, k, align = source.model, source.k, source.align
+    model = source.model
     n_embd, n_ff = model.n_embd, model.n_ff
     (out / mf.FFN_DIR).mkdir(exist_ok=True)
     base = out / mf.BASE_NAME
-    if not base.exists():
+    if write and not base.exists():
         write_base(model, base, source.sha256)
+        release_source_pages(model)
     entries, kept = [], 0
     ffn_src = pad = region = on_disk = 0
-    for layer in tqdm(model.layers, desc="writing FFN block files", unit="layer", disable=not progress):
+    for layer in tqdm(model.layers, desc="writing FFN block files", unit="layer", disable=not progress or not write):
         il = layer.il
-        gate_rows = _rows_as_bytes(layer.gate, n_ff)      # uint8 [n_ff, gate_row_bytes]
-        up_rows = _rows_as_bytes(layer.up, n_ff)          # uint8 [n_ff, up_row_bytes]
-        down_type_src = layer.down.tensor_type
-        col_bytes = _down_col_bytes(down_type_src, n_embd, source.down_type)
-        h = blockfile.make_header(
-            il=il, n_embd=n_embd, n_ff=n_ff, k=k, gate_type=int(layer.gate.tensor_type),
-            up_type=int(layer.up.tensor_type), down_type=int(_down_type(down_type_src, n_embd, source.down_type)),
-            align=align, gate_row_bytes=gate_rows.shape[1], up_row_bytes=up_rows.shape[1],
-            down_col_bytes=col_bytes)
-        slots = source.slots(il)
+        h = _layer_header(source, layer)
         rel = mf.BLOCK_FILE.format(il=il)
-        path = out / rel
-        if _layer_done(path, h, slots):
-            kept += 1
-        else:
-            down_cols, down_type = down_columns(layer.down, n_embd, n_ff, source.down_type)  # uint8 [n_ff, col_bytes]
-            assert int(down_type) == h.down_type and down_cols.shape[1] == col_bytes
-            _write_layer(path, h, slots, pack_blocks(gate_rows, up_rows, down_cols, slots, h))
-            del down_cols
+        if write:
+            slots = source.slots(il)
+            if _layer_done(out / rel, h, slots):
+                kept += 1
+            else:
+                _write_source_layer(source, out / rel, layer, h, slots)
+                kill_point("write-layer")
         entries.append(mf.LayerEntry(
             il=il, file=rel, gate_type=ggml_type_name(layer.gate.tensor_type),
-            up_type=ggml_type_name(layer.up.tensor_type),
-            down_type=ggml_type_name(_down_type(down_type_src, n_embd, source.down_type)),
+            up_type=ggml_type_name(layer.up.tensor_type), down_type=ggml_type_name(_gguf().GGMLQuantizationType(h.down_type)),
             n_blocks=h.n_blocks, block_stride=h.block_stride, block_payload=h.block_payload,
             data_offset=h.data_offset, file_size=h.file_size))
         ffn_src += layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes
         region += h.n_blocks * h.block_stride
         pad += h.n_blocks * h.block_stride - n_ff * (h.gate_row_bytes + h.up_row_bytes + h.down_col_bytes)
         on_disk += h.file_size
-    fsync_dir(out / mf.FFN_DIR)              # the renames above are durable before the manifest
+    if write:
+        fsync_dir(out / mf.FFN_DIR)              # the renames above are durable before the manifest
     totals = mf.Totals(ffn_bytes_source=ffn_src, ffn_bytes_on_disk=on_disk, padding_bytes=pad,
                        padding_waste=pad / region)
     return entries, totals, kept
+
+
+def reorder_layers(source: Source, out: Path, *, progress: bool = True) -> int:
+    """The reorder stage: each layer's block file rewritten with its neurons in ``source.orders``
+    (one neuron per block), from the file the write stage wrote in source order: one layer's
+    blocks in RAM, written under a temporary name and renamed. A file already in that order is
+    kept; one in neither order (damaged) is written again from the source. Returns how many were
+    rewritten."""
+    from tqdm import tqdm
+
+    done = 0
+    for layer in tqdm(source.model.layers, desc="reordering block files", unit="layer", disable=not progress):
+        path = out / mf.BLOCK_FILE.format(il=layer.il)
+        h = _layer_header(source, layer)
+        slots = source.slots(layer.il)
+        if _layer_done(path, h, slots):
+            continue
+        identity = np.arange(h.n_blocks * h.k, dtype="<i4")
+        if source.k == 1 and _layer_done(path, h, identity):
+            blocks = np.fromfile(path, np.uint8, count=h.n_blocks * h.block_stride, offset=h.data_offset)
+            blocks = blocks.reshape(h.n_blocks, h.block_stride)[slots]   # new slot s holds neuron slots[s]
+            _write_layer(path, h, slots, blocks)
+            del blocks
+        else:
+            _write_source_layer(source, path, layer, h, slots)
+        done += 1
+        kill_point("reorder-layer")
+    fsync_dir(out / mf.FFN_DIR)
+    return done
+
+
+def estimate_output_bytes(source: Source, sketch: str) -> int:
+    """Bytes a conversion writes: base.gguf, the block files (and one layer's rewrite at a time),
+    the sketch."""
+    model = source.model
+    ffn = sum(layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes for layer in model.layers)
+    files = [_layer_header(source, layer).file_size for layer in model.layers]
+    sketch_bytes = 0
+    if sketch != "none":
+        from .sketch import row_bytes
+
+        sketch_bytes = model.n_layer * (2 * model.n_ff * row_bytes(model.n_embd) + 4 * model.n_ff + 4096)
+    return source.size - ffn + sum(files) + max(files) + sketch_bytes
+
+
+# what the write stage holds besides the process: one layer's down matrix as f32 twice (dequantized
+# and transposed), its columns re-quantized, and its packed blocks
+def layer_working_bytes(source: Source) -> int:
+    model = source.model
+    h = _layer_header(source, model.layers[0])
+    return 2 * 4 * model.n_embd * model.n_ff + model.n_ff * h.down_col_bytes + h.n_blocks * h.block_stride
+
+
+def check_fits(source: Source, out: Path, limit: int, *, sketch: str) -> None:
+    """Before anything is written: a clear error when the disk cannot hold the output, or the
+    memory limit cannot hold one layer's work beside this process."""
+    from .budget import MiB, free_disk, rss
+
+    need = estimate_output_bytes(source, sketch)
+    free = free_disk(out)
+    # a resumed conversion has written part of it already
+    have = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir() else 0
+    if need - have > free:
+        raise ConvertError(f"{out}: not enough disk space: the conversion writes about {need / 1e6:.0f} MB "
+                           f"({have / 1e6:.0f} MB of it there already), the file system has {free / 1e6:.0f} MB free")
+    work, now = layer_working_bytes(source), rss()
+    if now + work > limit:
+        raise ConvertError(f"memory limit {limit / 1e6:.0f} MB is too small to convert {source.path.name}: one layer's "
+                           f"work takes {work / MiB:.0f} MiB (n_ff {source.model.n_ff} x n_embd {source.model.n_embd}) "
+                           f"besides the {now / MiB:.0f} MiB this process holds; at least "
+                           f"{(now + work) / 1e6:.0f} MB is needed")
 
 
 def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], totals: mf.Totals,

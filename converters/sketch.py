@@ -4,7 +4,8 @@ sketch file (format version 1) and its LS2 rows, as the converter writes and rea
 The format is specified in docs/formats.md; the engine reads the files itself (native/src/sketch.c).
 
 No training: the rows are dequantized with gguf-py and re-quantized to 2-bit LS2 rows (4
-symmetric levels, one f16 scale per 32 values, 2.5 bits per value), so a conversion is ready for
+symmetric levels, one f16 scale per 32 values, 2.5 bits per value; by the native library,
+``quantize_rows`` is its numpy reference), so a conversion is ready for
 sparse decode in the time it takes to read the FFN once. Resumable per layer: a complete file
 from an interrupted run is kept.
 """
@@ -125,9 +126,25 @@ def _codes(w: np.ndarray, d: np.ndarray) -> np.ndarray:
     return np.clip(np.floor(w * inv + 2.0), 0, 3).astype(np.uint8)
 
 
+def quantize_rows_native(w: np.ndarray, n_threads: int = 2) -> np.ndarray:
+    """quantize_rows by the native library (ls_sketch_quantize_ls2, on n_threads threads): the same
+    rows (tests/native/test_sketch.py holds it to quantize_rows), ~10x faster."""
+    from leanstream_ggml._native import ffi, lib
+
+    w = np.ascontiguousarray(w, np.float32)
+    n_rows, n = w.shape
+    if n % 64:
+        raise ValueError(f"LS2 sketch rows need n_embd a multiple of 64, got {n}")
+    out = np.empty((n_rows, row_bytes(n)), np.uint8)
+    lib.ls_sketch_quantize_ls2(ffi.cast("const float *", w.ctypes.data), n_rows, n, ffi.cast("uint8_t *", out.ctypes.data),
+                               n_threads)
+    return out
+
+
 def quantize_rows(w: np.ndarray, chunk: int = 1024) -> np.ndarray:
     """uint8 [n_rows, row_bytes] LS2 rows of f32 w [n_rows, n_embd] (n_embd a multiple of 64).
-    Each group of 32 values takes the scale, among a grid of trials, with the least squared error."""
+    Each group of 32 values takes the scale, among a grid of trials, with the least squared error.
+    The reference of quantize_rows_native, which the converter runs."""
     w = np.asarray(w, np.float32)
     n_rows, n = w.shape
     if n % 64:
@@ -165,14 +182,14 @@ def down_column_norms(layer, n_embd: int) -> np.ndarray:
     return np.linalg.norm(_dequantized_rows(layer.down, n_embd), axis=0).astype(np.float32)
 
 
-def _layer_sketch(layer, slots: np.ndarray, n_embd: int, n_ff: int, k: int, weight: str) -> bytes:
+def _layer_sketch(layer, slots: np.ndarray, n_embd: int, n_ff: int, k: int, weight: str, n_threads: int = 2) -> bytes:
     pad = slots < 0
     idx = np.where(pad, 0, slots)
     parts = []
     for t in (layer.gate, layer.up):
         rows = _dequantized_rows(t, n_ff)[idx]         # f32 [n_rows, n_embd], slot order
         rows[pad] = 0.0
-        parts.append(quantize_rows(rows))
+        parts.append(quantize_rows_native(rows, n_threads))
     if weight == "down_norm":
         down = _dequantized_rows(layer.down, n_embd)   # [n_embd, n_ff]
         w = np.linalg.norm(down, axis=0)[idx].astype(np.float32)
@@ -192,11 +209,13 @@ def _complete(path: Path, il: int, n_rows: int) -> bool:
 
 def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: str = DEFAULT_WEIGHT,
                    progress: bool = True, block_freq: np.ndarray | None = None,
-                   block_abs_h: np.ndarray | None = None) -> mf.SketchInfo:
+                   block_abs_h: np.ndarray | None = None, down_norm: np.ndarray | None = None,
+                   n_threads: int = 2) -> mf.SketchInfo:
     """Write one sketch file per layer (a complete one from an interrupted run is kept), and
     block_freq (f32 [n_layer, n_blocks], the order stage's calibration frequencies) if given; with
     block_abs_h (the order stage's mean |h| per block, k = 1) the blocks' importance, mean |h| x
-    ||down column|| (dense mode's pinned set: the draft FFN of speculative decoding)."""
+    ||down column|| (dense mode's pinned set: the draft FFN of speculative decoding); down_norm
+    f32 [n_layer, n_blocks]: those norms in slot order, where the order stage has them."""
     from tqdm import tqdm
 
     if type_name not in TYPES:
@@ -215,12 +234,15 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
         path = out / rel
         slots = source.slots(layer.il)
         if not _complete(path, layer.il, len(slots)):
-            data = _layer_sketch(layer, slots, model.n_embd, model.n_ff, source.k, weight)
+            data = _layer_sketch(layer, slots, model.n_embd, model.n_ff, source.k, weight, n_threads)
             with atomic_writer(path, durable=False) as f:
                 f.write(data)
         if block_abs_h is not None and source.k == 1:
-            norm = down_column_norms(layer, model.n_embd)   # [n_ff], GGUF order
-            importance.append(block_abs_h[layer.il] * norm[np.where(slots < 0, 0, slots)].astype(np.float32))
+            if down_norm is not None:      # the order stage's, in slot order
+                importance.append(block_abs_h[layer.il] * down_norm[layer.il])
+            else:
+                norm = down_column_norms(layer, model.n_embd)   # [n_ff], GGUF order
+                importance.append(block_abs_h[layer.il] * norm[np.where(slots < 0, 0, slots)].astype(np.float32))
         files.append(rel)
         total += path.stat().st_size
     freq_rel = None

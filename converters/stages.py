@@ -1,35 +1,44 @@
-"""The converter: GGUF -> model directory, as a pipeline of restartable stages.
+"""The converter: GGUF -> model directory, as a pipeline of restartable stages, all within one
+memory limit (converters/budget.py; docs/design.md §22).
 
     from converters import convert                 # = converters.stages.convert_model
     m = convert("model.gguf", "model.lsm")         # -> Manifest; what `leanstream convert` runs
 
-    read      open and check the source, its sha256, the block geometry (k, align, neuron order)
-    order     (with the sketch, k = 1) how often each neuron is read on the calibration text, and
-              neurons read together placed together on disk (converters/order.py) -> <work>/order.npz
-    profile   (with predictors) llama.cpp's activations on calibration text    -> <work>/profile/
-    train     (with predictors) one predictor per layer, resumable per layer   -> predictor/
-    write     base.gguf + ffn/blk.<il>.bin, resumable per layer                -> base.gguf, ffn/
-    sketch    (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
-    vocab     the speculative draft's vocabulary: tokens by the model's mean predicted probability
-              on the calibration corpus (converters/vocab.py)                  -> draft/vocab.npy
-    calibrate (with the sketch) perplexity cost of each sparsity per domain of the calibration
-              corpus (prose, code, chat, the user's file; converters/calibrate.py)
-    manifest  manifest.json, written once, last: its presence marks a complete model directory
+    read        open and check the source, its sha256, the block geometry; the disk space and the
+                limit checked before anything is written
+    write       base.gguf + ffn/blk.<il>.bin in source order, one layer at a time -> base.gguf, ffn/
+    activations one pass of the plugin's dense engine (the exact reference) over the calibration
+                corpus, under the limit: per-neuron |h| and read-set statistics, the draft
+                vocabulary's ranking, the calibration references (converters/profile_pass.py)
+                                                                     -> <work>/activations.npz
+    order       (with the sketch, k = 1) each layer's neuron order (converters/order.py)
+                                                                     -> <work>/order.npz
+    reorder     each block file rewritten in that order, one layer at a time, in place
+    profile     (with predictors) llama.cpp's activations on calibration text    -> <work>/profile/
+    train       (with predictors) one predictor per layer, resumable per layer   -> predictor/
+    sketch      (unless sketch="none") low-bit gate/up rows, resumable per layer -> sketch/
+    vocab       the speculative draft's vocabulary (from the activations stage)  -> draft/vocab.npy
+    calibrate   (opt-in, with the sketch) perplexity cost of each sparsity per domain of the
+                calibration corpus against the activations stage's references (converters/calibrate.py)
+    manifest    manifest.json, written once, last: its presence marks a complete model directory;
+                extra.conversion holds each stage's seconds and peak resident memory
 
-The default (a q2_K sketch, no predictors) trains nothing: leanstream mode selects from each
-layer's own input with the sketch, and the conversion takes minutes. Predictors (layer-ahead
-speculation for leanstream's prefetch, and the baselines' selection) are trained on request.
+The default (an ls2 sketch, no predictors, no calibration) trains nothing and runs the model
+once. Predictors (layer-ahead speculation for leanstream's prefetch, and the baselines'
+selection) are trained on request; their profile still runs stock llama.cpp on the source,
+outside the limit.
 
 While a conversion is unfinished, OUT/.convert/ holds its state: ``state.json`` (the source's
-sha256 and every parameter the outputs depend on) and one ``<stage>.done`` marker per finished
-stage (the profile too, unless ``profile_dir`` puts it elsewhere). Re-running the same command
-after an interruption (Ctrl-C, SIGKILL, power loss) resumes at the first unfinished stage and
-produces the same files; other parameters are refused unless ``force`` starts over. Every file is
-written under a temporary name and renamed, so no stage leaves a half file under a final name.
+sha256 and every parameter the outputs depend on), one ``<stage>.done`` marker per finished
+stage and ``stages.json`` (what each measured). Re-running the same command after an
+interruption (Ctrl-C, SIGKILL, power loss) resumes at the first unfinished stage and produces the
+same files; other parameters are refused unless ``force`` starts over. Every file is written
+under a temporary name and renamed, so no stage leaves a half file under a final name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,15 +50,20 @@ import numpy as np
 
 from leanstream_ggml import manifest as mf
 
-from .convert_gguf import (DEFAULT_DOWN_TYPE, PREDICTOR_ARCHS, ConvertError, check_out_dir_apart, make_manifest, read_source,
-                           remove_partials, save_manifest, write_model)
+from leanstream_ggml import params as params_mod
+
+from .budget import StageMeter, machine_limit
+from .convert_gguf import (DEFAULT_DOWN_TYPE, PREDICTOR_ARCHS, ConvertError, check_fits, check_out_dir_apart, make_manifest,
+                           read_source, remove_partials, reorder_layers, save_manifest, write_model)
 from .fileio import PARTIAL, atomic_write_json, atomic_writer, fsync_dir, sha256_file
 from .order import DEFAULT_METHOD as DEFAULT_ORDER, METHODS as ORDER_METHODS
+from .profile_pass import MAX_TOKENS as PROFILE_TOKENS
 from .sketch import DEFAULT_TYPE as DEFAULT_SKETCH, write_sketches
 
 STATE_DIR = ".convert"     # the converter's own state while a conversion is unfinished
 STATE_NAME = "state.json"
 PREDICTOR_CHOICES = ("full", "quick", "none")
+STAGES = ("write", "activations", "order", "reorder", "profile", "train", "sketch", "calibrate")
 
 
 class _State:
@@ -79,6 +93,16 @@ class _State:
             return json.loads((self.dir / f"{stage}.done").read_text()).get("result")
         except (OSError, ValueError):
             return None
+
+    def load_records(self) -> dict:
+        """What the finished stages of an interrupted run measured (StageMeter.records)."""
+        try:
+            return json.loads((self.dir / "stages.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def save_records(self, records: dict) -> None:
+        atomic_write_json(self.dir / "stages.json", records)
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -148,10 +172,11 @@ def _corpus_id(calibration) -> dict:
 
 def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
                   force: bool = False, progress: bool = True, permutation=None,
-                  predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = True, profile_dir: str | os.PathLike | None = None, calibration=None,
+                  predictors: str = "none", sketch: str = DEFAULT_SKETCH, calibrate: bool = False, profile_dir: str | os.PathLike | None = None, calibration=None,
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
                   order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None,
-                  down_type: str = DEFAULT_DOWN_TYPE) -> mf.Manifest:
+                  down_type: str = DEFAULT_DOWN_TYPE, memory_limit: int | str | None = None,
+                  profile_tokens: int = PROFILE_TOKENS) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest. The
     defaults are `leanstream convert`'s (converters/cli.py passes only what its user gives).
 
@@ -166,13 +191,20 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     ``calibration`` text, and train one predictor per layer), "quick" (a CI-sized profile and
     training) or "none" (default: no training). sketch: the sketch row format ("ls2", default)
     or "none" (with predictors "none" too: dense mode only, seconds). calibrate: measure what
-    each sparsity costs on the model's own text (the quality= table; with the sketch). profile_dir: keep the activation profile
+    each sparsity costs on the calibration corpus (the quality= table; with the sketch; off by
+    default: only quality= reads it, and it takes longer than the rest of the conversion).
+    memory_limit: bytes (or "1GB") the whole conversion holds (default: what the machine or its
+    memory cgroup allows this process, converters/budget.py). profile_tokens: positions of the
+    calibration corpus the activations stage runs the model on (more: steadier statistics,
+    proportionally longer). profile_dir: keep the activation profile
     there (reused if complete); by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
     order: on-disk neuron order, "importance" (default), "coact", "freq" or "none" (GGUF order;
     converters/order.py); only with one neuron per block, no ``permutation`` and a sketch.
     Raises ConvertError.
     """
+    if not isinstance(profile_tokens, int) or isinstance(profile_tokens, bool) or profile_tokens < 1:
+        raise ConvertError(f"profile_tokens must be a positive integer, got {profile_tokens!r}")
     if predictors not in PREDICTOR_CHOICES:
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {predictors!r}")
     from .sketch import TYPES as SKETCH_TYPES
@@ -188,7 +220,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
         return _convert_model(src, out, k=k, align=align, force=force, progress=progress, permutation=permutation, order=order,
                               predictors=predictors, sketch=sketch, calibrate=calibrate, profile_dir=profile_dir, calibration=calibration,
                               hash_config=hash_config, profile_kwargs=profile_kwargs, n_threads=n_threads, log=log,
-                              down_type=down_type)
+                              down_type=down_type, memory_limit=memory_limit, profile_tokens=profile_tokens)
     except OSError as e:
         remove_partials(out)
         if e.errno is None:   # numpy's tofile reports a short write without errno
@@ -201,10 +233,20 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
 
 
 def _convert_model(src, out: Path, *, k, align, force, progress, permutation, order, predictors, sketch, calibrate, profile_dir, calibration,
-                   hash_config, profile_kwargs, n_threads, log, down_type) -> mf.Manifest:
+                   hash_config, profile_kwargs, n_threads, log, down_type, memory_limit, profile_tokens) -> mf.Manifest:
+    # the limit the whole conversion holds, shown before the first stage
+    if memory_limit is None:
+        limit, limit_why = machine_limit()
+    else:
+        limit, limit_why = params_mod.size_bytes(memory_limit, "memory_limit"), "given"
+    log(f"memory limit {limit / 1e6:.0f} MB ({limit_why})")
     # read: the source, its hash and the block geometry
-    source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress,
-                         down_type=down_type)
+    meter = StageMeter(log)
+    with meter.stage("read"):
+        source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress,
+                             down_type=down_type)
+    read_record = dict(meter.records)
+    check_fits(source, out, limit, sketch=sketch)
     if predictors != "none" and source.model.arch not in PREDICTOR_ARCHS:
         log(f"no predictors: the predictor stage supports {', '.join(PREDICTOR_ARCHS)}, not "
             f"{source.model.arch}, yet; {out} runs in dense mode")
@@ -229,66 +271,85 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     profile_order = k == 1 and permutation is None and sketch != "none"
     if profile_order:
         params["order"] = {"method": order, "calibration": _corpus_id(calibration)}
+    params["activations"] = {"tokens": profile_tokens, "calibration": _corpus_id(calibration)}
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
     if resume and progress:
-        done = [s for s in ("order", "profile", "train", "write", "sketch", "vocab", "calibrate") if state.done(s)]
+        done = [s for s in STAGES if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
             + (f" (finished: {', '.join(done)})" if done else ""))
 
-    # order: neurons read together placed together (before anything is written in slot order)
-    block_freq = block_absh = None
+    meter = StageMeter(log, state.load_records(), on_record=state.save_records)
+    meter.records.update(read_record)
+
+    # write: base.gguf and the block files in source order (a layer already complete is kept; once
+    # the stage is done the files are the reorder stage's, so it is not entered again)
+    with meter.stage("write") if not state.done("write") else contextlib.nullcontext():
+        entries, totals, kept = write_model(source, out, progress=progress, write=not state.done("write"))
+        state.mark("write")
+    m = make_manifest(source, out, entries, totals, None)
+    m.record_checksums(out)      # the model runs before its manifest exists
+
+    # activations: one pass of the dense engine over the calibration corpus, under the limit
+    acts = _activations(source, out, m, state, meter, memory_limit=limit, calibration=calibration,
+                        neuron_stats=profile_order, coact=profile_order and order == "coact",
+                        windows=sketch != "none" and calibrate, max_tokens=profile_tokens, n_threads=n_threads,
+                        progress=progress, log=log)
+
+    # order + reorder: each layer's neurons placed in the chosen order, in place
+    block_freq = block_absh = down_norm = None
     if profile_order:
-        source.orders, block_freq, block_absh = _neuron_orders(source, state, order, calibration, n_threads, progress, log)
+        with meter.stage("order") if not state.done("order") else contextlib.nullcontext():
+            source.orders, block_freq, block_absh, down_norm = _neuron_orders(source, state, order, acts, progress, log)
+        with meter.stage("reorder") if not state.done("reorder") else contextlib.nullcontext():
+            reorder_layers(source, out, progress=progress)
+            state.mark("reorder")
 
     predictor = None
     if predictors != "none":
         from .train.pipeline import build_predictors
 
-        predictor = build_predictors(
-            source.path, out, state_dir=state.dir, blocks_of_layer=_blocks_of_layer(source), quick=predictors == "quick",
-            calibration=calibration, profile_dir=profile_dir, cfg=hash_config, profile_kwargs=profile_kwargs,
-            n_threads=n_threads, progress=progress, log=log)
-
-    # write: base.gguf and the block files (a layer already complete is kept)
-    entries, totals, kept = write_model(source, out, progress=progress)
-    state.mark("write")
+        with meter.stage("predictors") if not state.done("train") else contextlib.nullcontext():
+            predictor = build_predictors(
+                source.path, out, state_dir=state.dir, blocks_of_layer=_blocks_of_layer(source), quick=predictors == "quick",
+                calibration=calibration, profile_dir=profile_dir, cfg=hash_config, profile_kwargs=profile_kwargs,
+                n_threads=n_threads, progress=progress, log=log)
+    m.predictor = predictor
 
     # sketch: the exact-input scorer's rows (a layer already complete is kept)
     sketch_info = None
     if sketch != "none":
-        sketch_info = write_sketches(source, out, type_name=sketch, weight=params["sketch"]["weight"],
-                                     progress=progress, block_freq=block_freq, block_abs_h=block_absh)
-        state.mark("sketch")
-
-    m = make_manifest(source, out, entries, totals, predictor)
+        with meter.stage("sketch") if not state.done("sketch") else contextlib.nullcontext():
+            sketch_info = write_sketches(source, out, type_name=sketch, weight=params["sketch"]["weight"],
+                                         progress=progress, block_freq=block_freq, block_abs_h=block_absh,
+                                         down_norm=down_norm, n_threads=n_threads)
+            state.mark("sketch")
     m.sketch = sketch_info
 
     # vocab: the rows the speculative draft's output projection computes
-    if not state.done("vocab"):
-        from .calibrate import corpus
-        from .vocab import vocab_ranking
-
-        ranking = vocab_ranking(source.path, list(corpus(calibration).values()), n_threads=n_threads, progress=progress)
-        (out / mf.DRAFT_DIR).mkdir(exist_ok=True)
-        with atomic_writer(out / mf.DRAFT_VOCAB) as f:
-            np.save(f, ranking, allow_pickle=False)
-        state.mark("vocab")
+    (out / mf.DRAFT_DIR).mkdir(exist_ok=True)
+    with atomic_writer(out / mf.DRAFT_VOCAB) as f:
+        np.save(f, np.argsort(-acts.vocab, kind="stable").astype(np.int32), allow_pickle=False)
     m.extra["draft"] = {"vocab": mf.DRAFT_VOCAB}
 
-    # calibrate: what each sparsity costs on the model's own text (quality="ppl+5%" reads it)
+    # calibrate (opt-in): what each sparsity costs on the corpus (quality="ppl+5%" reads it)
     if sketch_info is not None and calibrate:
         if state.done("calibrate"):
             sketch_info.quality = state.result("calibrate") or []
         else:
             from .calibrate import calibrate as run_calibration
 
-            m.record_checksums(out)      # the model runs before its manifest exists
-            sketch_info.quality = run_calibration(source.path, out, m, text_path=calibration, n_threads=n_threads,
-                                                  progress=progress, log=log)
+            m.record_checksums(out)
+            with meter.stage("calibrate"):
+                sketch_info.quality = run_calibration(out, m, acts.references, memory_limit=limit, n_threads=n_threads,
+                                                      progress=progress, log=log)
             state.mark("calibrate", sketch_info.quality)
 
     # manifest: once, last
+    m.extra["conversion"] = {"memory_limit": limit, "memory_limit_source": limit_why,
+                             "stages": meter.records,
+                             "seconds": round(sum(r["seconds"] for r in meter.records.values()), 1),
+                             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in meter.records.values())}
     fsync_dir(out)
     save_manifest(m, out)
     state.remove()
@@ -297,37 +358,84 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     return m
 
 
-def _neuron_orders(source, state: _State, method: str, calibration, n_threads: int, progress: bool, log):
-    """The order stage (converters/order.py); its result is kept in OUT/.convert/ for a resume."""
-    import numpy as np
-
+def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memory_limit, calibration, neuron_stats: bool,
+                 coact: bool, windows: bool, max_tokens: int, n_threads: int, progress: bool, log):
+    """The activations stage (converters/profile_pass.py); its result is kept in OUT/.convert/."""
     from leanstream_ggml.engine import candidate_blocks
+    from leanstream_ggml.memplan import MemoryPlanError
 
     from .calibrate import corpus
-    from .order import CANDIDATE_RATIO, SPARSITY, neuron_orders
-    from .profile import UnsupportedProfile
+    from .order import CANDIDATE_RATIO, SPARSITY
+    from .profile_pass import PassResult, run_pass
+
+    path = state.dir / "activations.npz"
+    if state.done("activations"):
+        return PassResult.load(path)
+    sets_dir = None
+    if coact:
+        sets_dir = state.dir / "read_sets"
+        sets_dir.mkdir(exist_ok=True)
+    texts = corpus(calibration)
+    with meter.stage("activations"):
+        try:
+            res = run_pass(out, m, list(texts.values()), memory_limit=memory_limit, n_threads=n_threads,
+                           n_read=candidate_blocks(source.model.n_ff, SPARSITY, CANDIDATE_RATIO) if neuron_stats else None,
+                           sets_dir=sets_dir, calibration_windows=texts if windows else None,
+                           max_tokens=max_tokens, progress=progress, log=log)
+        except MemoryPlanError as e:
+            raise ConvertError(f"the memory limit of {memory_limit / 1e6:.0f} MB cannot run this model's profile "
+                               f"pass (dense mode, a batch of 64 tokens):\n{e}") from None
+        res.save(path)
+        state.mark("activations")
+    if progress:
+        log(f"activations: {res.n_tokens} positions of the calibration corpus ({', '.join(texts)})")
+    return res
+
+
+def _neuron_orders(source, state: _State, method: str, acts, progress: bool, log):
+    """The order stage (converters/order.py) from the activations stage's statistics; its result
+    is kept in OUT/.convert/ for a resume. Returns per layer the neuron order, and [n_layer, n_ff]
+    in that order: read frequency, mean |h| and ||down column||."""
+    from tqdm import tqdm
+
+    from .order import order_layer, runs
     from .sketch import down_column_norms
 
+    model = source.model
     path = state.dir / "order.npz"
     if state.done("order"):
         with np.load(path) as z:
-            return ([z[f"l{il}"] for il in range(source.model.n_layer)], z["freq"] if "freq" in z else None,
-                    z["absh"] if "absh" in z else None)
-    try:
-        orders, freq, absh = neuron_orders(source.path, list(corpus(calibration).values()), method=method,
-                                           n_read_of=lambda n: candidate_blocks(n, SPARSITY, CANDIDATE_RATIO),
-                                           down_norm=lambda il: down_column_norms(source.model.layers[il], source.model.n_embd),
-                                           n_threads=n_threads, progress=progress, log=log)
-    except UnsupportedProfile as e:
-        # (an architecture whose graph names none of the tensors the profile captures) the model keeps
-        # GGUF order and no hot-set ranking
-        log(f"order: {e}; neurons stay in GGUF order")
-        orders, freq, absh = source.orders, None, None
+            return ([z[f"l{il}"] for il in range(model.n_layer)], z["freq"], z["absh"], z["down_norm"])
+    if acts.abs_h is None:
+        raise ConvertError("the activations stage kept no neuron statistics; re-run with --force")
+    n = max(acts.n_tokens, 1)
+    sets_dir = state.dir / "read_sets"
+    orders, freq, absh, norms = [], [], [], []
+    before = after = 0.0
+    for il in tqdm(range(model.n_layer), desc=f"ordering neurons ({method})", unit="layer", disable=not progress):
+        norm = down_column_norms(model.layers[il], model.n_embd)          # f32 [n_ff], GGUF order
+        mean_abs = (acts.abs_h[il] / n).astype(np.float32)
+        sets = None
+        if method == "coact":
+            bits = np.fromfile(sets_dir / f"l{il}.bits", np.uint8).reshape(acts.n_tokens, -1)
+            sets = np.unpackbits(bits, axis=1, count=model.n_ff)       # uint8 [T, n_ff], one layer's
+        o = order_layer(method, mean_abs * norm, acts.reads[il], sets)
+        if sets is not None and progress:
+            before += runs(sets, np.arange(model.n_ff))
+            after += runs(sets, o)
+        orders.append(o)
+        freq.append((acts.reads[il] / n).astype(np.float32)[o])
+        absh.append(mean_abs[o])
+        norms.append(norm[o])
+    if method == "coact" and progress:
+        log(f"order: runs of read neurons per token {before:.0f} in GGUF order, {after:.0f} in coact order "
+            f"(before read bridging)")
+    freq, absh, norms = np.stack(freq), np.stack(absh), np.stack(norms)
     tmp = state.dir / "order.partial.npz"
-    np.savez(tmp, **({} if freq is None else {"freq": freq, "absh": absh}), **{f"l{il}": o for il, o in enumerate(orders)})
+    np.savez(tmp, freq=freq, absh=absh, down_norm=norms, **{f"l{il}": o for il, o in enumerate(orders)})
     tmp.replace(path)
     state.mark("order")
-    return orders, freq, absh
+    return orders, freq, absh, norms
 
 
 def _blocks_of_layer(source):

@@ -295,6 +295,27 @@ class FFNEngine:
         blocks = np.ascontiguousarray(blocks, dtype=np.int32)
         check(lib.ls_engine_set_hot_blocks(self.handle, il, ffi.cast("const int32_t *", blocks.ctypes.data), blocks.size))
 
+    def set_capture(self, il: int, h: np.ndarray | None) -> None:
+        """The converter's profile: while set, layer il's dense ops write act(gate)*up of every
+        neuron into h (f32 [rows, n_blocks*k], C-contiguous, by slot) for their first rows token
+        rows. The engine keeps a reference to h until it is unset (None)."""
+        captures = self.__dict__.setdefault("_captures", {})
+        if h is None:
+            check(lib.ls_engine_set_capture(self.handle, il, ffi.NULL, 0))
+            captures.pop(il, None)
+            return
+        info = self.layer_info(il)
+        n_slots = info["n_blocks"] * info["neurons_per_block"]
+        if h.dtype != np.float32 or h.ndim != 2 or h.shape[1] != n_slots or not h.flags.c_contiguous or not h.flags.writeable:
+            raise ValueError(f"capture of layer {il}: a writable C-contiguous float32 [rows, {n_slots}] array, "
+                             f"got {h.dtype} {h.shape}")
+        check(lib.ls_engine_set_capture(self.handle, il, ffi.cast("float *", h.ctypes.data), h.shape[0]))
+        captures[il] = h
+
+    def capture_rows(self, il: int) -> int:
+        """Token rows layer il's last op wrote to its capture."""
+        return int(lib.ls_engine_capture_rows(self.handle, il))
+
     # -- streaming controller (control.py) ------------------------------------------------
     def set_controller(self, mode: str = "off", **policy) -> None:
         """Installs a controller policy (control.native_policy's arguments): "off" (the parameters

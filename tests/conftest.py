@@ -82,9 +82,10 @@ def prose() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_sketch_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    """SmolLM2 converted the default way: block files + the 2-bit sketch (leanstream mode)."""
+    """SmolLM2 converted the default way, and calibrated: block files + the 2-bit sketch
+    (leanstream mode) + the quality= table."""
     from converters.stages import convert_model
 
     out = tmp_path_factory.mktemp("smollm2-sketch") / "smollm2.lsm"
-    convert_model(smollm2_gguf, out, progress=False)
+    convert_model(smollm2_gguf, out, progress=False, calibrate=True)
     return out

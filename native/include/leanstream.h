@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 11
+#define LS_ABI_VERSION 12
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -208,6 +208,22 @@ LS_API ls_status   ls_engine_sketch_scores(ls_engine * e, int32_t il, const floa
 
 // resident[b] = 1 if block b of layer il is in the weight cache now (loaded or loading).
 LS_API ls_status   ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident, int32_t n_blocks);
+
+// The converter's activation profile (converters/profile_pass.py). While set, every op of layer il
+// on the dense and predicted paths writes act(gate.x)*up.x of each neuron it computes to
+// h [rows][n_blocks*k], by slot (block b's neuron j at b*k + j), for the first `rows` token rows of
+// the op; padding slots and neurons not computed keep what they held. h NULL turns it off. The
+// caller owns h and keeps it alive while set; set and read it between decodes only.
+LS_API ls_status   ls_engine_set_capture(ls_engine * e, int32_t il, float * h, int32_t rows);
+
+// Token rows layer il's last op wrote to its capture (0: none since the capture was set).
+LS_API int32_t     ls_engine_capture_rows(const ls_engine * e, int32_t il);
+
+// LS2 sketch rows (the format: native/src/sketch.c) of f32 w [n_rows, n_embd], n_embd a multiple of
+// 64, into out [n_rows, n_embd * 5 / 16], on n_threads threads: the converter's sketch stage (its
+// numpy reference: converters/sketch.py quantize_rows).
+LS_API void        ls_sketch_quantize_ls2(const float * w, int64_t n_rows, int64_t n_embd, uint8_t * out,
+                                          int32_t n_threads);
 
 // Geometry of one layer, as read from its block file header.
 typedef struct ls_layer_info {

@@ -594,3 +594,22 @@ ls_status ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     return LS_OK;
 }
+
+ls_status ls_engine_set_capture(ls_engine * e, int32_t il, float * h, int32_t rows) {
+    if (!e || il < 0 || il >= e->n_layers || (h && rows <= 0)) {
+        ls_set_error("ls_engine_set_capture: bad arguments");
+        return LS_ERR_ARG;
+    }
+    ls_layer * L = &e->layers[il];
+    ls_engine_lock_between_ops(e);
+    L->capture = h;
+    L->capture_rows = h ? rows : 0;
+    L->capture_n = 0;
+    ls_engine_unlock_between_ops(e);
+    return LS_OK;
+}
+
+int32_t ls_engine_capture_rows(const ls_engine * e, int32_t il) {
+    if (!e || il < 0 || il >= e->n_layers) return 0;
+    return e->layers[il].capture_n;
+}

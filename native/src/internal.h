@@ -107,6 +107,11 @@ typedef struct ls_layer {
     uint8_t *          spec;            // [n_blocks] 1: prefetched for this op (speculation recall)
     int32_t *          last_cand;       // [n_blocks] candidates of the last cascade op (gate/up computed)
     int32_t            n_last_cand;
+    // the converter's profile (ls_engine_set_capture): act(gate)*up of each computed neuron,
+    // f32 [capture_rows][n_blocks*k] by slot; NULL: off
+    float *            capture;
+    int32_t            capture_rows;
+    int32_t            capture_n;       // token rows the last op wrote
     ls_layer_stats     stats;
 } ls_layer;
 

@@ -299,6 +299,10 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
                     }
                 }
                 const uint8_t * col = down + j * L->down_col_bytes;
+                if (L->capture && P->path != LS_PATH_DRAFT) {   // the converter's profile: blocks are this thread's alone
+                    const size_t slot = (size_t) b * k + (size_t) j, n_slots = (size_t) in->n_blocks * (size_t) k;
+                    for (int64_t t = 0; t < Tc && t0 + t < L->capture_rows; t++) L->capture[(size_t) (t0 + t) * n_slots + slot] = hj[t];
+                }
                 if (direct) qcols[n_staged++] = col;   // decode: the quantized column itself
                 else stage_column(in, col, cols + (size_t) n_staged++ * n_embd);
             }
@@ -535,6 +539,7 @@ static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
     bool all_ready;
     ls_sched_finish(e, &all_ready);
     if (P->path == LS_PATH_FAILED) return;
+    if (L->capture) L->capture_n = (int32_t) (n_tokens < L->capture_rows ? n_tokens : L->capture_rows);
     if (P->path == LS_PATH_DENSE && e->cache.never_evicts && all_ready && !P->chunks.stop && !L->pinned_forever) {
         L->pinned_forever = true;
         ls_layer_split(e, L);

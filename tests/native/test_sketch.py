@@ -54,6 +54,25 @@ def test_ls2_rows_roundtrip_and_error():
         skf.quantize_rows(np.zeros((2, 96), np.float32))
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_native_ls2_rows_equal_the_numpy_reference(n_threads):
+    """The converter's quantizer (ls_sketch_quantize_ls2) writes the reference's rows: the same
+    float32 operations in the same order, no fused multiply-add. Ties between two trial scales
+    could in principle break differently in the last bit; random weights of several magnitudes,
+    zero rows and groups, and exact level values show none."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_t(4, (301, 256)) * rng.uniform(1e-4, 3, (301, 1))).astype(np.float32)
+    w[5] = 0.0
+    w[9, :32] = 0.0
+    w[11] = np.tile(np.array([-1.5, -0.5, 0.5, 1.5], np.float32), 64) * 0.25   # exactly on the levels
+    want = skf.quantize_rows(w)
+    got = skf.quantize_rows_native(w, n_threads)
+    assert got.shape == want.shape
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        skf.quantize_rows_native(np.zeros((2, 96), np.float32))
+
+
 def test_sketch_file_roundtrip(tmp_path):
     rows = skf.quantize_rows(np.ones((4, 64), np.float32))
     data = skf.make_file(2, 64, 2, skf.LS2, rows, rows, np.array([1, 1, 1, 0], np.float32))

@@ -56,12 +56,16 @@ def test_score_keeps_only_each_windows_nll_and_top1(monkeypatch):
         return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
     ref, test = logp(1.0), logp(1.5)
-    nll, top = calibrate._targets(ref, w)
+    nxt = w[n // 2 + 1:]
+    nll, top = calibrate.row_targets(iter(ref), nxt)
     assert [round(float(v), 9) for v in nll] == [round(float(-ref[i, w[p + 1]]), 9) for i, p in enumerate(pos)]
     assert list(top) == [int(np.argmax(ref[i])) for i in range(len(pos))]
+    # unnormalized logits give the same NLL (row_targets takes the log-softmax itself)
+    nll2, _ = calibrate.row_targets(iter(ref + 3.0), nxt)
+    np.testing.assert_allclose(nll2, nll, rtol=1e-12, atol=1e-12)
 
-    # _score asks _logits for the model's rows; here they are given
-    monkeypatch.setattr(calibrate, "_logits", lambda llm, w_, decode: test)
+    # _score asks _targets for the model's rows; here they are given
+    monkeypatch.setattr(calibrate, "_targets", lambda llm, w_: calibrate.row_targets(iter(test), nxt))
     got = calibrate._score(None, [(w, (nll, top))])
     want_ratio = math.exp(sum(-test[i, w[p + 1]] + ref[i, w[p + 1]] for i, p in enumerate(pos)) / len(pos))
     want_agree = sum(int(np.argmax(test[i]) == np.argmax(ref[i])) for i in range(len(pos))) / len(pos)
@@ -183,7 +187,11 @@ def test_the_users_file_is_calibrated_as_its_own_domain(smollm2_sketch_dir, smol
     chats.write_text(json.dumps({"messages": talk}) + "\n")
     monkeypatch.setattr(calibrate, "SPARSITIES", (0.5,))
     m = mf.load(smollm2_sketch_dir)
-    table = calibrate.calibrate(smollm2_gguf, smollm2_sketch_dir, m, text_path=chats, progress=False)
+    from converters.profile_pass import run_pass
+
+    refs = run_pass(smollm2_sketch_dir, m, [], memory_limit=None, n_threads=2, n_read=None,
+                    calibration_windows=calibrate.corpus(chats), progress=False).references
+    table = calibrate.calibrate(smollm2_sketch_dir, m, refs, progress=False)
     assert [row["sparsity"] for row in table] == [0.5]
     doms = table[0]["domains"]
     assert set(doms) == {"prose", "code", "chat", "user"}

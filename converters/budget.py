@@ -1,0 +1,133 @@
+"""The conversion's memory limit and what each stage used (docs/design.md §22).
+
+A conversion holds one limit for its whole run, like chat's ``memory_limit``: by default what
+the machine allows this process (the smallest memory cgroup limit above it, and the memory
+available now), or ``convert(memory_limit=...)`` / ``--memory-limit``. The write and sketch stages
+hold one layer at a time; the profile stage runs the model through the plugin's dense engine,
+whose memory plan (leanstream_ggml/memplan.py) fits the engine into what the limit leaves.
+
+Each stage's wall time and peak resident memory (VmHWM, reset at the stage's start through
+/proc/self/clear_refs) are printed at its end and recorded in the manifest (``extra.conversion``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+_UNLIMITED = 1 << 60    # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM), 0 where unreadable."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def cgroup_limits(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> list[tuple[int, str]]:
+    """(bytes, file) of every memory limit set on this process's cgroup and its ancestors, v1
+    (memory.limit_in_bytes) and v2 (memory.max)."""
+    try:
+        text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        ctrls, rel = parts[1], parts[2]
+        if ctrls == "":
+            base, fname = root, "memory.max"                      # v2 (unified)
+            if (root / "unified").is_dir() and not (root / "memory.max").exists() and not (root / "cgroup.controllers").exists():
+                base = root / "unified"
+        elif "memory" in ctrls.split(","):
+            base, fname = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        d = base / rel.lstrip("/")
+        while True:
+            f = d / fname
+            try:
+                v = f.read_text().strip()
+            except OSError:
+                v = ""
+            if v and v != "max":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = _UNLIMITED
+                if n < _UNLIMITED:
+                    out.append((n, str(f)))
+            if d == base or d.parent == d:
+                break
+            d = d.parent
+    return out
+
+
+def machine_limit() -> tuple[int, str]:
+    """(bytes, where it comes from): what this process may hold, the smallest of its memory
+    cgroups' limits and the memory available now (MemAvailable plus what it holds itself)."""
+    cands = [(n, f"the memory cgroup's limit ({f})") for n, f in cgroup_limits()]
+    avail = _meminfo("MemAvailable")
+    if avail is not None:
+        cands.append((avail + _status("VmRSS"), "the memory available now"))
+    if not cands:
+        return _UNLIMITED, "no limit found"
+    return min(cands)
+
+
+class StageMeter:
+    """Times each stage and its peak memory; ``records`` {stage: {"seconds", "peak_rss_bytes"}}."""
+
+    def __init__(self, log, records: dict | None = None, on_record=None):
+        self.log = log
+        self.records = dict(records or {})
+        self._on_record = on_record
+
+    @staticmethod
+    def _reset_peak() -> None:
+        with contextlib.suppress(OSError):
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")      # resets VmHWM to the current VmRSS (proc(5))
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        self._reset_peak()
+        t0 = time.perf_counter()
+        yield
+        rec = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_bytes": _status("VmHWM")}
+        self.records[name] = rec
+        self.log(f"{name}: {rec['seconds']:.1f} s, peak {rec['peak_rss_bytes'] / MiB:.0f} MiB resident")
+        if self._on_record:
+            self._on_record(self.records)
+
+
+def rss() -> int:
+    return _status("VmRSS")
+
+
+def free_disk(path: Path) -> int:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
