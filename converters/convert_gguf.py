@@ -112,6 +112,29 @@ class _Layer:
 
 
 @dataclass
+class _SourceMap:
+    """What is left of the reader after Source.drop_metadata: the source mapped read-only."""
+    data: np.memmap
+
+
+@dataclass
+class _SourceTensor:
+    """A source tensor as the write, order and sketch stages use it (the fields of gguf-py's
+    ReaderTensor they read), its data a view of the map."""
+    name: str
+    tensor_type: Any
+    shape: Any
+    n_bytes: int
+    data: np.ndarray
+
+    @classmethod
+    def of(cls, t, data: np.memmap) -> _SourceTensor:
+        raw = data[t.data_offset:t.data_offset + t.n_bytes]
+        view = raw.view(t.data.dtype).reshape(t.data.shape)   # the reader's dtype and shape
+        return cls(t.name, t.tensor_type, t.shape, int(t.n_bytes), view)
+
+
+@dataclass
 class _Model:
     reader: Any
     arch: str
@@ -491,6 +514,27 @@ class Source:
     align: int
     orders: list[np.ndarray]    # per layer: neuron ids in on-disk order
     down_type: str = "q8_0"     # the column format of a quantized ffn_down (DOWN_TYPES, resolved: not "auto")
+
+    def drop_metadata(self) -> None:
+        """Let go of gguf-py's reader once base.gguf has the metadata: it holds every token of the
+        vocabulary as numpy arrays (~0.5 GB for a 152k vocabulary), which later stages need not
+        hold beside the model they run. The FFN tensors stay readable, from a plain read-only map
+        of the source."""
+        import ctypes
+        import gc
+
+        model = self.model
+        if isinstance(model.reader, _SourceMap):
+            return
+        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        model.layers = [_Layer(layer.il, *(_SourceTensor.of(t, data) for t in (layer.gate, layer.up, layer.down)))
+                        for layer in model.layers]
+        model.reader = _SourceMap(data)
+        gc.collect()
+        try:   # the freed arrays' pages back to the system (glibc keeps them otherwise)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
     @property
     def n_blocks(self) -> int:

@@ -37,7 +37,7 @@ import numpy as np
 N_CTX = 512        # tokens per chunk
 SKIP = 16          # positions of a chunk not kept
 MAX_TOKENS = 4096  # kept positions at most
-ROWS = 64          # tokens per decode: the capture buffers' rows and the logits a decode returns
+ROWS = 128         # tokens per decode: the capture buffers' rows and the logits a decode returns
 
 
 @dataclass
@@ -111,8 +111,16 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
 
     n_layer = manifest.n_layer
     n_slots = manifest.layers[0].n_blocks * manifest.block.k
-    # the capture buffers first: the memory plan counts what the process holds when it plans
-    caps = [np.zeros((ROWS, n_slots), np.float32) for _ in range(n_layer)] if n_read else []
+    # the capture buffers first, written once (resident): the memory plan counts what the process
+    # holds when it plans; the ROWS rows of logits a decode returns are not in the plan's parts
+    caps = [np.empty((ROWS, n_slots), np.float32) for _ in range(n_layer)] if n_read else []
+    for c in caps:
+        c.fill(0.0)
+    if memory_limit:
+        from leanstream_ggml.memplan import read_base
+
+        n_vocab = read_base(manifest.resolve(model_dir, manifest.base.file)).n_vocab
+        memory_limit -= (ROWS - 1) * n_vocab * 4
     llm = Llama(str(model_dir), _manifest=manifest, mode="dense", speculative="off", n_ctx=N_CTX, n_batch=ROWS,
                 n_ubatch=ROWS, n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
                 **({"memory_limit": memory_limit} if memory_limit else {}))

@@ -287,6 +287,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     with meter.stage("write") if not state.done("write") else contextlib.nullcontext():
         entries, totals, kept = write_model(source, out, progress=progress, write=not state.done("write"))
         state.mark("write")
+    source.drop_metadata()
     m = make_manifest(source, out, entries, totals, None)
     m.record_checksums(out)      # the model runs before its manifest exists
 
@@ -366,7 +367,7 @@ def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memo
 
     from .calibrate import corpus
     from .order import CANDIDATE_RATIO, SPARSITY
-    from .profile_pass import PassResult, run_pass
+    from .profile_pass import ROWS, PassResult, run_pass
 
     path = state.dir / "activations.npz"
     if state.done("activations"):
@@ -384,7 +385,7 @@ def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memo
                            max_tokens=max_tokens, progress=progress, log=log)
         except MemoryPlanError as e:
             raise ConvertError(f"the memory limit of {memory_limit / 1e6:.0f} MB cannot run this model's profile "
-                               f"pass (dense mode, a batch of 64 tokens):\n{e}") from None
+                               f"pass (dense mode, a batch of {ROWS} tokens):\n{e}") from None
         res.save(path)
         state.mark("activations")
     if progress:
