@@ -191,7 +191,8 @@ def _sketch_line(m) -> str:
     if not k:
         return "none"
     line = f"{k.type}, {len(k.files)} layer files, {_fmt_bytes(k.bytes)} resident in leanstream mode"
-    return line + ("" if k.quality else "; not calibrated (quality= needs sparsity= instead)")
+    return line + ("" if k.quality else "; not calibrated (quality= needs `leanstream convert --calibrate`; "
+                                         "sparsity= works without)")
 
 
 def _quality_lines(m) -> list[str]:

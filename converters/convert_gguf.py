@@ -113,25 +113,19 @@ class _Layer:
 
 @dataclass
 class _SourceMap:
-    """What is left of the reader after Source.drop_metadata: the source mapped read-only."""
+    """The source mapped read-only (gguf-py's reader is opened in child processes only: in_child)."""
     data: np.memmap
 
 
 @dataclass
 class _SourceTensor:
-    """A source tensor as the write, order and sketch stages use it (the fields of gguf-py's
-    ReaderTensor they read), its data a view of the map."""
+    """A source FFN tensor as the write, order and sketch stages use it (the fields of gguf-py's
+    ReaderTensor they read, its data shaped as gguf-py shapes it), a view of the map."""
     name: str
     tensor_type: Any
     shape: Any
     n_bytes: int
     data: np.ndarray
-
-    @classmethod
-    def of(cls, t, data: np.memmap) -> _SourceTensor:
-        raw = data[t.data_offset:t.data_offset + t.n_bytes]
-        view = raw.view(t.data.dtype).reshape(t.data.shape)   # the reader's dtype and shape
-        return cls(t.name, t.tensor_type, t.shape, int(t.n_bytes), view)
 
 
 @dataclass
@@ -143,6 +137,7 @@ class _Model:
     n_ff: int
     layers: list[_Layer]
     ffn_names: set[str]
+    path: Path | None = None
 
 
 def _open_gguf(src: Path):
@@ -420,10 +415,16 @@ def _base_writer_class():
 
 
 def write_base(model: _Model, path: Path, source_sha256: str) -> None:
-    """base.gguf: the source minus the FFN tensors, every KV pair copied, leanstream.* keys added."""
-    reader = model.reader
+    """base.gguf: the source minus the FFN tensors, every KV pair copied, leanstream.* keys added
+    (gguf-py's reader and writer, in a child process: see in_child)."""
+    in_child(_write_base, model.path, model.arch, sorted(model.ffn_names), path, source_sha256)
+
+
+def _write_base(src: Path, arch: str, ffn_names: list[str], path: Path, source_sha256: str) -> None:
+    reader = _open_gguf(src)
+    ffn_names = set(ffn_names)
     tmp = path.with_name(path.name + PARTIAL)
-    w = _base_writer_class()(tmp, model.arch)     # adds general.architecture first
+    w = _base_writer_class()(tmp, arch)           # adds general.architecture first
     w.data_alignment = int(reader.alignment)      # general.alignment (if any) is copied below
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture" or name.startswith("leanstream."):
@@ -434,7 +435,7 @@ def write_base(model: _Model, path: Path, source_sha256: str) -> None:
     w.add_uint32("leanstream.format_version", mf.FORMAT_VERSION)
     w.add_string("leanstream.source_sha256", source_sha256)
     for t in reader.tensors:
-        if t.name not in model.ffn_names:
+        if t.name not in ffn_names:
             w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     try:
         w.write_header_to_file()
@@ -515,27 +516,6 @@ class Source:
     orders: list[np.ndarray]    # per layer: neuron ids in on-disk order
     down_type: str = "q8_0"     # the column format of a quantized ffn_down (DOWN_TYPES, resolved: not "auto")
 
-    def drop_metadata(self) -> None:
-        """Let go of gguf-py's reader once base.gguf has the metadata: it holds every token of the
-        vocabulary as numpy arrays (~0.5 GB for a 152k vocabulary), which later stages need not
-        hold beside the model they run. The FFN tensors stay readable, from a plain read-only map
-        of the source."""
-        import ctypes
-        import gc
-
-        model = self.model
-        if isinstance(model.reader, _SourceMap):
-            return
-        data = np.memmap(self.path, dtype=np.uint8, mode="r")
-        model.layers = [_Layer(layer.il, *(_SourceTensor.of(t, data) for t in (layer.gate, layer.up, layer.down)))
-                        for layer in model.layers]
-        model.reader = _SourceMap(data)
-        gc.collect()
-        try:   # the freed arrays' pages back to the system (glibc keeps them otherwise)
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
     @property
     def n_blocks(self) -> int:
         return -(-self.model.n_ff // self.k)
@@ -552,6 +532,46 @@ class Source:
                 **({"down_type": self.down_type} if self.down_type != "q8_0" else {})}
 
 
+def in_child(fn, *args):
+    """fn(*args) in a forked child process; its result (pickled) or its exception. gguf-py's reader
+    holds every metadata array element as a numpy object (~3 KB per vocabulary entry: ~0.5 GB for
+    Qwen2.5's 152k tokens), and a process gives little of that back once freed (~100 MB stayed):
+    the reader lives only in children, so the converter's own process stays small for the stages
+    that run the model within the memory limit."""
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _describe(src: Path) -> dict:
+    """The checked source as plain data (in_child): architecture, dimensions and, per layer, where
+    each FFN tensor's bytes are and how gguf-py shapes them."""
+    model = _inspect(_open_gguf(src), src)
+
+    def spec(t):
+        return {"name": t.name, "tensor_type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
+                "n_bytes": int(t.n_bytes), "data_offset": int(t.data_offset), "dtype": t.data.dtype.str,
+                "data_shape": list(t.data.shape)}
+
+    return {"arch": model.arch, "n_layer": model.n_layer, "n_embd": model.n_embd, "n_ff": model.n_ff,
+            "ffn_names": sorted(model.ffn_names),
+            "layers": [[spec(t) for t in (layer.gate, layer.up, layer.down)] for layer in model.layers]}
+
+
+def _model_of(src: Path, d: dict) -> _Model:
+    T = _gguf().GGMLQuantizationType
+    data = np.memmap(src, dtype=np.uint8, mode="r")
+
+    def tensor(sp):
+        raw = data[sp["data_offset"]:sp["data_offset"] + sp["n_bytes"]]
+        return _SourceTensor(sp["name"], T(sp["tensor_type"]), sp["shape"], sp["n_bytes"],
+                             raw.view(np.dtype(sp["dtype"])).reshape(sp["data_shape"]))
+
+    layers = [_Layer(il, *(tensor(sp) for sp in specs)) for il, specs in enumerate(d["layers"])]
+    return _Model(_SourceMap(data), d["arch"], d["n_layer"], d["n_embd"], d["n_ff"], layers, set(d["ffn_names"]), src)
+
+
 def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
                 permutation=None, progress: bool = True, down_type: str = DEFAULT_DOWN_TYPE) -> Source:
     """Open and check the source GGUF, hash it, and fix the block geometry. Raises ConvertError."""
@@ -565,8 +585,7 @@ def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 
         align = device_align(out_dir)
     if not isinstance(align, int) or isinstance(align, bool) or align < MIN_ALIGN or align & (align - 1):
         raise ConvertError(f"align must be a power of two >= {MIN_ALIGN}, got {align!r}")
-    reader = _open_gguf(src)
-    model = _inspect(reader, src)
+    model = _model_of(src, in_child(_describe, src))
     orders = _layer_orders(permutation, model.n_layer, model.n_ff)
     down_type = resolve_down_type(down_type, {layer.down.tensor_type for layer in model.layers}, model.n_embd)
     if down_type != "q8_0" and model.n_embd % 256:

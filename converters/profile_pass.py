@@ -43,6 +43,7 @@ ROWS = 128         # tokens per decode: the capture buffers' rows and the logits
 @dataclass
 class PassResult:
     n_tokens: int = 0                                   # kept positions
+    rows: int = ROWS                                    # tokens per decode (decode_rows)
     abs_h: np.ndarray | None = None                     # f64 [n_layer, n_slots]: sum of |h|
     reads: np.ndarray | None = None                     # i64 [n_layer, n_slots]: times in a read set
     vocab: np.ndarray | None = None                     # f64 [n_vocab]: sum of predicted probabilities
@@ -53,7 +54,7 @@ class PassResult:
 
         refs = {f"ref/{d}/{i}/{part}": np.asarray(x) for d, ws in self.references.items()
                 for i, wr in enumerate(ws) for part, x in zip(("window", "nll", "top"), wr)}
-        arrays = {"n_tokens": np.asarray(self.n_tokens), "vocab": self.vocab, **refs,
+        arrays = {"n_tokens": np.asarray(self.n_tokens), "rows": np.asarray(self.rows), "vocab": self.vocab, **refs,
                   **({"abs_h": self.abs_h, "reads": self.reads} if self.abs_h is not None else {})}
         with atomic_writer(path, durable=False) as f:
             np.savez(f, **arrays)
@@ -61,8 +62,8 @@ class PassResult:
     @classmethod
     def load(cls, path: Path) -> PassResult:
         with np.load(path) as z:
-            r = cls(int(z["n_tokens"]), z["abs_h"] if "abs_h" in z else None, z["reads"] if "reads" in z else None,
-                    z["vocab"])
+            r = cls(int(z["n_tokens"]), int(z["rows"]), z["abs_h"] if "abs_h" in z else None,
+                    z["reads"] if "reads" in z else None, z["vocab"])
             refs: dict = {}
             for key in z.files:
                 if key.startswith("ref/") and key.endswith("/window"):
@@ -111,20 +112,18 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
 
     n_layer = manifest.n_layer
     n_slots = manifest.layers[0].n_blocks * manifest.block.k
+    rows = decode_rows(model_dir, manifest, memory_limit, bool(n_read))
     # the capture buffers first, written once (resident): the memory plan counts what the process
-    # holds when it plans; the ROWS rows of logits a decode returns are not in the plan's parts
-    caps = [np.empty((ROWS, n_slots), np.float32) for _ in range(n_layer)] if n_read else []
+    # holds when it plans; the rows of logits a decode returns are not in the plan's parts
+    caps = [np.empty((rows, n_slots), np.float32) for _ in range(n_layer)] if n_read else []
     for c in caps:
         c.fill(0.0)
     if memory_limit:
-        from leanstream_ggml.memplan import read_base
-
-        n_vocab = read_base(manifest.resolve(model_dir, manifest.base.file)).n_vocab
-        memory_limit -= (ROWS - 1) * n_vocab * 4
-    llm = Llama(str(model_dir), _manifest=manifest, mode="dense", speculative="off", n_ctx=N_CTX, n_batch=ROWS,
-                n_ubatch=ROWS, n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
+        memory_limit -= (rows - 1) * _n_vocab(model_dir, manifest) * 4
+    llm = Llama(str(model_dir), _manifest=manifest, mode="dense", speculative="off", n_ctx=N_CTX, n_batch=rows,
+                n_ubatch=rows, n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
                 **({"memory_limit": memory_limit} if memory_limit else {}))
-    res = PassResult()
+    res = PassResult(rows=rows)
     try:
         eng = llm.engine
         for il, c in enumerate(caps):
@@ -144,8 +143,8 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
                     break
                 toks, start = seq["tokens"], seq["start"]
                 llm.reset()
-                for p0 in range(0, len(toks), ROWS):
-                    piece = toks[p0:p0 + ROWS]
+                for p0 in range(0, len(toks), rows):
+                    piece = toks[p0:p0 + rows]
                     llm.eval_all_rows(piece)
                     lo = max(start - p0, 0)                                   # first kept row of the piece
                     hi = min(len(piece), lo + max_tokens - res.n_tokens) if lo < len(piece) else lo
@@ -174,7 +173,7 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
             for f in sets:
                 f.close()
         if calibration_windows:
-            res.references = _references(llm, calibration_windows, progress)
+            res.references = _references(llm, calibration_windows, rows)
     finally:
         if llm.engine is not None:
             for il in range(len(caps)):
@@ -183,9 +182,38 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
     return res
 
 
-def _references(llm, paths: dict, progress: bool) -> dict:
+def _n_vocab(model_dir: Path, manifest) -> int:
+    from leanstream_ggml.memplan import read_base
+
+    return read_base(manifest.resolve(model_dir, manifest.base.file)).n_vocab
+
+
+def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool) -> int:
+    """Tokens per decode: ROWS, or fewer (ROWS / 2, / 4) where the limit cannot hold ROWS rows of
+    captures and logits beside the model while the engine keeps one layer's blocks (dense mode's
+    least working set) and the plan's least cache."""
+    from leanstream_ggml import memplan
+
+    if not memory_limit:
+        return ROWS
+    n_slots = manifest.layers[0].n_blocks * manifest.block.k
+    n_vocab = _n_vocab(model_dir, manifest)
+    layer = max(e.n_blocks * e.block_stride for e in manifest.layers)
+    base = memplan.read_base(manifest.resolve(model_dir, manifest.base.file))
+    now = memplan.process_bytes()
+    for rows in (ROWS, ROWS // 2, ROWS // 4):
+        captures = manifest.n_layer * rows * n_slots * 4 if capture else 0
+        logits = (rows - 1) * n_vocab * 4
+        plan = memplan.plan(model_dir, manifest, memory_limit - logits, mode="dense", n_ctx=N_CTX, n_ubatch=rows,
+                            process=now + captures, base=base)     # as run_pass plans it
+        if plan.cache >= max(memplan.MIN_CACHE, layer):
+            return rows
+    return ROWS // 4
+
+
+def _references(llm, paths: dict, rows: int) -> dict:
     """{domain: [(window, nll, top)]}: the calibration windows' references (calibrate.py), each
-    window prefilled ROWS tokens at a time, each scored row's log-softmax taken alone."""
+    window prefilled `rows` tokens at a time, each scored row's log-softmax taken alone."""
     from .calibrate import N_CTX as W, row_targets, window_tokens
 
     out = {}
@@ -195,8 +223,8 @@ def _references(llm, paths: dict, progress: bool) -> dict:
         for w in ws:
             llm.reset()
             nll, top = [], []
-            for p0 in range(0, len(w), ROWS):
-                piece = w[p0:p0 + ROWS]
+            for p0 in range(0, len(w), rows):
+                piece = w[p0:p0 + rows]
                 llm.eval_all_rows(piece)
                 scored = [r for r in range(len(piece)) if W // 2 <= p0 + r < W - 1]
                 n, t = row_targets((llm.logits(r) for r in scored), [w[p0 + r + 1] for r in scored])

@@ -218,6 +218,8 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
     f32 [n_layer, n_blocks]: those norms in slot order, where the order stage has them."""
     from tqdm import tqdm
 
+    from .convert_gguf import release_source_pages
+
     if type_name not in TYPES:
         raise ValueError(f"sketch type must be one of {', '.join(TYPES)}, got {type_name!r}")
     if weight not in WEIGHTS:
@@ -237,6 +239,7 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
             data = _layer_sketch(layer, slots, model.n_embd, model.n_ff, source.k, weight, n_threads)
             with atomic_writer(path, durable=False) as f:
                 f.write(data)
+            release_source_pages(model)
         if block_abs_h is not None and source.k == 1:
             if down_norm is not None:      # the order stage's, in slot order
                 importance.append(block_abs_h[layer.il] * down_norm[layer.il])

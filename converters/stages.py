@@ -287,7 +287,6 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     with meter.stage("write") if not state.done("write") else contextlib.nullcontext():
         entries, totals, kept = write_model(source, out, progress=progress, write=not state.done("write"))
         state.mark("write")
-    source.drop_metadata()
     m = make_manifest(source, out, entries, totals, None)
     m.record_checksums(out)      # the model runs before its manifest exists
 
@@ -362,6 +361,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
 def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memory_limit, calibration, neuron_stats: bool,
                  coact: bool, windows: bool, max_tokens: int, n_threads: int, progress: bool, log):
     """The activations stage (converters/profile_pass.py); its result is kept in OUT/.convert/."""
+    from leanstream_ggml._native import LeanstreamError
     from leanstream_ggml.engine import candidate_blocks
     from leanstream_ggml.memplan import MemoryPlanError
 
@@ -383,13 +383,16 @@ def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memo
                            n_read=candidate_blocks(source.model.n_ff, SPARSITY, CANDIDATE_RATIO) if neuron_stats else None,
                            sets_dir=sets_dir, calibration_windows=texts if windows else None,
                            max_tokens=max_tokens, progress=progress, log=log)
-        except MemoryPlanError as e:
+        except (MemoryPlanError, LeanstreamError) as e:
+            if isinstance(e, LeanstreamError) and "memory budget" not in str(e):
+                raise
             raise ConvertError(f"the memory limit of {memory_limit / 1e6:.0f} MB cannot run this model's profile "
-                               f"pass (dense mode, a batch of {ROWS} tokens):\n{e}") from None
+                               f"pass (dense mode, a batch of {ROWS // 4} tokens at least):\n{e}") from None
         res.save(path)
         state.mark("activations")
     if progress:
-        log(f"activations: {res.n_tokens} positions of the calibration corpus ({', '.join(texts)})")
+        log(f"activations: {res.n_tokens} positions of the calibration corpus ({', '.join(texts)}), "
+            f"{res.rows} tokens per decode")
     return res
 
 
@@ -399,6 +402,7 @@ def _neuron_orders(source, state: _State, method: str, acts, progress: bool, log
     in that order: read frequency, mean |h| and ||down column||."""
     from tqdm import tqdm
 
+    from .convert_gguf import release_source_pages
     from .order import order_layer, runs
     from .sketch import down_column_norms
 
@@ -415,6 +419,7 @@ def _neuron_orders(source, state: _State, method: str, acts, progress: bool, log
     before = after = 0.0
     for il in tqdm(range(model.n_layer), desc=f"ordering neurons ({method})", unit="layer", disable=not progress):
         norm = down_column_norms(model.layers[il], model.n_embd)          # f32 [n_ff], GGUF order
+        release_source_pages(model)
         mean_abs = (acts.abs_h[il] / n).astype(np.float32)
         sets = None
         if method == "coact":

@@ -117,7 +117,7 @@ class Llama(llama_cpp.Llama):
             if quality is not None:
                 if not sketch_paths or not m.sketch.quality:
                     raise ValueError(f"quality={quality!r} needs the converter's calibration of {model_path} "
-                                     f"(convert again with the sketch), or give sparsity=")
+                                     f"(convert again with --calibrate), or give sparsity=")
                 if not all(q.get("domains") for q in m.sketch.quality):
                     warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
                                   f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)

@@ -139,10 +139,12 @@ def read_json(path: Path) -> dict | None:
 # ---------------------------------------------------------------------------------------------
 # the models each setup runs on
 
-def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch: bool = False) -> Path:
+def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch: bool = False,
+                      calibrate: bool = False) -> Path:
     """The converted directory: --model-dir, else the converter's default location, converted on
-    first use: block files alone (dense mode, seconds) unless ``sketch`` (a sparse setup), then
-    as `leanstream convert` does (block files, the sketch, the quality calibration; minutes)."""
+    first use: block files alone (dense mode) unless ``sketch`` (a sparse setup), then as
+    `leanstream convert` does (block files, the sketch), calibrated for quality= if ``calibrate``
+    (a quality preset; minutes more)."""
     from leanstream_ggml import manifest, models
 
     if model_dir:
@@ -159,7 +161,9 @@ def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch:
     # `leanstream convert` in a child process: the runtime never imports the converter
     cmd = [sys.executable, "-m", "leanstream_ggml.cli", "convert", str(gguf), str(out), "--quiet"]
     if sketch:
-        log(f"converting {gguf} -> {out} (block files, sketch, calibration: minutes)")
+        log(f"converting {gguf} -> {out} (block files, sketch" + (", calibration" if calibrate else "") + ": minutes)")
+        if calibrate:
+            cmd.append("--calibrate")
     else:
         log(f"converting {gguf} -> {out} (block files alone: dense mode)")
         cmd += ["--sketch", "none"]
@@ -188,7 +192,8 @@ def prepare_models(model_arg: str, systems: list[str], model_dir: str | None) ->
         raise FileNotFoundError(errno.ENOENT, "no such GGUF file or model name", str(gguf))
     plugin = [s for s in systems if not is_stock(s)]
     sparse = any(modes.is_sparse(plugin_mode(s)[0]) for s in plugin)
-    directory = resolve_model_dir(gguf, model_arg, model_dir, sketch=sparse) if plugin else None
+    calibrate = any(plugin_mode(s)[1] is not None for s in plugin)
+    directory = resolve_model_dir(gguf, model_arg, model_dir, sketch=sparse, calibrate=calibrate) if plugin else None
     ggufs = {s: gguf if stock_quant(s) is None else quants.requantize(gguf, stock_quant(s), log=log)
              for s in systems if is_stock(s)}
     ggufs.setdefault(STOCK, gguf)

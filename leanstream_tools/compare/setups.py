@@ -179,8 +179,8 @@ def plugin_availability(model_dir: Path, system: str) -> tuple[str | None, float
     if quality is None:
         return None, None
     if not m.sketch or not m.sketch.quality:
-        return (f"quality={quality!r} needs the converter's calibration (convert again with the sketch: "
-                f"`leanstream convert SRC {model_dir} --force`)"), None
+        return (f"quality={quality!r} needs the converter's calibration (convert again with it: "
+                f"`leanstream convert SRC {model_dir} --calibrate --force`)"), None
     return None, params.sparsity_for_quality(m.sketch.quality, params.quality(quality))
 
 

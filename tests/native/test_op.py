@@ -324,3 +324,55 @@ def test_an_engine_runs_with_the_defaults_a_help_shows(shuffled_k3):
         _native.check(_native.lib.ls_engine_params_resolve(p))
     with pytest.raises(LeanstreamError, match="NULL params"):
         _native.check(_native.lib.ls_engine_params_resolve(_native.ffi.NULL))
+
+
+def _h_reference(w, x):
+    """act(gate x) * up x of every neuron [n_tokens, n_ff] (float64, x rounded as ggml does)."""
+    from reference import act, round_like_ggml
+
+    xg = round_like_ggml(x, w.gate_type).astype(np.float64)
+    xu = round_like_ggml(x, w.up_type).astype(np.float64)
+    return act(xg @ w.gate.T.astype(np.float64)) * (xu @ w.up.T.astype(np.float64))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 7])
+def test_capture_holds_every_neurons_h(paths, n_tokens):
+    """The converter's profile (ls_engine_set_capture): a dense op writes act(gate x) * up x of each
+    neuron into its slot of the capture, for the first `rows` token rows; the reference's h within
+    the op's own bound (test module doc); unset, nothing is written."""
+    with FFNEngine(paths) as e:
+        for il in range(N_LAYER):
+            x = _x(n_tokens, il)
+            w = load_layer(paths[il])
+            info = e.layer_info(il)
+            rows = max(1, n_tokens - 2)
+            cap = np.full((rows, info["n_blocks"] * info["neurons_per_block"]), np.nan, np.float32)
+            e.set_capture(il, cap)
+            e.eval_layer(il, x, n_threads=2)
+            assert e.capture_rows(il) == rows
+            ref = _h_reference(w, x)[:rows][:, w.perm]          # slot order
+            _check(cap.astype(np.float64), ref, w)
+            e.set_capture(il, None)
+            before = cap.copy()
+            e.eval_layer(il, _x(n_tokens, 99), n_threads=2)
+            assert np.array_equal(cap, before, equal_nan=True)
+
+
+def test_capture_by_slot_with_padding(shuffled_k3):
+    """k = 3 with a shuffled order: slot b*k + j holds neuron perm[b*k + j]; padding slots are left
+    as they were."""
+    with FFNEngine(shuffled_k3) as e:
+        info = e.layer_info(0)
+        n_slots = info["n_blocks"] * info["neurons_per_block"]
+        cap = np.full((4, n_slots), -7.0, np.float32)
+        e.set_capture(0, cap)
+        x = _x(4, 5)
+        e.eval_layer(0, x, n_threads=2)
+        w = load_layer(shuffled_k3[0])
+        real = w.perm >= 0
+        assert (~real).any() and np.all(cap[:, ~real] == -7.0)
+        _check(cap[:, real].astype(np.float64), _h_reference(w, x)[:, w.perm[real]], w)
+        with pytest.raises(ValueError, match="float32"):
+            e.set_capture(0, np.zeros((4, n_slots), np.float64))
+        with pytest.raises(ValueError, match=str(n_slots)):
+            e.set_capture(0, np.zeros((4, n_slots + 1), np.float32))

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_synth import write_tiny_model
 
 import converters
-from converters import blockfile
+from converters import blockfile, stages
 from converters import convert_gguf as cg
 from converters import ConvertError, convert
 from leanstream_ggml import manifest as mf
@@ -297,7 +297,8 @@ def test_resume_rewrites_a_corrupt_layer(models, tmp_path, monkeypatch):
         "source_sha256": sha256(src), "source_size": src.stat().st_size, "k": 1,
         "align": converters.device_align(out), "permutation_sha256": hashlib.sha256(
             b"".join(np.arange(96, dtype=np.int32).tobytes() for _ in range(2))).hexdigest(),
-        "block_file_version": blockfile.VERSION}))
+        "block_file_version": blockfile.VERSION,
+        "activations": {"tokens": stages.PROFILE_TOKENS, "calibration": stages._corpus_id(None)}}))
     with open(out / "ffn" / "blk.1.bin", "r+b") as f:
         f.truncate(5000)
     written = []
