@@ -73,8 +73,7 @@ def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limi
     """The quality table (module doc) of leanstream mode against the references the profile
     stage gathered with dense mode (``{domain: [(window, nll, top)]}``, converters/profile_pass.py;
     dense reproduces stock llama.cpp within its rounding noise); [] when no domain's text holds
-    one window. Under ``memory_limit`` every run plans within it (the table then holds for the
-    budget it leaves, which is what a sparse run under that limit gets)."""
+    one window. Under ``memory_limit`` no run's budget exceeds what the plan leaves it."""
     from tqdm import tqdm
 
     from leanstream_ggml import Llama
@@ -84,20 +83,33 @@ def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limi
         log(f"calibrate: the {name} text is shorter than one window of {N_CTX} tokens; left out")
     if not domains:
         return []
+    from leanstream_ggml import memplan
+    from leanstream_ggml.engine import candidate_blocks
+
+    from .order import CANDIDATE_RATIO
+
     kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, logits_all=True, verbose=False, speculative="off")
+    one_short = _sketch_budget(Llama, out, manifest, kw)
+    stride = max(e.block_stride for e in manifest.layers)
+    cap = None
     if memory_limit:
         # logits_all keeps n_ctx rows of logits besides what the plan counts
-        from leanstream_ggml.memplan import read_base
-
-        n_vocab = read_base(manifest.resolve(out, manifest.base.file)).n_vocab
-        limit = {"memory_limit": memory_limit - N_CTX * n_vocab * 4}
-    else:
-        limit = {"memory_budget": _sketch_budget(Llama, out, manifest, kw)}
+        n_vocab = memplan.read_base(manifest.resolve(out, manifest.base.file)).n_vocab
+        cap = memplan.plan(out, manifest, memory_limit - N_CTX * n_vocab * 4, mode="leanstream", n_ctx=N_CTX,
+                           n_ubatch=N_CTX).budget
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
+        # one block short of the FFN (module doc of _sketch_budget); where the candidates are every
+        # block (s = 0.3 at 1.5x candidates) the selection is the same with all of them cached, and
+        # one short had LRU evict the block read next, re-reading the whole FFN every token
+        every = all(candidate_blocks(e.n_blocks, s, CANDIDATE_RATIO) >= e.n_blocks for e in manifest.layers)
+        budget = one_short + stride if every else one_short
+        if cap is not None:
+            budget = min(budget, cap)
         # no hot set: hot blocks are always candidates (scored exactly, their rows are resident),
         # which selects better than the sketch alone; the table holds for the smallest hot set
-        llm = Llama(str(out), mode="leanstream", sparsity=s, hot_fraction=0.0, _manifest=manifest, **limit, **kw)
+        llm = Llama(str(out), mode="leanstream", sparsity=s, hot_fraction=0.0, memory_budget=budget,
+                    _manifest=manifest, **kw)
         try:
             per = {name: _score(llm, wr) for name, wr in domains.items()}
         finally:

@@ -147,6 +147,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"predictor        {_predictor_line(m)}",
         f"sparse modes     {_sparse_line(m, d)}",
     ]
+    conv = m.extra.get("conversion")
+    if isinstance(conv, dict) and conv.get("stages"):
+        stages = ", ".join(f"{k} {v['seconds']:.0f} s / {v['peak_rss_bytes'] / 2**20:.0f} MiB"
+                           for k, v in conv["stages"].items())
+        lines.append(f"conversion       {conv.get('seconds', 0):.0f} s within {conv.get('memory_limit', 0) / 1e6:.0f} MB "
+                     f"(stage: seconds / peak resident): {stages}")
     lines += _quality_lines(m)
     lines.append(f"runtime          {runtime_line()}")
     if args.memory_limit is not None:

@@ -533,14 +533,15 @@ class Source:
 
 
 def in_child(fn, *args):
-    """fn(*args) in a forked child process; its result (pickled) or its exception. gguf-py's reader
-    holds every metadata array element as a numpy object (~3 KB per vocabulary entry: ~0.5 GB for
+    """fn(*args) in a child process; its result (pickled) or its exception. gguf-py's reader holds
+    every metadata array element as a numpy object (~3 KB per vocabulary entry: ~0.5 GB for
     Qwen2.5's 152k tokens), and a process gives little of that back once freed (~100 MB stayed):
     the reader lives only in children, so the converter's own process stays small for the stages
-    that run the model within the memory limit."""
+    that run the model within the memory limit. A fresh interpreter (spawn), not a fork: a forked
+    copy of a process that holds native engines and their threads can crash collecting them."""
     import multiprocessing as mp
 
-    with mp.get_context("fork").Pool(1) as pool:
+    with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
 
 
