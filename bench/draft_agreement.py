@@ -59,12 +59,12 @@ def agreement(llm, prompt: list[int], n_tokens: int) -> tuple[int, int, list[int
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import Llama, manifest, memplan, params
+    from leanstream_ggml import Llama, manifest, memplan, options, params
     from speculative import chat_prompt_tokens
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+")
-    ap.add_argument("--memory-limit", default="1000MB")
+    options.add_flags(ap, options.SCRIPT, names=("memory_limit",), defaults={"memory_limit": "1000MB"})
     ap.add_argument("--prompts", type=int, default=4, help="per domain")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)

@@ -21,6 +21,7 @@ with the row's ppl_ratio the worst domain's and its agreement the lowest.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -110,10 +111,13 @@ def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limi
         # which selects better than the sketch alone; the table holds for the smallest hot set
         llm = Llama(str(out), mode="leanstream", sparsity=s, hot_fraction=0.0, memory_budget=budget,
                     _manifest=manifest, **kw)
+        t0 = time.perf_counter()
         try:
             per = {name: _score(llm, wr) for name, wr in domains.items()}
         finally:
             llm.close()
+        if progress:
+            log(f"calibrate: sparsity {s:g} in {time.perf_counter() - t0:.0f} s (budget {budget / 2**20:.0f} MiB)")
         table.append({"sparsity": s, "ppl_ratio": max(d["ppl_ratio"] for d in per.values()),
                       "agreement": min(d["agreement"] for d in per.values()), "domains": per})
     return table

@@ -294,19 +294,18 @@ def register(subparsers) -> None:
     p.add_argument("--profile-tokens", type=int, default=None, metavar="N",
                    help="positions of the calibration text the model runs on to order the neurons and rank the "
                         "draft vocabulary (default 4096; the conversion's longest stage is proportional to it)")
-    p.add_argument("--memory-limit", default=None, metavar="BYTES",
-                   help="memory the whole conversion holds, e.g. 1GB or 700MiB (default: what the machine or its "
-                        "memory cgroup allows, printed before the first stage); the model runs through the "
-                        "plugin's dense engine within it, and a limit too small for one layer is refused with "
-                        "the numbers")
     p.add_argument("--calibration", default=None, metavar="FILE",
-                   help="your own text (or .jsonl chats, one {\"messages\": [...]} per line): calibrated as one more "
-                        "domain and profiled for the neuron order (and it replaces the bundled prompts "
-                        "when training predictors)")
+                   help="your own text (or .jsonl chats, one {\"messages\": [...]} per line): profiled for the "
+                        "neuron order and the draft vocabulary, calibrated as one more domain with --calibrate (and "
+                        "it replaces the bundled prompts when training predictors)")
     p.add_argument("--predictors", choices=["none", "quick", "full"], default=None,
                    help="also profile the model and train layer-ahead predictors: the baselines' (oneshot, "
                         "dejavu+, powerinfer2) selection and leanstream's prefetch (default none; quick: "
-                        "CI-sized; full: about an hour on 2 cores for a 1.5B model)")
+                        "CI-sized; full: about an hour on 2 cores for a 1.5B model; their profile runs stock "
+                        "llama.cpp on the source, outside --memory-limit)")
+    from leanstream_ggml.options import add_flags
+
+    add_flags(p, "convert", names=("memory_limit",))
     p.set_defaults(func=cmd_convert)
 
     q = subparsers.add_parser("info", help="describe a converted model directory",

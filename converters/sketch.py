@@ -25,6 +25,7 @@ from leanstream_ggml.formats import SKETCH_LS2 as LS2
 from leanstream_ggml.formats import SKETCH_MAGIC as MAGIC
 from leanstream_ggml.formats import SKETCH_VERSION as VERSION
 
+from ._faults import kill_point
 from .fileio import atomic_writer, fsync_dir
 
 TYPES = mf.SKETCH_TYPES   # what --sketch accepts ("none": no sketch)
@@ -240,6 +241,7 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
             with atomic_writer(path, durable=False) as f:
                 f.write(data)
             release_source_pages(model)
+            kill_point("sketch-layer")
         if block_abs_h is not None and source.k == 1:
             if down_norm is not None:      # the order stage's, in slot order
                 importance.append(block_abs_h[layer.il] * down_norm[layer.il])

@@ -246,7 +246,6 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
         source = read_source(src, out, k=k, align=align, permutation=permutation, progress=progress,
                              down_type=down_type)
     read_record = dict(meter.records)
-    check_fits(source, out, limit, sketch=sketch)
     if predictors != "none" and source.model.arch not in PREDICTOR_ARCHS:
         log(f"no predictors: the predictor stage supports {', '.join(PREDICTOR_ARCHS)}, not "
             f"{source.model.arch}, yet; {out} runs in dense mode")
@@ -274,6 +273,14 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     params["activations"] = {"tokens": profile_tokens, "calibration": _corpus_id(calibration)}
     resume = _prepare_out_dir(out, params, force)
     state = _State(out)
+    try:   # before any model file is written (after the directory: a place that cannot be written says so first)
+        check_fits(source, out, limit, sketch=sketch)
+    except ConvertError:
+        if not resume:
+            _clean_outputs(out)
+            with contextlib.suppress(OSError):
+                out.rmdir()       # only if empty: the user's own files stay
+        raise
     if resume and progress:
         done = [s for s in STAGES if state.done(s)]
         log(f"resuming an interrupted conversion of {source.path.name}"
@@ -316,7 +323,8 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
                 n_threads=n_threads, progress=progress, log=log)
     m.predictor = predictor
 
-    # sketch: the exact-input scorer's rows (a layer already complete is kept)
+    # sketch: the exact-input scorer's rows (a layer already complete is kept, and a finished stage
+    # only gives its manifest entry again)
     sketch_info = None
     if sketch != "none":
         with meter.stage("sketch") if not state.done("sketch") else contextlib.nullcontext():

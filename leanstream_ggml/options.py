@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 # the commands that take options: the library's front ends, then the tools (leanstream_tools/,
 # bench/serve_load.py), which build their parsers from this table too
-COMMANDS = ("chat", "serve", "info", "bench", "perplexity", "eval", "compare", "tune", "serve_load", "script")
+COMMANDS = ("chat", "serve", "info", "bench", "perplexity", "eval", "compare", "tune", "serve_load", "convert", "script")
 SCRIPT = "script"   # a bench/ script: any Llama option it names (add_flags(ap, SCRIPT, names=...))
 _RUNS = ("chat", "serve", "bench", "perplexity", "eval")   # the commands that run a model as Llama does
 
@@ -80,8 +80,12 @@ OPTIONS: tuple[Option, ...] = (
            "the FFN engine (the interpreter, the non-FFN weights each token reads, KV cache at n_ctx, "
            "llama.cpp's heap and compute buffers) and gives the rest to the engine, or refuses with its "
            "numbers (MemoryPlanError, a ValueError; `leanstream info MODEL --memory-limit 1000MB` prints it)",
-           _RUNS + ("compare", "tune", "serve_load", "info"),
+           _RUNS + ("compare", "tune", "serve_load", "info", "convert"),
            variants={"compare": Variant("whole-process memory limit of every run, e.g. 1GB or 900MiB (default: none)"),
+                     "convert": Variant("memory the whole conversion holds, e.g. 1GB or 700MiB (default: what the "
+                                        "machine or its memory cgroup allows, printed before the first stage); the "
+                                        "model runs through the plugin's dense engine within it, and a limit too small "
+                                        "for one layer is refused with the numbers"),
                      "tune": Variant("the whole process's memory limit (the engine gets what the memory plan leaves)"),
                      "serve_load": Variant("whole-process limit of the server (cgroup)", "600MB"),
                      "info": Variant("also print the memory plan under this whole-process limit (e.g. 1000MB): "

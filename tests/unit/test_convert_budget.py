@@ -84,10 +84,11 @@ def test_the_default_conversion_records_its_stages(tiny):
     assert np.all(np.diff(imp[0]) <= 0)           # most important first
 
 
-@pytest.mark.parametrize("kill_at", ["write-layer:1", "reorder-layer:0", "reorder-layer:2"])
+@pytest.mark.parametrize("kill_at", ["write-layer:1", "reorder-layer:0", "reorder-layer:2", "sketch-layer:1"])
 def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at):
-    """SIGKILL inside the write stage, or while the block files are reordered in place (some in
-    the new order, some still in the source's): the same command again writes the same files."""
+    """SIGKILL inside the write stage, while the block files are reordered in place (some in the
+    new order, some still in the source's), or inside the sketch stage: the same command again
+    writes the same files."""
     src, ref = tiny
     out = tmp_path / "m.lsm"
     r = _convert(src, out, kill_at)

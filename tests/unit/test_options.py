@@ -83,6 +83,7 @@ def test_each_command_takes_exactly_its_options():
         "compare": {"memory_limit", "sparsity"},
         "tune": {"memory_budget", "memory_limit", "sparsity", "quality"},
         "serve_load": {"memory_budget", "memory_limit"},
+        "convert": {"memory_limit"},
         "script": set(NAMES),    # a bench/ script: any Llama option, by name
     }
     assert set(want) == set(options.COMMANDS)

@@ -40,9 +40,19 @@ def _convert(src, out, kill_at=None):
 
 
 def _digests(d: Path) -> dict:
-    """sha256 of every file of a model directory, except the training log (it holds timings)."""
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file() and p.name != "predictor.json"}
+    """sha256 of every file of a model directory, except the training log (it holds timings), the
+    manifest without the stages' timings."""
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if not p.is_file() or p.name == "predictor.json":
+            continue
+        data = p.read_bytes()
+        if p.name == "manifest.json":
+            m = json.loads(data)
+            m.pop("conversion", None)
+            data = json.dumps(m, sort_keys=True).encode()
+        out[str(p.relative_to(d))] = hashlib.sha256(data).hexdigest()
+    return out
 
 
 @pytest.fixture(scope="module")
