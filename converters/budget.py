@@ -21,25 +21,20 @@ MiB = 1 << 20
 _UNLIMITED = 1 << 60    # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM), 0 where unreadable."""
+def _kb_field(path: str, field: str) -> int | None:
+    """A "Field:  N kB" line of a /proc file in bytes, None where unreadable."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _meminfo(field: str) -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS, VmHWM), 0 where unreadable."""
+    return _kb_field("/proc/self/status", field) or 0
 
 
 def cgroup_limits(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> list[tuple[int, str]]:
@@ -87,7 +82,7 @@ def machine_limit() -> tuple[int, str]:
     """(bytes, where it comes from): what this process may hold, the smallest of its memory
     cgroups' limits and the memory available now (MemAvailable plus what it holds itself)."""
     cands = [(n, f"the memory cgroup's limit ({f})") for n, f in cgroup_limits()]
-    avail = _meminfo("MemAvailable")
+    avail = _kb_field("/proc/meminfo", "MemAvailable")
     if avail is not None:
         cands.append((avail + _status("VmRSS"), "the memory available now"))
     if not cands:

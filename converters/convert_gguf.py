@@ -638,7 +638,7 @@ def write_model(source: Source, out: Path, *, progress: bool = True, write: bool
     from tqdm import tqdm
 
     model = source.model
-    n_embd, n_ff = model.n_embd, model.n_ff
+    n_ff = model.n_ff
     (out / mf.FFN_DIR).mkdir(exist_ok=True)
     base = out / mf.BASE_NAME
     if write and not base.exists():

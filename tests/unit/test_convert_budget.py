@@ -5,62 +5,26 @@ written (disk space, one layer's work)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 gs = pytest.importorskip("gguf_synth")
+from convert_runs import ROOT, convert_in_child, digests, tiny_source_and_reference  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 
-_RUN = r"""
-import json, sys
-from converters.stages import convert_model
-convert_model(sys.argv[1], sys.argv[2], log=lambda *a: None, **json.loads(sys.argv[3]))
-"""
 SETTINGS = dict(progress=False, profile_tokens=96)
 
 
 def _convert(src, out, kill_at=None, **kw):
-    env = dict(os.environ)
-    env.pop("LEANSTREAM_TEST_KILL_AT", None)
-    if kill_at:
-        env["LEANSTREAM_TEST_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, "-c", _RUN, str(src), str(out), json.dumps({**SETTINGS, **kw})], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def _digests(d: Path) -> dict:
-    """sha256 of every file of a model directory; the manifest without its stage timings."""
-    out = {}
-    for p in sorted(d.rglob("*")):
-        if not p.is_file():
-            continue
-        data = p.read_bytes()
-        if p.name == "manifest.json":
-            m = json.loads(data)
-            m.pop("conversion", None)
-            data = json.dumps(m, sort_keys=True).encode()
-        out[str(p.relative_to(d))] = hashlib.sha256(data).hexdigest()
-    return out
+    return convert_in_child(src, out, {**SETTINGS, **kw}, kill_at)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("budget")
-    src = d / "tiny.gguf"
-    gs.write_tiny_model(src, arch="llama", n_layer=3, n_embd=64, n_ff=96,
-                        types={"ffn": "Q8_0", "attn": "F32", "embd": "F32", "output": "F32"}, seed=0)
-    ref = d / "ref.lsm"
-    r = _convert(src, ref)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return src, ref
+    return tiny_source_and_reference(tmp_path_factory.mktemp("budget"), _convert)
 
 
 def test_the_default_conversion_records_its_stages(tiny):
@@ -96,7 +60,7 @@ def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at):
     assert not (out / "manifest.json").exists()
     r = _convert(src, out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _digests(out) == _digests(ref)
+    assert digests(out) == digests(ref)
 
 
 def test_a_limit_too_small_for_one_layer_is_refused_with_the_numbers(tiny, tmp_path):

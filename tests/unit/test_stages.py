@@ -4,67 +4,26 @@ the same files as an uninterrupted one; the manifest appears only when everythin
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
 gs = pytest.importorskip("gguf_synth")
+from convert_runs import convert_in_child, digests, tiny_source_and_reference  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 # a CI-sized profile (several chunks) and training (3 layers); no quality calibration (a stage after
 # these, tested in test_calibration.py)
 SETTINGS = dict(predictors="quick", progress=False, calibrate=False,
                 hash_config=dict(n_hash_layers=2, tau=4, n_bits=64, n_tables=2, steps=8, batch=32),
                 profile_kwargs=dict(n_prompts=3, max_tokens=20, chunk_tokens=16))
 
-_RUN = r"""
-import json, sys
-from converters.stages import convert_model
-convert_model(sys.argv[1], sys.argv[2], log=lambda *a: None, **json.loads(sys.argv[3]))
-"""
-
 
 def _convert(src, out, kill_at=None):
-    env = dict(os.environ)
-    env.pop("LEANSTREAM_TEST_KILL_AT", None)
-    if kill_at:
-        env["LEANSTREAM_TEST_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, "-c", _RUN, str(src), str(out), json.dumps(SETTINGS)], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def _digests(d: Path) -> dict:
-    """sha256 of every file of a model directory, except the training log (it holds timings), the
-    manifest without the stages' timings."""
-    out = {}
-    for p in sorted(d.rglob("*")):
-        if not p.is_file() or p.name == "predictor.json":
-            continue
-        data = p.read_bytes()
-        if p.name == "manifest.json":
-            m = json.loads(data)
-            m.pop("conversion", None)
-            data = json.dumps(m, sort_keys=True).encode()
-        out[str(p.relative_to(d))] = hashlib.sha256(data).hexdigest()
-    return out
+    return convert_in_child(src, out, SETTINGS, kill_at)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("stages")
-    src = d / "tiny.gguf"
-    gs.write_tiny_model(src, arch="llama", n_layer=3, n_embd=64, n_ff=96,
-                        types={"ffn": "Q8_0", "attn": "F32", "embd": "F32", "output": "F32"}, seed=0)
-    ref = d / "ref.lsm"
-    r = _convert(src, ref)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return src, ref
+    return tiny_source_and_reference(tmp_path_factory.mktemp("stages"), _convert)
 
 
 def test_uninterrupted_conversion_is_complete(tiny):
@@ -74,7 +33,7 @@ def test_uninterrupted_conversion_is_complete(tiny):
     m = manifest.load(ref)
     assert m.predictor is not None and len(m.predictor.files) == 3 and m.predictor.block_freq
     assert not (ref / ".convert").exists()        # the state folder (and the profile in it) is gone
-    names = set(_digests(ref))
+    names = set(digests(ref))
     assert {"manifest.json", "base.gguf", "ffn/blk.0.bin", "predictor/blk.2.lspred", "predictor/block_freq.npy"} <= names
     assert not [n for n in names if n.endswith(".partial")]
 
@@ -100,7 +59,7 @@ def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at, st
         before = {p.name: p.stat().st_mtime_ns for p in (out / "predictor").glob("blk.*.lspred")}
     r = _convert(src, out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _digests(out) == _digests(ref)
+    assert digests(out) == digests(ref)
     if stage == "train":   # resumed, not redone
         assert all((out / "predictor" / n).stat().st_mtime_ns == t for n, t in before.items())
 
