@@ -202,13 +202,13 @@ def _sketch_line(m) -> str:
 
 
 def _quality_lines(m) -> list[str]:
-    """The calibration table: perplexity ratio vs stock (and top-1 agreement) per sparsity and
+    """The calibration table: perplexity ratio vs dense (and top-1 agreement) per sparsity and
     domain; quality= reads the worst column."""
     q = m.sketch.quality if m.sketch else []
     if not q:
         return []
     names = list(q[0].get("domains") or {"prose": None})
-    out = ["quality          ppl x vs stock (top-1 agreement) of leanstream decode, per calibration domain;",
+    out = ["quality          ppl x vs dense (= stock within its rounding; top-1 agreement) of leanstream decode, per domain;",
            "                 quality=\"ppl+N%\" takes the largest sparsity whose worst domain is within N %",
            "                 " + f"{'s':>4}  " + "".join(f"{n:>16}" for n in names) + f"{'worst':>10}"]
     for row in q:
