@@ -105,7 +105,12 @@ class StageMeter:
                 f.write("5")      # resets VmHWM to the current VmRSS (proc(5))
 
     @contextlib.contextmanager
-    def stage(self, name: str):
+    def stage(self, name: str, done: bool = False):
+        """Measure the block as stage ``name``; done: a stage an interrupted run finished (its
+        record stays as it was)."""
+        if done:
+            yield
+            return
         self._reset_peak()
         t0 = time.perf_counter()
         yield
@@ -114,10 +119,6 @@ class StageMeter:
         self.log(f"{name}: {rec['seconds']:.1f} s, peak {rec['peak_rss_bytes'] / MiB:.0f} MiB resident")
         if self._on_record:
             self._on_record(self.records)
-
-
-def rss() -> int:
-    return _status("VmRSS")
 
 
 def free_disk(path: Path) -> int:

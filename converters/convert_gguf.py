@@ -727,7 +727,9 @@ def layer_working_bytes(source: Source) -> int:
 def check_fits(source: Source, out: Path, limit: int, *, sketch: str) -> None:
     """Before anything is written: a clear error when the disk cannot hold the output, or the
     memory limit cannot hold one layer's work beside this process."""
-    from .budget import MiB, free_disk, rss
+    from leanstream_ggml.memplan import process_bytes
+
+    from .budget import MiB, free_disk
 
     need = estimate_output_bytes(source, sketch)
     free = free_disk(out)
@@ -736,7 +738,7 @@ def check_fits(source: Source, out: Path, limit: int, *, sketch: str) -> None:
     if need - have > free:
         raise ConvertError(f"{out}: not enough disk space: the conversion writes about {need / 1e6:.0f} MB "
                            f"({have / 1e6:.0f} MB of it there already), the file system has {free / 1e6:.0f} MB free")
-    work, now = layer_working_bytes(source), rss()
+    work, now = layer_working_bytes(source), process_bytes()
     if now + work > limit:
         raise ConvertError(f"memory limit {limit / 1e6:.0f} MB is too small to convert {source.path.name}: one layer's "
                            f"work takes {work / MiB:.0f} MiB (n_ff {source.model.n_ff} x n_embd {source.model.n_embd}) "

@@ -90,17 +90,9 @@ def _sequences(llm, texts: list[Path]) -> list[dict]:
     return [q for group in itertools.zip_longest(*per_file) for q in group if q is not None]
 
 
-def read_set_counts(abs_h: np.ndarray, n_read: int) -> np.ndarray:
-    """bool [T, n]: each row's n_read largest |h| (the numpy reference of what a token reads)."""
-    idx = np.argpartition(-abs_h, n_read - 1, axis=1)[:, :n_read]
-    m = np.zeros(abs_h.shape, dtype=bool)
-    np.put_along_axis(m, idx, True, axis=1)
-    return m
-
-
 def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int | None, n_threads: int,
              n_read: int | None, sets_dir: Path | None = None, calibration_windows: dict | None = None,
-             max_tokens: int = MAX_TOKENS, progress: bool = True, log=print) -> PassResult:
+             max_tokens: int = MAX_TOKENS, progress: bool = True) -> PassResult:
     """The pass (module doc). n_read: neurons per read set (None: no neuron statistics, only the
     vocabulary and references); sets_dir: also write each layer's read sets there (coact order)
     as ``l<il>.bits`` (np.packbits rows of n_slots bits); calibration_windows: {domain: path} of
@@ -110,16 +102,19 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
 
     from leanstream_ggml import Llama
 
+    from .order import read_sets
+
     n_layer = manifest.n_layer
     n_slots = manifest.layers[0].n_blocks * manifest.block.k
-    rows = decode_rows(model_dir, manifest, memory_limit, bool(n_read))
+    n_vocab = _n_vocab(model_dir, manifest)
+    rows = decode_rows(model_dir, manifest, memory_limit, bool(n_read), n_vocab)
     # the capture buffers first, written once (resident): the memory plan counts what the process
     # holds when it plans; the rows of logits a decode returns are not in the plan's parts
     caps = [np.empty((rows, n_slots), np.float32) for _ in range(n_layer)] if n_read else []
     for c in caps:
         c.fill(0.0)
     if memory_limit:
-        memory_limit -= (rows - 1) * _n_vocab(model_dir, manifest) * 4
+        memory_limit -= (rows - 1) * n_vocab * 4
     llm = Llama(str(model_dir), _manifest=manifest, mode="dense", speculative="off", n_ctx=N_CTX, n_batch=rows,
                 n_ubatch=rows, n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
                 **({"memory_limit": memory_limit} if memory_limit else {}))
@@ -128,7 +123,6 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
         eng = llm.engine
         for il, c in enumerate(caps):
             eng.set_capture(il, c)
-        n_vocab = llm.n_vocab()
         res.vocab = np.zeros(n_vocab, np.float64)
         if n_read:
             res.abs_h = np.zeros((n_layer, n_slots), np.float64)
@@ -160,8 +154,8 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
                                                f"{len(piece)} (was the dense path taken?)")
                         a = np.abs(caps[il][lo:hi])
                         res.abs_h[il] += a.sum(axis=0, dtype=np.float64)
-                        m = read_set_counts(a, n_read)
-                        res.reads[il] += m.sum(axis=0)
+                        m = read_sets(a, n_read)             # uint8 [rows, n_slots]
+                        res.reads[il] += m.sum(axis=0, dtype=np.int64)
                         if sets:
                             sets[il].write(np.packbits(m, axis=1).tobytes())
                     res.n_tokens += hi - lo
@@ -188,7 +182,7 @@ def _n_vocab(model_dir: Path, manifest) -> int:
     return read_base(manifest.resolve(model_dir, manifest.base.file)).n_vocab
 
 
-def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool) -> int:
+def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool, n_vocab: int) -> int:
     """Tokens per decode: ROWS, or fewer (ROWS / 2, / 4) where the limit cannot hold ROWS rows of
     captures and logits beside the model while the engine keeps one layer's blocks (dense mode's
     least working set) and the plan's least cache."""
@@ -197,7 +191,6 @@ def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bo
     if not memory_limit:
         return ROWS
     n_slots = manifest.layers[0].n_blocks * manifest.block.k
-    n_vocab = _n_vocab(model_dir, manifest)
     layer = max(e.n_blocks * e.block_stride for e in manifest.layers)
     base = memplan.read_base(manifest.resolve(model_dir, manifest.base.file))
     now = memplan.process_bytes()

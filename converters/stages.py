@@ -291,7 +291,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
 
     # write: base.gguf and the block files in source order (a layer already complete is kept; once
     # the stage is done the files are the reorder stage's, so it is not entered again)
-    with meter.stage("write") if not state.done("write") else contextlib.nullcontext():
+    with meter.stage("write", done=state.done("write")):
         entries, totals, kept = write_model(source, out, progress=progress, write=not state.done("write"))
         state.mark("write")
     m = make_manifest(source, out, entries, totals, None)
@@ -306,9 +306,9 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     # order + reorder: each layer's neurons placed in the chosen order, in place
     block_freq = block_absh = down_norm = None
     if profile_order:
-        with meter.stage("order") if not state.done("order") else contextlib.nullcontext():
+        with meter.stage("order", done=state.done("order")):
             source.orders, block_freq, block_absh, down_norm = _neuron_orders(source, state, order, acts, progress, log)
-        with meter.stage("reorder") if not state.done("reorder") else contextlib.nullcontext():
+        with meter.stage("reorder", done=state.done("reorder")):
             reorder_layers(source, out, progress=progress)
             state.mark("reorder")
 
@@ -316,7 +316,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     if predictors != "none":
         from .train.pipeline import build_predictors
 
-        with meter.stage("predictors") if not state.done("train") else contextlib.nullcontext():
+        with meter.stage("predictors", done=state.done("train")):
             predictor = build_predictors(
                 source.path, out, state_dir=state.dir, blocks_of_layer=_blocks_of_layer(source), quick=predictors == "quick",
                 calibration=calibration, profile_dir=profile_dir, cfg=hash_config, profile_kwargs=profile_kwargs,
@@ -327,7 +327,7 @@ def _convert_model(src, out: Path, *, k, align, force, progress, permutation, or
     # only gives its manifest entry again)
     sketch_info = None
     if sketch != "none":
-        with meter.stage("sketch") if not state.done("sketch") else contextlib.nullcontext():
+        with meter.stage("sketch", done=state.done("sketch")):
             sketch_info = write_sketches(source, out, type_name=sketch, weight=params["sketch"]["weight"],
                                          progress=progress, block_freq=block_freq, block_abs_h=block_absh,
                                          down_norm=down_norm, n_threads=n_threads)
@@ -390,7 +390,7 @@ def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memo
             res = run_pass(out, m, list(texts.values()), memory_limit=memory_limit, n_threads=n_threads,
                            n_read=candidate_blocks(source.model.n_ff, SPARSITY, CANDIDATE_RATIO) if neuron_stats else None,
                            sets_dir=sets_dir, calibration_windows=texts if windows else None,
-                           max_tokens=max_tokens, progress=progress, log=log)
+                           max_tokens=max_tokens, progress=progress)
         except (MemoryPlanError, LeanstreamError) as e:
             if isinstance(e, LeanstreamError) and "memory budget" not in str(e):
                 raise
