@@ -38,6 +38,7 @@ N_CTX = 512        # tokens per chunk
 SKIP = 16          # positions of a chunk not kept
 MAX_TOKENS = 4096  # kept positions at most
 ROWS = 128         # tokens per decode: the capture buffers' rows and the logits a decode returns
+MIN_ROWS = 8       # the fewest tokens per decode a tight limit falls back to
 
 
 @dataclass
@@ -183,7 +184,7 @@ def _n_vocab(model_dir: Path, manifest) -> int:
 
 
 def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool, n_vocab: int) -> int:
-    """Tokens per decode: ROWS, or fewer (ROWS / 2, / 4) where the limit cannot hold ROWS rows of
+    """Tokens per decode: ROWS, or fewer (halved down to MIN_ROWS) where the limit cannot hold ROWS rows of
     captures and logits beside the model while the engine keeps one layer's blocks (dense mode's
     least working set) and the plan's least cache."""
     from leanstream_ggml import memplan
@@ -194,14 +195,16 @@ def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bo
     layer = max(e.n_blocks * e.block_stride for e in manifest.layers)
     base = memplan.read_base(manifest.resolve(model_dir, manifest.base.file))
     now = memplan.process_bytes()
-    for rows in (ROWS, ROWS // 2, ROWS // 4):
+    rows = ROWS
+    while rows >= MIN_ROWS:
         captures = manifest.n_layer * rows * n_slots * 4 if capture else 0
         logits = (rows - 1) * n_vocab * 4
         plan = memplan.plan(model_dir, manifest, memory_limit - logits, mode="dense", n_ctx=N_CTX, n_ubatch=rows,
                             process=now + captures, base=base)     # as run_pass plans it
         if plan.cache >= max(memplan.MIN_CACHE, layer):
             return rows
-    return ROWS // 4
+        rows //= 2
+    return MIN_ROWS
 
 
 def _references(llm, paths: dict, rows: int) -> dict:

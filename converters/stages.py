@@ -375,7 +375,7 @@ def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memo
 
     from .calibrate import corpus
     from .order import CANDIDATE_RATIO, SPARSITY
-    from .profile_pass import ROWS, PassResult, run_pass
+    from .profile_pass import MIN_ROWS, PassResult, run_pass
 
     path = state.dir / "activations.npz"
     if state.done("activations"):
@@ -395,7 +395,7 @@ def _activations(source, out: Path, m, state: _State, meter: StageMeter, *, memo
             if isinstance(e, LeanstreamError) and "memory budget" not in str(e):
                 raise
             raise ConvertError(f"the memory limit of {memory_limit / 1e6:.0f} MB cannot run this model's profile "
-                               f"pass (dense mode, a batch of {ROWS // 4} tokens at least):\n{e}") from None
+                               f"pass (dense mode, a batch of {MIN_ROWS} tokens at least):\n{e}") from None
         res.save(path)
         state.mark("activations")
     if progress:

@@ -120,11 +120,21 @@ def read_base(path: str | os.PathLike) -> BaseModelInfo:
 
 
 def process_bytes() -> int:
-    """This process's resident memory now (VmRSS)."""
+    """This process's resident memory now (VmRSS), after the C allocator has handed its free pages
+    back to the kernel: heap that was freed but kept (glibc keeps tens of MB after a stage's large
+    arrays, more or less from one machine to the next) is not memory the process holds."""
+    _trim_heap()
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):         # not glibc: nothing to hand back this way
+        pass
 
 
 def _fmt(n: int) -> str:
