@@ -106,6 +106,18 @@ def _sdist(cache: Path) -> Path:
     return d / name
 
 
+def _patched_source(tmp: Path) -> Path:
+    """The pinned sdist extracted in tmp with every patch applied; returns its root."""
+    with tarfile.open(_sdist(cache_dir())) as tf:
+        tf.extractall(tmp, filter="data")
+    src = tmp / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+    for p in patch_files():
+        _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=src / "vendor" / "llama.cpp")
+    for p in package_patch_files():
+        _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=src)
+    return src
+
+
 def llama_build_dir() -> Path:
     return cache_dir() / "llama-cpp-python" / f"{LLAMA_CPP_PYTHON_VERSION}-{build_key()}"
 
@@ -117,17 +129,10 @@ def build_llama_wheel(force: bool = False) -> Path:
     if wheels and (out / "include" / "llama.h").exists() and not force:
         return wheels[0]
     _require_tools()
-    sdist = _sdist(cache_dir())
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="leanstream-llama-") as tmp:
-        with tarfile.open(sdist) as tf:
-            tf.extractall(tmp, filter="data")
-        src = Path(tmp) / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+        src = _patched_source(Path(tmp))
         vendor = src / "vendor" / "llama.cpp"
-        for p in patch_files():
-            _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=vendor)
-        for p in package_patch_files():
-            _run(["patch", "-p1", "--forward", "-i", str(p)], cwd=src)
         env = dict(os.environ)
         env["CMAKE_ARGS"] = " ".join(CMAKE_FLAGS)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
@@ -187,14 +192,101 @@ def build_native(llama_lib: Path) -> Path:
     return dst
 
 
+# ---- cross builds: the native library and its C tests for another Linux target ---------------------
+#
+# Nothing here runs on the target: the C tests run under qemu-user (tests/native/test_cross.py).
+# ggml alone is cross-built from the same patched source (llama.cpp itself is not needed by the
+# native library), cached like the wheel under $LEANSTREAM_CACHE/ggml-cross/<version>-<key>-<target>/.
+
+CROSS_TARGETS = {
+    # target: (GNU triple, CMAKE_SYSTEM_PROCESSOR, ggml's flags: the ARMv8.0 baseline, NEON without
+    # the dot product, so that it runs on every 64-bit ARM board; qemu's default CPU included)
+    "aarch64": ("aarch64-linux-gnu", "aarch64", ["-DGGML_CPU_ARM_ARCH=armv8-a"]),
+}
+
+
+def cross_tools(target: str) -> dict[str, str]:
+    """The cross compilers and the qemu-user binary of a target, or BuildError naming the packages."""
+    triple, proc, _ = CROSS_TARGETS[target]
+    tools = {"cc": f"{triple}-gcc", "cxx": f"{triple}-g++", "qemu": f"qemu-{proc}"}
+    missing = [t for t in tools.values() if shutil.which(t) is None]
+    if missing:
+        raise BuildError(f"missing cross tools for {target}: {', '.join(missing)} (Debian: apt-get install "
+                         f"gcc-{triple} g++-{triple} qemu-user)")
+    return {**tools, "sysroot": f"/usr/{triple}"}
+
+
+def _cross_cmake(target: str) -> list[str]:
+    triple, proc, _ = CROSS_TARGETS[target]
+    return ["-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={proc}",
+            f"-DCMAKE_C_COMPILER={triple}-gcc", f"-DCMAKE_CXX_COMPILER={triple}-g++",
+            f"-DCMAKE_FIND_ROOT_PATH=/usr/{triple}", "-DCMAKE_FIND_ROOT_PATH_MODE_PROGRAM=NEVER"]
+
+
+def cross_ggml_dir(target: str) -> Path:
+    return cache_dir() / "ggml-cross" / f"{LLAMA_CPP_PYTHON_VERSION}-{build_key()}-{target}"
+
+
+def build_cross_ggml(target: str) -> Path:
+    """ggml (base, CPU backend) for the target, installed under cross_ggml_dir (built if absent)."""
+    cross_tools(target)
+    out = cross_ggml_dir(target)
+    if (out / "lib" / "libggml.so").exists():
+        return out
+    with tempfile.TemporaryDirectory(prefix="leanstream-ggml-cross-") as tmp:
+        src = _patched_source(Path(tmp)) / "vendor" / "llama.cpp"
+        b = Path(tmp) / "build"
+        # configured from llama.cpp's root (the sdist's ggml/ cannot stand alone), only ggml built
+        _run(["cmake", "-S", str(src), "-B", str(b), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
+              "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+              *_cross_cmake(target), *CROSS_TARGETS[target][2]], stdout=subprocess.DEVNULL)
+        _run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", "ggml", "ggml-base", "ggml-cpu"])
+        tmp_out = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp_out, ignore_errors=True)
+        (tmp_out / "lib").mkdir(parents=True)
+        for so in b.rglob("libggml*.so*"):
+            shutil.copy2(so, tmp_out / "lib" / so.name, follow_symlinks=False)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp_out, out)      # whole or absent: an interrupted build is redone
+    return out
+
+
+def build_cross_native(target: str) -> Path:
+    """libleanstream.so and the C test programs (native/tests/*.c) for the target, in
+    build/native-<target>-<key>/ of this checkout; returns that directory."""
+    tools = cross_tools(target)
+    ggml = build_cross_ggml(target)
+    bdir = REPO / "build" / f"native-{target}-{build_key()}"
+    bdir.mkdir(parents=True, exist_ok=True)
+    _run(["cmake", "-S", str(NATIVE_DIR), "-B", str(bdir), "-DCMAKE_BUILD_TYPE=Release",
+          f"-DLEANSTREAM_GGML_INCLUDE={llama_build_dir() / 'include'}", f"-DLEANSTREAM_GGML_LIBDIR={ggml / 'lib'}",
+          *_cross_cmake(target)], stdout=subprocess.DEVNULL)
+    _run(["cmake", "--build", str(bdir), "-j", str(os.cpu_count() or 2)])
+    for c in sorted((NATIVE_DIR / "tests").glob("*.c")):
+        _run([tools["cc"], "-O2", "-Wall", "-Wextra", "-I", str(NATIVE_DIR / "include"), str(c), "-o", str(bdir / c.stem),
+              f"-L{bdir}", "-lleanstream", f"-Wl,-rpath,{bdir}:{ggml / 'lib'}", "-lm"])
+    return bdir
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m leanstream_ggml.build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--force", action="store_true", help="rebuild the patched llama.cpp wheel")
     ap.add_argument("--print-key", action="store_true", help="print the build cache key and exit")
+    ap.add_argument("--cross", choices=sorted(CROSS_TARGETS),
+                    help="build the native library and its C tests for this target instead (run under qemu-user)")
     args = ap.parse_args(argv)
     if args.print_key:
         print(build_key())
+        return 0
+    if args.cross:
+        try:
+            out = build_cross_native(args.cross)
+        except BuildError as e:
+            print(f"leanstream build: error: {e}", file=sys.stderr)
+            return 1
+        print(f"leanstream build: {args.cross} native library and C tests in {out}")
         return 0
     try:
         lib = install_llama(force=args.force)

@@ -1,0 +1,136 @@
+"""The native library on 64-bit ARM, tested on this x86 machine: libleanstream, its C tests and ggml
+cross-compiled for aarch64 (`python -m leanstream_ggml.build --cross aarch64`, Debian's
+gcc-aarch64-linux-gnu) and run under qemu-user. What runs there (native/tests/*.c):
+
+- test_api: the ABI, the mode table, CRC-32C against its reference, the error paths;
+- test_kernels: every FFN kernel path the emulated CPU offers against the scalar reference, the
+  rows kernels bit for bit against the one-row kernels; once on a CPU with the dot-product
+  extension (Cortex-A76) and once without (Cortex-A53);
+- test_engine: the I/O engine reading a converted synthetic model's block file (O_DIRECT) and the
+  dense op computing it, compared here with the numpy reference, as test_kernels.py does on x86.
+
+Where the cross tools are missing the tests skip, saying which packages to install; with
+LEANSTREAM_REQUIRE_CROSS=1 (set by .ci/run) they fail instead.
+
+The same test_engine program also runs natively, so that the comparison itself is tested on x86.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converters import convert
+from gguf_synth import write_tiny_model
+from reference import ffn_reference, load_layer
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "native" / "tests"
+TARGET = "aarch64"
+AARCH64_MACHINE = 183            # ELF e_machine of EM_AARCH64
+
+
+def _cross_or_skip():
+    from leanstream_ggml import build
+
+    try:
+        return build.cross_tools(TARGET)
+    except build.BuildError as e:
+        if os.environ.get("LEANSTREAM_REQUIRE_CROSS") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def cross():
+    """(the cross build's folder, the qemu command prefix)."""
+    tools = _cross_or_skip()
+    from leanstream_ggml import build
+
+    r = subprocess.run([sys.executable, "-m", "leanstream_ggml.build", "--cross", TARGET],
+                       cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    bdir = REPO / "build" / f"native-{TARGET}-{build.build_key()}"
+    return bdir, [tools["qemu"], "-L", tools["sysroot"]]
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
+    assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 failure(s)" in r.stdout
+    return r
+
+
+def test_the_library_is_built_for_aarch64(cross):
+    bdir, _ = cross
+    head = (bdir / "libleanstream.so").read_bytes()[:20]
+    assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == AARCH64_MACHINE
+
+
+def test_c_api_on_aarch64(cross, tmp_path):
+    bdir, qemu = cross
+    _run([*qemu, bdir / "test_api", tmp_path])
+
+
+@pytest.mark.parametrize("cpu", ["cortex-a76", "cortex-a53"])   # with and without the dot product
+def test_kernels_on_aarch64(cross, cpu):
+    bdir, qemu = cross
+    if not (bdir / "test_kernels").exists():
+        pytest.fail("native/tests/test_kernels.c was not built")
+    r = _run([*qemu, "-cpu", cpu, bdir / "test_kernels"])
+    assert "kernels:" in r.stdout
+
+
+CASES = {
+    "q4_K": ({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, "q6_k", "silu"),   # Qwen2.5's Q4_K_M FFN
+    "q4_1": ({"ffn": "Q4_1"}, "q8_0", "silu"),                                 # SmolLM2's Q4_1
+    "gelu-q8_0": ({"ffn": "Q8_0"}, "q8_0", "gelu"),   # the Gemma activation (the engine is told it)
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def layer(request, tmp_path_factory):
+    types, down, activation = CASES[request.param]
+    d = tmp_path_factory.mktemp("x")
+    write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=512,
+                     n_ff=768, types=types, seed=11)
+    m = convert(d / "m.gguf", d / "lsm", progress=False, sketch="none", down_type=down)
+    return request.param, m.layer_path(d / "lsm", 0), activation
+
+
+def _engine_check(cmd_prefix, exe, layer, tmp_path, n_tokens):
+    case, path, activation = layer
+    x = np.random.default_rng(n_tokens).standard_normal((n_tokens, 512)).astype(np.float32)
+    x.tofile(tmp_path / "x.bin")
+    r = _run([*cmd_prefix, exe, path, tmp_path / "x.bin", n_tokens, activation, tmp_path / "y.bin"])
+    y = np.fromfile(tmp_path / "y.bin", np.float32).reshape(n_tokens, 512)
+    want = ffn_reference(load_layer(path), x, activation=activation)
+    rtol = 5e-3 if case == "q4_1" else 1e-3   # Q8_1's f16 block sums (as in test_kernels.py)
+    err = np.abs(y - want).max()
+    assert err <= rtol * np.abs(want).max() + 1e-5, (case, n_tokens, err, r.stdout)
+    return r
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 70])   # one token, a verify pass, a prefill
+def test_engine_on_aarch64(cross, layer, tmp_path, n_tokens):
+    bdir, qemu = cross
+    _engine_check(qemu, bdir / "test_engine", layer, tmp_path, n_tokens)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on PATH")
+@pytest.mark.parametrize("n_tokens", [1, 5, 70])
+def test_engine_program_on_this_machine(layer, tmp_path, n_tokens):
+    lean = Path(importlib.util.find_spec("leanstream_ggml").origin).parent / "_lib"
+    ggml = Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
+    exe = tmp_path / "test_engine"
+    subprocess.run(["cc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'native' / 'include'}",
+                    str(TESTS / "test_engine.c"), f"-L{lean}", "-lleanstream", f"-Wl,-rpath,{lean}:{ggml}",
+                    "-o", str(exe)], check=True, capture_output=True, text=True)
+    _engine_check([], exe, layer, tmp_path, n_tokens)
