@@ -195,8 +195,8 @@ def build_native(llama_lib: Path) -> Path:
 # ---- cross builds: the native library and its C tests for another Linux target ---------------------
 #
 # Nothing here runs on the target: the C tests run under qemu-user (tests/native/test_cross.py).
-# ggml alone is cross-built from the same patched source (llama.cpp itself is not needed by the
-# native library), cached like the wheel under $LEANSTREAM_CACHE/ggml-cross/<version>-<key>-<target>/.
+# libllama and ggml are cross-built from the same patched source (no Python package: the C tests
+# drive them), cached like the wheel under $LEANSTREAM_CACHE/ggml-cross/<version>-<key>-<target>/.
 
 CROSS_TARGETS = {
     # target: (GNU triple, CMAKE_SYSTEM_PROCESSOR, ggml's flags: the ARMv8.0 baseline, NEON without
@@ -228,24 +228,24 @@ def cross_ggml_dir(target: str) -> Path:
 
 
 def build_cross_ggml(target: str) -> Path:
-    """ggml (base, CPU backend) for the target, installed under cross_ggml_dir (built if absent)."""
+    """libllama and ggml (base, CPU backend) for the target, in cross_ggml_dir/lib (built if absent)."""
     cross_tools(target)
     out = cross_ggml_dir(target)
-    if (out / "lib" / "libggml.so").exists():
+    if (out / "lib" / "libllama.so").exists():
         return out
     with tempfile.TemporaryDirectory(prefix="leanstream-ggml-cross-") as tmp:
         src = _patched_source(Path(tmp)) / "vendor" / "llama.cpp"
         b = Path(tmp) / "build"
-        # configured from llama.cpp's root (the sdist's ggml/ cannot stand alone), only ggml built
+        # configured from llama.cpp's root (the sdist's ggml/ cannot stand alone)
         _run(["cmake", "-S", str(src), "-B", str(b), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
               "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
               *_cross_cmake(target), *CROSS_TARGETS[target][2]], stdout=subprocess.DEVNULL)
-        _run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", "ggml", "ggml-base", "ggml-cpu"])
+        _run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", "llama"])
         tmp_out = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp_out, ignore_errors=True)
         (tmp_out / "lib").mkdir(parents=True)
-        for so in b.rglob("libggml*.so*"):
+        for so in [*b.rglob("libggml*.so*"), *b.rglob("libllama*.so*")]:
             shutil.copy2(so, tmp_out / "lib" / so.name, follow_symlinks=False)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp_out, out)      # whole or absent: an interrupted build is redone
@@ -264,8 +264,9 @@ def build_cross_native(target: str) -> Path:
           *_cross_cmake(target)], stdout=subprocess.DEVNULL)
     _run(["cmake", "--build", str(bdir), "-j", str(os.cpu_count() or 2)])
     for c in sorted((NATIVE_DIR / "tests").glob("*.c")):
-        _run([tools["cc"], "-O2", "-Wall", "-Wextra", "-I", str(NATIVE_DIR / "include"), str(c), "-o", str(bdir / c.stem),
-              f"-L{bdir}", "-lleanstream", f"-Wl,-rpath,{bdir}:{ggml / 'lib'}", "-lm"])
+        _run([tools["cc"], "-O2", "-Wall", "-Wextra", "-I", str(NATIVE_DIR / "include"), "-I", str(llama_build_dir() / "include"),
+              str(c), "-o", str(bdir / c.stem), f"-L{bdir}", f"-L{ggml / 'lib'}", "-lleanstream", "-lllama",
+              f"-Wl,-rpath,{bdir}:{ggml / 'lib'}", "-lm"])
     return bdir
 
 

@@ -134,3 +134,66 @@ def test_engine_program_on_this_machine(layer, tmp_path, n_tokens):
                     str(TESTS / "test_engine.c"), f"-L{lean}", "-lleanstream", f"-Wl,-rpath,{lean}:{ggml}",
                     "-o", str(exe)], check=True, capture_output=True, text=True)
     _engine_check([], exe, layer, tmp_path, n_tokens)
+
+
+# ---- a whole model: the patched libllama with the FFN op, decoding greedily -----------------------
+
+PROMPT = "The capital of France is"
+N_PREDICT = 12
+
+
+def _decode_args(model_dir: Path, prompt_tokens: list[int]) -> list:
+    from leanstream_ggml import manifest
+
+    m = manifest.load(model_dir)
+    return [m.resolve(model_dir, m.base.file), m.activation, N_PREDICT, ",".join(map(str, prompt_tokens)),
+            *[m.resolve(model_dir, e.file) for e in m.layers]]
+
+
+def _tokens(r: subprocess.CompletedProcess) -> list[int]:
+    line = next(x for x in r.stdout.splitlines() if x.startswith("tokens:"))
+    return [int(t) for t in line.split()[1:]]
+
+
+@pytest.fixture(scope="module")
+def smollm2_plain(smollm2_dir):
+    """The prompt's tokens and the Python Llama's greedy continuation in dense mode, speculation off."""
+    from leanstream_ggml import Llama
+
+    llm = Llama(str(smollm2_dir), mode="dense", speculative="off", n_ctx=256, n_threads=2, verbose=False)
+    try:
+        toks = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+        out = []
+        for t in llm.generate(toks, top_k=1, temp=0.0, reset=True):
+            out.append(t)
+            if len(out) == N_PREDICT:
+                break
+    finally:
+        llm.close()
+    return toks, out
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on PATH")
+def test_c_host_decodes_as_the_python_binding(smollm2_dir, smollm2_plain, tmp_path):
+    """native/tests/test_decode.c on this machine: the same tokens as the Python Llama."""
+    from leanstream_ggml import build
+
+    lean = Path(importlib.util.find_spec("leanstream_ggml").origin).parent / "_lib"
+    ggml = Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
+    exe = tmp_path / "test_decode"
+    subprocess.run(["cc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'native' / 'include'}",
+                    f"-I{build.llama_build_dir() / 'include'}", str(TESTS / "test_decode.c"), f"-L{lean}", f"-L{ggml}",
+                    "-lleanstream", "-lllama", f"-Wl,-rpath,{lean}:{ggml}", "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    toks, want = smollm2_plain
+    r = _run([exe, *_decode_args(smollm2_dir, toks)])
+    assert _tokens(r) == want
+
+
+def test_aarch64_decodes_as_x86(cross, smollm2_dir, smollm2_plain):
+    """The aarch64 build (ggml's NEON kernels, the op's own aarch64 kernels) under qemu decodes
+    SmolLM2's greedy continuation to the same tokens as this machine's build."""
+    bdir, qemu = cross
+    toks, want = smollm2_plain
+    r = _run([*qemu, bdir / "test_decode", *_decode_args(smollm2_dir, toks)])
+    assert _tokens(r) == want, r.stdout
