@@ -8,9 +8,10 @@ nowhere else:
   bound on llama-cpp-python's own ctypes handle of libllama;
 - ``wrap_decode``: the context's decode followed by a check, so that an error of the FFN op's
   I/O workers raises right after the decode that hit it;
-- ``decode_all_rows``: one batch through ``Llama.eval`` with the logits of every row (the verify
-  pass of speculative decoding) without logits_all's n_ctx x n_vocab array; ``Batch``,
-  ``kv_cache_trim``: the self draft's decodes on the same context;
+- ``decode``: the one batch decoder outside ``Llama.eval``: rows with a position and sequence ids
+  each, the logits of every row or of the last (a token tree's verify pass, the self draft's
+  steps, ``decode_all_rows``: eval with every row's logits without logits_all's n_ctx x n_vocab
+  array); ``kv_cache_trim``: what the draft decoded, dropped;
 - ``close``: llama_cpp.Llama.close leaves its native handles behind as attributes; they are
   replaced by stand-ins that raise, so a closed Llama never touches freed memory;
 - ``create_server_app``: llama-cpp-python's server, its model loaded by its own loader with another
@@ -35,11 +36,10 @@ from .build import LLAMA_CPP_PYTHON_VERSION as PINNED  # noqa: F401  (tests/unit
 # every private name of llama-cpp-python used below: (where, name, what uses it)
 RELIES_ON = (
     ("llama_cpp.llama_cpp", "_lib", "set_ffn_builder, has_ffn_builder: libllama's ctypes handle"),
-    ("llama_cpp._internals.LlamaContext", "decode", "wrap_decode, decode_all_rows, Batch.decode"),
+    ("llama_cpp._internals.LlamaContext", "decode", "wrap_decode, decode"),
     ("llama_cpp._internals.LlamaContext", "kv_cache_seq_rm", "decode_all_rows, kv_cache_trim"),
-    ("llama_cpp._internals.LlamaBatch", "set_batch", "decode_all_rows, Batch.decode"),
     ("llama_cpp._internals.LlamaBatch", "close", "Batch.close"),
-    ("llama_cpp._internals.LlamaBatch", "batch", "tree_decode: the llama_batch it fills"),
+    ("llama_cpp._internals.LlamaBatch", "batch", "Batch.decode: the llama_batch it fills"),
     ("llama_cpp._internals.LlamaSampler", "sample", "sampler: the tree walk samples a batch row"),
     ("llama_cpp.Llama", "_init_sampler", "sampler: the user's sampling arguments as generate builds them"),
     ("llama_cpp.llama", "llama_cpp", "context_params: Llama.__init__ calls its llama_context_default_params()"),
@@ -131,13 +131,58 @@ def logits_all(llm: llama_cpp.Llama) -> bool:
     return llm._logits_all
 
 
+class Batch:
+    """A llama_batch of up to n_tokens rows, each with a position and up to n_seq_max sequence
+    ids, decoded on a Llama's context outside its eval. Owns its llama_batch: close()."""
+
+    def __init__(self, n_tokens: int, n_seq_max: int):
+        self.n_tokens, self.n_seq_max = n_tokens, n_seq_max
+        self._batch = llama_cpp._internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=n_seq_max, verbose=False)
+
+    def decode(self, llm: llama_cpp.Llama, tokens, positions, seqs=None, all_rows: bool = True) -> None:
+        """Row i: tokens[i] at positions[i] in the sequences seqs[i] (the masking one first; seqs
+        None: sequence 0 only); the logits of every row kept, or of the last only."""
+        b = self._batch.batch
+        b.n_tokens = len(tokens)
+        for i, (t, p) in enumerate(zip(tokens, positions)):
+            b.token[i] = t
+            b.pos[i] = p
+            ss = (0,) if seqs is None else seqs[i]
+            b.n_seq_id[i] = len(ss)
+            for k, s in enumerate(ss):
+                b.seq_id[i][k] = s
+            b.logits[i] = all_rows
+        b.logits[len(tokens) - 1] = True
+        llm._ctx.decode(self._batch)
+
+    def close(self) -> None:
+        self._batch.close()
+
+
+def decode(llm: llama_cpp.Llama, tokens, positions, seqs=None, all_rows: bool = True) -> None:
+    """``Batch.decode`` on llm's batch (one per Llama, grown to fit: n_seq_max sequence ids of a
+    token tree for at least 64 rows; ``close_batch`` frees it)."""
+    n_seq = 1 if seqs is None else max(len(ss) for ss in seqs)
+    b = llm.__dict__.get("_ls_batch")
+    if b is None or b.n_tokens < len(tokens) or b.n_seq_max < n_seq:
+        if b is not None:
+            b.close()
+        b = llm._ls_batch = Batch(max(len(tokens), 64), max(n_seq, 64))
+    b.decode(llm, tokens, positions, seqs, all_rows)
+
+
+def close_batch(llm: llama_cpp.Llama) -> None:
+    b = llm.__dict__.pop("_ls_batch", None)
+    if b is not None:
+        b.close()
+
+
 def decode_all_rows(llm: llama_cpp.Llama, tokens) -> None:
     """What ``llama_cpp.Llama.eval(tokens)`` does for one batch (len(tokens) <= n_batch), with the
     logits of every row kept in the context (``context.logits(llm, i)``) instead of the last only."""
     llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)
     n_past = llm.n_tokens
-    llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
-    llm._ctx.decode(llm._batch)
+    decode(llm, tokens, range(n_past, n_past + len(tokens)))
     llm.input_ids[n_past:n_past + len(tokens)] = tokens
     llm.n_tokens += len(tokens)
     llm._requires_eval = False
@@ -146,21 +191,6 @@ def decode_all_rows(llm: llama_cpp.Llama, tokens) -> None:
 def kv_cache_trim(llm: llama_cpp.Llama, n_past: int) -> None:
     """Drop every position >= n_past from llm's KV cache (what a draft decoded past it)."""
     llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
-
-
-class Batch:
-    """A batch of up to n_tokens tokens decoded on a Llama's context outside its eval (the self
-    draft's steps); only the last row's logits are kept. Owns its llama_batch: close()."""
-
-    def __init__(self, n_tokens: int):
-        self._batch = llama_cpp._internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=1, verbose=False)
-
-    def decode(self, llm: llama_cpp.Llama, tokens, n_past: int) -> None:
-        self._batch.set_batch(batch=tokens, n_past=n_past, logits_all=False)
-        llm._ctx.decode(self._batch)
-
-    def close(self) -> None:
-        self._batch.close()
 
 
 # ---- speculative decoding's own generate loop (speculative.py) -------------------------------------
@@ -243,29 +273,6 @@ def set_context(llm: llama_cpp.Llama, n_past: int, tokens: list[int]) -> None:
     llm.n_tokens = n_past + len(tokens)
 
 
-class TreeBatch:
-    """One verify batch of a token tree: rows with positions and several sequence ids each, the
-    logits of every row kept. Owns its llama_batch: close()."""
-
-    def __init__(self, n_tokens: int, n_seq_max: int):
-        self.n_tokens, self.n_seq_max = n_tokens, n_seq_max
-        self._batch = llama_cpp._internals.LlamaBatch(n_tokens=n_tokens, embd=0, n_seq_max=n_seq_max, verbose=False)
-
-    def fill(self, tokens, positions, seqs) -> None:
-        b = self._batch.batch
-        b.n_tokens = len(tokens)
-        for i, (t, p, ss) in enumerate(zip(tokens, positions, seqs)):
-            b.token[i] = t
-            b.pos[i] = p
-            b.n_seq_id[i] = len(ss)
-            for k, s in enumerate(ss):
-                b.seq_id[i][k] = s
-            b.logits[i] = True
-
-    def close(self) -> None:
-        self._batch.close()
-
-
 def tree_decode(llm: llama_cpp.Llama, tokens, positions, seqs, n_seq: int) -> None:
     """Decodes a token tree's batch after the KV cache's n_tokens (tree.py): the context is copied
     into sequences 1 .. n_seq - 1 first; every row's logits are kept (``logits(row)``). A decode
@@ -275,13 +282,7 @@ def tree_decode(llm: llama_cpp.Llama, tokens, positions, seqs, n_seq: int) -> No
     for s in range(1, n_seq):
         llama_cpp.llama_memory_seq_cp(mem, 0, s, -1, -1)
     try:
-        tb = llm.__dict__.get("_tree_batch")
-        if tb is None or tb.n_tokens < len(tokens) or tb.n_seq_max < n_seq:
-            if tb is not None:
-                tb.close()
-            tb = llm._tree_batch = TreeBatch(max(len(tokens), 64), max(n_seq, 64))
-        tb.fill(tokens, positions, seqs)
-        llm._ctx.decode(tb._batch)
+        decode(llm, tokens, positions, seqs)
     except BaseException:
         tree_keep(llm, llm.n_tokens, [], n_seq)
         llm._requires_eval = True
@@ -298,12 +299,6 @@ def tree_keep(llm: llama_cpp.Llama, n_past: int, kept: list[int], n_seq: int) ->
     llama_cpp.llama_memory_seq_rm(mem, 0, n, -1)
     llm.input_ids[n_past:n] = kept
     llm.n_tokens = n
-
-
-def close_tree_batch(llm: llama_cpp.Llama) -> None:
-    tb = llm.__dict__.pop("_tree_batch", None)
-    if tb is not None:
-        tb.close()
 
 
 # ---- closing -------------------------------------------------------------------------------------

@@ -187,7 +187,6 @@ class Meter:
                      # page fault or a neighbour's burst, must not make drafting look cheap for good)
 
     def __init__(self, k_max: int, max_rows: int = 0):
-        self.k_max = k_max
         self.costs = Costs(k_max=k_max, max_rows=max_rows)
         mid = np.array([_q_mid(b) for b in range(N_Q)])
         self.rank_n = np.full(N_Q, self.PRIOR)

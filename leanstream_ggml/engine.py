@@ -15,6 +15,7 @@ ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
 # batches of up to this many rows compute each row as that token alone (the FFN op and, through
 # llama_set_exact_rows, llama.cpp's other ops): what a verify pass may hold
 EXACT_ROWS = int(lib.LS_EXACT_ROWS)
+DRAFT_TOP = int(lib.LS_DRAFT_TOP)   # best tokens per row the draft's output head keeps (draft_top)
 
 
 def parse_bytes(value: int | float | str | None) -> int:
@@ -247,8 +248,11 @@ class FFNEngine:
         check(lib.ls_engine_set_draft_vocab(self.handle, ffi.cast("const int32_t *", ids.ctypes.data), ids.size))
 
     def draft_top(self, row: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The last draft op's best k tokens of output row ``row`` (best first) and their
-        probabilities over the draft vocabulary."""
+        """The last draft op's best k (<= DRAFT_TOP) tokens of output row ``row`` (best first) and
+        their probabilities over the draft vocabulary; empty where the last head op was not the
+        draft's or had no such row. Only the head op sets them: a decode whose graph has llama.cpp's
+        own head (patches/0004 declines with LoRA adapters or an output scale) leaves them as
+        they were."""
         ids = np.empty(k, dtype=np.int32)
         probs = np.empty(k, dtype=np.float32)
         n = lib.ls_engine_draft_top(self.handle, row, ffi.cast("int32_t *", ids.ctypes.data),

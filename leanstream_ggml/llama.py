@@ -28,6 +28,21 @@ def _is_gguf_file(p: Path) -> bool:
         return False
 
 
+def _load_array(path: Path, valid, expected: str):
+    """The array of a .npy file of the model directory (no pickles), or ManifestError naming the
+    file: unreadable, or not what ``valid(array)`` accepts (``expected`` says what it must be)."""
+    import numpy as np
+
+    try:
+        a = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise manifest_mod.ManifestError(f"{path}: not a readable .npy array ({e})") from None
+    if not isinstance(a, np.ndarray) or not valid(a):
+        raise manifest_mod.ManifestError(f"{path}: {expected}, "
+                                         f"got {getattr(a, 'dtype', '?')} {getattr(a, 'shape', '?')}")
+    return a
+
+
 # passed by llama-cpp-python's own server loader, which its Llama takes through **kwargs and ignores
 _PASSED_BY_LLAMA_CPP = ("rpc_servers", "mul_mat_q")
 
@@ -225,19 +240,13 @@ class Llama(llama_cpp.Llama):
         rel = rel or m.block_freq_file()
         if not rel:
             return None
-        freq_path = m.resolve(path, rel)
-        try:
-            freq = np.load(freq_path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise manifest_mod.ManifestError(f"{freq_path}: not a readable .npy array ({e})") from None
-        n_blocks = {le.n_blocks for le in m.layers}
-        if (not isinstance(freq, np.ndarray) or freq.ndim != 2 or freq.shape[0] != m.n_layer
-                or len(n_blocks) != 1 or freq.shape[1] != n_blocks.pop()
-                or not np.issubdtype(freq.dtype, np.floating) or not np.all(np.isfinite(freq))):
-            raise manifest_mod.ManifestError(
-                f"{freq_path}: block frequencies must be finite floats of shape [n_layer, n_blocks] = "
-                f"[{m.n_layer}, {m.layers[0].n_blocks}], got {getattr(freq, 'dtype', '?')} {getattr(freq, 'shape', '?')}")
-        return freq
+        n_blocks = m.layers[0].n_blocks
+        one_size = all(le.n_blocks == n_blocks for le in m.layers)
+        return _load_array(
+            m.resolve(path, rel),
+            lambda a: (one_size and a.shape == (m.n_layer, n_blocks) and np.issubdtype(a.dtype, np.floating)
+                       and bool(np.all(np.isfinite(a)))),
+            f"block frequencies must be finite floats of shape [n_layer, n_blocks] = [{m.n_layer}, {n_blocks}]")
 
     def _resident_share(self) -> float:
         """The share of each layer's blocks dense mode keeps resident (its pinned set; 1: all)."""
@@ -268,16 +277,12 @@ class Llama(llama_cpp.Llama):
         rel = self.manifest.draft_vocab_file()
         if not rel:
             return None
-        path = self.manifest.resolve(self.model_dir, rel)
-        try:
-            ids = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as e:
-            raise manifest_mod.ManifestError(f"{path}: not a readable .npy array ({e})") from None
         n_vocab = self.n_vocab()
-        if (not isinstance(ids, np.ndarray) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer)
-                or len(ids) == 0 or ids.min() < 0 or ids.max() >= n_vocab):
-            raise manifest_mod.ManifestError(f"{path}: the draft vocabulary must be token ids in [0, {n_vocab}), "
-                                             f"got {getattr(ids, 'dtype', '?')} {getattr(ids, 'shape', '?')}")
+        ids = _load_array(
+            self.manifest.resolve(self.model_dir, rel),
+            lambda a: (a.ndim == 1 and np.issubdtype(a.dtype, np.integer) and len(a) > 0
+                       and a.min() >= 0 and a.max() < n_vocab),
+            f"the draft vocabulary must be token ids in [0, {n_vocab})")
         return ids[:DRAFT_VOCAB]
 
     def _install_controller(self, controller: str):
@@ -356,10 +361,8 @@ class Llama(llama_cpp.Llama):
         # the context (whose graphs point at the engine) goes first, then the engine; every
         # handle llama-cpp-python leaves behind raises ClosedError from now on
         _llama_cpp.close(self, ClosedError)
-        _llama_cpp.close_tree_batch(self)
-        if getattr(self, "_drafter", None) is not None:
-            self._drafter.close()
-            self._drafter = None
+        _llama_cpp.close_batch(self)
+        self._drafter = None
         if getattr(self, "_engine", None) is not None:
             self._engine.close()
             self._engine = None

@@ -225,6 +225,8 @@ def llama_options(given: dict) -> dict:
     if v["controller"] != "off" and not modes.is_cascade(v["mode"]):
         raise ParameterError("controller", f"steers {modes.QUALITY} mode's decode; mode={v['mode']!r} was given")
     v["speculative"] = speculative(v["speculative"], v["mode"])
+    if v["draft_stop"] is None:
+        v["draft_stop"] = draft_stop(None)    # the default as the draft uses it
     if v["memory_limit"] and v["memory_budget"] is not None:
         raise ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
                                              "(the FFN engine), not both")
@@ -285,14 +287,23 @@ def draft_fraction(value) -> float | None:
     return f
 
 
-def draft_stop(value) -> str | None:
-    from .speculative import parse_stop
-
-    try:
-        parse_stop(value)
-    except ValueError as e:
-        raise ParameterError("draft_stop", str(e)) from None
-    return value
+def draft_stop(value) -> tuple[str, float]:
+    """draft_stop as the draft uses it, (rule, X): None or "controller" -> ("controller", 0.0)
+    (the solved table and node selection), "fixed" -> ("fixed", 0.0) (always draft_max steps,
+    every drafted token verified), "p_min:X" -> ("p_min", X) (llama.cpp's rule: stop when the
+    draft's top-1 probability falls below X; every drafted token verified)."""
+    if value is None or value == "controller":
+        return "controller", 0.0
+    if value == "fixed":
+        return "fixed", 0.0
+    if isinstance(value, str) and value.startswith("p_min:"):
+        try:
+            x = float(value.split(":", 1)[1])
+        except ValueError:
+            x = float("nan")
+        if 0.0 <= x <= 1.0:
+            return "p_min", x
+    raise ParameterError("draft_stop", f"expected 'controller', 'fixed' or 'p_min:X' (0 <= X <= 1), got {value!r}")
 
 
 # Each option's check, by the option's name (options.py declares the options; every one has a check

@@ -31,9 +31,9 @@ import numpy as np
 
 from . import _llama_cpp
 from .draft_control import MAX_RANK, LookupMeter, Meter, q_bucket, select
+from .engine import DRAFT_TOP
 from .tree import Tree, kept_prefix, layout, walk
 
-KINDS = ("auto", "self", "ngram", "off")
 # the self draft's sizes the controller chooses from: shares of what RAM holds of each layer (its
 # resident blocks are its most important ones); a smaller draft steps faster and agrees less
 ARMS = (1.0, 0.75, 0.55)
@@ -52,6 +52,7 @@ class SpecStats:
     drafted: int = 0         # draft tokens verified (tree nodes)
     accepted: int = 0        # of them, accepted
     draft_steps: int = 0     # self-draft decode steps
+    head_missing: int = 0    # draft steps the output head did not run for (Drafter._head_top)
     draft_s: float = 0.0
     verify_s: float = 0.0
     plain_passes: int = 0    # one-token passes (nothing drafted)
@@ -62,7 +63,8 @@ class SpecStats:
     by_ngram: dict = field(default_factory=dict)     # lookup's matched n-gram size -> [passes, hits]
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("passes", "drafted", "accepted", "draft_steps", "plain_passes", "redecoded")}
+        d = {k: getattr(self, k) for k in ("passes", "drafted", "accepted", "draft_steps", "head_missing",
+                                           "plain_passes", "redecoded")}
         d["draft_time_s"] = round(self.draft_s, 6)
         d["verify_time_s"] = round(self.verify_s, 6)
         d["draft_step_ms"] = round(1e3 * self.draft_s / self.draft_steps, 3) if self.draft_steps else 0.0
@@ -73,24 +75,6 @@ class SpecStats:
         d["by_fraction"] = {k: {"steps": v[0], "step_ms": round(1e3 * v[1] / v[0], 3)} for k, v in sorted(self.by_fraction.items())}
         d["lookup_by_ngram"] = {str(k): {"passes": v[0], "first_hit": round(v[1] / v[0], 3)} for k, v in sorted(self.by_ngram.items())}
         return d
-
-
-def parse_stop(value) -> tuple[str, float]:
-    """draft_stop: None/"controller" (the solved table and node selection), "fixed" (always
-    draft_max steps, every drafted token verified), or "p_min:X" (llama.cpp's rule: stop when the
-    draft's top-1 probability falls below X; every drafted token verified)."""
-    if value is None or value == "controller":
-        return "controller", 0.0
-    if value == "fixed":
-        return "fixed", 0.0
-    if isinstance(value, str) and value.startswith("p_min:"):
-        try:
-            x = float(value.split(":", 1)[1])
-        except ValueError:
-            x = float("nan")
-        if 0.0 <= x <= 1.0:
-            return "p_min", x
-    raise ValueError(f"expected 'controller', 'fixed' or 'p_min:X' (0 <= X <= 1), got {value!r}")
 
 
 def lookup(ids: np.ndarray, max_n: int, k: int) -> tuple[int, np.ndarray]:
@@ -115,12 +99,12 @@ class Drafter:
     """Proposes the token tree of a pass: the self draft's steps (their top ``width`` tokens) and
     prompt lookup's proposal, cut by the controller (or by draft_stop's rule)."""
 
-    def __init__(self, llm, kind: str, draft_max: int, stop: str | None, fraction: float | None = None,
+    def __init__(self, llm, kind: str, draft_max: int, stop: tuple[str, float], fraction: float | None = None,
                  width: int = 3, max_rows: int = 64, ngram_size: int = 3, vocab=None, resident: float = 1.0):
         self.llm, self.kind, self.k_max = llm, kind, draft_max
         self.width = max(1, min(width, MAX_RANK))
         self.max_rows = max_rows
-        self.stop, self.p_min = parse_stop(stop)
+        self.stop, self.p_min = stop     # params.draft_stop's (rule, X)
         # one meter per draft size (its acceptance and step time; the pass costs are shared): the
         # given fraction of each layer's blocks, or the controller's choice among ARMS x the share
         # of each layer RAM holds (``resident``), the size whose solved rate is best
@@ -137,7 +121,10 @@ class Drafter:
         self.ngram_size = ngram_size
         self.lookup_meters = [LookupMeter() for _ in range(ngram_size)]
         self.stats = SpecStats()
-        self._draft_batch = _llama_cpp.Batch(max(llm.n_batch, draft_max + 1))
+        # what the output head kept at the last draft step read (_head_top), and whether its op
+        # runs as the draft on this context at all
+        self._last_top: tuple[bytes, bytes] | None = None
+        self._head_runs = True
         # the draft's vocabulary: the converter's ranked tokens (None: every token) and every token
         # of the context (names and identifiers a prompt brings are what a ranking misses)
         self._vocab = None if vocab is None else set(int(t) for t in vocab)
@@ -163,9 +150,6 @@ class Drafter:
         if self._vocab_stale:
             self.llm.engine.set_draft_vocab(np.fromiter(self._vocab, dtype=np.int32))
             self._vocab_stale = False
-
-    def close(self) -> None:
-        self._draft_batch.close()
 
     @property
     def meter(self) -> Meter:
@@ -211,7 +195,8 @@ class Drafter:
             keep = select(tree.reach(), [n.parent for n in tree.nodes], t_spent, t_pass, len(pending))
             tree = tree.subtree(keep)
         if len(tree) > room:
-            tree = tree.subtree(sorted(range(len(tree)), key=lambda i: (-tree.reach()[i], i))[:room])
+            reach = tree.reach()
+            tree = tree.subtree(sorted(range(len(tree)), key=lambda i: (-reach[i], i))[:room])
         return tree
 
     def _more(self, i: int, p: float, q: float) -> bool:
@@ -224,10 +209,28 @@ class Drafter:
         t = self.meter.table()
         return t is not None and t.more(i, p)
 
+    def _head_top(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The draft step's best ``width`` tokens and their probabilities, as the output head's op
+        (native/src/head.c) kept them for the step's one output row; None where that op did not
+        run for this step. Where patches/0004 declines (LoRA adapters, an output scale) llama.cpp
+        builds its own head, and draft_top then has no row (the last head op was a verify
+        pass's, which keeps none: this context never runs it as the draft, so the self draft
+        stops for good) or still holds the last step's, which no other step gives bit for bit
+        (DRAFT_TOP tokens and probabilities: this pass's draft stops)."""
+        ids, probs = self.llm.engine.draft_top(0, DRAFT_TOP)
+        key = (ids.tobytes(), probs.tobytes())
+        if len(ids) and key != self._last_top:
+            self._last_top = key
+            return ids[:self.width], probs[:self.width]
+        self.stats.head_missing += 1
+        if not len(ids):
+            self._head_runs = False
+        return None
+
     def _self_draft(self, tree: Tree, n_past: int, pending: list[int], k_cap: int) -> float:
         """The self draft's steps from the root down its top-1 chain, each step's top tokens added
         to the tree; returns the seconds spent."""
-        if not self._more(0, 1.0, 1.0):
+        if not self._head_runs or not self._more(0, 1.0, 1.0):
             return 0.0
         llm, eng = self.llm, self.llm.engine
         self._sync_vocab()
@@ -236,10 +239,14 @@ class Drafter:
         try:
             while depth < k_cap:
                 t0 = time.perf_counter()
-                self._draft_batch.decode(llm, toks, pos)
-                ids, probs = eng.draft_top(0, self.width)   # (the batch keeps its last row only)
+                # the logits of the last row only: the head's row 0
+                _llama_cpp.decode(llm, toks, range(pos, pos + len(toks)), all_rows=False)
+                top = self._head_top()
                 dt = time.perf_counter() - t0
                 spent += dt
+                if top is None:
+                    break
+                ids, probs = top
                 self.stats.draft_steps += 1
                 self.stats.draft_s += dt
                 fs = self.stats.by_fraction.setdefault(f"{self.fractions[self.arm]:.3g}", [0, 0.0])

@@ -107,7 +107,8 @@ def layout(tree: Tree) -> Layout:
     while cur is not None:
         main.append(cur)
         cur = best(cur)
-    rest = [i for i in range(len(tree.nodes)) if i not in set(main)]   # index order: parents first
+    on_main = set(main)
+    rest = [i for i in range(len(tree.nodes)) if i not in on_main]   # index order: parents first
     order = main + rest
     # leaves, the main path's first (sequence 0)
     leaves = [i for i in order if not kids.get(i)]

@@ -1,8 +1,9 @@
 """Speculative decoding (docs/design.md §21): the draft FFN against the numpy reference over the
 blocks it holds, dense mode's ranked pinned set, the draft-length solver against brute force,
 and on SmolLM2 that speculative output equals plain decoding token for token through every API
-path (completion, chat, streaming, stops, max_tokens, logprobs, grammars), with a read fault
-in a verify pass leaving the next request correct."""
+path (completion, chat, streaming, stops, max_tokens, logprobs, grammars) and sampling at a
+temperature with a seed, with a read fault in a verify pass leaving the next request correct and
+a draft step whose output head did not run (a LoRA adapter) drafting nothing."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from gguf_synth import write_tiny_model
 from leanstream_ggml import params
 from leanstream_ggml.engine import FFNEngine
 from leanstream_ggml.draft_control import N_Q, P_GRID, Costs, LookupMeter, Meter, q_bucket, solve
-from leanstream_ggml.speculative import lookup, parse_stop
+from leanstream_ggml.speculative import Drafter, lookup
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 3
@@ -359,8 +360,78 @@ def test_options_are_checked():
         params.draft_max(0)
     with pytest.raises(params.ParameterError, match="draft_stop"):
         params.draft_stop("p_min:2")
-    assert parse_stop("p_min:0.75") == ("p_min", 0.75)
-    assert parse_stop(None) == ("controller", 0.0)
+    # parsed once, into what the draft uses: (rule, X)
+    assert params.draft_stop("p_min:0.75") == ("p_min", 0.75)
+    assert params.llama_options({"draft_stop": "fixed"})["draft_stop"] == ("fixed", 0.0)
+    assert params.llama_options({})["draft_stop"] == params.draft_stop(None) == ("controller", 0.0)
+
+
+class _Engine:
+    """The draft's side of an engine: each draft decode runs the output head or not, as
+    ``script`` says (a step's top tokens, or None: llama.cpp's own head ran, draft_top keeps what
+    it had)."""
+
+    def __init__(self, script):
+        self.script, self.top, self.decodes = list(script), None, 0
+
+    def decode(self, llm, *args, **kwargs):
+        self.decodes += 1
+        step = self.script.pop(0)
+        if step is not None:
+            self.top = step
+
+    def draft_top(self, row, k):
+        if self.top is None or row != 0:
+            return np.empty(0, np.int32), np.empty(0, np.float32)
+        return self.top[0][:k], self.top[1][:k]
+
+    def set_draft(self, on, fraction=1.0):
+        pass
+
+
+def _top(seed):
+    rng = np.random.default_rng(seed)
+    p = np.sort(rng.dirichlet(np.ones(16)))[::-1][:8].astype(np.float32)
+    return rng.choice(1000, 8, replace=False).astype(np.int32), p
+
+
+def test_a_draft_step_reads_only_what_its_own_head_op_kept(monkeypatch):
+    """Where the output head's op does not run for a draft step (patches/0004 declines with LoRA
+    adapters or an output scale), draft_top has no row or the last step's: the draft stops
+    there instead of drafting from a stale step; with no row at all the head never runs as the
+    draft, and the self draft stays off."""
+    from leanstream_ggml import _llama_cpp
+
+    class _Llm:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def n_ctx(self):
+            return 512
+
+        def token_eos(self):
+            return -1
+
+    def drafter(script):
+        eng = _Engine(script)
+        monkeypatch.setattr(_llama_cpp, "decode", eng.decode)
+        monkeypatch.setattr(_llama_cpp, "kv_cache_trim", lambda llm, n: None)
+        d = Drafter(_Llm(eng), "self", 4, ("fixed", 0.0), fraction=1.0, width=2)
+        d.timed(1, 0.01)     # (a one-token pass timed: the draft may start)
+        return d, eng
+
+    ctx = np.array([5, 6, 7], np.intc)
+    # the third step's head op did not run: its top is the second's
+    d, eng = drafter([_top(0), _top(1), None, _top(2), _top(3), _top(4), _top(5)])
+    tree = d.propose(ctx, 2, [7])
+    assert [c for c, _ in tree.steps] == [list(_top(0)[0][:2]), list(_top(1)[0][:2])]
+    assert d.stats.draft_steps == 2 and d.stats.head_missing == 1
+    tree = d.propose(ctx, 2, [7])        # the next pass drafts again, from fresh steps
+    assert len(tree.steps) == 4 and d.stats.head_missing == 1
+    # the head op never runs as the draft: no row; one step tried, then no draft decode at all
+    d, eng = drafter([None, _top(0)])
+    assert len(d.propose(ctx, 2, [7])) == 0 and d.stats.head_missing == 1 and d.stats.draft_steps == 0
+    assert len(d.propose(ctx, 2, [7])) == 0 and eng.decodes == 1
 
 
 # ---- on SmolLM2 --------------------------------------------------------------------------------
@@ -407,10 +478,11 @@ def test_speculative_greedy_equals_plain(spec_dir, plain, kw):
         llm.close()
     assert got == plain["completion"]
     assert chat == plain["chat"]
-    if kw.get("draft_stop") == "fixed":
-        assert s["passes"] > 0 and s["drafted"] > 0
-        assert s["tokens_per_pass"] == pytest.approx((s["accepted"] + s["passes"]) / s["passes"], abs=1e-3)
-    if kw["speculative"] == "self" and kw.get("draft_stop") == "fixed":
+    # drafts were verified and some accepted (the equality above holds for a draft that never
+    # proposes too), and every draft step read its own head's top tokens
+    assert s["passes"] > 0 and s["drafted"] > 0 and s["accepted"] > 0 and s["head_missing"] == 0
+    assert s["tokens_per_pass"] == pytest.approx((s["accepted"] + s["passes"]) / s["passes"], abs=1e-3)
+    if kw["speculative"] == "self":
         assert s["draft_steps"] > 0 and s["draft_time_s"] > 0 and s["proposals"]["self"] > 0
 
 
@@ -470,6 +542,66 @@ def test_temperature_samples_and_stays_within_max_tokens(spec_dir):
         ref.close()
     assert a["usage"]["completion_tokens"] <= 40 and a["choices"][0]["text"] == b["choices"][0]["text"]
     assert g == r
+
+
+def test_default_samples_as_plain_decoding_at_a_temperature(spec_dir):
+    """Exact at any temperature: with the same seed the default's sampled answers are
+    speculative="off"'s token for token (the walk samples each row with the user's sampler, its
+    random draws in plain decoding's order), and drafts were verified and accepted on the way."""
+    outs = {}
+    for spec in ("off", None):
+        llm = _llama(spec_dir, **({"speculative": spec} if spec else {}))
+        try:
+            outs[spec] = [llm.create_completion(p, max_tokens=32, temperature=0.8, seed=11)["choices"][0]["text"]
+                          for p in PROMPTS]
+            if spec is None:
+                s = llm.stats()["speculative"]
+        finally:
+            llm.close()
+    assert outs[None] == outs["off"]
+    assert s["passes"] > 0 and s["accepted"] > 0
+
+
+def _zero_lora(path, spec_dir):
+    """A LoRA adapter of blk.0.attn_q whose B is zero: llama.cpp applies it (the graph changes,
+    patches/0004's output builder declines) and the model's answers stay the same."""
+    import gguf
+
+    from leanstream_ggml import manifest
+
+    m = manifest.load(spec_dir)
+    name = "blk.0.attn_q.weight"
+    n_in, n_out = (int(n) for n in next(t for t in gguf.GGUFReader(m.resolve(spec_dir, m.base.file)).tensors
+                                        if t.name == name).shape)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 1.0)
+    w.add_tensor(name + ".lora_a", np.zeros((1, n_in), np.float32))     # ggml [n_in, rank 1]
+    w.add_tensor(name + ".lora_b", np.zeros((n_out, 1), np.float32))    # ggml [1, n_out]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_with_a_lora_adapter_the_draft_finds_no_head_and_stops(spec_dir, tmp_path):
+    """With a LoRA adapter llama.cpp computes the output head itself, so the draft's head op
+    never runs and draft_top has nothing for a draft step: the self draft stops after one step
+    (it used to read probs[0] of nothing) and the answers are plain decoding's."""
+    lora = _zero_lora(tmp_path / "zero-lora.gguf", spec_dir)
+    outs = []
+    for spec in ("off", "self"):
+        llm = _llama(spec_dir, speculative=spec, draft_stop="fixed", lora_path=str(lora))
+        try:
+            outs.append(llm.create_completion(PROMPTS[0], max_tokens=24, temperature=0)["choices"][0]["text"])
+            if spec == "self":
+                s = llm.stats()["speculative"]
+        finally:
+            llm.close()
+    assert outs[1] == outs[0]
+    assert s["head_missing"] == 1 and s["draft_steps"] == 0 and s["passes"] == 0 and s["plain_passes"] > 0
 
 
 def test_read_fault_in_a_verify_pass_is_a_clean_error(spec_dir):
