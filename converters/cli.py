@@ -91,10 +91,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"leanstream convert: {e}", file=sys.stderr)
         return 1
     t = m.totals
+    sketch = ""
+    if m.sketch:
+        why = _dense_only(m)
+        sketch = (f"; {m.sketch.type} sketch ({_fmt_bytes(m.sketch.bytes)}, "
+                  + (f"dense mode only: {why})" if why else "leanstream mode ready)"))
     print(f"wrote {out} in {time.perf_counter() - t0:.1f} s: {m.n_layer} layers, "
           f"FFN {_fmt_bytes(t.ffn_bytes_on_disk)} on disk "
-          f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}"
-          + (f"; {m.sketch.type} sketch ({_fmt_bytes(m.sketch.bytes)}, leanstream mode ready)" if m.sketch else "")
+          f"(source {_fmt_bytes(t.ffn_bytes_source)}), padding waste {t.padding_waste:.1%}" + sketch
           + (f"; {m.n_layer} predictors ({_fmt_bytes(m.predictor.bytes)})" if m.predictor else ""))
     return 0
 
@@ -231,12 +235,21 @@ def _predictor_line(m) -> str:
     return ", ".join(parts)
 
 
+def _dense_only(m) -> str | None:
+    """Why no sparse mode runs on this model's architecture, or None."""
+    from leanstream_ggml.manifest import DENSE_ONLY_ARCHS
+
+    return DENSE_ONLY_ARCHS.get(m.architecture)
+
+
 def _sparse_line(m, d: Path) -> str:
     from .convert_gguf import PREDICTOR_ARCHS
 
     ready, why = m.sparse_modes(d)
     if ready:
         return "ready: " + ", ".join(ready) + (f" ({why})" if why else "")
+    if _dense_only(m):   # (no conversion changes that)
+        return f"not ready: {why}; dense only"
     hint = f"leanstream convert {m.source.filename} {d} --force"
     if m.architecture not in PREDICTOR_ARCHS:
         hint += " (the sketch; predictor training supports " + ", ".join(PREDICTOR_ARCHS) + ")"

@@ -37,6 +37,13 @@ from .validate import check_tensors
 # gated FFN down(act(gate x) * up x), by architecture: the activation its llama.cpp graph uses
 ACTIVATION_OF_ARCH = mf.ARCH_ACTIVATION   # the contract's table (leanstream_ggml/manifest.py)
 SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
+# architectures whose ffn_up holds the gate's rows and the up's in one tensor, ne = [n_embd, 2 n_ff],
+# and that have no ffn_gate: llama.cpp's graph calls build_ffn with gate = NULL and LLM_FFN_SWIGLU,
+# whose ggml_swiglu takes the activation of the first half of each output row times the second
+# (ggml-cpu/ops.cpp, swiglu not swapped): rows 0 .. n_ff-1 are the gate, rows n_ff .. 2 n_ff-1 the
+# up. The read stage describes each half as a tensor of its own (views of the same bytes), so
+# every later stage reads a layer's gate and up as it reads any other model's.
+FUSED_GATE_UP = ("phi3",)
 # architectures the layer-ahead predictors are trained for (the profile also reads gemma3's graph,
 # sa_out / ffn_geglu, for the order stage; predictors on gemma3, whose FFN output is normed again
 # before the residual add, have not been trained or measured): the others get no predictors
@@ -109,6 +116,24 @@ class _Layer:
     gate: Any   # gguf ReaderTensor, ne = [n_embd, n_ff]
     up: Any     # ne = [n_embd, n_ff]
     down: Any   # ne = [n_ff, n_embd]
+
+
+@dataclass
+class _RowRange:
+    """Rows first .. first + n_rows - 1 of a source tensor as a tensor of its own (a fused
+    ffn_up's gate or up half): the fields of gguf-py's ReaderTensor that _describe reads."""
+    name: str
+    tensor_type: Any
+    shape: list[int]      # ne = [row length, n_rows]
+    n_bytes: int
+    data_offset: int      # in the file
+    data: np.ndarray      # the reader's view of the rows
+
+
+def _row_range(t, first: int, n_rows: int, what: str) -> _RowRange:
+    row_bytes = int(t.n_bytes) // int(t.shape[1])
+    return _RowRange(f"{t.name} ({what} rows)", t.tensor_type, [int(t.shape[0]), n_rows], n_rows * row_bytes,
+                     int(t.data_offset) + first * row_bytes, t.data[first:first + n_rows])
 
 
 @dataclass
@@ -195,14 +220,20 @@ def _inspect(reader, src: Path) -> _Model:
     n_embd = _kv(reader, f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
         raise ConvertError(f"{src}: missing or invalid {arch}.block_count / {arch}.embedding_length")
+    fused = arch in FUSED_GATE_UP
+    n_ff = None
+    if fused:   # (the others' n_ff is their ffn_gate's)
+        n_ff = _kv(reader, f"{arch}.feed_forward_length")
+        if not isinstance(n_ff, int) or n_ff <= 0:
+            raise ConvertError(f"{src}: missing or invalid {arch}.feed_forward_length")
 
     supported = _supported_types()
-    layers, ffn_names, n_ff = [], set(), None
+    layers, ffn_names = [], set()
     for il in range(n_layer):
-        names = {r: f"blk.{il}.ffn_{r}.weight" for r in ("gate", "up", "down")}
+        names = {r: f"blk.{il}.ffn_{r}.weight" for r in (("up", "down") if fused else ("gate", "up", "down"))}
         got = {r: tensors.get(n) for r, n in names.items()}
-        if got["gate"] is None and got["up"] is not None:
-            raise ConvertError(f"{src}: layer {il} has no ffn_gate: a non-gated FFN is not supported "
+        if not fused and got["gate"] is None and got["up"] is not None:
+            raise ConvertError(f"{src}: layer {il} has no ffn_gate: a non-gated FFN ({arch}) is not supported "
                                f"(leanstream needs down(act(gate x) * up x))")
         missing = [names[r] for r in names if got[r] is None]
         if missing:
@@ -212,10 +243,15 @@ def _inspect(reader, src: Path) -> _Model:
                  and not n.startswith(f"blk.{il}.ffn_norm.")]
         if extra:
             raise ConvertError(f"{src}: layer {il} has FFN tensors leanstream does not handle: {', '.join(extra)}")
-        g, u, d = got["gate"], got["up"], got["down"]
-        lf = int(g.shape[1]) if len(g.shape) == 2 else -1
-        if n_ff is None:
-            n_ff = lf
+        g, u, d = got.get("gate"), got["up"], got["down"]
+        if fused:
+            if [int(x) for x in u.shape] != [n_embd, 2 * n_ff]:
+                raise ConvertError(f"{src}: {u.name} has shape {list(map(int, u.shape))}, expected "
+                                   f"{[n_embd, 2 * n_ff]} ({arch} holds the gate's and the up's rows in one "
+                                   f"tensor; n_ff={n_ff})")
+            g, u = _row_range(u, 0, n_ff, "gate"), _row_range(u, n_ff, n_ff, "up")
+        elif n_ff is None:
+            n_ff = int(g.shape[1]) if len(g.shape) == 2 else -1
         for role, t, want in (("gate", g, [n_embd, n_ff]), ("up", u, [n_embd, n_ff]), ("down", d, [n_ff, n_embd])):
             if [int(x) for x in t.shape] != want:
                 raise ConvertError(f"{src}: {t.name} has shape {list(map(int, t.shape))}, expected {want} "

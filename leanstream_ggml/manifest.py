@@ -71,7 +71,7 @@ from .formats import HEADER_BYTES, MIN_ALIGN   # a block file's header (data_off
 from .manifest_sections import (PREDICTOR_FORMAT, SKETCH_TYPES, SKETCH_WEIGHTS, BaseInfo,  # noqa: F401
                                 BlockGeometry, LayerEntry, ManifestError, PredictorInfo, SketchInfo, SourceInfo,
                                 Totals, _dc, _get)
-from .mode_files import ModeFiles, ModeFilesError  # noqa: F401
+from .mode_files import DENSE_ONLY_ARCHS, ModeFiles, ModeFilesError  # noqa: F401
 from .model_files import check_size, file_checksum, open_regular, resolve_inside, write_atomic  # noqa: F401
 
 FORMAT = "leanstream-model"
@@ -118,8 +118,13 @@ DOWN_COLUMN_TYPES = ("q8_0", "q6_K", "q5_K", "f16", "f32")
 GGML_TYPE_NAMES = {v: k for k, v in GGML_TYPE_IDS.items()}
 ACTIVATIONS = ("silu", "gelu")
 # the gated FFN's activation of each supported architecture, as its llama.cpp graph computes it
-# (gemma3: GELU, tanh form); the converter writes it, the runtime checks it
-ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "gemma3": "gelu"}
+# (src/models/<arch>.cpp: build_ffn with LLM_FFN_SILU / LLM_FFN_SWIGLU or LLM_FFN_GELU, the tanh
+# form); the converter writes it, the runtime checks it. Each is a dense gated FFN whose graph
+# hands build_ffn the layer's FFN input and adds what it returns (scaled, or normed again, by
+# the graph itself): granite scales it, olmo2 / gemma2 / gemma3 norm it after, phi3 stores gate
+# and up in one tensor (the converter splits it: converters/convert_gguf.py FUSED_GATE_UP)
+ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "phi3": "silu", "granite": "silu",
+                   "olmo2": "silu", "gemma2": "gelu", "gemma3": "gelu"}
 
 
 @dataclass

@@ -11,6 +11,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+# architectures the sparse modes cannot run on, and why: their op needs the residual entering the
+# FFN (native/src/graph.c), which the patched build_ffn finds by the name the model's graph gives
+# it (ffn_inp-<il> or sa_out-<il>: patches/0001); dense mode needs none
+DENSE_ONLY_ARCHS = {"phi3": "llama.cpp's phi3 graph names no tensor for the residual entering the FFN, "
+                            "which the sparse modes need"}
+
 
 class ModeFilesError(ValueError):
     """A sparse mode cannot run on this model directory: ``reason`` says what it lacks."""
@@ -34,6 +40,9 @@ def mode_files(m, model_dir: str | os.PathLike, uses: frozenset[str], mode: str)
     a hot set and they are present. ModeFilesError (a ValueError) saying what is missing and how
     to get it when the mode has none of the selectors it uses, or lacks a ranking it needs."""
     d = Path(model_dir)
+    if m.architecture in DENSE_ONLY_ARCHS:
+        raise ModeFilesError(mode, f"cannot run on {m.architecture}: {DENSE_ONLY_ARCHS[m.architecture]}",
+                             "use mode='dense'")
 
     def present(files: list[str]) -> bool:
         return bool(files) and all((d / f).is_file() for f in files)
@@ -60,6 +69,8 @@ def sparse_modes(m, model_dir: str | os.PathLike) -> tuple[list[str], str | None
     or None)."""
     from ._native import MODES, mode_uses   # the engine's mode table (lazy: the manifest stays light)
 
+    if m.architecture in DENSE_ONLY_ARCHS:
+        return [], f"{m.architecture}: {DENSE_ONLY_ARCHS[m.architecture]}"
     ready, why = [], {}
     for mode in MODES:
         uses = mode_uses(mode)

@@ -1,16 +1,35 @@
-"""Tiny synthetic llama / qwen2 GGUFs for tests, written with gguf-py.
+"""Tiny synthetic GGUFs of the dense architectures leanstream converts, for tests, written with gguf-py.
 
     from gguf_synth import write_tiny_model     # from any test (tests/conftest.py puts tests/support/ on sys.path)
     w = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", n_layer=2, n_embd=64, n_ff=96,
                          types={"ffn": "Q4_0"}, seed=0)
     w["blk.0.ffn_gate.weight"]      # float32 [n_ff, n_embd]: the values the file holds (dequantized)
 
+Architectures (``ARCHS``), each in the tensor layout and with the metadata its llama.cpp graph
+loads (src/models/<arch>.cpp, load_arch_tensors / load_arch_hparams):
+
+    llama     attn_norm, q/k/v/output, ffn_norm, ffn_gate/up/down
+    qwen2     llama + q/k/v biases
+    qwen3     llama + attn_q_norm/attn_k_norm per head ([head_dim])
+    phi3      fused attn_qkv; ffn_up fused: [2 n_ff, n_embd], the gate rows first, then the up rows
+    granite   llama + granite.{embedding,residual,attention,logit}_scale (Granite 3's values)
+    olmo2     no pre-norms; attn_q_norm/attn_k_norm over all heads, post_attention_norm, post_ffw_norm
+    gemma2    llama + post_attention_norm, post_ffw_norm, output tied to token_embd, attention
+              and final logit soft-capping, a sliding window
+    gemma3    gemma2 + attn_q_norm/attn_k_norm per head, no soft-capping, a sliding window of 512
+    qwen2moe, qwen3moe: qwen2 / qwen3 with ``moe_experts`` experts (refusal tests)
+
 The files load in llama.cpp (checked with llama-cpp-python 0.3.36, the project's patched build:
-llama and qwen2 load, tokenize and decode; the files are plain GGUFs, nothing patch-specific;
-tests/unit/test_converter.py::test_llama_cpp_loads_source_and_base keeps it so). Each carries a
-byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
+each architecture loads, tokenizes and decodes; the files are plain GGUFs, nothing patch-specific;
+tests/unit/test_converter.py::test_llama_cpp_loads_source_and_base and tests/e2e/test_archs.py
+keep it so). Each carries a byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
 the control tokens <|endoftext|>, <|im_start|>, <|im_end|>) and the hyperparameters llama.cpp
-requires. Weights are random (a model that says nothing sensible, deterministically per seed).
+requires. Weights are random (a model that says nothing sensible, deterministically per seed):
+normal with the standard deviation ``scales`` gives per role ("embd", "attn", "ffn", "output";
+DEFAULT_SCALES otherwise). The defaults give next-token distributions close to uniform;
+``scales="peaked"`` gives peaked ones (mean top-1 probability ~0.5, logits' spread ~4) in which
+the FFN decides the next token (a model whose FFN is replaced agrees with it on under half of
+the tokens): the tests that compare logits use it.
 
 Types: ``types`` maps a role to a ggml type name (or gguf.GGMLQuantizationType):
 "ffn" (gate, up, down together) or "gate" / "up" / "down" one at a time, each either a type or a
@@ -21,7 +40,11 @@ K-quants need rows that are multiples of 256 values (n_embd, and n_ff for ffn_do
 
 Variants for malformed-input tests: ``moe_experts=E`` writes a mixture-of-experts FFN
 (ffn_gate_inp, ffn_{gate,up,down}_exps) instead of the dense one; ``gated=False`` leaves out
-ffn_gate. ``alignment`` sets general.alignment (tensor data alignment, default 32).
+ffn_gate (a non-gated FFN). ``alignment`` sets general.alignment (tensor data alignment, default 32).
+Variants of the llama architecture as other models ship it: ``tied_output=True`` writes no
+output.weight (the output is token_embd: Llama 3.2 1B / 3B), ``rope_freqs=True`` a top-level
+rope_freqs.weight (Llama 3.1's rope scaling factors, [head_dim / 2]), ``head_dim`` heads of
+another size than n_embd / n_head (Mistral Nemo, Qwen 3, Gemma 2).
 """
 
 from __future__ import annotations
@@ -34,6 +57,21 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 DEFAULT_TYPES = {"ffn": "Q4_0", "attn": "F16", "embd": "F16", "output": "F16"}
+# the standard deviation of each role's random weights; "post_norm": the value of every weight of
+# the post-norms (olmo2, gemma2, gemma3), i.e. the size of what the attention and the FFN add to
+# the residual
+DEFAULT_SCALES = {"embd": 0.5, "attn": 0.05, "ffn": 0.05, "output": 0.05, "post_norm": 1.0}
+# scales="peaked": the largest logit some units above the rest, the FFN's output as large as the
+# residual stream's (a wrong FFN shows in the logits); granite divides its logits by 8, multiplies
+# the embeddings by 12 and the FFN's output by 0.22; gemma's output matrix is its (tied) embedding,
+# whose token would otherwise outweigh what the layers add to the residual
+PEAKED = {"ffn": 0.15, "output": 0.6, "post_norm": 4.0}
+PEAKED_ARCH = {"granite": {"embd": 0.05, "ffn": 0.25, "output": 4.8}, "gemma2": {"post_norm": 12.0},
+               "gemma3": {"post_norm": 12.0}}
+
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+# granite's multipliers as Granite 3 ships them (granite.*; llama.cpp's granite graph applies them)
+GRANITE_SCALES = {"embedding_scale": 12.0, "residual_scale": 0.22, "logit_scale": 8.0}
 
 # byte offsets of the f16 scale fields inside one K-quant block (ggml-common.h block_qN_K)
 _K_F16_FIELDS = {
@@ -97,17 +135,31 @@ def _weights(rng: np.random.Generator, qtype: T, rows: int, cols: int, scale: fl
 
 def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int = 2, n_embd: int = 64,
                      n_ff: int = 96, types: dict[str, Any] | None = None, seed: int = 0, *,
-                     n_head: int = 4, n_head_kv: int = 2, n_ctx: int = 256, moe_experts: int = 0,
-                     gated: bool = True, extra_kv: dict[str, Any] | None = None,
-                     alignment: int | None = None) -> dict[str, np.ndarray]:
+                     n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_ctx: int = 256,
+                     moe_experts: int = 0, gated: bool = True, extra_kv: dict[str, Any] | None = None,
+                     alignment: int | None = None, scales: dict[str, float] | str | None = None,
+                     tied_output: bool = False, rope_freqs: bool = False) -> dict[str, np.ndarray]:
     """Write a tiny random model GGUF at ``path``; returns {tensor name: float32 values as stored},
-    each shaped [ne1, ne0] (numpy order: rows, row length) or [ne0] for vectors."""
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"arch must be llama or qwen2, got {arch!r}")
+    each shaped [ne1, ne0] (numpy order: rows, row length) or [ne0] for vectors. ``head_dim``:
+    the attention heads' size (default n_embd // n_head; qwen3 and gemma2 models often differ)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if arch.endswith("moe") and not moe_experts:
+        raise ValueError(f"{arch} needs moe_experts")
     ty = dict(DEFAULT_TYPES)
     ty.update(types or {})
     for role in ("gate", "up", "down"):
         ty.setdefault(role, ty["ffn"])
+    layout = {"qwen2moe": "qwen2", "qwen3moe": "qwen3"}.get(arch, arch)
+    sc = dict(DEFAULT_SCALES)
+    if scales == "peaked":
+        sc.update({**PEAKED, **PEAKED_ARCH.get(layout, {})})
+        for role in ("ffn", "output"):      # (PEAKED's are for n_embd 64: a dot product grows as its root)
+            sc[role] *= (64 / n_embd) ** 0.5
+        if tied_output:                     # the embeddings are the output matrix
+            sc["embd"] = sc["output"]
+    else:
+        sc.update(scales or {})
 
     def ffn_type(role: str, il: int) -> T:
         t = ty[role]
@@ -116,19 +168,25 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
     rng = np.random.default_rng(seed)
     tokens, token_types, merges = gpt2_vocab()
     n_vocab = len(tokens)
-    head_dim = n_embd // n_head
+    head_dim = head_dim or n_embd // n_head
+    n_q, n_kv = n_head * head_dim, n_head_kv * head_dim      # rows of the q and of the k / v projections
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
     if alignment is not None:
         w.add_custom_alignment(alignment)   # general.alignment; tensor data aligned to it
     w.add_type("model")
-    w.add_name(f"tiny-{arch}")
+    # (llama.cpp gives a model named phi-3 / phi3 the attributes of phi-3's own tokens, which this
+    # vocabulary has not: llama-vocab.cpp)
+    w.add_name("tiny" if layout == "phi3" else f"tiny-{arch}")
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
+    if head_dim != n_embd // n_head:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
@@ -137,6 +195,17 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
     if moe_experts:
         w.add_expert_count(moe_experts)
         w.add_expert_used_count(min(2, moe_experts))
+    if layout == "granite":
+        w.add_embedding_scale(GRANITE_SCALES["embedding_scale"])
+        w.add_residual_scale(GRANITE_SCALES["residual_scale"])
+        w.add_attention_scale(1.0 / head_dim)
+        w.add_logit_scale(GRANITE_SCALES["logit_scale"])
+    if layout == "gemma2":
+        w.add_sliding_window(4096)
+        w.add_attn_logit_softcapping(50.0)
+        w.add_final_logit_softcapping(30.0)
+    if layout == "gemma3":
+        w.add_sliding_window(512)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(tokens)
@@ -159,42 +228,64 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
 
     out: dict[str, np.ndarray] = {}
 
-    def add(name: str, qtype, rows: int, cols: int, scale: float = 0.05) -> None:
+    def add(name: str, qtype, rows: int, cols: int, scale: float) -> None:
         stored, values = _weights(rng, _qtype(qtype), rows, cols, scale)
         w.add_tensor(name, stored, raw_dtype=_qtype(qtype))
         out[name] = values
 
     def add_vec(name: str, n: int, value: float | None = None) -> None:
-        v = np.ones(n, np.float32) if value is not None else (rng.standard_normal(n) * 0.02).astype(np.float32)
+        v = np.full(n, value, np.float32) if value is not None else (rng.standard_normal(n) * 0.02).astype(np.float32)
         w.add_tensor(name, v)
         out[name] = v
 
-    add("token_embd.weight", ty["embd"], n_vocab, n_embd, 0.5)
+    post_norms = layout in ("olmo2", "gemma2", "gemma3")   # norms of the attention's and the FFN's outputs
+    pre_norms = layout != "olmo2"                    # olmo2 feeds the residual stream itself
+    add("token_embd.weight", ty["embd"], n_vocab, n_embd, sc["embd"])
+    if rope_freqs:   # a factor per rotated pair, 1 (high frequencies) to 8 (low) as Llama 3.1's
+        f = np.linspace(1.0, 8.0, head_dim // 2, dtype=np.float32)
+        w.add_tensor("rope_freqs.weight", f)
+        out["rope_freqs.weight"] = f
     for il in range(n_layer):
         p = f"blk.{il}."
-        add_vec(p + "attn_norm.weight", n_embd, 1.0)
-        add(p + "attn_q.weight", ty["attn"], n_embd, n_embd)
-        add(p + "attn_k.weight", ty["attn"], n_head_kv * head_dim, n_embd)
-        add(p + "attn_v.weight", ty["attn"], n_head_kv * head_dim, n_embd)
-        if arch == "qwen2":
-            add_vec(p + "attn_q.bias", n_embd)
-            add_vec(p + "attn_k.bias", n_head_kv * head_dim)
-            add_vec(p + "attn_v.bias", n_head_kv * head_dim)
-        add(p + "attn_output.weight", ty["attn"], n_embd, n_embd)
-        add_vec(p + "ffn_norm.weight", n_embd, 1.0)
+        if pre_norms:
+            add_vec(p + "attn_norm.weight", n_embd, 1.0)
+        if layout == "phi3":
+            add(p + "attn_qkv.weight", ty["attn"], n_q + 2 * n_kv, n_embd, sc["attn"])
+        else:
+            add(p + "attn_q.weight", ty["attn"], n_q, n_embd, sc["attn"])
+            add(p + "attn_k.weight", ty["attn"], n_kv, n_embd, sc["attn"])
+            add(p + "attn_v.weight", ty["attn"], n_kv, n_embd, sc["attn"])
+        if layout == "qwen2":
+            add_vec(p + "attn_q.bias", n_q)
+            add_vec(p + "attn_k.bias", n_kv)
+            add_vec(p + "attn_v.bias", n_kv)
+        add(p + "attn_output.weight", ty["attn"], n_embd, n_q, sc["attn"])
+        if layout in ("qwen3", "gemma3", "olmo2"):   # each head's q / k normed; olmo2: the whole projection
+            add_vec(p + "attn_q_norm.weight", n_q if layout == "olmo2" else head_dim, 1.0)
+            add_vec(p + "attn_k_norm.weight", n_kv if layout == "olmo2" else head_dim, 1.0)
+        if post_norms:
+            add_vec(p + "post_attention_norm.weight", n_embd, sc["post_norm"])
+        if pre_norms:
+            add_vec(p + "ffn_norm.weight", n_embd, 1.0)
         if moe_experts:
-            add(p + "ffn_gate_inp.weight", "F32", moe_experts, n_embd)
+            add(p + "ffn_gate_inp.weight", "F32", moe_experts, n_embd, sc["ffn"])
             for role, rows, cols in (("gate", n_ff, n_embd), ("up", n_ff, n_embd), ("down", n_embd, n_ff)):
-                e = (rng.standard_normal((moe_experts, rows, cols)) * 0.05).astype(np.float16)
+                e = (rng.standard_normal((moe_experts, rows, cols)) * sc["ffn"]).astype(np.float16)
                 w.add_tensor(p + f"ffn_{role}_exps.weight", e)
                 out[p + f"ffn_{role}_exps.weight"] = e.astype(np.float32)
             continue
-        if gated:
-            add(p + "ffn_gate.weight", ffn_type("gate", il), n_ff, n_embd)
-        add(p + "ffn_up.weight", ffn_type("up", il), n_ff, n_embd)
-        add(p + "ffn_down.weight", ffn_type("down", il), n_embd, n_ff)
+        if layout == "phi3":   # one matrix: gate rows, then up rows (ggml_swiglu's halves)
+            add(p + "ffn_up.weight", ffn_type("up", il), 2 * n_ff, n_embd, sc["ffn"])
+        else:
+            if gated:
+                add(p + "ffn_gate.weight", ffn_type("gate", il), n_ff, n_embd, sc["ffn"])
+            add(p + "ffn_up.weight", ffn_type("up", il), n_ff, n_embd, sc["ffn"])
+        add(p + "ffn_down.weight", ffn_type("down", il), n_embd, n_ff, sc["ffn"])
+        if post_norms:
+            add_vec(p + "post_ffw_norm.weight", n_embd, sc["post_norm"])
     add_vec("output_norm.weight", n_embd, 1.0)
-    add("output.weight", ty["output"], n_vocab, n_embd)
+    if layout not in ("gemma2", "gemma3") and not tied_output:      # gemma's output is token_embd
+        add("output.weight", ty["output"], n_vocab, n_embd, sc["output"])
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
