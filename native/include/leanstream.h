@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 12
+#define LS_ABI_VERSION 13
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -149,10 +149,17 @@ LS_API int32_t     ls_abi_version(void);
 // "leanstream"; NULL outside [0, LS_N_MODES)), and what it reads and does (LS_USES_*, LS_NEEDS_RANK, LS_DECODES_SPARSE bits; 0 for dense).
 LS_API const char * ls_mode_name(int32_t mode);
 LS_API int32_t     ls_mode_uses(int32_t mode);
-// The instruction set the FFN kernels run with on this CPU: "avx512" or "avx2". Chosen once at the
-// first engine creation; ls_kernels_select() chooses again (LEANSTREAM_ISA=avx2 forces AVX2).
+// The instruction set the kernels run with on this CPU (docs/design.md §13): "avx512", "avx2",
+// "neon+dotprod", "neon" or "scalar" (the plain C, any CPU), then in parentheses whatever did not
+// go as asked (LEANSTREAM_ISA naming a set this build or CPU lacks; a kernel that failed its
+// start-up check against the scalar one and was replaced by the set below's). Chosen once, at the
+// first engine creation, capped by LEANSTREAM_ISA=<name>. ls_kernels_select() chooses again from
+// LEANSTREAM_ISA; ls_kernels_force(name) takes that set (NULL: this CPU's best) and returns 1, or
+// returns 0 and changes nothing when this build or CPU has no such set. Neither while an engine
+// computes.
 LS_API const char * ls_kernel_isa(void);
 LS_API void        ls_kernels_select(void);
+LS_API int32_t     ls_kernels_force(const char * isa);
 // ggml's CPU backend module in use: the variant libggml chose for this CPU ("haswell", "zen4",
 // ...; "ggml-cpu" for a build without variants; "none" when no CPU backend could be loaded) and
 // the module's path ("" when none).
@@ -169,15 +176,12 @@ LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_si
 LS_API struct ggml_tensor * ls_ffn_build(struct ggml_context * ctx0, struct ggml_tensor * cur,
                                          struct ggml_tensor * ffn_inp, int32_t il, void * engine);
 
-// Same computation outside a ggml graph (tests, benchmarks): y = FFN_il(x), x and y are
-// [n_embd, n_tokens] f32, computed by n_threads threads exactly as the graph op would.
-// x_res [n_embd] (may be NULL in dense mode): the residual entering the FFN, which sparse modes
-// feed to the predictors (the graph op finds it in llama.cpp's graph).
-LS_API ls_status   ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
-                               int64_t n_tokens, int32_t n_threads);
-// Layers il0 .. il0 + n_layers - 1 one after another on the same threads (benchmarks: one decode
-// token through the FFNs without a thread start per layer), each on the same x; y receives each
-// layer's output in turn (the last one's remains).
+// The computation outside a ggml graph (tests, benchmarks): y = FFN_il(x) for the layers il0 ..
+// il0 + n_layers - 1, one after another on the same n_threads threads (one decode token through
+// the FFNs without a thread start per layer), each on the same x, exactly as the graph op would;
+// y receives each layer's output in turn (the last one's remains). x and y are [n_embd, n_tokens]
+// f32; x_res [n_embd] (may be NULL in dense mode): the residual entering the FFN, which sparse
+// modes feed to the predictors (the graph op finds it in llama.cpp's graph).
 LS_API ls_status   ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const float * x,
                                       const float * x_res, float * y, int64_t n_tokens, int32_t n_threads);
 
@@ -375,10 +379,56 @@ LS_API int32_t     ls_engine_draft_top(ls_engine * e, int32_t row, int32_t * ids
 
 // ---- checksums ---------------------------------------------------------------------------
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78) of data[len], continuing from crc
-// (0 to start): ls_crc32c(0, "123456789", 9) == 0xE3069283. ls_crc32c uses SSE4.2 on three
-// streams; ls_crc32c_ref is the byte-at-a-time table reference.
+// (0 to start): ls_crc32c(0, "123456789", 9) == 0xE3069283. ls_crc32c uses the CPU's CRC-32C
+// instruction (SSE4.2 on x86-64, the CRC extension on aarch64) on three streams where it has one
+// (not under LEANSTREAM_ISA=scalar); ls_crc32c_ref is the byte-at-a-time table reference.
 LS_API uint32_t    ls_crc32c(uint32_t crc, const void * data, size_t len);
 LS_API uint32_t    ls_crc32c_ref(uint32_t crc, const void * data, size_t len);
+
+// ---- kernels (the op's, the head's and the sketch's; exported for tests and benchmarks) --------
+// On ggml's block layouts, run with the instruction set ls_kernel_isa() names; the scalar C
+// versions (ls_kernels_force("scalar")) are the reference (native/src/kernels.c).
+//
+// Gate and up of one neuron in one pass: *ra = a . x, *rb = b . x for Q4_K rows a, b (n values,
+// n % 256 == 0) and the Q8_K activation x (ggml's vec_dot_q4_K_q8_K math, both rows sharing x's
+// loads). While it computes, it prefetches pf_lines cache lines per 256 values from pf on
+// (pf_lines 0: none).
+LS_API void        ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                                const uint8_t * pf, int32_t pf_lines);
+// the same for Q4_1 rows and the Q8_1 activation (ggml's vec_dot_q4_1_q8_1 math); pf_lines per 32 values
+LS_API void        ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
+                                const uint8_t * pf, int32_t pf_lines);
+// the same for nr token rows of x (x_stride bytes apart): ra[t], rb[t], each bit for bit what
+// ls_dot2_q4_K / ls_dot2_q4_1 gives on row t alone (a verify pass); the rows' nibbles and scales
+// unpacked once per few rows, the prefetch stream with the first of them
+LS_API void        ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride,
+                                     int32_t nr, float * ra, float * rb, const uint8_t * pf, int32_t pf_lines);
+LS_API void        ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride,
+                                     int32_t nr, float * ra, float * rb, const uint8_t * pf, int32_t pf_lines);
+// The down projection: acc[0..n) += sum_{j<m} h[j] * column j, m Q8_0 columns (n % 32 == 0) read in
+// place (cols[j]: column j's blocks)
+LS_API void        ls_axpy_q8_0_multi(float * acc, const float * h, const void * const * cols, int32_t m, int64_t n);
+// the same for T rows (h [m][T], acc [T][n]); each row bit for bit as ls_axpy_q8_0_multi on it alone
+LS_API void        ls_axpy_q8_0_rows(float * acc, const float * h, const void * const * cols, int32_t m, int64_t T,
+                                     int64_t n);
+// the same for Q6_K columns (n % 256 == 0)
+LS_API void        ls_axpy_q6_K_multi(float * acc, const float * h, const void * const * cols, int32_t m, int64_t n);
+LS_API void        ls_axpy_q6_K_rows(float * acc, const float * h, const void * const * cols, int32_t m, int64_t T,
+                                     int64_t n);
+// acc[t] += sum_j h[j][t] * cols[j] for T token rows (h [n_staged][T]; f32 columns staged in a
+// tile, cols [n_staged][n_embd]; acc [T][n_embd])
+LS_API void        ls_axpy_tile(float * acc, const float * h, const float * cols, int32_t n_staged, int64_t T,
+                                int64_t n_embd);
+// a Q8_0 or Q6_K column to f32 (n values), bit for bit ggml's to_float
+LS_API void        ls_dequant_q8_0(float * out, const void * col, int64_t n);
+LS_API void        ls_dequant_q6_K(float * out, const void * col, int64_t n);
+// The LM head's kernel: out[t * out_stride] = w . x[t] for t < T, w one Q6_K weight row of n values,
+// x[t] Q8_K rows; each row's bits whatever the rows beside it (native/src/kernels.c: the sum)
+LS_API void        ls_head_q6_K(const void * w, int64_t n, const void * const * x, int64_t T, float * out,
+                                size_t out_stride);
+// One sketch row . x (LS_SKETCH_LS2, n values, n % 64 == 0; x8, dx, xo: x as the sketch quantizes
+// it, native/src/sketch.c)
+LS_API float       ls_ls2_dot(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n);
 
 // ---- predictor (stacked learnable hashing, paper §3.3) ------------------------------------
 // One predictor per FFN layer, loaded from `predictor/blk.<il>.lspred` (format: docs/formats.md).

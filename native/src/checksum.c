@@ -5,16 +5,16 @@
 // is about to use it (ls_block_verify): that thread would otherwise wait, and the block's bytes
 // it pulls into its cache are the ones it reads next. Checking on the I/O workers instead was
 // measured 1.5-2x slower decode on 2 busy cores (README: "Checksum cost"): they then need CPU
-// time while the compute threads hold both cores. The checksum is on the decode path, so it
-// uses the SSE4.2 crc32 instruction (the library is built for AVX2, which implies it) on three
-// independent streams at once (latency 3 cycles, throughput 1 per cycle), combined with
-// precomputed "append n zero bytes" operators — Mark Adler's crc32c.c scheme. A plain
-// table-driven loop is the reference (leanstream_ggml/checksum.py holds the Python one the tests
-// compare against).
+// time while the compute threads hold both cores. The checksum is on the decode path, so where the
+// CPU has a CRC-32C instruction (x86-64: SSE4.2's crc32, checksum_x86.c; aarch64: the CRC
+// extension's crc32cx, checksum_neon.c) it runs on three independent streams at once (latency 3
+// cycles, throughput 1 per cycle), combined here with precomputed "append n zero bytes"
+// operators — Mark Adler's crc32c.c scheme. A plain table-driven loop is the reference, and the
+// path of a CPU without the instruction (leanstream_ggml/checksum.py holds the Python one the
+// tests compare against); the instruction path is checked against it once, before its first use.
 
 #include "internal.h"
 
-#include <nmmintrin.h>
 #include <pthread.h>
 #include <string.h>
 
@@ -24,6 +24,9 @@
 
 static uint32_t crc_long[4][256], crc_short[4][256], crc_table[256];
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+static const ls_crc_hw * crc_hw;   // the CRC instructions in use (NULL: the table)
+
+static uint32_t crc_hw_run(uint32_t crc, const uint8_t * next, size_t len);
 
 // GF(2) matrix (32 columns as words) times vector
 static uint32_t gf2_times(const uint32_t * mat, uint32_t vec) {
@@ -77,52 +80,54 @@ static void crc_init(void) {
     }
     zeros_table(crc_long, CRC_LONG);
     zeros_table(crc_short, CRC_SHORT);
+    // the instructions must give the table's result on every path (unaligned start, both stream
+    // lengths, the tail) before they are used
+    static uint8_t probe[3 * CRC_LONG + 3 * CRC_SHORT + 21];
+    uint32_t s = 12345u, want = 0xffffffffu;
+    for (size_t i = 0; i < sizeof(probe); i++) {
+        s = s * 1664525u + 1013904223u;
+        probe[i] = (uint8_t) (s >> 24);
+        if (i >= 3) want = crc_table[(want ^ probe[i]) & 0xff] ^ (want >> 8);
+    }
+    crc_hw = ls_kernels_crc32c();
+    if (crc_hw && crc_hw_run(0xffffffffu, probe + 3, sizeof(probe) - 3) != want) crc_hw = NULL;
 }
 
 static inline uint32_t crc_shift(uint32_t zeros[4][256], uint32_t crc) {
     return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
 }
 
-static inline uint64_t ld64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
-// While at least 3n bytes remain: three independent streams of n bytes each (the crc32
-// instruction's latency hidden), combined with the "append n zero bytes" operator `zeros`.
-static inline uint64_t crc_3streams(uint64_t c0, const uint8_t ** pnext, size_t * plen, size_t n,
+// While at least 3n bytes remain: three independent streams of n bytes each (the instruction's
+// latency hidden), combined with the "append n zero bytes" operator `zeros`.
+static inline uint32_t crc_3streams(uint32_t c0, const uint8_t ** pnext, size_t * plen, size_t n,
                                     uint32_t zeros[4][256]) {
-    const uint8_t * next = *pnext;
-    size_t len = *plen;
-    while (len >= 3 * n) {
-        uint64_t c1 = 0, c2 = 0;
-        const uint8_t * end = next + n;
-        do {
-            c0 = _mm_crc32_u64(c0, ld64(next));
-            c1 = _mm_crc32_u64(c1, ld64(next + n));
-            c2 = _mm_crc32_u64(c2, ld64(next + 2 * n));
-            next += 8;
-        } while (next < end);
-        c0 = crc_shift(zeros, (uint32_t) c0) ^ c1;
-        c0 = crc_shift(zeros, (uint32_t) c0) ^ c2;
-        next += 2 * n;
-        len -= 3 * n;
+    while (*plen >= 3 * n) {
+        uint32_t c[3] = { c0, 0, 0 };
+        crc_hw->streams3(c, *pnext, n);
+        c0 = crc_shift(zeros, c[0]) ^ c[1];
+        c0 = crc_shift(zeros, c0) ^ c[2];
+        *pnext += 3 * n;
+        *plen -= 3 * n;
     }
-    *pnext = next;
-    *plen = len;
     return c0;
+}
+
+// the register value (not inverted) continued over next[0, len) by the instructions
+static uint32_t crc_hw_run(uint32_t c0, const uint8_t * next, size_t len) {
+    const size_t head = ((8 - ((uintptr_t) next & 7)) & 7) < len ? (8 - ((uintptr_t) next & 7)) & 7 : len;
+    c0 = crc_hw->bytes(c0, next, head);   // to an 8-byte boundary
+    next += head;
+    len -= head;
+    c0 = crc_3streams(c0, &next, &len, CRC_LONG, crc_long);
+    c0 = crc_3streams(c0, &next, &len, CRC_SHORT, crc_short);
+    return crc_hw->bytes(c0, next, len);
 }
 
 uint32_t ls_crc32c(uint32_t crc, const void * data, size_t len) {
     if (!data || !len) return crc;
     pthread_once(&crc_once, crc_init);
-    const uint8_t * next = data;
-    uint64_t c0 = crc ^ 0xffffffffu;
-    while (len && ((uintptr_t) next & 7)) { c0 = _mm_crc32_u8((uint32_t) c0, *next++); len--; }
-    c0 = crc_3streams(c0, &next, &len, CRC_LONG, crc_long);
-    c0 = crc_3streams(c0, &next, &len, CRC_SHORT, crc_short);
-    const uint8_t * end = next + (len - (len & 7));
-    while (next < end) { c0 = _mm_crc32_u64(c0, ld64(next)); next += 8; }
-    len &= 7;
-    while (len) { c0 = _mm_crc32_u8((uint32_t) c0, *next++); len--; }
-    return (uint32_t) c0 ^ 0xffffffffu;
+    if (!crc_hw) return ls_crc32c_ref(crc, data, len);
+    return crc_hw_run(crc ^ 0xffffffffu, data, len) ^ 0xffffffffu;
 }
 
 // The reference: one byte at a time through a 256-entry table.

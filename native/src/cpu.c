@@ -44,7 +44,8 @@ static void resolve(void) {
     const char * pre = "libggml-cpu";
     if (strncmp(base, pre, strlen(pre)) == 0) base += strlen(pre);
     if (*base == '-') base++;
-    size_t n = strcspn(base, ".");
+    const char * so = strstr(base, ".so");   // (ARM variant names have dots: armv8.2_1)
+    size_t n = so ? (size_t) (so - base) : strlen(base);
     if (n == 0) snprintf(g_variant, sizeof g_variant, "ggml-cpu");
     else snprintf(g_variant, sizeof g_variant, "%.*s", (int) n, base);
     g_traits = traits;

@@ -288,18 +288,21 @@ struct ls_engine {
 
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
-//   head.c       ls_output_build: the LM head's node, the draft vocabulary -> kernels.c cpu.c util.c
-//   op.c         the op's three paths, ls_ffn_eval            -> schedule.c control.c engine.c sketch.c kernels.c checksum.c cache.c util.c
+//   head.c       ls_output_build: the LM head's node, the draft vocabulary -> dispatch.c cpu.c util.c
+//   op.c         the op's three paths, ls_ffn_eval_layers     -> schedule.c control.c engine.c sketch.c dispatch.c kernels.c checksum.c cache.c util.c
 //   schedule.c   selection, chunks, pins, prefetch            -> control.c cache.c io.c predictor.c mode.c util.c
 //   control.c    the streaming controller: state, lookup       -> util.c
-//   engine.c     lifetime, budget -> slots, counters          -> control.c blockfile.c sketch.c cache.c io.c predictor.c mode.c util.c
-//   sketch.c     resident gate/up sketch, exact-input scores   -> kernels.c checksum.c util.c
+//   engine.c     lifetime, budget -> slots, counters          -> control.c blockfile.c sketch.c cache.c io.c predictor.c mode.c dispatch.c util.c
+//   sketch.c     resident gate/up sketch, exact-input scores   -> dispatch.c kernels.c checksum.c util.c
 //   io.c         O_DIRECT read workers                        -> cache.c util.c
 //   cache.c      budgeted slots, eviction                     -> util.c
 //   blockfile.c  block file header, permutation, descriptor   -> checksum.c util.c
-//   checksum.c   CRC-32C, a block's check before first use     -> util.c
+//   checksum.c   CRC-32C, a block's check before first use     -> dispatch.c util.c
 //   predictor.c  hashing predictor files and evaluation        -> util.c
-//   kernels.c    activations, dequantization, down projection  (leaf)
+//   dispatch.c   the kernels' variant per CPU, start-up checks, entry points -> kernels_x86.c kernels_neon.c checksum_x86.c checksum_neon.c kernels.c
+//   kernels_x86.c, kernels_neon.c  the kernels' SIMD variants   -> kernels.c
+//   checksum_x86.c, checksum_neon.c  the CRC-32C instructions   (leaves)
+//   kernels.c    the kernels in scalar C: activations, gate/up, down projection, head, sketch dot (leaf)
 //   mode.c       mode table, kept-blocks count, defaults, hot set -> util.c
 //   util.c       errors, clock, spin, barrier, safe open       (leaf)
 
@@ -313,6 +316,9 @@ static inline void ls_engine_unlock_between_ops(ls_engine * e) { pthread_mutex_u
 
 // util.c
 void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1, 2)));
+// *p holds at least need elements of elem bytes (64-byte aligned; *cap counts elements): grown
+// when smaller, the old contents dropped; false when out of memory
+bool        ls_grow(void ** p, size_t * cap, size_t need, size_t elem);
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
                 __attribute__((format(printf, 3, 4)));
 uint64_t    ls_now_ns(void);
@@ -414,40 +420,23 @@ ls_status   ls_sketch_drop_blocks(ls_sketch * k, const uint8_t * drop, int32_t k
 void        ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32_t act, int32_t kk,
                             int32_t b0, int32_t b1, float * score);
 
-// kernels.c: y += h * column, for the down projection (Q8_0 columns fused; others dequantized)
-typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;
-float       ls_act(int32_t activation, float g);                       // LS_ACT_* of a gate value
-void        ls_dequant_q8_0(float * out, const ls_block_q8_0 * col, int64_t n);
-// the same for a Q6_K column (ggml's block_q6_K, LS_Q6_K_BYTES per 256 values; n % 256 == 0)
-#define LS_Q6_K_BYTES 210
-void        ls_dequant_q6_K(float * out, const uint8_t * col, int64_t n);
-// acc[0..n) += sum_{j<m} h[j] * dequant(cols[j]) (Q8_0 columns, read in place)
-void        ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n);
-// the same for T rows (h [m][T], acc [T][n]); each row bit for bit as ls_axpy_q8_0_multi on it alone
-void        ls_axpy_q8_0_rows(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t T, int64_t n);
-// the same for m Q6_K columns (n % 256 == 0), added in place
-void        ls_axpy_q6_K_multi(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t n);
-// the same for T rows (h [m][T], acc [T][n]); each row bit for bit as ls_axpy_q6_K_multi on it alone
-void        ls_axpy_q6_K_rows(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n);
-// acc[t] += sum_j h[j][t] * cols[j] for T token rows (f32 columns staged in a tile)
-void        ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd);
-// gate and up of one neuron in one pass: *ra = a . x, *rb = b . x for Q4_K rows a, b (n values)
-// and the Q8_K activation x (ggml's vec_dot_q4_K_q8_K math, both rows sharing x's loads). While
-// it computes, it prefetches pf_lines cache lines per 256 values from pf on (pf_lines 0: none).
-void        ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                         const uint8_t * pf, int pf_lines);
-// the same for Q4_1 rows and the Q8_1 activation (ggml's vec_dot_q4_1_q8_1 math); pf_lines per 32 values
-void        ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                         const uint8_t * pf, int pf_lines);
-// the same for nr token rows of x (x_stride bytes apart): ra[t], rb[t], each bit for bit what
-// ls_dot2_q4_K / ls_dot2_q4_1 gives on row t alone (a verify pass); the rows' nibbles and scales
-// unpacked once per few rows, the prefetch stream with the first of them
-void        ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                              float * ra, float * rb, const uint8_t * pf, int pf_lines);
-void        ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                              float * ra, float * rb, const uint8_t * pf, int pf_lines);
-// picks the AVX2 or AVX-512 variants for this CPU, once (LEANSTREAM_ISA=avx2 forces AVX2)
+// kernels.c, dispatch.c (the kernels themselves: leanstream.h, ls_dot2_q4_K ...; their variants: kernels.h)
+typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;   // ggml's block_q8_0
+#define LS_Q6_K_BYTES 210                                       // ggml's block_q6_K (256 values)
+float       ls_act(int32_t activation, float g);                // LS_ACT_* of a gate value
+// chooses the kernels' variants for this CPU, once (ls_kernels_select)
 void        ls_kernels_init(void);
+
+// CRC-32C in a CPU's instructions (checksum_x86.c: SSE4.2; checksum_neon.c: the ARMv8 CRC
+// extension), chosen by checksum.c: the register value (not inverted) continued over p[0, len);
+// three independent streams at once, c[i] continued over p + i * n for n bytes (n % 8 == 0)
+typedef struct ls_crc_hw {
+    uint32_t (* bytes)(uint32_t c, const uint8_t * p, size_t len);
+    void     (* streams3)(uint32_t c[3], const uint8_t * p, size_t n);
+} ls_crc_hw;
+extern const ls_crc_hw ls_crc_sse42, ls_crc_armv8;
+// the CRC-32C instructions to use: this CPU's, unless LEANSTREAM_ISA=scalar (NULL: the table)
+const ls_crc_hw * ls_kernels_crc32c(void);
 
 // util.c: drop an open file's pages from the page cache (after reading it whole into memory:
 // the cache would be charged to the process's memory cgroup a second time). Best effort.
@@ -461,7 +450,7 @@ enum ggml_type;
 bool        ls_cpu_ready(void);
 const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t);
 
-// op.c: the whole op for one of nth threads (the graph node and ls_ffn_eval both run it).
+// op.c: the whole op for one of nth threads (the graph node and ls_ffn_eval_layers both run it).
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
 // FFN, [n_embd] (sparse decode; may be NULL); y: output [n_tokens, n_embd].
 void        ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride, const float * x_res,

@@ -1,30 +1,63 @@
-// kernels.c — the arithmetic of the FFN op that ggml does not provide: the gate activations
-// (one table entry per LS_ACT_*), gate and up of a neuron in one pass (Q4_K, Q4_1 rows), and the
-// down projection over transposed columns, acc += h * column (Q8_0 and Q6_K columns read in
-// place). A verify pass of up to LS_EXACT_ROWS rows has rows kernels that unpack the weights once
-// for several rows and give every row the one-row kernel's bits (docs/design.md §13, §21).
+// kernels.c — the arithmetic the FFN op, the LM head and the sketch need that ggml does not
+// provide, as plain C: the gate activations (one table entry per LS_ACT_*), gate and up of a
+// neuron in one pass (Q4_K, Q4_1 rows), the down projection over transposed columns, acc += h *
+// column (Q8_0 and Q6_K columns read in place; f32 tiles for prefill), the head's Q6_K x Q8_K
+// rows and the sketch's LS2 row dot product. These scalar kernels are the reference that every
+// SIMD variant (kernels_x86.c, kernels_neon.c) is checked against at start-up and in the tests,
+// and the kernels of any CPU without one; dispatch.c chooses (docs/design.md §13).
 // Leaf file: calls nothing of the library.
 
-#include "internal.h"
+#include "kernels.h"
 
-#include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
-#include <stdbool.h>
-#include <stdlib.h>
 #include <string.h>
 
+// ---- f16 ------------------------------------------------------------------------------------------
+
+static inline float f32_of_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t) (h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return f32_of_bits(sign | 0x7f800000u | man << 13);            // inf, NaN
+    if (exp != 0) return f32_of_bits(sign | (exp + 112) << 23 | man << 13);        // normal
+    const float v = (float) man * 0x1p-24f;                                        // subnormal, zero
+    return sign ? -v : v;
+}
+
+// to the nearest f16, ties to even (what F16C's and ARM's conversions do); overflow to inf
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t) ((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00;             // NaN
+    if (ax >= 0x47800000u) return sign | 0x7c00;            // 2^16 and above (and inf): inf
+    const int e = (int) (ax >> 23) - 127;
+    if (e < -25) return sign;                               // below half the smallest subnormal
+    // the value in units of the f16 result's last place: the 24-bit significand shifted right
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    const int shift = e >= -14 ? 13 : -e - 1;               // normal: drop 13 bits; subnormal: more
+    uint32_t h = e >= -14 ? (uint32_t) (e + 15) << 10 | (m & 0x7fffffu) >> 13 : m >> shift;
+    const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (h & 1))) h++;      // a carry into the exponent is right
+    return (uint16_t) (sign | h);
+}
+
+// ---- activations ----------------------------------------------------------------------------------
+
 static float act_silu(float x) { return x / (1.0f + expf(-x)); }
-static inline float f16_round(float x) { return _cvtsh_ss(_cvtss_sh(x, 0)); }  // to f16 and back, ties to even
+static inline float f16_round(float x) { return f16_to_f32(f32_to_f16(x)); }  // to f16 and back
 static float act_gelu(float x) {
     // GELU, tanh form, exactly as ggml's CPU geglu computes it (GGML_GELU_FP16): 0 below -10,
     // x above 10, otherwise a lookup table indexed by x rounded to f16 whose entries are
-    // gelu(that f16 value) rounded to f16. Evaluating the table's formula here gives its entry.
+    // gelu(that f16 value) rounded to f16. Evaluating the table's formula here gives its entry;
+    // the fused add is the one the compilers make of ggml's 1 + a*x*x (FMA is in every CPU
+    // variant ggml builds), written out so that no build of this file can round it otherwise.
     if (x <= -10.0f) return 0.0f;
     if (x >= 10.0f) return x;
     const float c = 0.79788456080286535587989211986876f; // sqrt(2/pi), ggml's SQRT_2_OVER_PI
     const float xr = f16_round(x);
-    return f16_round(0.5f * xr * (1.0f + tanhf(c * xr * (1.0f + 0.044715f * xr * xr))));
+    return f16_round(0.5f * xr * (1.0f + tanhf(c * xr * fmaf(0.044715f * xr, xr, 1.0f))));
 }
 
 // the activation table: the op computes act(gate . x) * (up . x) for any entry
@@ -32,94 +65,8 @@ static float (* const ACTS[])(float) = { [LS_ACT_SILU] = act_silu, [LS_ACT_GELU]
 
 float ls_act(int32_t activation, float g) { return ACTS[activation](g); }
 
-// ---- run-time ISA choice ------------------------------------------------------------------------
-//
-// The library is compiled for AVX2 (the baseline the ggml build assumes); the hot loops also have
-// AVX-512 (F + BW) variants, compiled with target attributes and chosen once at engine creation
-// when the CPU has them. LEANSTREAM_ISA=avx2 forces the AVX2 variants (tests run both).
-
-typedef void (*axpy_q8_0_fn)(float *, const float *, const ls_block_q8_0 * const *, int, int64_t);
-typedef void (*dot2_q4_K_fn)(int64_t, const void *, const void *, const void *, float *, float *, const uint8_t *, int);
-typedef void (*axpy_tile_fn)(float *, const float *, const float *, int, int64_t, int64_t);
-
-static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-
-// acc[0..n) += sum_{j<m} h[j] * dequant(col_j): one load/store of acc per 8 columns. The 8
-// columns' scales of a 32-value block are converted together (one f16 -> f32 of 8 lanes).
-static void axpy_q8_0_multi_avx2(float * restrict acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
-    int j0 = 0;
-    for (; j0 + 8 <= m; j0 += 8) {
-        const ls_block_q8_0 * const * c = cols + j0;
-        const __m256 h8 = _mm256_loadu_ps(h + j0);
-        // the next group's columns are fetched while this one computes (up to 8 of them)
-        const ls_block_q8_0 * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 8 ? m - j0 - 8 : 8;
-        for (int64_t b = 0; b < n / 32; b++) {
-            for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
-            __m128i d16 = _mm_cvtsi32_si128(c[0][b].d);
-            d16 = _mm_insert_epi16(d16, c[1][b].d, 1);
-            d16 = _mm_insert_epi16(d16, c[2][b].d, 2);
-            d16 = _mm_insert_epi16(d16, c[3][b].d, 3);
-            d16 = _mm_insert_epi16(d16, c[4][b].d, 4);
-            d16 = _mm_insert_epi16(d16, c[5][b].d, 5);
-            d16 = _mm_insert_epi16(d16, c[6][b].d, 6);
-            d16 = _mm_insert_epi16(d16, c[7][b].d, 7);
-            const __m256 s8 = _mm256_mul_ps(h8, _mm256_cvtph_ps(d16));
-            __m256 s[8];
-            for (int j = 0; j < 8; j++) s[j] = _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(j));
-            float * a = acc + b * 32;
-            for (int i = 0; i < 32; i += 8) {
-                __m256 v = _mm256_loadu_ps(a + i);
-                for (int j = 0; j < 8; j++) {
-                    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (c[j][b].qs + i))));
-                    v = _mm256_fmadd_ps(s[j], q, v);
-                }
-                _mm256_storeu_ps(a + i, v);
-            }
-        }
-    }
-    if (j0 == m) return;
-    const int mj = m - j0;   // the last columns, fewer than 8
-    for (int64_t b = 0; b < n / 32; b++) {
-        __m256 s[8];
-        for (int j = 0; j < mj; j++) s[j] = _mm256_set1_ps(h[j0 + j] * f16_to_f32(cols[j0 + j][b].d));
-        float * a = acc + b * 32;
-        for (int i = 0; i < 32; i += 8) {
-            __m256 v = _mm256_loadu_ps(a + i);
-            for (int j = 0; j < mj; j++) {
-                const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (cols[j0 + j][b].qs + i))));
-                v = _mm256_fmadd_ps(s[j], q, v);
-            }
-            _mm256_storeu_ps(a + i, v);
-        }
-    }
-}
-
-// the same sum, 16 lanes wide: two zmm of acc per 32-value block, 8 columns per pass
-__attribute__((target("avx512f,avx512bw")))
-static void axpy_q8_0_multi_avx512(float * restrict acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
-    for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
-        const ls_block_q8_0 * c[8];
-        float hj[8];
-        for (int j = 0; j < mj; j++) { c[j] = cols[j0 + j]; hj[j] = h[j0 + j]; }
-        const ls_block_q8_0 * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
-        for (int64_t b = 0; b < n / 32; b++) {
-            for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
-            float * a = acc + b * 32;
-            __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
-            for (int j = 0; j < mj; j++) {
-                const __m512 s = _mm512_set1_ps(hj[j] * f16_to_f32(c[j][b].d));
-                const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) c[j][b].qs));
-                const __m512i r = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (c[j][b].qs + 16)));
-                v0 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(q), v0);
-                v1 = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(r), v1);
-            }
-            _mm512_storeu_ps(a, v0);
-            _mm512_storeu_ps(a + 16, v1);
-        }
-    }
+static inline void prefetch_lines(const uint8_t * pf, int64_t step, int pf_lines) {
+    for (int l = 0; l < pf_lines; l++) __builtin_prefetch(pf + ((size_t) step * (size_t) pf_lines + (size_t) l) * 64);
 }
 
 // ---- gate and up of one neuron in one pass: Q4_K rows x Q8_K activation ------------------------
@@ -128,140 +75,46 @@ static void axpy_q8_0_multi_avx512(float * restrict acc, const float * h, const 
 // mins, 128 bytes of nibbles (32 bytes per 64 values: low nibbles the first 32, high the next 32).
 // value = d*scale_s*q - dmin*min_s. Q8_K: f32 d, 256 int8, 16 sums of 16 values (bsums).
 //   row . x = sum_blocks dx * (d * sum_s scale_s * sum_{i in s} q4_i q8_i - dmin * sum_s min_s * bsum_s)
-// The integer parts are exact; the float sums are those of ggml's vec_dot up to their order.
+// The integer parts are exact in every variant; the float sums are those of ggml's vec_dot up to
+// their order.
 
-typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } ls_block_q4_K;
-typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } ls_block_q8_K;
-
-// The packed 6-bit scales unpacked in SIMD: a 16-byte load from the 12 scale bytes (the 4 bytes
-// after them are the block's nibbles, ignored) -> bytes 0..7 scales, 8..15 mins.
-static inline __m128i q4_K_scales_simd(const uint8_t * p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *) p);               // u0 u1 u2 (junk)
-    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));      // u0 u2 u1 u2
-    const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 0, 0));      // u0 u0 u0 u1
-    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_set_epi32(4, 0, 0, 0)),
-                                     _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_set_epi32(0x30303030, 0, 0x30303030, 0));
-    return _mm_or_si128(lo, hi);
-}
-
-static inline float hsum128(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// _mm256_shuffle_epi8 masks that broadcast 16-bit word w of each 128-bit lane to the whole lane
-static const uint8_t WORD_BCAST[8][32] __attribute__((aligned(32))) = {
-#define LS_W(w) { 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, \
-                  2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1, 2*w, 2*w+1 }
-    LS_W(0), LS_W(1), LS_W(2), LS_W(3), LS_W(4), LS_W(5), LS_W(6), LS_W(7)
-#undef LS_W
-};
-
-// Gate and up of one neuron against R token rows of x (row r at x + r * x_stride), R a constant
-// 1 .. LS_GU_ROWS at each use: the rows' nibbles and scales are unpacked once per super-block for
-// the R rows, and each row gets the integer lanes and the float operations, in their order, of
-// R = 1 (the one-token kernel): every row's result is that kernel's on the row alone, bit for bit.
-// The prefetch stream (pf_lines per super-block) runs with the pass.
-#define LS_GU_ROWS 4
-static inline __attribute__((always_inline))
-void dot2_q4_K_avx2_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
-                         float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    const ls_block_q4_K * a = va, * b = vb;
-    const ls_block_q8_K * x[LS_GU_ROWS];
-    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_K *) ((const uint8_t *) vx + (size_t) r * x_stride);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 8 float lanes of d * scaled sums
-    __m128 min_a[LS_GU_ROWS], min_b[LS_GU_ROWS];   // per row: 4 float lanes of dmin * min sums
-    for (int r = 0; r < R; r++) {
-        acc_a[r] = acc_b[r] = _mm256_setzero_ps();
-        min_a[r] = min_b[r] = _mm_setzero_ps();
+// scale and min of sub-block s (ggml's get_scale_min_k4)
+static inline void q4_K_scale_min(int s, const uint8_t * q, int32_t * sc, int32_t * mn) {
+    if (s < 4) {
+        *sc = q[s] & 63;
+        *mn = q[s + 4] & 63;
+    } else {
+        *sc = (q[s + 4] & 0x0f) | (q[s - 4] >> 6) << 4;
+        *mn = (q[s + 4] >> 4) | (q[s] >> 6) << 4;
     }
+}
+
+static void dot2_q4_K_scalar(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+                             const uint8_t * pf, int pf_lines) {
+    const ls_block_q4_K * w[2] = { va, vb };
+    const ls_block_q8_K * x = vx;
+    float sum[2] = { 0.0f, 0.0f };
     for (int64_t i = 0; i < n / 256; i++) {
-        // the caller's prefetch stream: pf_lines cache lines per super-block, spread over the work
-        for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        // the 8 scales as int16 in both lanes (broadcast per sub-block by shuffles); the mins
-        // against the sums of x's sub-blocks (pairs of bsums)
-        const __m128i ua = q4_K_scales_simd(a[i].scales), ub = q4_K_scales_simd(b[i].scales);
-        const __m256i sca = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(ua));
-        const __m256i scb = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(ub));
-        const __m128i mina = _mm_cvtepu8_epi16(_mm_srli_si128(ua, 8)), minb = _mm_cvtepu8_epi16(_mm_srli_si128(ub, 8));
-        __m256i ia[LS_GU_ROWS], ib[LS_GU_ROWS];
-        for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i qa = _mm256_loadu_si256((const __m256i *) (a[i].qs + 32 * c));
-            const __m256i qb = _mm256_loadu_si256((const __m256i *) (b[i].qs + 32 * c));
-            const __m256i la = _mm256_and_si256(qa, m4), ha = _mm256_and_si256(_mm256_srli_epi16(qa, 4), m4);
-            const __m256i lb = _mm256_and_si256(qb, m4), hb = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-            const __m256i w0 = _mm256_load_si256((const __m256i *) WORD_BCAST[2 * c]);
-            const __m256i w1 = _mm256_load_si256((const __m256i *) WORD_BCAST[2 * c + 1]);
-            const __m256i sa0 = _mm256_shuffle_epi8(sca, w0), sa1 = _mm256_shuffle_epi8(sca, w1);
-            const __m256i sb0 = _mm256_shuffle_epi8(scb, w0), sb1 = _mm256_shuffle_epi8(scb, w1);
-            for (int r = 0; r < R; r++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *) (x[r][i].qs + 64 * c));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *) (x[r][i].qs + 64 * c + 32));
-                const __m256i pa0 = _mm256_madd_epi16(_mm256_maddubs_epi16(la, x0), sa0);
-                const __m256i pa1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ha, x1), sa1);
-                const __m256i pb0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lb, x0), sb0);
-                const __m256i pb1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hb, x1), sb1);
-                ia[r] = _mm256_add_epi32(ia[r], _mm256_add_epi32(pa0, pa1));
-                ib[r] = _mm256_add_epi32(ib[r], _mm256_add_epi32(pb0, pb1));
+        prefetch_lines(pf, i, pf_lines);
+        for (int r = 0; r < 2; r++) {
+            const ls_block_q4_K * blk = &w[r][i];
+            int32_t sumi = 0, summ = 0;   // sum_s scale_s * (q4 . q8)_s, sum_s min_s * bsum_s
+            for (int s = 0; s < 8; s++) {
+                int32_t sc, mn;
+                q4_K_scale_min(s, blk->scales, &sc, &mn);
+                const uint8_t * q = blk->qs + 32 * (s / 2);
+                const int8_t * y = x[i].qs + 32 * s;
+                const int shift = 4 * (s % 2);
+                int32_t dot = 0;
+                for (int l = 0; l < 32; l++) dot += ((q[l] >> shift) & 0x0f) * y[l];
+                sumi += sc * dot;
+                summ += mn * (x[i].bsums[2 * s] + x[i].bsums[2 * s + 1]);
             }
-        }
-        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
-        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
-        for (int r = 0; r < R; r++) {
-            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[r][i].bsums),
-                                               _mm_loadu_si128((const __m128i *) (x[r][i].bsums + 8)));
-            const float dx = x[r][i].d;
-            acc_a[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * da), _mm256_cvtepi32_ps(ia[r]), acc_a[r]);
-            acc_b[r] = _mm256_fmadd_ps(_mm256_set1_ps(dx * db), _mm256_cvtepi32_ps(ib[r]), acc_b[r]);
-            min_a[r] = _mm_fmadd_ps(_mm_set1_ps(dx * ma), _mm_cvtepi32_ps(_mm_madd_epi16(mina, bsp)), min_a[r]);
-            min_b[r] = _mm_fmadd_ps(_mm_set1_ps(dx * mb), _mm_cvtepi32_ps(_mm_madd_epi16(minb, bsp)), min_b[r]);
+            sum[r] += x[i].d * f16_to_f32(blk->d) * (float) sumi - x[i].d * f16_to_f32(blk->dmin) * (float) summ;
         }
     }
-    for (int r = 0; r < R; r++) {
-        ra[r] = hsum256(acc_a[r]) - hsum128(min_a[r]);
-        rb[r] = hsum256(acc_b[r]) - hsum128(min_b[r]);
-    }
-}
-
-static void dot2_q4_K_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                           const uint8_t * pf, int pf_lines) {
-    dot2_q4_K_avx2_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
-}
-
-// nr rows in as few passes over the weights as groups of LS_GU_ROWS allow, the groups as even as
-// they can be (5 rows: 3 + 2, not 4 + 1: a pass of one row is slower per row); the prefetch
-// stream with the first
-#define LS_GU_ROWS_DISPATCH(body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines) do {                     \
-        for (int t_ = 0; t_ < (nr); ) {                                                                     \
-            const int left_ = (nr) - t_, passes_ = (left_ + LS_GU_ROWS - 1) / LS_GU_ROWS;                  \
-            const int g_ = (left_ + passes_ - 1) / passes_;                                                 \
-            const uint8_t * xt_ = (const uint8_t *) (x) + (size_t) t_ * (x_stride);                         \
-            const uint8_t * pt_ = t_ == 0 ? (pf) : NULL;                                                    \
-            const int lt_ = t_ == 0 ? (pf_lines) : 0;                                                      \
-            switch (g_) {                                                                                   \
-            case 4: body(4, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                 \
-            case 3: body(3, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                 \
-            case 2: body(2, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                 \
-            default: body(1, n, a, b, xt_, x_stride, (ra) + t_, (rb) + t_, pt_, lt_); break;                \
-            }                                                                                               \
-            t_ += g_;                                                                                       \
-        }                                                                                                   \
-    } while (0)
-
-static void dot2_q4_K_rows_avx2(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                                float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    LS_GU_ROWS_DISPATCH(dot2_q4_K_avx2_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
+    *ra = sum[0];
+    *rb = sum[1];
 }
 
 // ---- gate and up of one neuron in one pass: Q4_1 rows x Q8_1 activation -------------------------
@@ -271,778 +124,197 @@ static void dot2_q4_K_rows_avx2(int64_t n, const void * a, const void * b, const
 //   row . x = sum_blocks (d * dx) * sum_i q4_i q8_i + m * s
 // as ggml's vec_dot_q4_1_q8_1 computes it (the integer sums exact, f32 sums in another order).
 
-typedef struct { uint16_t d, m; uint8_t qs[16]; } ls_block_q4_1;
-typedef struct { uint16_t d, s; int8_t qs[32]; } ls_block_q8_1;
-
-static inline __m256i q4_1_nibbles(const uint8_t * qs, __m256i m4) {
-    const __m128i q = _mm_loadu_si128((const __m128i *) qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-}
-
-// R token rows at once as dot2_q4_K_avx2_body does (the nibbles expanded once per block for the R
-// rows; each row's float operations those of R = 1, the min sum's fused add written out so that
-// no compiler's contraction choice can tell the two apart)
-static inline __attribute__((always_inline))
-void dot2_q4_1_avx2_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
-                         float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    const ls_block_q4_1 * a = va, * b = vb;
-    const ls_block_q8_1 * x[LS_GU_ROWS];
-    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_1 *) ((const uint8_t *) vx + (size_t) r * x_stride);
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 8 float lanes of (d * dx) * sums
-    float min_a[LS_GU_ROWS], min_b[LS_GU_ROWS];     // per row: sum of m * s
-    for (int r = 0; r < R; r++) {
-        acc_a[r] = acc_b[r] = _mm256_setzero_ps();
-        min_a[r] = min_b[r] = 0.0f;
-    }
-    for (int64_t i = 0; i < n / 32; i++) {
-        for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        const __m256i na = q4_1_nibbles(a[i].qs, m4), nb = q4_1_nibbles(b[i].qs, m4);
-        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
-        const float ma = f16_to_f32(a[i].m), mb = f16_to_f32(b[i].m);
-        for (int r = 0; r < R; r++) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *) x[r][i].qs);
-            const float dx = f16_to_f32(x[r][i].d), sx = f16_to_f32(x[r][i].s);
-            const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(na, y), ones);
-            const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(nb, y), ones);
-            acc_a[r] = _mm256_fmadd_ps(_mm256_set1_ps(da * dx), _mm256_cvtepi32_ps(pa), acc_a[r]);
-            acc_b[r] = _mm256_fmadd_ps(_mm256_set1_ps(db * dx), _mm256_cvtepi32_ps(pb), acc_b[r]);
-            min_a[r] = fmaf(ma, sx, min_a[r]);
-            min_b[r] = fmaf(mb, sx, min_b[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        ra[r] = hsum256(acc_a[r]) + min_a[r];
-        rb[r] = hsum256(acc_b[r]) + min_b[r];
-    }
-}
-
-static void dot2_q4_1_avx2(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                           const uint8_t * pf, int pf_lines) {
-    dot2_q4_1_avx2_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
-}
-
-static void dot2_q4_1_rows_avx2(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                                float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    LS_GU_ROWS_DISPATCH(dot2_q4_1_avx2_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
-
-// _mm512_shuffle_epi8 masks for the 512-bit kernel: PAIR_BCAST[c + s] (c = 0, 2; s = 0, 1) broadcasts
-// word 2c + s of each 128-bit lane to the low 256 bits and word 2c + 2 + s to the high 256 bits
-static const uint8_t PAIR_BCAST[4][64] __attribute__((aligned(64))) = {
-#define LS_W8(w) 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, \
-                 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1, 2*(w), 2*(w)+1
-#define LS_P(lo, hi) { LS_W8(lo), LS_W8(lo), LS_W8(hi), LS_W8(hi) }
-    LS_P(0, 2), LS_P(1, 3), LS_P(4, 6), LS_P(5, 7)
-#undef LS_P
-#undef LS_W8
-};
-
-// 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half); R token
-// rows at once as dot2_q4_K_avx2_body does, with this kernel's own lanes (16 float lanes; the min
-// sum one float per row, its fused add written out: the compilers contracted the scalar form)
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
-void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
-                           float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    const ls_block_q4_K * a = va, * b = vb;
-    const ls_block_q8_K * x[LS_GU_ROWS];
-    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_K *) ((const uint8_t *) vx + (size_t) r * x_stride);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 16 float lanes of d * scaled sums
-    __m128 min_a = _mm_setzero_ps(), min_b = min_a;  // lane r: row r's sum of dmin * min sums
-    for (int r = 0; r < R; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / 256; i++) {
-        for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        // the 8 scales as int16 in every 128-bit lane, broadcast per sub-block by shuffles
-        const __m128i ua = q4_K_scales_simd(a[i].scales), ub = q4_K_scales_simd(b[i].scales);
-        const __m512i sca = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(ua)), scb = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(ub));
-        __m512i ia[LS_GU_ROWS], ib[LS_GU_ROWS];
-        for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c += 2) {
-            // low nibbles: values 64c..64c+31 | 64(c+1)..+31; high nibbles: the next 32 of each
-            const __m512i qa = _mm512_loadu_si512((const void *) (a[i].qs + 32 * c));
-            const __m512i qb = _mm512_loadu_si512((const void *) (b[i].qs + 32 * c));
-            const __m512i la = _mm512_and_si512(qa, m4), ha = _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4);
-            const __m512i lb = _mm512_and_si512(qb, m4), hb = _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4);
-            const __m512i w0 = _mm512_load_si512((const void *) PAIR_BCAST[c]), w1 = _mm512_load_si512((const void *) PAIR_BCAST[c + 1]);
-            const __m512i sa0 = _mm512_shuffle_epi8(sca, w0), sa1 = _mm512_shuffle_epi8(sca, w1);   // scales 2c | 2c+2, 2c+1 | 2c+3
-            const __m512i sb0 = _mm512_shuffle_epi8(scb, w0), sb1 = _mm512_shuffle_epi8(scb, w1);
-            for (int r = 0; r < R; r++) {
-                const __m512i y0 = _mm512_loadu_si512((const void *) (x[r][i].qs + 64 * c));       // chunk c
-                const __m512i y1 = _mm512_loadu_si512((const void *) (x[r][i].qs + 64 * c + 64));  // chunk c + 1
-                const __m512i x0 = _mm512_shuffle_i64x2(y0, y1, 0x44), x1 = _mm512_shuffle_i64x2(y0, y1, 0xee);
-                const __m512i pa0 = _mm512_madd_epi16(_mm512_maddubs_epi16(la, x0), sa0);
-                const __m512i pa1 = _mm512_madd_epi16(_mm512_maddubs_epi16(ha, x1), sa1);
-                const __m512i pb0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lb, x0), sb0);
-                const __m512i pb1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hb, x1), sb1);
-                ia[r] = _mm512_add_epi32(ia[r], _mm512_add_epi32(pa0, pa1));
-                ib[r] = _mm512_add_epi32(ib[r], _mm512_add_epi32(pb0, pb1));
-            }
-        }
-        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
-        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
-        // the min sums sum_s min_s * bsum_s of a and b as exact integers, one madd per row, the
-        // rows' sums gathered by horizontal adds: [row 0..3 of a | row 0..3 of b]; each row's fused
-        // add in its own lane (the one-row kernel's scalar one, lane 0)
-        const __m256i minab = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(ua, ub));
-        __m256i mm[4];
-        float dx[4] = { 0 };
-        for (int r = 0; r < 4; r++) {
-            if (r >= R) { mm[r] = _mm256_setzero_si256(); continue; }
-            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[r][i].bsums),
-                                               _mm_loadu_si128((const __m128i *) (x[r][i].bsums + 8)));
-            mm[r] = _mm256_madd_epi16(minab, _mm256_broadcastsi128_si256(bsp));   // a: 4 lanes | b: 4
-            dx[r] = x[r][i].d;
-            acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r] * da), _mm512_cvtepi32_ps(ia[r]), acc_a[r]);
-            acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r] * db), _mm512_cvtepi32_ps(ib[r]), acc_b[r]);
-        }
-        const __m256i h01 = _mm256_hadd_epi32(mm[0], mm[1]);
-        const __m256i h23 = R > 2 ? _mm256_hadd_epi32(mm[2], mm[3]) : h01;
-        const __m256 ms = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h01, h23));
-        const __m128 dxv = _mm_loadu_ps(dx);
-        min_a = _mm_fmadd_ps(_mm_mul_ps(dxv, _mm_set1_ps(ma)), _mm256_castps256_ps128(ms), min_a);
-        min_b = _mm_fmadd_ps(_mm_mul_ps(dxv, _mm_set1_ps(mb)), _mm256_extractf128_ps(ms, 1), min_b);
-    }
-    float mina[4], minb[4];
-    _mm_storeu_ps(mina, min_a);
-    _mm_storeu_ps(minb, min_b);
-    for (int r = 0; r < R; r++) {
-        ra[r] = _mm512_reduce_add_ps(acc_a[r]) - mina[r];
-        rb[r] = _mm512_reduce_add_ps(acc_b[r]) - minb[r];
-    }
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+static void dot2_q4_1_scalar(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
                              const uint8_t * pf, int pf_lines) {
-    dot2_q4_K_avx512_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
+    const ls_block_q4_1 * w[2] = { va, vb };
+    const ls_block_q8_1 * x = vx;
+    float sum[2] = { 0.0f, 0.0f };
+    for (int64_t i = 0; i < n / 32; i++) {
+        prefetch_lines(pf, i, pf_lines);
+        const float dx = f16_to_f32(x[i].d), sx = f16_to_f32(x[i].s);
+        for (int r = 0; r < 2; r++) {
+            const ls_block_q4_1 * blk = &w[r][i];
+            int32_t dot = 0;
+            for (int l = 0; l < 16; l++) dot += (blk->qs[l] & 0x0f) * x[i].qs[l] + (blk->qs[l] >> 4) * x[i].qs[l + 16];
+            sum[r] += f16_to_f32(blk->d) * dx * (float) dot + f16_to_f32(blk->m) * sx;
+        }
+    }
+    *ra = sum[0];
+    *rb = sum[1];
 }
 
-__attribute__((target("avx512f,avx512bw")))
-static void dot2_q4_K_rows_avx512(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                                  float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    LS_GU_ROWS_DISPATCH(dot2_q4_K_avx512_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
-
-// ---- prefill down projection: acc[t] += sum_j h[j][t] * cols[j] over a staged tile ---------------
+// ---- the down projection: acc[0..n) += sum_j h[j] * column j ------------------------------------
 //
-// Register-blocked: 4 token rows x 16 (AVX2) or 32 (AVX-512) output values stay in registers
-// while every staged column adds to them; acc is loaded and stored once per tile. What the blocks
-// leave (the last T % 4 rows, the last n_embd % width values) goes through tile_rest.
+// Every variant adds per output value o, for the columns j in order, acc[o] = fma(f_j, q_j[o],
+// acc[o]) with f_j = h_j * d_j (Q8_0) or (h_j * d_j) * scale (Q6_K, per 16 values): the same
+// bits on every instruction set, however many columns a pass takes; the rows kernels keep it.
 
-// acc[t][c] += sum_j h[j][t] * cols[j][c] for t in [t0, T) over every c, and for t < t0 over c >= c0
-static void tile_rest(float * restrict acc, const float * restrict h, const float * restrict cols,
-                      int n_staged, int64_t T, int64_t n_embd, int64_t t0, int64_t c0) {
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t from = t < t0 ? c0 : 0;
-        float * restrict at = acc + (size_t) t * n_embd;
-        for (int j = 0; j < n_staged; j++) {
-            const float hv = h[(size_t) j * T + t];
-            const float * restrict cj = cols + (size_t) j * n_embd;
-            for (int64_t c = from; c < n_embd; c++) at[c] += hv * cj[c];
-        }
-    }
-}
-
-static void axpy_tile_avx2(float * restrict acc, const float * restrict h, const float * restrict cols,
-                           int n_staged, int64_t T, int64_t n_embd) {
-    const int64_t t_end = T - T % 4, c_end = n_embd - n_embd % 16;
-    for (int64_t t = 0; t < t_end; t += 4) {
-        for (int64_t c = 0; c < c_end; c += 16) {
-            __m256 v[4][2];
-            for (int r = 0; r < 4; r++) {
-                v[r][0] = _mm256_loadu_ps(acc + (size_t) (t + r) * n_embd + c);
-                v[r][1] = _mm256_loadu_ps(acc + (size_t) (t + r) * n_embd + c + 8);
-            }
-            for (int j = 0; j < n_staged; j++) {
-                const float * cj = cols + (size_t) j * n_embd + c;
-                const __m256 c0 = _mm256_loadu_ps(cj), c1 = _mm256_loadu_ps(cj + 8);
-                const float * hj = h + (size_t) j * T + t;
-                for (int r = 0; r < 4; r++) {
-                    const __m256 hv = _mm256_broadcast_ss(hj + r);
-                    v[r][0] = _mm256_fmadd_ps(hv, c0, v[r][0]);
-                    v[r][1] = _mm256_fmadd_ps(hv, c1, v[r][1]);
-                }
-            }
-            for (int r = 0; r < 4; r++) {
-                _mm256_storeu_ps(acc + (size_t) (t + r) * n_embd + c, v[r][0]);
-                _mm256_storeu_ps(acc + (size_t) (t + r) * n_embd + c + 8, v[r][1]);
-            }
-        }
-    }
-    tile_rest(acc, h, cols, n_staged, T, n_embd, t_end, c_end);
-}
-
-__attribute__((target("avx512f")))
-static void axpy_tile_avx512(float * restrict acc, const float * restrict h, const float * restrict cols,
-                             int n_staged, int64_t T, int64_t n_embd) {
-    const int64_t t_end = T - T % 4, c_end = n_embd - n_embd % 32;
-    for (int64_t t = 0; t < t_end; t += 4) {
-        for (int64_t c = 0; c < c_end; c += 32) {
-            __m512 v[4][2];
-            for (int r = 0; r < 4; r++) {
-                v[r][0] = _mm512_loadu_ps(acc + (size_t) (t + r) * n_embd + c);
-                v[r][1] = _mm512_loadu_ps(acc + (size_t) (t + r) * n_embd + c + 16);
-            }
-            for (int j = 0; j < n_staged; j++) {
-                const float * cj = cols + (size_t) j * n_embd + c;
-                const __m512 c0 = _mm512_loadu_ps(cj), c1 = _mm512_loadu_ps(cj + 16);
-                const float * hj = h + (size_t) j * T + t;
-                for (int r = 0; r < 4; r++) {
-                    const __m512 hv = _mm512_set1_ps(hj[r]);
-                    v[r][0] = _mm512_fmadd_ps(hv, c0, v[r][0]);
-                    v[r][1] = _mm512_fmadd_ps(hv, c1, v[r][1]);
-                }
-            }
-            for (int r = 0; r < 4; r++) {
-                _mm512_storeu_ps(acc + (size_t) (t + r) * n_embd + c, v[r][0]);
-                _mm512_storeu_ps(acc + (size_t) (t + r) * n_embd + c + 16, v[r][1]);
-            }
-        }
-    }
-    tile_rest(acc, h, cols, n_staged, T, n_embd, t_end, c_end);
-}
-
-void ls_dequant_q8_0(float * restrict out, const ls_block_q8_0 * restrict col, int64_t n) {
-    for (int64_t b = 0; b < n / 32; b++) {
-        const __m256 s = _mm256_set1_ps(f16_to_f32(col[b].d));
-        for (int i = 0; i < 32; i += 8) {
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (col[b].qs + i))));
-            _mm256_storeu_ps(out + b * 32 + i, _mm256_mul_ps(s, q));
+static void axpy_q8_0_scalar(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
+    const ls_block_q8_0 * const * cols = (const ls_block_q8_0 * const *) vcols;
+    for (int j = 0; j < m; j++) {
+        for (int64_t b = 0; b < n / 32; b++) {
+            const float f = h[j] * f16_to_f32(cols[j][b].d);
+            float * a = acc + b * 32;
+            for (int i = 0; i < 32; i++) a[i] = fmaf(f, (float) cols[j][b].qs[i], a[i]);
         }
     }
 }
 
 // ggml's block_q6_K: 256 values as 4 low bits (ql), 2 high bits (qh), 16 int8 scales and an f16
-// super-block scale; value = d * scale[group of 16] * (q - 32). The same products in the same
-// order as ggml's dequantize_row_q6_K ((d * scale) * q, in f32): the same bits, 32 values a step.
-// The 32 signed quants (q - 32) of values 128 half + 32 seg .. + 31 of a Q6_K super-block: the
-// low 4 bits from ql (the low nibbles for seg 0-1, the high ones for 2-3), the high 2 from qh.
-static inline __m256i q6_K_quants(const uint8_t * blk, int half, int seg) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), m32 = _mm256_set1_epi8(32);
-    const __m256i l = _mm256_loadu_si256((const __m256i *) (blk + half * 64 + (seg & 1) * 32));
-    const __m256i hh = _mm256_loadu_si256((const __m256i *) (blk + 128 + half * 32));
-    const __m256i lo = seg < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hh, _mm_cvtsi32_si128(2 * seg)), m2), 4);
-    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), m32);
-}
-
-void ls_dequant_q6_K(float * restrict out, const uint8_t * restrict col, int64_t n) {
-    for (int64_t b = 0; b < n / 256; b++) {
-        const uint8_t * blk = col + b * LS_Q6_K_BYTES;
-        const int8_t * sc = (const int8_t *) (blk + 192);
-        uint16_t dh;
-        memcpy(&dh, blk + 208, 2);
-        const float d = f16_to_f32(dh);
-        float * y = out + b * 256;
-        for (int half = 0; half < 2; half++) {           // 128 values: ql[64], qh[32], sc[8]
-            for (int j = 0; j < 4; j++) {                 // values 32 j .. 32 j + 31 of the half
-                int8_t v[32];
-                _mm256_storeu_si256((__m256i *) v, q6_K_quants(blk, half, j));
-                for (int g = 0; g < 4; g++) {             // 8 values; groups of 16 share a scale
-                    const __m256 f = _mm256_set1_ps(d * (float) sc[2 * j + g / 2]);
-                    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (v + 8 * g))));
-                    _mm256_storeu_ps(y + 32 * j + 8 * g, _mm256_mul_ps(f, x));
-                }
-            }
-            y += 128; sc += 8;
+// super-block scale; value = d * scale[group of 16] * (q - 32). Of each 128 values, ql's low
+// nibbles of 64 bytes then their high nibbles, qh's 2-bit pairs on top.
+// The 256 6-bit q of a super-block, in value order (0..63)
+static void q6_K_unpack(const ls_block_q6_K * b, uint8_t * q) {
+    for (int half = 0; half < 2; half++) {
+        const uint8_t * ql = b->ql + 64 * half, * qh = b->qh + 32 * half;
+        uint8_t * y = q + 128 * half;
+        for (int l = 0; l < 32; l++) {
+            y[l]      = (uint8_t) ((ql[l] & 0x0f)      | ((qh[l] >> 0) & 3) << 4);
+            y[l + 32] = (uint8_t) ((ql[l + 32] & 0x0f) | ((qh[l] >> 2) & 3) << 4);
+            y[l + 64] = (uint8_t) ((ql[l] >> 4)        | ((qh[l] >> 4) & 3) << 4);
+            y[l + 96] = (uint8_t) ((ql[l + 32] >> 4)   | ((qh[l] >> 6) & 3) << 4);
         }
     }
 }
 
-// acc[0, n) += sum_j h[j] * column j, m Q6_K columns added in place (no f32 staging): 8 columns
-// per pass over the output, 32 outputs in registers while each column's 32 values are unpacked
-// (as ls_dequant_q6_K does) and added with the factor h * d * scale of their group of 16; the
-// next 8 columns are prefetched a line per column and step.
-void ls_axpy_q6_K_multi(float * restrict acc, const float * h, const uint8_t * const * cols, int m, int64_t n) {
-    for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
-        const uint8_t * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+static void axpy_q6_K_scalar(float * restrict acc, const float * h, const void * const * cols, int m, int64_t n) {
+    uint8_t q[256];
+    for (int j = 0; j < m; j++) {
+        const ls_block_q6_K * c = cols[j];
         for (int64_t b = 0; b < n / 256; b++) {
-            float hd[8];   // h * d of each column's super-block
-            for (int j = 0; j < mj; j++) {
-                uint16_t dh;
-                memcpy(&dh, cols[j0 + j] + b * LS_Q6_K_BYTES + 208, 2);
-                hd[j] = h[j0 + j] * f16_to_f32(dh);
-            }
-            for (int half = 0; half < 2; half++) {
-                for (int seg = 0; seg < 4; seg++) {   // values 128 half + 32 seg .. + 31
-                    for (int j = 0; j < n_next; j++)
-                        _mm_prefetch((const char *) (nx[j] + b * LS_Q6_K_BYTES + (half * 4 + seg) * 26), _MM_HINT_T0);
-                    float * a = acc + b * 256 + half * 128 + seg * 32;
-                    __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8);
-                    __m256 v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
-                    for (int j = 0; j < mj; j++) {
-                        const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
-                        const int8_t * sc = (const int8_t *) (blk + 192) + half * 8 + 2 * seg;
-                        const __m256i q = q6_K_quants(blk, half, seg);
-                        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-                        const __m256 f0 = _mm256_set1_ps(hd[j] * (float) sc[0]), f1 = _mm256_set1_ps(hd[j] * (float) sc[1]);
-                        v0 = _mm256_fmadd_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), v0);
-                        v1 = _mm256_fmadd_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), v1);
-                        v2 = _mm256_fmadd_ps(f1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), v2);
-                        v3 = _mm256_fmadd_ps(f1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), v3);
-                    }
-                    _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1);
-                    _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
-                }
+            q6_K_unpack(&c[b], q);
+            const float hd = h[j] * f16_to_f32(c[b].d);
+            float * a = acc + b * 256;
+            for (int g = 0; g < 16; g++) {
+                const float f = hd * (float) c[b].sc[g];
+                for (int l = 16 * g; l < 16 * g + 16; l++) a[l] = fmaf(f, (float) (q[l] - 32), a[l]);
             }
         }
     }
 }
 
-// ---- the down projection for T token rows: acc[t] += sum_j h[j][t] * column j ------------------
-//
-// The one-row kernels (axpy_q8_0_multi_*, ls_axpy_q6_K_multi) add per output value: acc[o] takes
-// fma(f_j, q_j[o], acc[o]) for the columns j in order, with f_j = h_j * d_j (Q8_0) or
-// (h_j * d_j) * scale (Q6_K, per 16 values), whatever the ISA or the columns per pass. The rows
-// kernels keep exactly that per value and row: a group of 8 columns' 32 values of one step is
-// unpacked to f32 once for all rows, each row's factors are the same products, and every row's 32
-// outputs take the fused adds in column order: each row equals the one-row kernel on that row
-// alone, bit for bit, on either ISA. h is [m][T] (as the op stages it), acc [T][n].
-//
-// A group short of 8 columns (the end of a list) is filled with columns of zeros whose factors are
-// -0: fma(-0, 0, v) is v for every v (-0 included), so they change no bit, and every step adds 8.
-
-#define LS_ROWS_CHUNK 64   // rows whose factors one pass over a column group keeps (f below)
-
-typedef float rows_factors[2][8];   // a row's factors: [values 0..15 | 16..31 of the step][column]
-
-// hT[t][j] = h[j0 + j][t] for t in [t0, t0 + Tc), j < 8 (-0 past the list's mj columns)
-static inline void rows_h(float (*hT)[8], const float * h, int j0, int mj, int64_t t0, int64_t Tc, int64_t T) {
-    for (int64_t t = 0; t < Tc; t++)
-        for (int j = 0; j < 8; j++) hT[t][j] = j < mj ? h[(size_t) (j0 + j) * (size_t) T + (size_t) (t0 + t)] : -0.0f;
+// prefill: acc[t] += sum_j h[j][t] * cols[j] over a staged tile of f32 columns (h [n_staged][T])
+static void axpy_tile_scalar(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd) {
+    ls_axpy_tile_rest(acc, h, cols, n_staged, T, n_embd, 0, 0);
 }
 
-// f[t][0][j] = hd[t][j] * s0[j], f[t][1][j] = hd[t][j] * s1[j] for t < Tc (Q8_0: s0 = s1 = d, hd = h)
-static inline void rows_factors_of(rows_factors * f, const float (*hd)[8], const float * s0, const float * s1, int64_t Tc) {
-    const __m256 a = _mm256_loadu_ps(s0), b = _mm256_loadu_ps(s1);
-    for (int64_t t = 0; t < Tc; t++) {
-        const __m256 v = _mm256_loadu_ps(hd[t]);
-        _mm256_store_ps(f[t][0], _mm256_mul_ps(v, a));
-        _mm256_store_ps(f[t][1], _mm256_mul_ps(v, b));
+static void dequant_q8_0_scalar(float * restrict out, const void * vcol, int64_t n) {
+    const ls_block_q8_0 * col = vcol;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float d = f16_to_f32(col[b].d);
+        for (int i = 0; i < 32; i++) out[b * 32 + i] = d * (float) col[b].qs[i];
     }
 }
 
-// acc[t][0, 32) += sum_j f[t][.][j] * qf[j] for t < T (acc rows n apart), the 8 columns in order:
-// two rows per pass, so each staged value is loaded once for both
-static void rows_step_avx2(float * restrict acc, int64_t n, int64_t T, const float (*qf)[32], const rows_factors * f) {
-    int64_t t = 0;
-    for (; t + 2 <= T; t += 2) {
-        float * a = acc + (size_t) t * (size_t) n, * b = a + n;
-        __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8), v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
-        __m256 w0 = _mm256_loadu_ps(b), w1 = _mm256_loadu_ps(b + 8), w2 = _mm256_loadu_ps(b + 16), w3 = _mm256_loadu_ps(b + 24);
-        for (int j = 0; j < 8; j++) {
-            const __m256 fa0 = _mm256_broadcast_ss(&f[t][0][j]), fa1 = _mm256_broadcast_ss(&f[t][1][j]);
-            const __m256 fb0 = _mm256_broadcast_ss(&f[t + 1][0][j]), fb1 = _mm256_broadcast_ss(&f[t + 1][1][j]);
-            __m256 q = _mm256_load_ps(qf[j]);
-            v0 = _mm256_fmadd_ps(fa0, q, v0); w0 = _mm256_fmadd_ps(fb0, q, w0);
-            q = _mm256_load_ps(qf[j] + 8);
-            v1 = _mm256_fmadd_ps(fa0, q, v1); w1 = _mm256_fmadd_ps(fb0, q, w1);
-            q = _mm256_load_ps(qf[j] + 16);
-            v2 = _mm256_fmadd_ps(fa1, q, v2); w2 = _mm256_fmadd_ps(fb1, q, w2);
-            q = _mm256_load_ps(qf[j] + 24);
-            v3 = _mm256_fmadd_ps(fa1, q, v3); w3 = _mm256_fmadd_ps(fb1, q, w3);
-        }
-        _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1); _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
-        _mm256_storeu_ps(b, w0); _mm256_storeu_ps(b + 8, w1); _mm256_storeu_ps(b + 16, w2); _mm256_storeu_ps(b + 24, w3);
+// the same products in the same order as ggml's dequantize_row_q6_K ((d * scale) * q, in f32): the same bits
+static void dequant_q6_K_scalar(float * restrict out, const void * vcol, int64_t n) {
+    const ls_block_q6_K * col = vcol;
+    uint8_t q[256];
+    for (int64_t b = 0; b < n / 256; b++) {
+        q6_K_unpack(&col[b], q);
+        const float d = f16_to_f32(col[b].d);
+        for (int l = 0; l < 256; l++) out[b * 256 + l] = (d * (float) col[b].sc[l / 16]) * (float) (q[l] - 32);
     }
-    if (t == T) return;
-    float * a = acc + (size_t) t * (size_t) n;
-    __m256 v0 = _mm256_loadu_ps(a), v1 = _mm256_loadu_ps(a + 8), v2 = _mm256_loadu_ps(a + 16), v3 = _mm256_loadu_ps(a + 24);
-    for (int j = 0; j < 8; j++) {
-        const __m256 f0 = _mm256_broadcast_ss(&f[t][0][j]), f1 = _mm256_broadcast_ss(&f[t][1][j]);
-        v0 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j]), v0);
-        v1 = _mm256_fmadd_ps(f0, _mm256_load_ps(qf[j] + 8), v1);
-        v2 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 16), v2);
-        v3 = _mm256_fmadd_ps(f1, _mm256_load_ps(qf[j] + 24), v3);
-    }
-    _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1); _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
 }
 
-// the same, 16 lanes wide, with the group's 8 x 32 values in 16 registers for every row (the
-// factors broadcast from memory into the fused adds)
-__attribute__((target("avx512f"))) static inline __attribute__((always_inline))
-void rows_step_avx512(float * restrict acc, int64_t n, int64_t T, const __m512 q[8][2], const rows_factors * f) {
+// ---- the down projection for T token rows, one row at a time ------------------------------------
+
+// row t of h [m][T] gathered in chunks of 256 columns for the one-row kernel
+void ls_axpy_rows_by_row(ls_axpy_fn one, float * acc, const float * h, const void * const * cols, int m, int64_t T, int64_t n) {
+    float ht[256];
     for (int64_t t = 0; t < T; t++) {
-        float * a = acc + (size_t) t * (size_t) n;
-        __m512 v0 = _mm512_loadu_ps(a), v1 = _mm512_loadu_ps(a + 16);
-        for (int j = 0; j < 8; j++) {
-            v0 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][0][j]), q[j][0], v0);
-            v1 = _mm512_fmadd_ps(_mm512_set1_ps(f[t][1][j]), q[j][1], v1);
-        }
-        _mm512_storeu_ps(a, v0); _mm512_storeu_ps(a + 16, v1);
-    }
-}
-
-// One step of a rows kernel, per ISA: the group's 32 values of step b (Q8_0: block b; Q6_K: values
-// 32 b .. + 31 of the columns' super-blocks, b = 8 super-block + 4 half + seg) unpacked for the
-// mj columns of cols (the others zeros), then added to every row with its factors f.
-typedef void (*rows_step_fn)(float *, int64_t, int64_t, const void * const *, int, int64_t, const rows_factors *);
-
-static void q8_0_step_avx2(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
-    float qf[8][32] __attribute__((aligned(64)));
-    for (int j = 0; j < 8; j++) {
-        const int8_t * qs = j < mj ? ((const ls_block_q8_0 *) cols[j])[b].qs : NULL;
-        for (int i = 0; i < 32; i += 8)
-            _mm256_store_ps(qf[j] + i, qs ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (qs + i))))
-                                          : _mm256_setzero_ps());
-    }
-    rows_step_avx2(acc, n, T, (const float (*)[32]) qf, f);
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void q8_0_step_avx512(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
-    __m512 q[8][2];
-    for (int j = 0; j < 8; j++) {
-        const int8_t * qs = j < mj ? ((const ls_block_q8_0 *) cols[j])[b].qs : NULL;
-        q[j][0] = qs ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) qs))) : _mm512_setzero_ps();
-        q[j][1] = qs ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (qs + 16)))) : _mm512_setzero_ps();
-    }
-    rows_step_avx512(acc, n, T, (const __m512 (*)[2]) q, f);
-}
-
-static void q6_K_step_avx2(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
-    float qf[8][32] __attribute__((aligned(64)));
-    for (int j = 0; j < 8; j++) {
-        if (j >= mj) { memset(qf[j], 0, sizeof(qf[j])); continue; }
-        const __m256i q = q6_K_quants((const uint8_t *) cols[j] + b / 8 * LS_Q6_K_BYTES, b % 8 / 4, b % 4);
-        const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-        _mm256_store_ps(qf[j],      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
-        _mm256_store_ps(qf[j] + 8,  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
-        _mm256_store_ps(qf[j] + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
-        _mm256_store_ps(qf[j] + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
-    }
-    rows_step_avx2(acc, n, T, (const float (*)[32]) qf, f);
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void q6_K_step_avx512(float * acc, int64_t n, int64_t T, const void * const * cols, int mj, int64_t b, const rows_factors * f) {
-    __m512 q[8][2];
-    for (int j = 0; j < 8; j++) {
-        const __m256i v = j < mj ? q6_K_quants((const uint8_t *) cols[j] + b / 8 * LS_Q6_K_BYTES, b % 8 / 4, b % 4)
-                                 : _mm256_setzero_si256();
-        q[j][0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-        q[j][1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    }
-    rows_step_avx512(acc, n, T, (const __m512 (*)[2]) q, f);
-}
-
-// S[k][j] = (float) scale k (of 16) of column j's super-block sb, for the 8 columns of a group
-// (1 past the list's mj): the bytes transposed by unpacks, 8 columns' scales of a step in one load
-static inline void q6_K_scales8(float S[16][8], const uint8_t * const * c, int mj, int64_t sb) {
-    __m128i r[8];
-    for (int j = 0; j < 8; j++)
-        r[j] = j < mj ? _mm_loadu_si128((const __m128i *) (c[j] + sb * LS_Q6_K_BYTES + 192)) : _mm_set1_epi8(1);
-    __m128i t[8], u[8];
-    for (int j = 0; j < 4; j++) {   // byte pairs of columns 2j, 2j+1: scales 0..7 | 8..15
-        t[2 * j] = _mm_unpacklo_epi8(r[2 * j], r[2 * j + 1]);
-        t[2 * j + 1] = _mm_unpackhi_epi8(r[2 * j], r[2 * j + 1]);
-    }
-    for (int j = 0; j < 2; j++) {   // 4 columns' bytes per scale: scales 0..3, 4..7, 8..11, 12..15
-        u[4 * j]     = _mm_unpacklo_epi16(t[4 * j], t[4 * j + 2]);
-        u[4 * j + 1] = _mm_unpackhi_epi16(t[4 * j], t[4 * j + 2]);
-        u[4 * j + 2] = _mm_unpacklo_epi16(t[4 * j + 1], t[4 * j + 3]);
-        u[4 * j + 3] = _mm_unpackhi_epi16(t[4 * j + 1], t[4 * j + 3]);
-    }
-    for (int q = 0; q < 4; q++) {   // 8 columns' bytes per scale, two scales per register
-        const __m128i lo = _mm_unpacklo_epi32(u[q], u[q + 4]), hi = _mm_unpackhi_epi32(u[q], u[q + 4]);
-        _mm256_store_ps(S[4 * q],     _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-        _mm256_store_ps(S[4 * q + 1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
-        _mm256_store_ps(S[4 * q + 2], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-        _mm256_store_ps(S[4 * q + 3], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
-    }
-}
-
-// acc[t] += sum_j h[j][t] * column j, Q8_0 columns, through step (the ISA's): per group of 8
-// columns and block, the factors h * d of every row, then the step; the next group's columns are
-// fetched while this one computes (as the one-row kernels do)
-static void axpy_q8_0_rows_with(rows_step_fn step, float * restrict acc, const float * h, const ls_block_q8_0 * const * cols,
-                                int m, int64_t T, int64_t n) {
-    rows_factors f[LS_ROWS_CHUNK] __attribute__((aligned(64)));
-    float hT[LS_ROWS_CHUNK][8] __attribute__((aligned(32)));
-    for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
-        const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
-        for (int j0 = 0; j0 < m; j0 += 8) {
-            const int mj = m - j0 < 8 ? m - j0 : 8;
-            const ls_block_q8_0 * const * c = cols + j0, * const * nx = cols + j0 + 8;
-            const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
-            rows_h(hT, h, j0, mj, t0, Tc, T);
-            for (int64_t b = 0; b < n / 32; b++) {
-                for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
-                float d[8];
-                for (int j = 0; j < 8; j++) d[j] = j < mj ? f16_to_f32(c[j][b].d) : 1.0f;
-                rows_factors_of(f, (const float (*)[8]) hT, d, d, Tc);
-                step(acc + (size_t) t0 * (size_t) n + b * 32, n, Tc, (const void * const *) c, mj, b, f);
-            }
+        for (int j0 = 0; j0 < m; j0 += 256) {
+            const int mj = m - j0 < 256 ? m - j0 : 256;
+            for (int j = 0; j < mj; j++) ht[j] = h[(size_t) (j0 + j) * (size_t) T + (size_t) t];
+            one(acc + (size_t) t * (size_t) n, ht, cols + j0, mj, n);
         }
     }
 }
 
-// the same for Q6_K columns: per super-block h * d of every row, per step of 32 values the factors
-// (h * d) * scale of its two groups of 16
-static void axpy_q6_K_rows_with(rows_step_fn step, float * restrict acc, const float * h, const uint8_t * const * cols,
-                                int m, int64_t T, int64_t n) {
-    rows_factors f[LS_ROWS_CHUNK] __attribute__((aligned(64)));
-    float hT[LS_ROWS_CHUNK][8] __attribute__((aligned(32))), hd[LS_ROWS_CHUNK][8] __attribute__((aligned(32)));
-    for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
-        const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
-        for (int j0 = 0; j0 < m; j0 += 8) {
-            const int mj = m - j0 < 8 ? m - j0 : 8;
-            const uint8_t * const * c = cols + j0, * const * nx = cols + j0 + 8;
-            const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
-            rows_h(hT, h, j0, mj, t0, Tc, T);
-            for (int64_t sb = 0; sb < n / 256; sb++) {
-                float d[8];
-                for (int j = 0; j < 8; j++) {
-                    uint16_t dh = 0x3c00;   // 1: a padding column's h * d stays -0
-                    if (j < mj) memcpy(&dh, c[j] + sb * LS_Q6_K_BYTES + 208, 2);
-                    d[j] = f16_to_f32(dh);
-                }
-                const __m256 d8 = _mm256_loadu_ps(d);
-                for (int64_t t = 0; t < Tc; t++) _mm256_store_ps(hd[t], _mm256_mul_ps(_mm256_load_ps(hT[t]), d8));
-                float S[16][8] __attribute__((aligned(32)));
-                q6_K_scales8(S, c, mj, sb);
-                for (int hs = 0; hs < 8; hs++) {   // values 32 hs .. + 31 (half hs / 4, seg hs % 4): scales 2 hs, 2 hs + 1
-                    for (int j = 0; j < n_next; j++)
-                        _mm_prefetch((const char *) (nx[j] + sb * LS_Q6_K_BYTES + hs * 26), _MM_HINT_T0);
-                    rows_factors_of(f, (const float (*)[8]) hd, S[2 * hs], S[2 * hs + 1], Tc);
-                    step(acc + (size_t) t0 * (size_t) n + sb * 256 + hs * 32, n, Tc, (const void * const *) c, mj, sb * 8 + hs, f);
-                }
-            }
-        }
-    }
+void ls_dot2_rows_by_row(ls_dot2_fn one, int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                         float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    for (int t = 0; t < nr; t++)
+        one(n, a, b, (const uint8_t *) x + (size_t) t * x_stride, ra + t, rb + t, t ? NULL : pf, t ? 0 : pf_lines);
 }
 
-// ---- the variants in use -------------------------------------------------------------------------
-
-typedef void (*dot2_rows_fn)(int64_t, const void *, const void *, const void *, size_t, int, float *, float *, const uint8_t *, int);
-
-static axpy_q8_0_fn axpy_q8_0_impl = axpy_q8_0_multi_avx2;
-static dot2_q4_K_fn dot2_q4_K_impl = dot2_q4_K_avx2;
-static dot2_rows_fn dot2_q4_K_rows_impl = dot2_q4_K_rows_avx2;
-static dot2_rows_fn dot2_q4_1_rows_impl = dot2_q4_1_rows_avx2;
-static axpy_tile_fn axpy_tile_impl = axpy_tile_avx2;
-static rows_step_fn q8_0_step_impl = q8_0_step_avx2, q6_K_step_impl = q6_K_step_avx2;
-static bool rows_exact = true;   // the rows kernels passed their start-up check (else row by row)
-static const char * isa_name = "avx2";
-
-void ls_kernels_init(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, ls_kernels_select);
+static void dot2_q4_K_rows_scalar(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                                  float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    ls_dot2_rows_by_row(dot2_q4_K_scalar, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
 }
 
-// ---- start-up self-checks -------------------------------------------------------------------------
+static void dot2_q4_1_rows_scalar(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                                  float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    ls_dot2_rows_by_row(dot2_q4_1_scalar, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
+}
+
+static void axpy_q8_0_rows_scalar(float * acc, const float * h, const void * const * cols, int m, int64_t T, int64_t n) {
+    ls_axpy_rows_by_row(axpy_q8_0_scalar, acc, h, cols, m, T, n);
+}
+
+static void axpy_q6_K_rows_scalar(float * acc, const float * h, const void * const * cols, int m, int64_t T, int64_t n) {
+    ls_axpy_rows_by_row(axpy_q6_K_scalar, acc, h, cols, m, T, n);
+}
+
+// ---- the LM head's rows: Q6_K weights x Q8_K activations (head.c) ------------------------------
 //
-// Before the AVX-512 variants are used they must give the AVX2 variants' results (up to f32
-// summation order) on fixed pseudo-random inputs; on a mismatch the AVX2 ones stay, and
-// ls_kernel_isa() says why. The rows kernels of the chosen ISA must then give, for every row, the
-// one-row kernels' bits on that row: else the op's rows are computed one at a time by the one-row
-// kernels (a verify pass must equal decoding whatever the compiler made of either), and
-// ls_kernel_isa() says so. Cheap (microseconds) and done once per process.
-
-static uint32_t lcg(uint32_t * s) { *s = *s * 1664525u + 1013904223u; return *s >> 8; }
-
-static bool close_enough(const float * a, const float * b, int n) {
-    float m = 0.0f, e = 0.0f;
-    for (int i = 0; i < n; i++) {
-        m = fmaxf(m, fabsf(a[i]));
-        e = fmaxf(e, fabsf(a[i] - b[i]));
-    }
-    return e <= 1e-4f * m + 1e-6f;
-}
-
-// the fixed inputs: Q4_K rows a, b, Q8_K / Q8_1 activations of T rows, Q4_1 rows, Q8_0 and Q6_K columns
-enum { CK_N = 512, CK_M = 11, CK_T = 5 };
-static struct {
-    ls_block_q4_K a[CK_N / 256], b[CK_N / 256];
-    ls_block_q8_K x[CK_T][CK_N / 256];
-    ls_block_q4_1 a1[CK_N / 32], b1[CK_N / 32];
-    ls_block_q8_1 x1[CK_T][CK_N / 32];
-    ls_block_q8_0 cols[CK_M][CK_N / 32];
-    uint8_t cols6[CK_M][CK_N / 256 * LS_Q6_K_BYTES];
-    float h[CK_M * CK_T], tile_cols[CK_M * CK_N];
-} ck;
-
-static void check_inputs(void) {
-    uint32_t s = 12345u;
-    for (int i = 0; i < CK_N / 256; i++) {
-        ck.a[i].d = ck.b[i].d = 0x2e66;      // f16 ~0.1
-        ck.a[i].dmin = ck.b[i].dmin = 0x2a66;
-        for (int j = 0; j < 12; j++) { ck.a[i].scales[j] = (uint8_t) lcg(&s); ck.b[i].scales[j] = (uint8_t) lcg(&s); }
-        for (int j = 0; j < 128; j++) { ck.a[i].qs[j] = (uint8_t) lcg(&s); ck.b[i].qs[j] = (uint8_t) lcg(&s); }
-        for (int t = 0; t < CK_T; t++) {
-            ls_block_q8_K * x = &ck.x[t][i];
-            x->d = 0.01f * (float) (t + 1);
-            for (int j = 0; j < 256; j++) x->qs[j] = (int8_t) (lcg(&s) % 255 - 127);
-            for (int j = 0; j < 16; j++) {
-                int sum = 0;
-                for (int q = 0; q < 16; q++) sum += x->qs[16 * j + q];
-                x->bsums[j] = (int16_t) sum;
+// Per super-block of 256 values the integer sum S = sum_g scale_g * (sum_{i in g} q_i x_i - 32 *
+// bsum_g) (exact, however it is computed), then acc = fmaf(d_w * d_x, S, acc), super-blocks in
+// order: every variant gives these bits, for each row whatever the rows beside it.
+// out[t * out_stride] = w . x[t] for t < T <= LS_EXACT_ROWS, w one weight row of n values.
+static void head_q6_K_scalar(const void * vw, int64_t n, const void * const * vx, int64_t T, float * out, size_t out_stride) {
+    const ls_block_q6_K * w = vw;
+    const ls_block_q8_K * const * x = (const ls_block_q8_K * const *) vx;
+    float acc[LS_EXACT_ROWS];
+    uint8_t q[256];
+    for (int64_t t = 0; t < T; t++) acc[t] = 0.0f;
+    for (int64_t b = 0; b < n / 256; b++) {
+        q6_K_unpack(&w[b], q);
+        const float dw = f16_to_f32(w[b].d);
+        for (int64_t t = 0; t < T; t++) {
+            const ls_block_q8_K * xb = &x[t][b];
+            int32_t S = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t s = 0;
+                for (int l = 16 * g; l < 16 * g + 16; l++) s += q[l] * xb->qs[l];
+                S += w[b].sc[g] * (s - 32 * xb->bsums[g]);
             }
+            acc[t] = fmaf(dw * xb->d, (float) S, acc[t]);
         }
     }
-    for (int i = 0; i < CK_N / 32; i++) {
-        ck.a1[i] = (ls_block_q4_1) { 0x2e66, 0xae66, { 0 } };   // d ~0.1, m ~-0.1
-        ck.b1[i] = (ls_block_q4_1) { 0x2a66, 0x2e66, { 0 } };
-        for (int j = 0; j < 16; j++) { ck.a1[i].qs[j] = (uint8_t) lcg(&s); ck.b1[i].qs[j] = (uint8_t) lcg(&s); }
-        for (int t = 0; t < CK_T; t++) {
-            ck.x1[t][i].d = 0x2066;   // ~0.008
-            ck.x1[t][i].s = (uint16_t) (0x3c00 + lcg(&s) % 0x800);
-            for (int j = 0; j < 32; j++) ck.x1[t][i].qs[j] = (int8_t) (lcg(&s) % 255 - 127);
+    for (int64_t t = 0; t < T; t++) out[(size_t) t * out_stride] = acc[t];
+}
+
+// ---- a sketch row . x (sketch.c: the LS2 row format and x's quantization) -----------------------
+//
+// Group g of 32 values: f16 d_g; its codes in chunk g / 2 (16 bytes per 64 values, byte j holding
+// the codes of values j, j+16, j+32, j+48 in bits 0-1, 2-3, 4-5, 6-7), values 32 (g % 2) .. + 31.
+//   row . x = sum_g d_g * dx_g * (sum_i code_i * x8_i) - sum_g d_g * xo_g,  xo_g = 1.5 * dx_g * sum x8
+static float ls2_dot_scalar(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n) {
+    const uint8_t * codes = row + n / 32 * 2;
+    float dot = 0.0f, off = 0.0f;
+    for (int64_t g = 0; g < n / 32; g++) {
+        uint16_t dh;
+        memcpy(&dh, row + 2 * g, 2);
+        const float d = f16_to_f32(dh);
+        const uint8_t * c = codes + g / 2 * 16;
+        int32_t s = 0;
+        for (int i = 0; i < 32; i++) {
+            const int v = 32 * (int) (g % 2) + i;   // the value's place in its chunk of 64
+            s += ((c[v % 16] >> (2 * (v / 16))) & 3) * x8[g * 32 + i];
         }
+        dot += d * dx[g] * (float) s;
+        off += d * xo[g];
     }
-    for (int j = 0; j < CK_M; j++) {
-        for (int q = 0; q < CK_N / 32; q++) {
-            ck.cols[j][q].d = 0x2e66;
-            for (int v = 0; v < 32; v++) ck.cols[j][q].qs[v] = (int8_t) (lcg(&s) % 255 - 127);
-        }
-        for (int q = 0; q < CK_N / 256 * LS_Q6_K_BYTES; q++) ck.cols6[j][q] = (uint8_t) lcg(&s);
-        for (int q = 0; q < CK_N / 256; q++) {   // an f16 super-block scale ~0.001..0.002
-            const uint16_t d = (uint16_t) (0x1400 + lcg(&s) % 0x400);
-            memcpy(ck.cols6[j] + q * LS_Q6_K_BYTES + 208, &d, 2);
-        }
-    }
-    for (int i = 0; i < CK_M * CK_T; i++) ck.h[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
-    for (int i = 0; i < CK_M * CK_N; i++) ck.tile_cols[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
+    return dot - off;
 }
 
-static bool avx512_agrees(void) {
-    static float acc1[CK_T * CK_N], acc2[CK_T * CK_N];
-    float r1[2], r2[2];
-    dot2_q4_K_avx2(CK_N, ck.a, ck.b, ck.x[0], &r1[0], &r1[1], NULL, 0);
-    dot2_q4_K_avx512(CK_N, ck.a, ck.b, ck.x[0], &r2[0], &r2[1], NULL, 0);
-    if (!close_enough(r1, r2, 2)) return false;
-    const ls_block_q8_0 * cp[CK_M];
-    for (int j = 0; j < CK_M; j++) cp[j] = ck.cols[j];
-    memset(acc1, 0, sizeof(acc1));
-    memset(acc2, 0, sizeof(acc2));
-    axpy_q8_0_multi_avx2(acc1, ck.h, cp, CK_M, CK_N);
-    axpy_q8_0_multi_avx512(acc2, ck.h, cp, CK_M, CK_N);
-    if (!close_enough(acc1, acc2, CK_N)) return false;
-    memset(acc1, 0, sizeof(acc1));
-    memset(acc2, 0, sizeof(acc2));
-    axpy_tile_avx2(acc1, ck.h, ck.tile_cols, CK_M, CK_T, CK_N);
-    axpy_tile_avx512(acc2, ck.h, ck.tile_cols, CK_M, CK_T, CK_N);
-    return close_enough(acc1, acc2, CK_T * CK_N);
-}
-
-static bool same_bits(const float * a, const float * b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
-
-// every rows kernel in use against its one-row kernel on each of CK_T rows, bit for bit
-static bool rows_agree(void) {
-    float ra[CK_T], rb[CK_T], one[2];
-    dot2_q4_K_rows_impl(CK_N, ck.a, ck.b, ck.x, sizeof(ck.x[0]), CK_T, ra, rb, NULL, 0);
-    for (int t = 0; t < CK_T; t++) {
-        dot2_q4_K_impl(CK_N, ck.a, ck.b, ck.x[t], &one[0], &one[1], NULL, 0);
-        if (!same_bits(one, (float[2]) { ra[t], rb[t] }, 2)) return false;
-    }
-    dot2_q4_1_rows_impl(CK_N, ck.a1, ck.b1, ck.x1, sizeof(ck.x1[0]), CK_T, ra, rb, NULL, 0);
-    for (int t = 0; t < CK_T; t++) {
-        dot2_q4_1_avx2(CK_N, ck.a1, ck.b1, ck.x1[t], &one[0], &one[1], NULL, 0);
-        if (!same_bits(one, (float[2]) { ra[t], rb[t] }, 2)) return false;
-    }
-    static float rows[CK_T * CK_N], row[CK_N];
-    const ls_block_q8_0 * cp[CK_M];
-    const uint8_t * cp6[CK_M];
-    for (int j = 0; j < CK_M; j++) { cp[j] = ck.cols[j]; cp6[j] = ck.cols6[j]; }
-    for (int kind = 0; kind < 2; kind++) {   // Q8_0, Q6_K columns
-        for (int i = 0; i < CK_T * CK_N; i++) rows[i] = ck.tile_cols[i];   // a non-zero start
-        if (kind == 0) axpy_q8_0_rows_with(q8_0_step_impl, rows, ck.h, cp, CK_M, CK_T, CK_N);
-        else axpy_q6_K_rows_with(q6_K_step_impl, rows, ck.h, cp6, CK_M, CK_T, CK_N);
-        for (int t = 0; t < CK_T; t++) {
-            float ht[CK_M];
-            for (int j = 0; j < CK_M; j++) ht[j] = ck.h[j * CK_T + t];
-            memcpy(row, ck.tile_cols + t * CK_N, sizeof(row));
-            if (kind == 0) axpy_q8_0_impl(row, ht, cp, CK_M, CK_N);
-            else ls_axpy_q6_K_multi(row, ht, cp6, CK_M, CK_N);
-            if (!same_bits(row, rows + t * CK_N, CK_N)) return false;
-        }
-    }
-    return true;
-}
-
-void ls_kernels_select(void) {
-    const char * want = getenv("LEANSTREAM_ISA");
-    __builtin_cpu_init();
-    bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  !(want && strcmp(want, "avx2") == 0);
-    check_inputs();
-    isa_name = "avx2";
-    if (avx512 && !avx512_agrees()) {
-        avx512 = false;
-        isa_name = "avx2 (the AVX-512 kernels failed their start-up check)";
-    }
-    axpy_q8_0_impl = avx512 ? axpy_q8_0_multi_avx512 : axpy_q8_0_multi_avx2;
-    dot2_q4_K_impl = avx512 ? dot2_q4_K_avx512 : dot2_q4_K_avx2;
-    dot2_q4_K_rows_impl = avx512 ? dot2_q4_K_rows_avx512 : dot2_q4_K_rows_avx2;
-    dot2_q4_1_rows_impl = dot2_q4_1_rows_avx2;
-    axpy_tile_impl = avx512 ? axpy_tile_avx512 : axpy_tile_avx2;
-    q8_0_step_impl = avx512 ? q8_0_step_avx512 : q8_0_step_avx2;
-    q6_K_step_impl = avx512 ? q6_K_step_avx512 : q6_K_step_avx2;
-    if (avx512) isa_name = "avx512";
-    rows_exact = rows_agree();
-    if (!rows_exact) isa_name = avx512 ? "avx512 (the rows kernels failed their start-up check: rows one at a time)"
-                                       : "avx2 (the rows kernels failed their start-up check: rows one at a time)";
-}
-
-const char * ls_kernel_isa(void) { return isa_name; }
-
-// ---- the entry points -----------------------------------------------------------------------------
-
-void ls_axpy_q8_0_multi(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t n) {
-    axpy_q8_0_impl(acc, h, cols, m, n);
-}
-
-void ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int pf_lines) {
-    dot2_q4_K_impl(n, a, b, x, ra, rb, pf, pf_lines);
-}
-
-void ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int pf_lines) {
-    dot2_q4_1_avx2(n, a, b, x, ra, rb, pf, pf_lines);
-}
-
-// the rows kernels, or (their start-up check failed) the one-row kernels row by row
-void ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                       float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    if (rows_exact) { dot2_q4_K_rows_impl(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines); return; }
-    for (int t = 0; t < nr; t++)
-        dot2_q4_K_impl(n, a, b, (const uint8_t *) x + (size_t) t * x_stride, ra + t, rb + t, t ? NULL : pf, t ? 0 : pf_lines);
-}
-
-void ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                       float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    if (rows_exact) { dot2_q4_1_rows_impl(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines); return; }
-    for (int t = 0; t < nr; t++)
-        dot2_q4_1_avx2(n, a, b, (const uint8_t *) x + (size_t) t * x_stride, ra + t, rb + t, t ? NULL : pf, t ? 0 : pf_lines);
-}
-
-// row t of h [m][T] gathered in chunks of 256 columns for a one-row kernel (the fallback)
-#define LS_ROWWISE(one_row) do {                                                                   \
-        float ht[256];                                                                             \
-        for (int64_t t = 0; t < T; t++) {                                                          \
-            for (int j0 = 0; j0 < m; j0 += 256) {                                                  \
-                const int mj = m - j0 < 256 ? m - j0 : 256;                                        \
-                for (int j = 0; j < mj; j++) ht[j] = h[(size_t) (j0 + j) * (size_t) T + (size_t) t]; \
-                one_row(acc + (size_t) t * (size_t) n, ht, cols + j0, mj, n);                      \
-            }                                                                                      \
-        }                                                                                          \
-    } while (0)
-
-void ls_axpy_q8_0_rows(float * acc, const float * h, const ls_block_q8_0 * const * cols, int m, int64_t T, int64_t n) {
-    if (rows_exact) axpy_q8_0_rows_with(q8_0_step_impl, acc, h, cols, m, T, n);
-    else LS_ROWWISE(axpy_q8_0_impl);
-}
-
-void ls_axpy_q6_K_rows(float * acc, const float * h, const uint8_t * const * cols, int m, int64_t T, int64_t n) {
-    if (rows_exact) axpy_q6_K_rows_with(q6_K_step_impl, acc, h, cols, m, T, n);
-    else LS_ROWWISE(ls_axpy_q6_K_multi);
-}
-
-void ls_axpy_tile(float * acc, const float * h, const float * cols, int n_staged, int64_t T, int64_t n_embd) {
-    axpy_tile_impl(acc, h, cols, n_staged, T, n_embd);
-}
+const ls_kernel_set ls_kernels_scalar = {
+    .dot2_q4_K = dot2_q4_K_scalar, .dot2_q4_1 = dot2_q4_1_scalar,
+    .dot2_q4_K_rows = dot2_q4_K_rows_scalar, .dot2_q4_1_rows = dot2_q4_1_rows_scalar,
+    .axpy_q8_0 = axpy_q8_0_scalar, .axpy_q6_K = axpy_q6_K_scalar,
+    .axpy_q8_0_rows = axpy_q8_0_rows_scalar, .axpy_q6_K_rows = axpy_q6_K_rows_scalar,
+    .axpy_tile = axpy_tile_scalar,
+    .dequant_q8_0 = dequant_q8_0_scalar, .dequant_q6_K = dequant_q6_K_scalar,
+    .head_q6_K = head_q6_K_scalar,
+    .ls2_dot = ls2_dot_scalar,
+};

@@ -14,7 +14,6 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,18 +28,6 @@
 // batches (prefill) take the batched kernels.
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
 
-static bool grow(void ** p, size_t * cap, size_t need, size_t elem) {
-    if (need <= *cap) return true;
-    void * q = NULL;
-    size_t bytes = need * elem;
-    bytes = (bytes + 63) & ~(size_t) 63;
-    if (posix_memalign(&q, 64, bytes) != 0) return false;
-    free(*p);
-    *p = q;
-    *cap = need;
-    return true;
-}
-
 // Thread 0, before the first barrier: scratch for this op's shape.
 static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth) {
     ls_plan * P = &e->plan;
@@ -53,9 +40,9 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
     P->buf.work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 2 * (size_t) n_tokens + 64;
-    if (!grow((void **) &P->buf.xq, &P->buf.xq_cap, xq, 1) ||
-        !grow((void **) &P->buf.acc, &P->buf.acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
-        !grow((void **) &P->buf.work, &P->buf.work_cap, (size_t) nth * P->buf.work_per_thread, sizeof(float))) {
+    if (!ls_grow((void **) &P->buf.xq, &P->buf.xq_cap, xq, 1) ||
+        !ls_grow((void **) &P->buf.acc, &P->buf.acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
+        !ls_grow((void **) &P->buf.work, &P->buf.work_cap, (size_t) nth * P->buf.work_per_thread, sizeof(float))) {
         return LS_ERR_NOMEM;
     }
     return LS_OK;
@@ -105,8 +92,8 @@ static const uint8_t * ready_block(ls_engine * e, ls_layer * L, int32_t b, uint6
 static inline bool adds_in_place(int32_t down_type) { return down_type == GGML_TYPE_Q8_0 || down_type == GGML_TYPE_Q6_K; }
 
 static inline void axpy_in_place(int32_t down_type, float * acc, const float * h, const uint8_t * const * cols, int m, int64_t n) {
-    if (down_type == GGML_TYPE_Q6_K) ls_axpy_q6_K_multi(acc, h, cols, m, n);
-    else ls_axpy_q8_0_multi(acc, h, (const ls_block_q8_0 * const *) cols, m, n);
+    if (down_type == GGML_TYPE_Q6_K) ls_axpy_q6_K_multi(acc, h, (const void * const *) cols, m, n);
+    else ls_axpy_q8_0_multi(acc, h, (const void * const *) cols, m, n);
 }
 
 static void flush(float * acc, const float * h, const float * cols, const uint8_t * const * qcols, int32_t down_type,
@@ -118,8 +105,8 @@ static void flush(float * acc, const float * h, const float * cols, const uint8_
     }
     if (T == 1) axpy_in_place(down_type, acc, h, qcols, n_staged, n_embd);
     // more rows: the columns unpacked once for all of them, each row as that token alone
-    else if (down_type == GGML_TYPE_Q6_K) ls_axpy_q6_K_rows(acc, h, qcols, n_staged, T, n_embd);
-    else ls_axpy_q8_0_rows(acc, h, (const ls_block_q8_0 * const *) qcols, n_staged, T, n_embd);
+    else if (down_type == GGML_TYPE_Q6_K) ls_axpy_q6_K_rows(acc, h, (const void * const *) qcols, n_staged, T, n_embd);
+    else ls_axpy_q8_0_rows(acc, h, (const void * const *) qcols, n_staged, T, n_embd);
 }
 
 // gate . x and up . x of one neuron: Q4_K or Q4_1 gate and up rows (the common GGUF cases) in one
@@ -199,9 +186,9 @@ static const uint8_t * fetch_entry(ls_engine * e, ls_layer * L, int32_t i, int32
 }
 
 // A down column as f32 into a staging tile (the decode path reads Q8_0 columns in place instead;
-// Q6_K columns have their own AVX2 dequantization, the other types ggml's to_float).
+// Q8_0 and Q6_K columns have their own dequantization, the other types ggml's to_float).
 static inline void stage_column(const ls_layer_info * in, const uint8_t * col, float * out) {
-    if (in->down_type == GGML_TYPE_Q8_0) ls_dequant_q8_0(out, (const ls_block_q8_0 *) col, in->n_embd);
+    if (in->down_type == GGML_TYPE_Q8_0) ls_dequant_q8_0(out, col, in->n_embd);
     else if (in->down_type == GGML_TYPE_F32) memcpy(out, col, sizeof(float) * (size_t) in->n_embd);
     else if (in->down_type == GGML_TYPE_Q6_K) ls_dequant_q6_K(out, col, in->n_embd);
     else ggml_get_type_traits(in->down_type)->to_float(col, out, in->n_embd);
@@ -551,7 +538,7 @@ static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
     ls_ctrl_end(e, L, op_ns);
 }
 
-// The whole op for one of nth threads; the same code serves the ggml graph and ls_ffn_eval.
+// The whole op for one of nth threads; the same code serves the ggml graph and ls_ffn_eval_layers.
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
 // FFN (the sparse paths' predictors use it; may be NULL); y: output [n_tokens, n_embd].
 // Thread 0 holds e->op_mu for the whole op (one op of an engine at a time) and e->mu only where
@@ -584,7 +571,7 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
     }
 }
 
-// ---- ls_ffn_eval: the op outside a graph -------------------------------------------------------
+// ---- ls_ffn_eval_layers: the op outside a graph ------------------------------------------------
 
 typedef struct eval_arg {
     ls_engine * e;
@@ -612,7 +599,7 @@ static void * eval_thread(void * p) {
 ls_status ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const float * x, const float * x_res,
                              float * y, int64_t n_tokens, int32_t n_threads) {
     if (!e || !x || !y || n_tokens <= 0 || n_layers <= 0 || il0 < 0 || il0 + n_layers > e->n_layers) {
-        ls_set_error("ls_ffn_eval: bad arguments");
+        ls_set_error("ls_ffn_eval_layers: bad arguments");
         return LS_ERR_ARG;
     }
     for (int32_t il = il0 + 1; il < il0 + n_layers; il++) {
@@ -634,14 +621,9 @@ ls_status ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const
     ls_wake(&go, &sleepers);
     if (started == n_threads) eval_thread(&args[0]);
     for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
-    if (started < n_threads) { ls_set_error("ls_ffn_eval: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
+    if (started < n_threads) { ls_set_error("ls_ffn_eval_layers: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
     char msg[LS_MAX_ERRMSG];
     ls_status st = ls_engine_take_error(e, msg, sizeof(msg));
     if (st != LS_OK) ls_set_error("%s", msg);
     return st;
-}
-
-ls_status ls_ffn_eval(ls_engine * e, int32_t il, const float * x, const float * x_res, float * y,
-                      int64_t n_tokens, int32_t n_threads) {
-    return ls_ffn_eval_layers(e, il, 1, x, x_res, y, n_tokens, n_threads);
 }

@@ -10,7 +10,7 @@
 //                                 values j, j+16, j+32, j+48 of the chunk in bits 0-1, 2-3, 4-5, 6-7
 //   value = (code - 1.5) * d      (4 symmetric levels; the converter picks d per group by least squares)
 // x is quantized per group of 32 to int8 with a float scale (like ggml's Q8_0), so a dot product
-// is d * dx * (sum code * x8 - 1.5 * sum x8): unsigned x signed byte products (AVX2 maddubs).
+// is d * dx * (sum code * x8 - 1.5 * sum x8): unsigned x signed byte products (ls_ls2_dot, kernels.c).
 //
 // File format (`sketch/blk.<il>.lssk`, version 1): docs/formats.md.
 // Padding slots (perm = -1) hold zero rows and weight 0. The whole file is read into RAM and
@@ -18,7 +18,6 @@
 
 #include "internal.h"
 
-#include <immintrin.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -184,39 +183,6 @@ void ls_sketch_quantize_x(const ls_sketch * k, const float * x, void * xq, int64
     }
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-// row . x for one LS2 row (n a multiple of 64)
-static float ls2_dot(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n) {
-    const uint16_t * d = (const uint16_t *) row;
-    const uint8_t * q = row + n / 32 * 2;
-    const __m256i m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
-    const __m256i sh01 = _mm256_setr_epi64x(0, 0, 2, 2), sh23 = _mm256_setr_epi64x(4, 4, 6, 6);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t g = 0; g < n / 32; g += 2) {
-        const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (q + g * 8)));
-        const __m256i u0 = _mm256_and_si256(_mm256_srlv_epi64(c, sh01), m3);
-        const __m256i u1 = _mm256_and_si256(_mm256_srlv_epi64(c, sh23), m3);
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *) (x8 + g * 32))), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *) (x8 + g * 32 + 32))), ones);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(_cvtsh_ss(d[g + 1]) * dx[g + 1]), acc1);
-    }
-    float off = 0.0f;
-    int64_t g = 0;
-    __m256 o = _mm256_setzero_ps();
-    for (; g + 8 <= n / 32; g += 8) {
-        o = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (d + g))), _mm256_loadu_ps(xo + g), o);
-    }
-    for (; g < n / 32; g++) off += _cvtsh_ss(d[g]) * xo[g];
-    return hsum8(_mm256_add_ps(acc0, acc1)) - (off + hsum8(o));
-}
-
 void ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32_t act, int32_t kk,
                      int32_t b0, int32_t b1, float * score) {
     const int8_t * x8 = xq;
@@ -233,8 +199,8 @@ void ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd, int32
                 __builtin_prefetch(k->gate + (size_t) (q + 4) * k->row_bytes);
                 __builtin_prefetch(k->up + (size_t) (q + 4) * k->row_bytes);
             }
-            const float g = ls2_dot(k->gate + (size_t) q * k->row_bytes, x8, dx, xo, n_embd);
-            const float u = ls2_dot(k->up + (size_t) q * k->row_bytes, x8, dx, xo, n_embd);
+            const float g = ls_ls2_dot(k->gate + (size_t) q * k->row_bytes, x8, dx, xo, n_embd);
+            const float u = ls_ls2_dot(k->up + (size_t) q * k->row_bytes, x8, dx, xo, n_embd);
             s += fabsf(ls_act(act, g) * u) * w;
         }
         score[b] = s;

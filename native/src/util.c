@@ -1,15 +1,15 @@
-// util.c — errors, clocks, spinning, the barrier, opening model files safely: leaf utilities every other file uses
-// (this file calls no other file of the library).
+// util.c — errors, clocks, spinning, the barrier, opening model files safely, growing scratch
+// buffers: leaf utilities every other file uses (this file calls no other file of the library).
 
 #include "internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <immintrin.h>
 #include <linux/futex.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -55,6 +55,15 @@ uint64_t ls_now_ns(void) {
 // the other; FUTEX_WAIT itself re-checks *word in the kernel.
 #define LS_SPIN_NS 50000
 
+// a spinning core's hint that it waits (x86: pause; aarch64: yield; elsewhere nothing)
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield");
+#endif
+}
+
 static long futex(_Atomic int32_t * word, int op, int32_t val) {
     return syscall(SYS_futex, (int32_t *) word, op, val, NULL, NULL, 0);
 }
@@ -63,7 +72,7 @@ void ls_wait_while(_Atomic int32_t * word, int32_t value, _Atomic int32_t * slee
     if (atomic_load_explicit(word, memory_order_acquire) != value) return;
     const uint64_t t0 = ls_now_ns();
     for (unsigned i = 1;; i++) {
-        _mm_pause();
+        cpu_relax();
         if (atomic_load_explicit(word, memory_order_acquire) != value) return;
         if ((i & 63) == 0 && ls_now_ns() - t0 > LS_SPIN_NS) break;
     }
@@ -111,4 +120,15 @@ ls_status ls_open_regular(const char * path, int * fd_out, struct stat * st) {
 
 void ls_drop_cached(int fd) {
     (void) posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+}
+
+bool ls_grow(void ** p, size_t * cap, size_t need, size_t elem) {
+    if (need <= *cap) return true;
+    void * q = NULL;
+    const size_t bytes = (need * elem + 63) & ~(size_t) 63;
+    if (posix_memalign(&q, 64, bytes) != 0) return false;
+    free(*p);
+    *p = q;
+    *cap = need;
+    return true;
 }

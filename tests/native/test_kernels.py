@@ -1,9 +1,11 @@
-"""The FFN kernels on every instruction set this CPU runs (AVX2 always; AVX-512 where the CPU has it),
-against the numpy reference (the plain memory-read baseline the kernel benchmark compares with is
-bench/memory_read.py, tested in tests/bench/test_memory_read.py).
+"""The FFN kernels on every instruction set this CPU runs (the scalar C everywhere; AVX2 and, where
+the CPU has it, AVX-512 on x86-64; NEON on aarch64), against the numpy reference (the plain
+memory-read baseline the kernel benchmark compares with is bench/memory_read.py, tested in
+tests/bench/test_memory_read.py).
 
-The kernels are chosen once per process; LEANSTREAM_ISA=avx2 and ls_kernels_select() choose again,
-so one run covers the AVX2 kernels even on an AVX-512 machine. The fused gate/up kernels (Q4_K,
+The kernels are chosen once per process; LEANSTREAM_ISA=<set> and ls_kernels_select() choose again,
+so one run covers the scalar kernels (the reference the others are checked against at start-up)
+and the AVX2 ones even on an AVX-512 machine. The fused gate/up kernels (Q4_K,
 Q4_1 rows), the verify pass's rows kernels (each row as that token alone), the prefill kernel (4
 tokens per pass, and the tokens left over) and the down projections (Q8_0 and Q6_K columns in
 place for decode and verify passes, the register-blocked tile for prefill) all run here.
@@ -39,30 +41,44 @@ def layer(request, tmp_path_factory):
     return case, m.layer_path(d / "lsm", 0)
 
 
-def _isas() -> list[str]:
+ISAS = ("scalar", "avx2", "avx512", "neon", "neon+dotprod")   # every set a build can have, from the bottom
+
+
+def isas_here() -> list[str]:
+    """The instruction sets this build and CPU run (ls_kernels_force takes them), the CPU's best last."""
+    here = [name for name in ISAS if lib.ls_kernels_force(name.encode())]
     lib.ls_kernels_select()
-    native = ffi.string(lib.ls_kernel_isa()).decode()
-    return ["avx2"] + (["native"] if native == "avx512" else [])
+    return here
 
 
-@pytest.fixture(params=_isas())
+@pytest.fixture(params=isas_here())
 def isa(request, monkeypatch):
-    if request.param == "avx2":
-        monkeypatch.setenv("LEANSTREAM_ISA", "avx2")
-    else:
-        monkeypatch.delenv("LEANSTREAM_ISA", raising=False)
+    """The kernels of one instruction set, chosen as a user would (LEANSTREAM_ISA)."""
+    monkeypatch.setenv("LEANSTREAM_ISA", request.param)
     lib.ls_kernels_select()
-    yield ffi.string(lib.ls_kernel_isa()).decode()
+    name = ffi.string(lib.ls_kernel_isa()).decode()
+    assert name == request.param, f"a start-up check failed: {name}"
+    yield name
     monkeypatch.delenv("LEANSTREAM_ISA", raising=False)
     lib.ls_kernels_select()
 
 
-def test_isa_is_reported():
+def test_isa_is_reported(monkeypatch):
+    monkeypatch.delenv("LEANSTREAM_ISA", raising=False)
     lib.ls_kernels_select()
     name = ffi.string(lib.ls_kernel_isa()).decode()
-    assert name in ("avx2", "avx512") or name.startswith(("avx2 (", "avx512 ("))
-    if name.startswith("avx2 (") or "rows kernels" in name:   # (a start-up check failed: what and why)
+    assert name.split(" ")[0] == isas_here()[-1]   # the CPU's best
+    if "failed" in name:   # (a start-up check failed: what and why)
         pytest.fail(f"a start-up check of the kernels failed on this CPU: {name}")
+
+
+def test_isa_asked_for_and_missing_is_said(monkeypatch):
+    monkeypatch.setenv("LEANSTREAM_ISA", "no-such-set")
+    lib.ls_kernels_select()
+    name = ffi.string(lib.ls_kernel_isa()).decode()
+    monkeypatch.delenv("LEANSTREAM_ISA")
+    lib.ls_kernels_select()
+    assert name.startswith(isas_here()[-1] + " (LEANSTREAM_ISA=no-such-set is none of this build's: scalar")
 
 
 @pytest.mark.parametrize("n_tokens", [1, 2, 9, 70])   # 70: two prefill token chunks (64 + 6)
@@ -98,7 +114,7 @@ def test_a_verify_pass_row_equals_that_token_alone(layer, isa, n_tokens):
 
 
 def test_prefill_tile_covers_widths_not_a_multiple_of_its_block(tmp_path, isa):
-    """The prefill down projection keeps 4 tokens x 16 (AVX2) or 32 (AVX-512) outputs in
+    """The prefill down projection keeps 4 tokens x 16 (AVX2, NEON) or 32 (AVX-512) outputs in
     registers; a width that is not a multiple of that (F16 down columns of 72 values here) and a
     token count that is not a multiple of 4 are finished by the plain loop."""
     write_tiny_model(tmp_path / "m.gguf", arch="llama", n_layer=1, n_embd=72, n_ff=96, n_head=2, n_head_kv=2,

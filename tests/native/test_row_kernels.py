@@ -1,90 +1,41 @@
 """The FFN kernels of a verify pass, one by one: gate/up of a neuron against T token rows
 (ls_dot2_q4_K_rows, ls_dot2_q4_1_rows) and the down projection for T rows (ls_axpy_q6_K_rows,
-ls_axpy_q8_0_rows), on random blocks, in every ISA this CPU runs. Each is checked against the numpy
-reference (tests/support/reference.py, within float tolerance) and, row by row, against the one-row
-kernel the op uses for a single token, bit for bit: that is what makes a verify pass agree with
-plain decoding (docs/design.md §21). The op as a whole is tested in test_kernels.py.
+ls_axpy_q8_0_rows), on random blocks, in every instruction set this build and CPU run (the scalar
+C, the reference, included). Each is checked against the numpy reference
+(tests/support/reference.py, within float tolerance) and, row by row, against the one-row kernel
+the op uses for a single token, bit for bit: that is what makes a verify pass agree with plain
+decoding (docs/design.md §21). The op as a whole is tested in test_kernels.py; every kernel against
+the scalar one, from C: native/tests/test_kernels.c.
 
-The kernels are internal (not in leanstream.h), so native/src/kernels.c, a leaf file, is compiled
-here on its own into a test library with the flags of native/CMakeLists.txt (contraction of
-floating-point operations, the compiler's choice, must be the library's) and loaded with cffi.
+The kernels are the library's own (leanstream.h exports them for tests and benchmarks), with the
+instruction set taken by ls_kernels_force.
 """
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-from pathlib import Path
-
-import cffi
 import numpy as np
 import pytest
 
 import reference as ref
+from leanstream_ggml._native import ffi, lib
 
-REPO = Path(__file__).resolve().parents[2]
 ROW_COUNTS = [1, 2, 3, 5, 8, 17, 64]
 
-# the kernels the tests call, declared as the library declares them (internal.h, leanstream.h)
-KERNELS = ["ls_kernels_select", "ls_kernel_isa", "ls_dot2_q4_K", "ls_dot2_q4_1", "ls_dot2_q4_K_rows",
-           "ls_dot2_q4_1_rows", "ls_axpy_q8_0_multi", "ls_axpy_q8_0_rows", "ls_axpy_q6_K_multi", "ls_axpy_q6_K_rows"]
 
-
-def kernel_cdef() -> str:
-    headers = [(REPO / "native" / "src" / "internal.h").read_text(),
-               (REPO / "native" / "include" / "leanstream.h").read_text()]
-    text = "\n".join(headers)
-    decls = [re.search(r"typedef struct \{[^}]*\} ls_block_q8_0;", text).group(0)]
-    for name in KERNELS:
-        m = re.search(r"^(?:LS_API\s+)?[\w ]+\*?\s*\b" + name + r"\([^;]*\);", text, re.M)
-        assert m, f"{name} is not declared in internal.h or leanstream.h"
-        decls.append(re.sub(r"^LS_API\s+", "", m.group(0)))
-    return "\n".join(decls)
-
-
-def library_flags() -> list[str]:
-    """The compile options native/CMakeLists.txt gives libleanstream (C11 with GNU extensions:
-    CMake's default for C_STANDARD 11, and with it GCC's -ffp-contract=fast)."""
-    text = (REPO / "native" / "CMakeLists.txt").read_text()
-    assert "set(CMAKE_C_STANDARD 11)" in text and "CMAKE_C_EXTENSIONS" not in text
-    opts = re.search(r"target_compile_options\(leanstream PRIVATE ([^)]*)\)", text).group(1).split()
-    return ["-std=gnu11", "-DNDEBUG", *opts]
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    if shutil.which("cc") is None:
-        pytest.skip("no C compiler (cc) on PATH")
-    so = tmp_path_factory.mktemp("kernels") / "libkernels.so"
-    subprocess.run(["cc", *library_flags(), "-fPIC", "-shared", f"-I{REPO / 'native' / 'include'}",
-                    str(REPO / "native" / "src" / "kernels.c"), "-lm", "-o", str(so)],
-                   check=True, capture_output=True, text=True)
-    ffi = cffi.FFI()
-    ffi.cdef(kernel_cdef())
-    return ffi, ffi.dlopen(str(so))
-
-
-def _isas() -> list[str]:
-    from leanstream_ggml._native import ffi, lib
-
+def isas_here() -> list[str]:
+    """The instruction sets this build and CPU run, from the scalar C up."""
+    here = [name for name in ("scalar", "avx2", "avx512", "neon", "neon+dotprod") if lib.ls_kernels_force(name.encode())]
     lib.ls_kernels_select()
-    return ["avx2"] + (["native"] if ffi.string(lib.ls_kernel_isa()).decode() == "avx512" else [])
+    return here
 
 
-@pytest.fixture(params=_isas())
-def k(request, kernels, monkeypatch):
-    """The test library with its kernels chosen for one ISA (LEANSTREAM_ISA=avx2, or the CPU's best)."""
-    ffi, lib = kernels
-    if request.param == "avx2":
-        monkeypatch.setenv("LEANSTREAM_ISA", "avx2")
-    else:
-        monkeypatch.delenv("LEANSTREAM_ISA", raising=False)
-    lib.ls_kernels_select()
+@pytest.fixture(params=isas_here())
+def k(request):
+    """The library with its kernels of one instruction set."""
+    assert lib.ls_kernels_force(request.param.encode()) == 1
     isa = ffi.string(lib.ls_kernel_isa()).decode()
-    assert isa in ("avx2", "avx512"), f"a start-up check failed: {isa}"
+    assert isa == request.param, f"a start-up check failed: {isa}"
     yield ffi, lib, isa
-    monkeypatch.delenv("LEANSTREAM_ISA", raising=False)
     lib.ls_kernels_select()
 
 
@@ -181,9 +132,9 @@ def test_dot2_rows_equal_the_one_row_kernel_and_the_reference(k, fmt, T):
 
 # ---- the down projection for T rows ------------------------------------------------------------------
 
-AXPY = {   # column format: (its columns, their C type, the one-row and the rows kernel)
-    "Q8_0": (q8_0_cols, "ls_block_q8_0", "ls_axpy_q8_0_multi", "ls_axpy_q8_0_rows"),
-    "Q6_K": (q6_K_cols, "uint8_t", "ls_axpy_q6_K_multi", "ls_axpy_q6_K_rows"),
+AXPY = {   # column format: (its columns, the one-row and the rows kernel)
+    "Q8_0": (q8_0_cols, "ls_axpy_q8_0_multi", "ls_axpy_q8_0_rows"),
+    "Q6_K": (q6_K_cols, "ls_axpy_q6_K_multi", "ls_axpy_q6_K_rows"),
 }
 
 
@@ -192,7 +143,7 @@ AXPY = {   # column format: (its columns, their C type, the one-row and the rows
 @pytest.mark.parametrize("T", ROW_COUNTS + [70])  # 70: more rows than the kernels' factor table holds
 def test_axpy_rows_equal_the_one_row_kernel_and_the_reference(k, fmt, m, T):
     ffi, lib, isa = k
-    make_cols, ctype, one_name, rows_name = AXPY[fmt]
+    make_cols, one_name, rows_name = AXPY[fmt]
     one, rows = getattr(lib, one_name), getattr(lib, rows_name)
     rng = np.random.default_rng(1000 * m + T)
     n = 1536
@@ -200,7 +151,7 @@ def test_axpy_rows_equal_the_one_row_kernel_and_the_reference(k, fmt, m, T):
     h = rng.standard_normal((m, T)).astype(np.float32)   # [m][T], as the op stages it
     h[0, 0] = 0.0                                         # (a neuron that is off in one row)
     acc0 = rng.standard_normal((T, n)).astype(np.float32)  # a partial output already there
-    cp = ffi.new(f"{ctype} *[]", [_ptr(ffi, c, f"{ctype} *") for c in cols])
+    cp = ffi.new("void *[]", [_ptr(ffi, c) for c in cols])
     acc = acc0.copy()
     rows(_ptr(ffi, acc, "float *"), _ptr(ffi, h, "float *"), cp, m, T, n)
     want = ref.axpy_columns(acc0, h, cols, fmt)
