@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -35,18 +36,35 @@ PACKAGE_PATCH_DIR = PATCH_DIR / "llama-cpp-python"  # applied in the sdist's roo
 NATIVE_DIR = REPO / "native"
 LIB_DIR = Path(__file__).resolve().parent / "_lib"
 
-# ggml's x86 CPU variants that are built (ggml/src/CMakeLists.txt names their features).
-# The project's own kernels need AVX2 (native/ is compiled with -mavx2), so nothing older
-# than haswell; cannonlake and cooperlake are rare steps between these and left out.
-CPU_VARIANTS = ["haswell", "skylakex", "cascadelake", "icelake", "zen4", "alderlake"]
+# ggml's CPU variants that are built, by machine (ggml/src/CMakeLists.txt names their features).
+# x86-64: the project's own kernels dispatch on AVX2/AVX-512 at run time; ggml's are chosen by
+# variant: nothing older than haswell; cannonlake and cooperlake are rare steps between these and
+# left out. aarch64 (Linux): the plain ARMv8.0 NEON baseline (Cortex-A53/A72: Raspberry Pi 3/4),
+# the dot product (Cortex-A55/A76: Pi 5, RK3588, Jetson Orin), + fp16 arithmetic, + int8 matmul
+# (Graviton 3/4, Neoverse V1/N2); SVE/SME variants left out.
+VARIANTS_OF_MACHINE = {
+    "x86_64": ["haswell", "skylakex", "cascadelake", "icelake", "zen4", "alderlake"],
+    "aarch64": ["armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.6_1"],
+}
 
-# GGML_NATIVE=OFF keeps -march=native (and with it AMX) out of every module.
-CMAKE_FLAGS = [
-    "-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
-    "-DGGML_CPU_VARIANTS=" + ";".join(CPU_VARIANTS),
-    "-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-]
+
+def _machine() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def cmake_flags(machine: str) -> list[str]:
+    """llama.cpp's CMake flags for a machine. GGML_NATIVE=OFF keeps -march=native (and with it
+    AMX) out of every module."""
+    variants = VARIANTS_OF_MACHINE.get(machine)
+    flags = ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON",
+             "-DGGML_CPU_VARIANTS=" + ";".join(variants)] if variants else ["-DGGML_NATIVE=OFF"]
+    return flags + ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+
+
+CPU_VARIANTS = VARIANTS_OF_MACHINE.get(_machine(), [])   # this machine's
+CMAKE_FLAGS = cmake_flags(_machine())
 
 
 class BuildError(RuntimeError):
@@ -78,13 +96,15 @@ def package_patch_files() -> list[Path]:
     return sorted(PACKAGE_PATCH_DIR.glob("*.patch"))
 
 
-def build_key() -> str:
+def build_key(flags: list[str] | None = None) -> str:
+    """The cache key of a llama.cpp build: the version, the patches, the CMake flags (this
+    machine's unless given)."""
     h = hashlib.sha256()
     h.update(LLAMA_CPP_PYTHON_VERSION.encode())
     for p in patch_files() + package_patch_files():
         h.update(p.parent.name.encode() + b"/" + p.name.encode())
         h.update(p.read_bytes())
-    h.update(" ".join(CMAKE_FLAGS).encode())
+    h.update(" ".join(CMAKE_FLAGS if flags is None else flags).encode())
     return h.hexdigest()[:16]
 
 
@@ -199,15 +219,15 @@ def build_native(llama_lib: Path) -> Path:
 # drive them), cached like the wheel under $LEANSTREAM_CACHE/ggml-cross/<version>-<key>-<target>/.
 
 CROSS_TARGETS = {
-    # target: (GNU triple, CMAKE_SYSTEM_PROCESSOR, ggml's flags: the ARMv8.0 baseline, NEON without
-    # the dot product, so that it runs on every 64-bit ARM board; qemu's default CPU included)
-    "aarch64": ("aarch64-linux-gnu", "aarch64", ["-DGGML_CPU_ARM_ARCH=armv8-a"]),
+    # target: (GNU triple, CMAKE_SYSTEM_PROCESSOR); llama.cpp gets the flags a build on that
+    # machine gets (cmake_flags: its CPU variants, one of which ggml loads at run time)
+    "aarch64": ("aarch64-linux-gnu", "aarch64"),
 }
 
 
 def cross_tools(target: str) -> dict[str, str]:
     """The cross compilers and the qemu-user binary of a target, or BuildError naming the packages."""
-    triple, proc, _ = CROSS_TARGETS[target]
+    triple, proc = CROSS_TARGETS[target]
     tools = {"cc": f"{triple}-gcc", "cxx": f"{triple}-g++", "qemu": f"qemu-{proc}"}
     missing = [t for t in tools.values() if shutil.which(t) is None]
     if missing:
@@ -217,14 +237,14 @@ def cross_tools(target: str) -> dict[str, str]:
 
 
 def _cross_cmake(target: str) -> list[str]:
-    triple, proc, _ = CROSS_TARGETS[target]
+    triple, proc = CROSS_TARGETS[target]
     return ["-DCMAKE_SYSTEM_NAME=Linux", f"-DCMAKE_SYSTEM_PROCESSOR={proc}",
             f"-DCMAKE_C_COMPILER={triple}-gcc", f"-DCMAKE_CXX_COMPILER={triple}-g++",
             f"-DCMAKE_FIND_ROOT_PATH=/usr/{triple}", "-DCMAKE_FIND_ROOT_PATH_MODE_PROGRAM=NEVER"]
 
 
 def cross_ggml_dir(target: str) -> Path:
-    return cache_dir() / "ggml-cross" / f"{LLAMA_CPP_PYTHON_VERSION}-{build_key()}-{target}"
+    return cache_dir() / "ggml-cross" / f"{LLAMA_CPP_PYTHON_VERSION}-{build_key(cmake_flags(target))}-{target}"
 
 
 def build_cross_ggml(target: str) -> Path:
@@ -238,10 +258,9 @@ def build_cross_ggml(target: str) -> Path:
         b = Path(tmp) / "build"
         # configured from llama.cpp's root (the sdist's ggml/ cannot stand alone)
         _run(["cmake", "-S", str(src), "-B", str(b), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
-              "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-              "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-              *_cross_cmake(target), *CROSS_TARGETS[target][2]], stdout=subprocess.DEVNULL)
-        _run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", "llama"])
+              "-DLLAMA_CURL=OFF", *cmake_flags(target), *_cross_cmake(target)], stdout=subprocess.DEVNULL)
+        _run(["cmake", "--build", str(b), "-j", str(os.cpu_count() or 2), "--target", "llama",
+              *[f"ggml-cpu-{v}" for v in VARIANTS_OF_MACHINE.get(target, [])]])
         tmp_out = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp_out, ignore_errors=True)
         (tmp_out / "lib").mkdir(parents=True)
@@ -252,12 +271,16 @@ def build_cross_ggml(target: str) -> Path:
     return out
 
 
+def cross_native_dir(target: str) -> Path:
+    return REPO / "build" / f"native-{target}-{build_key(cmake_flags(target))}"
+
+
 def build_cross_native(target: str) -> Path:
     """libleanstream.so and the C test programs (native/tests/*.c) for the target, in
     build/native-<target>-<key>/ of this checkout; returns that directory."""
     tools = cross_tools(target)
     ggml = build_cross_ggml(target)
-    bdir = REPO / "build" / f"native-{target}-{build_key()}"
+    bdir = cross_native_dir(target)
     bdir.mkdir(parents=True, exist_ok=True)
     _run(["cmake", "-S", str(NATIVE_DIR), "-B", str(bdir), "-DCMAKE_BUILD_TYPE=Release",
           f"-DLEANSTREAM_GGML_INCLUDE={llama_build_dir() / 'include'}", f"-DLEANSTREAM_GGML_LIBDIR={ggml / 'lib'}",

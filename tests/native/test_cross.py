@@ -57,7 +57,7 @@ def cross():
     r = subprocess.run([sys.executable, "-m", "leanstream_ggml.build", "--cross", TARGET],
                        cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    bdir = REPO / "build" / f"native-{TARGET}-{build.build_key()}"
+    bdir = build.cross_native_dir(TARGET)
     return bdir, [tools["qemu"], "-L", tools["sysroot"]]
 
 
@@ -190,10 +190,18 @@ def test_c_host_decodes_as_the_python_binding(smollm2_dir, smollm2_plain, tmp_pa
     assert _tokens(r) == want
 
 
-def test_aarch64_decodes_as_x86(cross, smollm2_dir, smollm2_plain):
-    """The aarch64 build (ggml's NEON kernels, the op's own aarch64 kernels) under qemu decodes
-    SmolLM2's greedy continuation to the same tokens as this machine's build."""
+# the emulated CPU, the op's kernels and the ggml CPU variant that must be chosen on it
+ARM_CPUS = {"cortex-a76": ("neon+dotprod", "armv8.2_2"), "cortex-a53": ("neon", "armv8.0_1")}
+
+
+@pytest.mark.parametrize("cpu", list(ARM_CPUS))
+def test_aarch64_decodes_as_x86(cross, smollm2_dir, smollm2_plain, cpu):
+    """The aarch64 build under qemu (ggml's variant for that CPU, loaded at run time as on a
+    board, and the op's NEON kernels) decodes SmolLM2's greedy continuation to the same tokens as
+    this machine's build."""
     bdir, qemu = cross
     toks, want = smollm2_plain
-    r = _run([*qemu, bdir / "test_decode", *_decode_args(smollm2_dir, toks)])
+    r = _run([*qemu, "-cpu", cpu, bdir / "test_decode", *_decode_args(smollm2_dir, toks)])
+    kernels, variant = ARM_CPUS[cpu]
+    assert f"kernels: {kernels}, ggml CPU backend {variant}\n" in r.stdout, r.stdout[-2000:]
     assert _tokens(r) == want, r.stdout
