@@ -171,12 +171,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _plan_lines(m, d: Path, args) -> list[str]:
-    """The memory plan (leanstream_ggml/memplan.py) a Llama would make under --memory-limit."""
-    from leanstream_ggml import memplan, modes, params
+    """The memory plan (leanstream_ggml/memplan.py) that Llama(d, memory_limit=...) makes with the
+    same defaults (dense mode, speculation on), or in --mode."""
+    from leanstream_ggml.llama import memory_plan
 
-    limit = params.size_bytes(args.memory_limit, "memory_limit")
-    mode = args.mode or (modes.QUALITY if m.sketch else modes.DEFAULT)
-    plan = memplan.plan(d, m, limit, mode=mode, n_ctx=args.n_ctx, n_ubatch=args.batch_size)
+    plan = memory_plan(d, args.memory_limit, n_ctx=args.n_ctx, n_batch=args.batch_size, n_ubatch=args.batch_size,
+                       **({"mode": args.mode} if args.mode else {}))
     out = plan.lines()
     plan.check()
     return out

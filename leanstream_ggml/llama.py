@@ -72,6 +72,25 @@ def _refuse_unknown_keywords(kwargs: dict) -> None:
 _GENERATE = inspect.signature(llama_cpp.Llama.generate)
 
 
+def _plan(path: Path, m, o: dict, kwargs: dict) -> memplan.MemoryPlan:
+    """The memory plan of a Llama of these options (o: params.llama_options) and llama_cpp.Llama
+    arguments under o["memory_limit"]."""
+    return memplan.plan(path, m, o["memory_limit"], mode=o["mode"], n_ctx=int(kwargs.get("n_ctx", 512)),
+                        n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
+                        n_outputs=Llama._verify_rows_max(o) if o["speculative"] != "off" else 1)
+
+
+def memory_plan(model_path, memory_limit, **kwargs) -> memplan.MemoryPlan:
+    """The memory plan ``Llama(model_path, memory_limit=memory_limit, **kwargs)`` would make (the
+    same defaults: dense mode, speculation on), without loading the model; ``.check()`` raises
+    what that Llama would raise."""
+    given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
+    given["memory_limit"] = memory_limit
+    o = params.llama_options(given)
+    path = Path(model_path)
+    return _plan(path, manifest_mod.load(path), o, kwargs)
+
+
 class ClosedError(ValueError):
     """A method of a closed Llama was called."""
 
@@ -145,10 +164,7 @@ class Llama(llama_cpp.Llama):
             # measured it, else by frequency. The same set with speculation on or off.
             block_rank = self._block_rank(path, m.block_importance_file())
         if o["memory_limit"]:
-            self.memory_plan = memplan.plan(path, m, o["memory_limit"], mode=mode,
-                                            n_ctx=int(kwargs.get("n_ctx", 512)),
-                                            n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
-                                            n_outputs=self._verify_rows_max(o) if spec != "off" else 1)
+            self.memory_plan = _plan(path, m, o, kwargs)
             self.memory_plan.check()
             o["memory_budget"] = self.memory_plan.budget
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers], activation=m.activation,

@@ -100,7 +100,7 @@ OPTIONS: tuple[Option, ...] = (
            "(hot blocks pinned + LRU); these three need predictors. Prefill is always dense. Default: "
            "{DEFAULT}, or {QUALITY} when {quality} is given",
            _RUNS + ("info",), engine=True,
-           variants={"info": Variant("the plan's mode (default: leanstream with a sketch, else dense)")}),
+           variants={"info": Variant("the plan's mode (default: dense, as Llama's)")}),
     Option("sparsity", float, None,
            "fraction of each layer's blocks skipped per decoded token in the sparse modes, in [0, 1) "
            "(default: the engine's, {sparsity@sparse})",

@@ -99,12 +99,32 @@ def test_memory_limit_gives_the_engine_the_plans_budget(smollm2_sketch_dir):
         Llama(str(smollm2_sketch_dir), mode="leanstream", memory_limit="150MB", verbose=False)
 
 
+def test_memory_plan_is_the_llamas(smollm2_sketch_dir):
+    """llama.memory_plan (what `info` prints) is the plan Llama makes with the same arguments, part
+    by part (the process part is each one's own measure)."""
+    from leanstream_ggml.llama import memory_plan
+
+    for kw in ({}, {"speculative": "off", "n_ctx": 1024}, {"mode": "leanstream", "n_batch": 64}):
+        llm = Llama(str(smollm2_sketch_dir), memory_limit="600MB", verbose=False, **kw)
+        try:
+            got, want = memory_plan(smollm2_sketch_dir, "600MB", **kw), llm.memory_plan
+        finally:
+            llm.close()
+        assert got.mode == want.mode and got.resident == want.resident
+        assert {k: v for k, v in got.parts.items() if k != "process"} == \
+               {k: v for k, v in want.parts.items() if k != "process"}, kw
+
+
 def test_info_prints_the_plan_and_refuses_a_limit_too_small(smollm2_sketch_dir):
     cmd = [sys.executable, "-m", "leanstream_ggml.cli", "info", str(smollm2_sketch_dir)]
     r = subprocess.run(cmd + ["--memory-limit", "600MB", "-c", "1024"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
-    assert "memory plan for leanstream mode under a whole-process limit of 600 MB" in r.stdout
+    # what Llama gets by default: dense mode, with the logits of speculation's verify pass
+    assert "memory plan for dense mode under a whole-process limit of 600 MB" in r.stdout
     assert "n_ctx 1024" in r.stdout and "memory_budget = limit - the above" in r.stdout
+    assert "a speculative verify pass" in r.stdout
+    r = subprocess.run(cmd + ["--memory-limit", "600MB", "--mode", "leanstream"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "memory plan for leanstream mode" in r.stdout, r.stderr
     r = subprocess.run(cmd + ["--memory-limit", "100MB"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 1 and "cannot hold this model" in r.stderr
 
