@@ -102,6 +102,7 @@ def test_memory_limit_gives_the_engine_the_plans_budget(smollm2_sketch_dir):
 def test_memory_plan_is_the_llamas(smollm2_sketch_dir):
     """llama.memory_plan (what `info` prints) is the plan Llama makes with the same arguments, part
     by part (the process part is each one's own measure)."""
+    from leanstream_ggml import Llama
     from leanstream_ggml.llama import memory_plan
 
     for kw in ({}, {"speculative": "off", "n_ctx": 1024}, {"mode": "leanstream", "n_batch": 64}):
