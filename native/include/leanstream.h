@@ -152,8 +152,8 @@ LS_API int32_t     ls_mode_uses(int32_t mode);
 // The instruction set the kernels run with on this CPU (docs/design.md §13): "avx512", "avx2",
 // "neon+dotprod", "neon" or "scalar" (the plain C, any CPU), then in parentheses whatever did not
 // go as asked (LEANSTREAM_ISA naming a set this build or CPU lacks; a kernel that failed its
-// start-up check against the scalar one and was replaced by the set below's). Chosen once, at the
-// first engine creation, capped by LEANSTREAM_ISA=<name>. ls_kernels_select() chooses again from
+// start-up check against the scalar one and was replaced by the set below's). Chosen once, when the
+// library is loaded, capped by LEANSTREAM_ISA=<name>. ls_kernels_select() chooses again from
 // LEANSTREAM_ISA; ls_kernels_force(name) takes that set (NULL: this CPU's best) and returns 1, or
 // returns 0 and changes nothing when this build or CPU has no such set. Neither while an engine
 // computes.

@@ -10,14 +10,13 @@
 // ls_kernel_isa() says what failed. The rows kernel of the kind must then give, for every row,
 // the one-row kernel's bits on that row: else rows are computed one at a time by the one-row
 // kernel (a verify pass must equal decoding whatever the compiler made of either), and
-// ls_kernel_isa() says so. Cheap (well under a millisecond) and done once per process, at the
-// first engine creation. CPU features are read here and nowhere else; the CRC-32C instruction is
+// ls_kernel_isa() says so. Cheap (well under a millisecond) and done once per process, when the
+// library is loaded (a constructor). CPU features are read here and nowhere else; the CRC-32C instruction is
 // chosen by checksum.c from ls_kernels_crc32c().
 
 #include "kernels.h"
 
 #include <math.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -309,7 +308,7 @@ static bool rows_exact(int k, const ls_kernel_set * v) {
 // the kernels in use: chosen when the library is loaded (the scalar ones until then), so that every
 // entry point (the sketch and the head kernels too, with no engine created) runs the CPU's best
 static ls_kernel_set active;
-__attribute__((constructor)) static void kernels_at_load(void) { active = ls_kernels_scalar; ls_kernels_init(); }
+__attribute__((constructor)) static void kernels_at_load(void) { active = ls_kernels_scalar; ls_kernels_select(); }
 
 static char isa_desc[512] = "scalar";
 
@@ -378,11 +377,6 @@ int32_t ls_kernels_force(const char * isa) {
     if (l < 0 || l > best) return 0;
     choose(l, "");
     return 1;
-}
-
-void ls_kernels_init(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, ls_kernels_select);
 }
 
 const char * ls_kernel_isa(void) { return isa_desc; }

@@ -375,7 +375,6 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
         ls_set_error("ggml's CPU backend is not loaded (no libggml-cpu*.so next to libggml)");
         return LS_ERR_UNSUPPORTED;
     }
-    ls_kernels_init();
     ls_engine * e = NULL;
     layer_totals t = {0};
     st = new_engine(&rp, &e);

@@ -424,8 +424,6 @@ void        ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd
 typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;   // ggml's block_q8_0
 #define LS_Q6_K_BYTES 210                                       // ggml's block_q6_K (256 values)
 float       ls_act(int32_t activation, float g);                // LS_ACT_* of a gate value
-// chooses the kernels' variants for this CPU, once (ls_kernels_select)
-void        ls_kernels_init(void);
 
 // CRC-32C in a CPU's instructions (checksum_x86.c: SSE4.2; checksum_neon.c: the ARMv8 CRC
 // extension), chosen by checksum.c: the register value (not inverted) continued over p[0, len);

@@ -17,7 +17,6 @@ The same test_engine program also runs natively, so that the comparison itself i
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -27,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from c_tests import build as build_here
+from c_tests import run as _run
 from converters import convert
 from gguf_synth import write_tiny_model
 from reference import ffn_reference, load_layer
 
 REPO = Path(__file__).resolve().parents[2]
-TESTS = REPO / "native" / "tests"
 TARGET = "aarch64"
 AARCH64_MACHINE = 183            # ELF e_machine of EM_AARCH64
 
@@ -59,13 +59,6 @@ def cross():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     bdir = build.cross_native_dir(TARGET)
     return bdir, [tools["qemu"], "-L", tools["sysroot"]]
-
-
-def _run(cmd, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
-    assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "0 failure(s)" in r.stdout
-    return r
 
 
 def test_the_library_is_built_for_aarch64(cross):
@@ -127,12 +120,7 @@ def test_engine_on_aarch64(cross, layer, tmp_path, n_tokens):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on PATH")
 @pytest.mark.parametrize("n_tokens", [1, 5, 70])
 def test_engine_program_on_this_machine(layer, tmp_path, n_tokens):
-    lean = Path(importlib.util.find_spec("leanstream_ggml").origin).parent / "_lib"
-    ggml = Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
-    exe = tmp_path / "test_engine"
-    subprocess.run(["cc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'native' / 'include'}",
-                    str(TESTS / "test_engine.c"), f"-L{lean}", "-lleanstream", f"-Wl,-rpath,{lean}:{ggml}",
-                    "-o", str(exe)], check=True, capture_output=True, text=True)
+    exe = build_here("test_engine", tmp_path)
     _engine_check([], exe, layer, tmp_path, n_tokens)
 
 
@@ -176,15 +164,7 @@ def smollm2_plain(smollm2_dir):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on PATH")
 def test_c_host_decodes_as_the_python_binding(smollm2_dir, smollm2_plain, tmp_path):
     """native/tests/test_decode.c on this machine: the same tokens as the Python Llama."""
-    from leanstream_ggml import build
-
-    lean = Path(importlib.util.find_spec("leanstream_ggml").origin).parent / "_lib"
-    ggml = Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
-    exe = tmp_path / "test_decode"
-    subprocess.run(["cc", "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'native' / 'include'}",
-                    f"-I{build.llama_build_dir() / 'include'}", str(TESTS / "test_decode.c"), f"-L{lean}", f"-L{ggml}",
-                    "-lleanstream", "-lllama", f"-Wl,-rpath,{lean}:{ggml}", "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
+    exe = build_here("test_decode", tmp_path)
     toks, want = smollm2_plain
     r = _run([exe, *_decode_args(smollm2_dir, toks)])
     assert _tokens(r) == want
