@@ -126,7 +126,8 @@ def test_engine_program_on_this_machine(layer, tmp_path, n_tokens):
 
 # ---- a whole model: the patched libllama with the FFN op, decoding greedily -----------------------
 
-PROMPT = "The capital of France is"
+# prose, code, a question: none used to tune anything
+PROMPTS = ["The capital of France is", "def is_prime(n):\n    ", "Q: Why is the sky blue?\nA:"]
 N_PREDICT = 12
 
 
@@ -143,14 +144,14 @@ def _tokens(r: subprocess.CompletedProcess) -> list[int]:
     return [int(t) for t in line.split()[1:]]
 
 
-@pytest.fixture(scope="module")
-def smollm2_plain(smollm2_dir):
-    """The prompt's tokens and the Python Llama's greedy continuation in dense mode, speculation off."""
+@pytest.fixture(scope="module", params=range(len(PROMPTS)), ids=["prose", "code", "question"])
+def smollm2_plain(smollm2_dir, request):
+    """A prompt's tokens and the Python Llama's greedy continuation in dense mode, speculation off."""
     from leanstream_ggml import Llama
 
     llm = Llama(str(smollm2_dir), mode="dense", speculative="off", n_ctx=256, n_threads=2, verbose=False)
     try:
-        toks = llm.tokenize(PROMPT.encode(), add_bos=True, special=False)
+        toks = llm.tokenize(PROMPTS[request.param].encode(), add_bos=True, special=False)
         out = []
         for t in llm.generate(toks, top_k=1, temp=0.0, reset=True):
             out.append(t)
