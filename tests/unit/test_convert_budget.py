@@ -48,9 +48,10 @@ def test_the_default_conversion_records_its_stages(tiny):
     assert np.all(np.diff(imp[0]) <= 0)           # most important first
 
 
-def test_decode_rows_halve_down_to_the_least_under_a_tight_limit(tiny):
+def test_decode_rows_halve_down_to_the_least_under_a_tight_limit(tiny, monkeypatch):
     """The pass's tokens per decode: ROWS without a limit; under ever tighter limits halved down to
-    MIN_ROWS, never more where less fits (each step frees captures and logits for the cache)."""
+    MIN_ROWS, never more where less fits (each step frees captures and logits for the cache). The
+    process's size is held fixed, so that only the limit moves."""
     from converters.profile_pass import MIN_ROWS, ROWS, _n_vocab, decode_rows
     from leanstream_ggml import manifest, memplan
 
@@ -59,6 +60,7 @@ def test_decode_rows_halve_down_to_the_least_under_a_tight_limit(tiny):
     n_vocab = _n_vocab(ref, m)
     assert decode_rows(ref, m, None, True, n_vocab) == ROWS
     now = memplan.process_bytes()
+    monkeypatch.setattr(memplan, "process_bytes", lambda: now)
     coarse = [(limit, decode_rows(ref, m, limit, True, n_vocab))
               for limit in range(now, now + 400 * memplan.MiB, 2 * memplan.MiB)]
     assert coarse[0][1] == MIN_ROWS and coarse[-1][1] == ROWS
