@@ -220,6 +220,7 @@ typedef struct ls_plan {
     int32_t    pin_lo, n_pinned; // plan entries [pin_lo, n_pinned) hold a pin of this op
     int64_t    n_tokens;
     int        nth;
+    int        n_shares;    // partial outputs the op sums (op.c: LS_ROW_SHARES, or nth for prefill)
     int32_t *  scratch, * scratch2; // [max n_blocks] each (thread 0's planner)
     ls_chunks     chunks;       // LS_PATH_DENSE
     ls_cascade    cascade;      // LS_PATH_CASCADE

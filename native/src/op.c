@@ -3,9 +3,12 @@
 //   y[t] = sum over computed neurons n of act(gate_n . x[t]) * (up_n . x[t]) * down_n
 //
 // SwiGLU is a sum over neurons (paper §3.2.2), so blocks can be computed in any order the moment
-// they arrive; each compute thread owns a fixed share of the plan (the ith of nth contiguous
-// parts) and walks it in plan order, so the floating-point sums — and the output — do not depend
-// on I/O timing. gate/up dot products use ggml's own kernels: x is quantized once to the weight
+// they arrive; the plan is cut into shares (contiguous parts), each summed into its own partial
+// output in plan order and the partials added in share order, so the floating-point sums — and
+// the output — do not depend on I/O timing. Up to LS_EXACT_ROWS tokens the shares are a fixed
+// LS_ROW_SHARES whatever the thread count: llama.cpp decodes one token with n_threads and a
+// verify pass with n_threads_batch (llama-cpp-python's defaults: half the cores and all of them),
+// and both must give a token the same output. Each thread takes a contiguous run of shares. gate/up dot products use ggml's own kernels: x is quantized once to the weight
 // type's vec_dot_type (from_float) and each row is dotted with vec_dot, exactly the path
 // ggml_mul_mat takes, so rounding matches stock llama.cpp.
 
@@ -27,6 +30,9 @@
 // gives: a draft's verification then agrees with plain decoding even at a near-tie. Larger
 // batches (prefill) take the batched kernels.
 static inline int64_t tile_of(int64_t k) { return k > LS_TILE ? k : LS_TILE; }
+// The shares of a batch of up to LS_EXACT_ROWS tokens: 1, 2, 3, 4, 6 and 12 threads take equal
+// numbers of them (more threads than shares leave the rest idle in the sums).
+#define LS_ROW_SHARES 12
 
 // Thread 0, before the first barrier: scratch for this op's shape.
 static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth) {
@@ -35,13 +41,14 @@ static ls_status grow_scratch(ls_engine * e, ls_layer * L, int64_t n_tokens, int
     P->L = L;
     P->n_tokens = n_tokens;
     P->nth = nth;
+    P->n_shares = n_tokens <= LS_EXACT_ROWS ? LS_ROW_SHARES : nth;
     const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
     const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
     size_t xq = (size_t) n_tokens * ggml_row_size(tg->vec_dot_type, in->n_embd);
     if (tu->vec_dot_type != tg->vec_dot_type) xq += (size_t) n_tokens * ggml_row_size(tu->vec_dot_type, in->n_embd);
     P->buf.work_per_thread = (size_t) tile_of(in->neurons_per_block) * ((size_t) n_tokens + (size_t) in->n_embd) + 2 * (size_t) n_tokens + 64;
     if (!ls_grow((void **) &P->buf.xq, &P->buf.xq_cap, xq, 1) ||
-        !ls_grow((void **) &P->buf.acc, &P->buf.acc_cap, (size_t) nth * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
+        !ls_grow((void **) &P->buf.acc, &P->buf.acc_cap, (size_t) P->n_shares * (size_t) n_tokens * (size_t) in->n_embd, sizeof(float)) ||
         !ls_grow((void **) &P->buf.work, &P->buf.work_cap, (size_t) nth * P->buf.work_per_thread, sizeof(float))) {
         return LS_ERR_NOMEM;
     }
@@ -136,8 +143,8 @@ static inline void gate_up(const struct ggml_type_traits_cpu * tg, const struct 
     tu->vec_dot(n_embd, u, 0, urow, 0, xu, 0, 1);
 }
 
-// Thread ith's share of plan entries [lo, hi): the ith of nth contiguous parts. One sequential
-// stream per thread serves the memory prefetchers best (measured: runs of 16 entries dealt out in
+// Share ith of plan entries [lo, hi): the ith of nth contiguous parts. Shares are dealt to the
+// threads in contiguous runs: one sequential stream per thread serves the memory prefetchers best (measured: runs of 16 entries dealt out in
 // turn cost 6-8 % of a resident layer's op); on a streaming layer the second part's reads land
 // later, but there the op waits for I/O whichever way the work is dealt.
 static inline int32_t share_lo(int32_t lo, int32_t hi, int ith, int nth) {
@@ -194,31 +201,35 @@ static inline void stage_column(const ls_layer_info * in, const uint8_t * col, f
     else ggml_get_type_traits(in->down_type)->to_float(col, out, in->n_embd);
 }
 
-// This thread's partial output [n_tokens, n_embd], zeroed.
-static float * thread_acc(const ls_plan * P, int ith) {
-    const size_t per = (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
-    float * acc = P->buf.acc + (size_t) ith * per;
-    memset(acc, 0, sizeof(float) * per);
-    return acc;
+// Share s's partial output [n_tokens, n_embd].
+static float * share_acc(const ls_plan * P, int s) {
+    return P->buf.acc + (size_t) s * (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
+}
+
+// Thread ith's shares [*s0, *s1): a contiguous run of the op's n_shares, their partials zeroed.
+static void thread_shares(const ls_plan * P, int ith, int nth, int * s0, int * s1) {
+    *s0 = P->n_shares * ith / nth;
+    *s1 = P->n_shares * (ith + 1) / nth;
+    for (int s = *s0; s < *s1; s++) memset(share_acc(P, s), 0, sizeof(float) * (size_t) P->n_tokens * (size_t) P->L->info.n_embd);
 }
 
 static float * thread_work(const ls_plan * P, int ith) { return P->buf.work + (size_t) ith * P->buf.work_per_thread; }
 
-// y = the sum of the threads' partial outputs, in thread order (deterministic); each thread
-// sums its slice of the output.
+// y = the sum of the shares' partial outputs, in share order (deterministic); each thread sums
+// its slice of the output.
 static void reduce_partials(const ls_plan * P, float * y, int ith, int nth) {
     const size_t per = (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
     const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
     for (size_t i = lo; i < hi; i++) {
         float v = 0.0f;
-        for (int j = 0; j < nth; j++) v += P->buf.acc[(size_t) j * per + i];
+        for (int j = 0; j < P->n_shares; j++) v += P->buf.acc[(size_t) j * per + i];
         y[i] = v;
     }
 }
 
-// One thread's share of plan entries [lo, hi) (share_lo), every neuron of each block, accumulated
+// Share s of n_shares of plan entries [lo, hi) (share_lo), every neuron of each block, accumulated
 // into acc [n_tokens, n_embd]; counted in the layer's compute counters unless it is the draft's.
-static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t hi, float * acc, float * work) {
+static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_t hi, float * acc, float * work) {
     const ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
@@ -244,7 +255,7 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
     const uint8_t * qcols[LS_TILE_MAX];   // direct mode: the staged columns themselves
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
-    const int32_t s0 = share_lo(lo, hi, ith, nth), s1 = share_lo(lo, hi, ith + 1, nth);
+    const int32_t s0 = share_lo(lo, hi, s, n_shares), s1 = share_lo(lo, hi, s + 1, n_shares);
 
     // prefill: the tokens in chunks of LS_TOKEN_CHUNK, each through all of this thread's blocks, so
     // that the chunk's output rows stay in cache while every staged tile adds to them (a tile
@@ -313,11 +324,13 @@ static void compute_share(ls_engine * e, int ith, int nth, int32_t lo, int32_t h
 
 static void op_dense(ls_engine * e, const float * x, size_t x_row_stride, float * y, int ith, int nth) {
     ls_plan * P = &e->plan;
-    float * acc = thread_acc(P, ith);
+    int s0, s1;
+    thread_shares(P, ith, nth, &s0, &s1);
     quantize_input(P, x, x_row_stride, ith, nth);
     ls_barrier_wait(&e->barrier, nth);
     for (int32_t c = 0; c < P->chunks.n; c++) {
-        compute_share(e, ith, nth, c == 0 ? 0 : P->chunks.end[c - 1], P->chunks.end[c], acc, thread_work(P, ith));
+        for (int s = s0; s < s1; s++)
+            compute_share(e, s, P->n_shares, c == 0 ? 0 : P->chunks.end[c - 1], P->chunks.end[c], share_acc(P, s), thread_work(P, ith));
         if (c + 1 == P->chunks.n) break;
         ls_barrier_wait(&e->barrier, nth);
         if (ith == 0) {
@@ -344,10 +357,11 @@ static void op_dense(ls_engine * e, const float * x, size_t x_row_stride, float 
 
 static void op_predicted(ls_engine * e, const float * x, size_t x_row_stride, float * y, int ith, int nth) {
     ls_plan * P = &e->plan;
-    float * acc = thread_acc(P, ith);
+    int s0, s1;
+    thread_shares(P, ith, nth, &s0, &s1);
     quantize_input(P, x, x_row_stride, ith, nth);
     ls_barrier_wait(&e->barrier, nth);
-    compute_share(e, ith, nth, 0, P->n, acc, thread_work(P, ith));
+    for (int s = s0; s < s1; s++) compute_share(e, s, P->n_shares, 0, P->n, share_acc(P, s), thread_work(P, ith));
     ls_barrier_wait(&e->barrier, nth);
     reduce_partials(P, y, ith, nth);
 }
@@ -401,12 +415,12 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
     atomic_fetch_add(&L->stats.io_stall_ns, stall_ns);
 }
 
-static void cascade_down(ls_engine * e, int ith, int nth, float * acc, float * work) {
+static void cascade_down(ls_engine * e, int s, int n_shares, float * acc, float * work) {
     const ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, k = in->neurons_per_block, tile = tile_of(k);
-    const int32_t q0 = share_lo(0, P->cascade.n_sel, ith, nth), q1 = share_lo(0, P->cascade.n_sel, ith + 1, nth);
+    const int32_t q0 = share_lo(0, P->cascade.n_sel, s, n_shares), q1 = share_lo(0, P->cascade.n_sel, s + 1, n_shares);
     if (adds_in_place(in->down_type)) {
         // Q8_0 / Q6_K columns: this thread's share of the kept entries (a contiguous range, in
         // plan order) as one list, accumulated in one call that fetches each group of 8 columns
@@ -450,7 +464,8 @@ static void op_cascade(ls_engine * e, const float * x, size_t x_row_stride, cons
     ls_plan * P = &e->plan;
     ls_layer * L = P->L;
     const int32_t nb = L->info.n_blocks;
-    float * acc = thread_acc(P, ith);
+    int s0, s1;
+    thread_shares(P, ith, nth, &s0, &s1);
     quantize_input(P, x, x_row_stride, ith, nth);
     if (ith == 0) ls_sketch_quantize_x(L->sketch, x, P->cascade.xs, L->info.n_embd);
     ls_barrier_wait(&e->barrier, nth);
@@ -477,7 +492,7 @@ static void op_cascade(ls_engine * e, const float * x, size_t x_row_stride, cons
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) ls_sched_select_final(e);
     ls_barrier_wait(&e->barrier, nth);
-    cascade_down(e, ith, nth, acc, thread_work(P, ith));
+    for (int s = s0; s < s1; s++) cascade_down(e, s, P->n_shares, share_acc(P, s), thread_work(P, ith));
     ls_barrier_wait(&e->barrier, nth);
     reduce_partials(P, y, ith, nth);
     if (ith == 0) {

@@ -127,6 +127,19 @@ def test_a_verify_pass_row_equals_decoding_that_token_alone(row_model, n_tokens)
     assert np.array_equal(batch, alone)
 
 
+@pytest.mark.parametrize("n_tokens", [1, 5, 25])
+def test_a_row_is_the_same_at_any_thread_count(row_model, n_tokens):
+    """One token decodes with llama.cpp's n_threads, a verify pass with n_threads_batch: a row's
+    output does not depend on how many threads computed it (up to EXACT_ROWS rows)."""
+    x = _x(n_tokens, 6)
+    with FFNEngine(row_model) as e:
+        outs = [e.eval_layer(0, x, n_threads=n) for n in (1, 2, 3, 4, 5)]
+        alone = e.eval_layer(0, x[:1], n_threads=1)
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+    assert np.array_equal(outs[0][:1], alone)
+
+
 def test_draft_fraction_keeps_the_best_ranked_share(tiny):
     h = blockfile.read_header(tiny[0])
     rank = np.random.default_rng(2).random((N_LAYER, h.n_blocks)).astype(np.float32)
@@ -451,7 +464,8 @@ def _llama(d, **kw):
     from leanstream_ggml import Llama
 
     kw.setdefault("memory_budget", BUDGET)
-    return Llama(str(d), n_ctx=512, n_threads=2, verbose=False, seed=7, **kw)
+    kw.setdefault("n_threads", 2)
+    return Llama(str(d), n_ctx=512, verbose=False, seed=7, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -466,8 +480,11 @@ def plain(spec_dir):
 
 @pytest.mark.parametrize("kw", [dict(speculative="auto"), dict(speculative="self", draft_stop="fixed"),
                                 dict(speculative="self", draft_stop="p_min:0.5", draft_max=4),
-                                dict(speculative="ngram", draft_stop="fixed")],
-                         ids=["auto", "self-fixed", "self-pmin", "ngram"])
+                                dict(speculative="ngram", draft_stop="fixed"),
+                                # llama-cpp-python's default threads on 2 cores: one token decodes
+                                # on 1 thread, a verify pass on 2
+                                dict(speculative="auto", n_threads=1, n_threads_batch=2)],
+                         ids=["auto", "self-fixed", "self-pmin", "ngram", "auto-1-2-threads"])
 def test_speculative_greedy_equals_plain(spec_dir, plain, kw):
     llm = _llama(spec_dir, **kw)
     try:
