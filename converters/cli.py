@@ -175,7 +175,8 @@ def _plan_lines(m, d: Path, args) -> list[str]:
     same defaults (dense mode, speculation on), or in --mode."""
     from leanstream_ggml.llama import memory_plan
 
-    plan = memory_plan(d, args.memory_limit, n_ctx=args.n_ctx, n_batch=args.batch_size, n_ubatch=args.batch_size,
+    plan = memory_plan(d, args.memory_limit, n_ctx=args.n_ctx,
+                       **({"n_batch": args.batch_size, "n_ubatch": args.batch_size} if args.batch_size else {}),
                        **({"mode": args.mode} if args.mode else {}))
     out = plan.lines()
     plan.check()
@@ -329,5 +330,6 @@ def register(subparsers) -> None:
 
     add_flags(q, "info")    # --memory-limit, --mode
     q.add_argument("-c", "--n-ctx", type=int, default=512, help="the plan's n_ctx (default 512)")
-    q.add_argument("-b", "--batch-size", type=int, default=512, help="the plan's n_ubatch (default 512)")
+    q.add_argument("-b", "--batch-size", type=int, default=None,
+                   help="the plan's n_ubatch (default: Llama's, 512, or less where the limit needs it)")
     q.set_defaults(func=cmd_info)

@@ -80,15 +80,44 @@ def _plan(path: Path, m, o: dict, kwargs: dict) -> memplan.MemoryPlan:
                         n_outputs=Llama._verify_rows_max(o) if o["speculative"] != "off" else 1)
 
 
+# what gives way, in this order, where a limit leaves the engine less than its least cache and the
+# caller left it to its default: a smaller batch (a long prompt takes more passes), a chain of
+# drafts instead of a tree (fewer logit rows), no speculation
+_FIT_BATCHES = (256, 128, 64)
+
+
+def _fit(path: Path, m, o: dict, given: dict, kwargs: dict) -> memplan.MemoryPlan:
+    """The plan under o["memory_limit"], with the defaults the caller did not set given way until it
+    fits (or nothing is left to give: then ``check`` refuses it). Changes kwargs (n_batch) and o
+    (draft_width, speculative) in place; the plan's ``fitted`` says what changed."""
+    steps = []
+    if "n_batch" not in kwargs and "n_ubatch" not in kwargs:
+        steps += [("n_batch", n) for n in _FIT_BATCHES]
+    if o["speculative"] != "off" and "speculative" not in given and "draft_width" not in given:
+        steps += [("draft_width", 1), ("speculative", "off")]
+    plan, fitted = _plan(path, m, o, kwargs), {}
+    for key, value in steps:
+        if plan.cache >= memplan.MIN_CACHE:
+            break
+        if key == "n_batch":
+            kwargs["n_batch"] = value
+        else:
+            o[key] = value
+        fitted[key] = value
+        plan = _plan(path, m, o, kwargs)
+    plan.fitted = fitted
+    return plan
+
+
 def memory_plan(model_path, memory_limit, **kwargs) -> memplan.MemoryPlan:
     """The memory plan ``Llama(model_path, memory_limit=memory_limit, **kwargs)`` would make (the
-    same defaults: dense mode, speculation on), without loading the model; ``.check()`` raises
-    what that Llama would raise."""
+    same defaults: dense mode, speculation on, fitted to the limit the same way), without loading
+    the model; ``.check()`` raises what that Llama would raise."""
     given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
     given["memory_limit"] = memory_limit
     o = params.llama_options(given)
     path = Path(model_path)
-    return _plan(path, manifest_mod.load(path), o, kwargs)
+    return _fit(path, manifest_mod.load(path), o, given, kwargs)
 
 
 class ClosedError(ValueError):
@@ -164,9 +193,10 @@ class Llama(llama_cpp.Llama):
             # measured it, else by frequency. The same set with speculation on or off.
             block_rank = self._block_rank(path, m.block_importance_file())
         if o["memory_limit"]:
-            self.memory_plan = _plan(path, m, o, kwargs)
+            self.memory_plan = _fit(path, m, o, given, kwargs)
             self.memory_plan.check()
             o["memory_budget"] = self.memory_plan.budget
+            spec = o["speculative"]
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers], activation=m.activation,
                                  predictor_paths=predictor_paths, block_rank=block_rank, sketch_paths=sketch_paths,
                                  **{name: o[name] for name in options.ENGINE})
@@ -177,9 +207,10 @@ class Llama(llama_cpp.Llama):
         self.hot_blocks = self._engine.stats()["hot_blocks"] if modes.is_sparse(mode) else 0
         # one KV cache for the sequences of a token tree (speculative.py), in every mode, so that
         # plain decoding runs on the same context
-        # (as many as a batch holds outputs: llama.cpp reserves n_seq_max rows of logits and
-        # asserts they fit in n_batch's)
-        self._n_seq = self._seq_max(kwargs)
+        # (as many as a verify pass has rows, one without speculation: llama.cpp reserves and
+        # clears n_seq_max rows of logits at load, 37 MiB at 64 rows of Qwen's 151,936, held
+        # for good under a memory limit; and asserts they fit in n_batch's)
+        self._n_seq = self._seq_max(kwargs, self._verify_rows_max(o) if spec != "off" else 1)
         with _llama_cpp.context_params(n_seq_max=self._n_seq, kv_unified=True):
             super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
@@ -271,11 +302,12 @@ class Llama(llama_cpp.Llama):
         return min(1.0, s["hot_blocks"] / total) if s["hot_blocks"] else 1.0
 
     @staticmethod
-    def _seq_max(kwargs: dict) -> int:
-        """The context's n_seq_max: EXACT_ROWS, or fewer where a batch is smaller (llama_cpp.Llama
-        takes n_batch = min(n_batch, n_ctx); n_ctx 0 is the model's own, at least any batch)."""
+    def _seq_max(kwargs: dict, rows: int) -> int:
+        """The context's n_seq_max: the rows of a verify pass (``rows``), or fewer where a batch is
+        smaller (llama_cpp.Llama takes n_batch = min(n_batch, n_ctx); n_ctx 0 is the model's own,
+        at least any batch)."""
         n_batch, n_ctx = int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ctx", 512))
-        return max(1, min(EXACT_ROWS, n_batch, n_ctx or n_batch))
+        return max(1, min(rows, n_batch, n_ctx or n_batch))
 
     @staticmethod
     def _verify_rows_max(o: dict) -> int:

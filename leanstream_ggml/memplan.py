@@ -12,6 +12,8 @@ charges anonymous memory and the page cache of the files it reads alike):
 - ``kv_cache``: n_ctx x the layers' K and V widths x 2 bytes (f16);
 - ``compute``: llama.cpp's compute buffers and the op's scratch for a batch of n_ubatch tokens,
   as measured (docs/design.md §18): a fixed part and a part per token of the batch;
+- ``tables``: the engine's per-block tables;
+- ``logits``: llama.cpp's output buffer, n_seq_max rows of logits (cleared at load: held whole);
 - ``margin``: what the measurements scatter by.
 
 The engine's budget (its cache and what it keeps resident: the sketch, the predictors) is the
@@ -28,12 +30,14 @@ from pathlib import Path
 
 MiB = 1 << 20
 
-# measured on Qwen2.5-Coder-1.5B and SmolLM2 (bench/memory_breakdown.py, docs/design.md §18)
+# measured on Qwen2.5-Coder-1.5B and SmolLM2 in memory cgroups (bench/memory_breakdown.py,
+# docs/design.md §18): anonymous memory after a chat, less what each part is known to hold
 HEAP_FIXED = 16 * MiB
-HEAP_PER_VOCAB = 730           # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
-COMPUTE_FIXED = 24 * MiB
+HEAP_PER_VOCAB = 350           # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
+COMPUTE_FIXED = 8 * MiB
 COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
-MARGIN = 32 * MiB
+TABLES_PER_BLOCK = 64          # the engine's per-block tables (states, slots, checksums, plans)
+MARGIN = 16 * MiB
 MIN_CACHE = 32 * MiB           # the least cache a plan gives the engine
 
 
@@ -151,6 +155,7 @@ class MemoryPlan:
     notes: dict[str, str]
     resident: int
     mode: str
+    fitted: dict = field(default_factory=dict)   # settings left to their defaults that the limit changed
 
     @property
     def reserve(self) -> int:
@@ -167,6 +172,9 @@ class MemoryPlan:
     def lines(self) -> list[str]:
         out = [f"memory plan for {self.mode} mode under a whole-process limit of {self.limit / 1e6:.0f} MB "
                f"({self.limit / MiB:.0f} MiB):"]
+        if self.fitted:
+            out.append("  fitted to the limit: " + ", ".join(f"{k}={v}" for k, v in self.fitted.items())
+                       + " (defaults that did not fit; give them to choose otherwise)")
         for k, v in self.parts.items():
             out.append(f"  {k:<12}{_fmt(v)}  {self.notes.get(k, '')}")
         out.append(f"  {'engine':<12}{_fmt(self.budget)}  memory_budget = limit - the above")
@@ -198,7 +206,7 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
     """The plan for one model directory (its manifest given) under ``limit`` bytes. ``resident``:
     bytes of the sketch/predictor files the mode loads (default: as the manifest names them);
     ``process``: bytes the process holds before the model (default: this process, now);
-    ``n_outputs``: logit rows one decode returns (speculative decoding's verify pass: draft_max + 1)."""
+    ``n_outputs``: logit rows one decode returns (speculative decoding's verify pass: its rows)."""
     if base is None:
         base = read_base(manifest.resolve(model_dir, manifest.base.file))
     if resident is None:
@@ -211,10 +219,10 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         "kv_cache": n_ctx * base.kv_width * 2,
         "heap": HEAP_FIXED + HEAP_PER_VOCAB * base.n_vocab,
         "compute": COMPUTE_FIXED + COMPUTE_PER_UBATCH_VALUE * n_ubatch * base.n_embd,
+        "tables": TABLES_PER_BLOCK * sum(e.n_blocks for e in manifest.layers) if manifest is not None else 0,
+        "logits": n_outputs * base.n_vocab * 4,
         "margin": MARGIN,
     }
-    if n_outputs > 1:
-        parts["logits"] = (n_outputs - 1) * base.n_vocab * 4
     tied = "output.weight" not in base.tensor_bytes
     notes = {
         "process": "the interpreter and libraries, before the model",
@@ -223,7 +231,9 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         "kv_cache": f"n_ctx {n_ctx} x {base.kv_width} K/V values x 2 bytes",
         "heap": f"llama.cpp's vocabulary ({base.n_vocab} tokens) and sampling",
         "compute": f"activations of a batch of n_ubatch {n_ubatch} tokens",
-        "logits": f"{n_outputs - 1} more rows of {base.n_vocab} logits (a speculative verify pass)",
+        "tables": "the engine's per-block tables",
+        "logits": f"{n_outputs} row{'s' if n_outputs > 1 else ''} of {base.n_vocab} logits"
+                  + (" (a speculative verify pass)" if n_outputs > 1 else ""),
         "margin": "measurement scatter",
     }
     return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode)

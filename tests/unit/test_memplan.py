@@ -172,3 +172,32 @@ def test_the_memory_breakdown_reports_every_stage(smollm2_sketch_dir, capsys):
         assert set(s["page_cache"]) == set(doc["file_bytes"]) and "base.gguf" in s["page_cache"]
     assert doc["stages"][-1]["engine"]["resident_bytes"] == m.sketch.bytes
     assert doc["stages"][1]["anonymous"] > doc["stages"][0]["anonymous"]
+
+
+def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
+    """Where the defaults leave the engine less than its least cache, what the caller left to its
+    default gives way: first the batch (512 -> 256 -> 128 -> 64), then the draft tree's width,
+    then speculation; what the caller set never does, and the plan says what changed."""
+    from leanstream_ggml.llama import memory_plan
+
+    monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * MB)   # the test session's size aside
+    d = str(smollm2_sketch_dir)
+    roomy = memory_plan(d, 8000 * MB)
+    # llama.cpp's output buffer: as many rows as a verify pass has (1 + 8 steps x 3 wide)
+    assert roomy.fitted == {} and roomy.parts["logits"] == 25 * 49152 * 4
+    fits = roomy.reserve + memplan.MIN_CACHE          # the least limit the defaults fit in
+    p = memory_plan(d, fits - 8 * MB)
+    assert p.fitted == {"n_batch": 256} and p.cache >= memplan.MIN_CACHE
+    assert "fitted to the limit: n_batch=256" in "\n".join(p.lines())
+    at64 = memory_plan(d, 8000 * MB, n_batch=64)
+    p = memory_plan(d, at64.reserve + memplan.MIN_CACHE - MB)
+    assert p.fitted == {"n_batch": 64, "draft_width": 1} and p.cache >= memplan.MIN_CACHE
+    off = memory_plan(d, 8000 * MB, n_batch=64, speculative="off")
+    p = memory_plan(d, off.reserve + memplan.MIN_CACHE)
+    assert p.fitted["speculative"] == "off" and p.mode == "dense"
+    p.check()
+    # set by the caller: kept, and the plan refuses
+    p = memory_plan(d, fits - 8 * MB, n_batch=512, speculative="auto")
+    assert p.fitted == {}
+    with pytest.raises(memplan.MemoryPlanError):
+        p.check()
