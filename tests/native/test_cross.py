@@ -146,27 +146,45 @@ def _tokens(r: subprocess.CompletedProcess) -> list[int]:
 
 @pytest.fixture(scope="module", params=range(len(PROMPTS)), ids=["prose", "code", "question"])
 def smollm2_plain(smollm2_dir, request):
-    """A prompt's tokens and the Python Llama's greedy continuation in dense mode, speculation off."""
+    """A prompt's tokens and the Python Llama's greedy continuation in dense mode, speculation off,
+    with each step's runner-up token and its logit margin to the chosen one (``runners``)."""
+    import numpy as np
+
     from leanstream_ggml import Llama
 
     llm = Llama(str(smollm2_dir), mode="dense", speculative="off", n_ctx=256, n_threads=2, verbose=False)
     try:
         toks = llm.tokenize(PROMPTS[request.param].encode(), add_bos=True, special=False)
-        out = []
+        out, runners = [], []
         for t in llm.generate(toks, top_k=1, temp=0.0, reset=True):
+            z = llm.logits()
+            second = int(np.argsort(z)[-2])
             out.append(t)
+            runners.append((second, float(z[t] - z[second])))
             if len(out) == N_PREDICT:
                 break
     finally:
         llm.close()
-    return toks, out
+    return toks, out, runners
+
+
+def _same_or_near_tie(got: list[int], want: list[int], runners: list) -> None:
+    """Another ISA's greedy tokens equal these up to the end, or up to a step where this machine's
+    model itself nearly tied (the other took its runner-up, within 0.5 of a logit: ggml's ARM and
+    x86 kernels round differently, and a near-tie may go either way)."""
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if i is None:
+        assert len(got) == len(want)
+        return
+    second, margin = runners[i]
+    assert got[i] == second and margin < 0.5, (i, got, want, runners[i])
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc) on PATH")
 def test_c_host_decodes_as_the_python_binding(smollm2_dir, smollm2_plain, tmp_path):
     """native/tests/test_decode.c on this machine: the same tokens as the Python Llama."""
     exe = build_here("test_decode", tmp_path)
-    toks, want = smollm2_plain
+    toks, want, _ = smollm2_plain
     r = _run([exe, *_decode_args(smollm2_dir, toks)])
     assert _tokens(r) == want
 
@@ -179,10 +197,10 @@ ARM_CPUS = {"cortex-a76": ("neon+dotprod", "armv8.2_2"), "cortex-a53": ("neon", 
 def test_aarch64_decodes_as_x86(cross, smollm2_dir, smollm2_plain, cpu):
     """The aarch64 build under qemu (ggml's variant for that CPU, loaded at run time as on a
     board, and the op's NEON kernels) decodes SmolLM2's greedy continuation to the same tokens as
-    this machine's build."""
+    this machine's build, or to the same tokens up to a near-tie of this machine's model."""
     bdir, qemu = cross
-    toks, want = smollm2_plain
+    toks, want, runners = smollm2_plain
     r = _run([*qemu, "-cpu", cpu, bdir / "test_decode", *_decode_args(smollm2_dir, toks)])
     kernels, variant = ARM_CPUS[cpu]
     assert f"kernels: {kernels}, ggml CPU backend {variant}\n" in r.stdout, r.stdout[-2000:]
-    assert _tokens(r) == want, r.stdout
+    _same_or_near_tie(_tokens(r), want, runners)
