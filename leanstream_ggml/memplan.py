@@ -156,6 +156,7 @@ class MemoryPlan:
     resident: int
     mode: str
     fitted: dict = field(default_factory=dict)   # settings left to their defaults that the limit changed
+    n_ctx: int = 0
 
     @property
     def reserve(self) -> int:
@@ -197,7 +198,10 @@ class MemoryPlan:
                 + (f", {self.resident / MiB:.0f} MiB resident sketch/predictors" if self.resident else "")
                 + f", {MIN_CACHE / MiB:.0f} MiB of cache).\n" + "\n".join(self.lines())
                 + (f"\n(dense mode keeps nothing resident: it needs {(self.reserve + MIN_CACHE) / 1e6:.0f} MB)"
-                   if self.resident else ""), self)
+                   if self.resident else "")
+                + (f"\n(n_ctx {self.n_ctx} holds {self.parts['kv_cache'] / MiB:.0f} MiB of KV cache: n_ctx 512, `-c 512` "
+                   f"on the command line, would free {self.parts['kv_cache'] * (1 - 512 / self.n_ctx) / MiB:.0f})"
+                   if self.n_ctx > 512 and "kv_cache" in self.parts else ""), self)
 
 
 def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,
@@ -236,7 +240,7 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
                   + (" (a speculative verify pass)" if n_outputs > 1 else ""),
         "margin": "measurement scatter",
     }
-    return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode)
+    return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode, n_ctx=n_ctx)
 
 
 

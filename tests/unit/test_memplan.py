@@ -201,3 +201,14 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     assert p.fitted == {}
     with pytest.raises(memplan.MemoryPlanError):
         p.check()
+
+
+def test_a_refusal_says_what_a_smaller_context_frees():
+    base = memplan.BaseModelInfo(arch="llama", n_layer=30, n_embd=576, n_vocab=49152, kv_width=11520,
+                                 tensor_bytes={"token_embd.weight": 40 * MB})
+    p = memplan.plan(None, None, 200 * MB, mode="dense", n_ctx=2048, n_ubatch=512, resident=0, process=50 * MB, base=base)
+    with pytest.raises(memplan.MemoryPlanError) as e:
+        p.check()
+    kv = 2048 * 11520 * 2
+    assert f"n_ctx 2048 holds {kv / 2**20:.0f} MiB of KV cache" in str(e.value) and "-c 512" in str(e.value)
+    assert f"would free {kv * 0.75 / 2**20:.0f})" in str(e.value)
