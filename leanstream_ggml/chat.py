@@ -85,6 +85,27 @@ def _stream_answer(llm, messages, args) -> str:
     return "".join(out)
 
 
+CHAT_CONTEXTS = (2048, 1024, 512)   # the chat's context without -c: the largest the limit holds
+
+
+def _context_that_fits(model_dir, opts: dict) -> int:
+    """The chat's n_ctx when -c is not given: 2048, or under --memory-limit the largest of
+    CHAT_CONTEXTS whose memory plan leaves the engine its least cache (said on stderr when it is
+    less than 2048); where none fits, 2048, and Llama refuses with the plan."""
+    if not opts.get("memory_limit"):
+        return CHAT_CONTEXTS[0]
+    from .llama import memory_plan
+
+    kw = {k: v for k, v in opts.items() if k != "memory_limit"}
+    for n in CHAT_CONTEXTS:
+        plan = memory_plan(model_dir, opts["memory_limit"], n_ctx=n, **kw)
+        if plan.cache >= plan.min_cache:
+            if n < CHAT_CONTEXTS[0]:
+                print(f"context {n} tokens: {CHAT_CONTEXTS[0]} does not fit the memory limit (-c to choose)", file=sys.stderr)
+            return n
+    return CHAT_CONTEXTS[0]
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from ._native import LeanstreamError
     from .llama import Llama
@@ -97,8 +118,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     try:
         model_dir = converted_model_dir(args.model or DEFAULT_MODEL, "chat")
         t0 = time.perf_counter()
-        llm = Llama(str(model_dir), n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                    seed=args.seed, verbose=args.log, **given(args, "chat"))
+        opts = given(args, "chat")
+        n_ctx = args.n_ctx or _context_that_fits(model_dir, opts)
+        llm = Llama(str(model_dir), n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
+                    seed=args.seed, verbose=args.log, **opts)
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
         return 1
@@ -143,7 +166,8 @@ def register(sub) -> None:
     from .options import add_flags
 
     add_flags(p, "chat")
-    p.add_argument("-c", "--n-ctx", type=int, default=2048, help="context size (default: 2048)")
+    p.add_argument("-c", "--n-ctx", type=int, default=None,
+                   help="context size (default: 2048, or under --memory-limit the largest of 2048/1024/512 it holds)")
     p.add_argument("-t", "--threads", type=int, default=None, help="compute threads (default: llama-cpp-python's)")
     p.add_argument("-n", "--max-tokens", type=int, default=512, help="max tokens per answer (default: 512)")
     p.add_argument("--temp", type=float, default=0.7, help="sampling temperature (default: 0.7)")

@@ -97,7 +97,7 @@ def _fit(path: Path, m, o: dict, given: dict, kwargs: dict) -> memplan.MemoryPla
         steps += [("draft_width", 1), ("speculative", "off")]
     plan, fitted = _plan(path, m, o, kwargs), {}
     for key, value in steps:
-        if plan.cache >= memplan.MIN_CACHE:
+        if plan.cache >= plan.min_cache:
             break
         if key == "n_batch":
             kwargs["n_batch"] = value

@@ -38,7 +38,7 @@ COMPUTE_FIXED = 8 * MiB
 COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
 TABLES_PER_BLOCK = 64          # the engine's per-block tables (states, slots, checksums, plans)
 MARGIN = 16 * MiB
-MIN_CACHE = 32 * MiB           # the least cache a plan gives the engine
+MIN_CACHE = 32 * MiB           # the least cache a plan gives a sparse mode's engine (dense: one layer)
 
 
 class MemoryPlanError(ValueError):
@@ -157,6 +157,15 @@ class MemoryPlan:
     mode: str
     fitted: dict = field(default_factory=dict)   # settings left to their defaults that the limit changed
     n_ctx: int = 0
+    layer_bytes: int = 0       # the largest layer's blocks: what the dense engine needs at least
+
+    @property
+    def min_cache(self) -> int:
+        """The least cache the plan gives the engine: one layer's blocks in dense mode (the
+        engine's own least working set: it streams the rest), else MIN_CACHE."""
+        from . import modes
+
+        return self.layer_bytes if self.layer_bytes and not modes.is_sparse(self.mode) else MIN_CACHE
 
     @property
     def reserve(self) -> int:
@@ -190,14 +199,14 @@ class MemoryPlan:
 
     def check(self) -> None:
         """Raise MemoryPlanError (with the plan) when the limit leaves the engine too little."""
-        if self.cache < MIN_CACHE:
-            need = self.reserve + self.resident + MIN_CACHE
+        if self.cache < self.min_cache:
+            need = self.reserve + self.resident + self.min_cache
             raise MemoryPlanError(
                 f"memory_limit {self.limit / 1e6:.0f} MB cannot hold this model in {self.mode} mode: it needs at "
                 f"least {need / MiB:.0f} MiB ({self.reserve / MiB:.0f} MiB besides the engine"
                 + (f", {self.resident / MiB:.0f} MiB resident sketch/predictors" if self.resident else "")
-                + f", {MIN_CACHE / MiB:.0f} MiB of cache).\n" + "\n".join(self.lines())
-                + (f"\n(dense mode keeps nothing resident: it needs {(self.reserve + MIN_CACHE) / 1e6:.0f} MB)"
+                + f", {self.min_cache / MiB:.0f} MiB of cache).\n" + "\n".join(self.lines())
+                + (f"\n(dense mode keeps nothing resident: it needs {(self.reserve + (self.layer_bytes or MIN_CACHE)) / 1e6:.0f} MB)"
                    if self.resident else "")
                 + (f"\n(n_ctx {self.n_ctx} holds {self.parts['kv_cache'] / MiB:.0f} MiB of KV cache: n_ctx 512, `-c 512` "
                    f"on the command line, would free {self.parts['kv_cache'] * (1 - 512 / self.n_ctx) / MiB:.0f})"
@@ -240,7 +249,9 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
                   + (" (a speculative verify pass)" if n_outputs > 1 else ""),
         "margin": "measurement scatter",
     }
-    return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode, n_ctx=n_ctx)
+    layer_bytes = max((e.n_blocks * e.block_stride for e in manifest.layers), default=0) if manifest is not None else 0
+    return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode, n_ctx=n_ctx,
+                      layer_bytes=layer_bytes)
 
 
 

@@ -122,6 +122,27 @@ def test_chat_prints_load_time_and_verbose_per_token_stats(smollm2_dir, tmp_path
     assert "blocks computed" in stats and "MB read" in stats and "miss ratio" in stats
 
 
+def test_chat_without_c_takes_the_largest_context_the_limit_holds(smollm2_dir, monkeypatch, capsys):
+    """Without -c, chat's context is 2048, or under --memory-limit the largest of 2048/1024/512
+    that leaves the engine its least cache (said on stderr); with -c it is the user's."""
+    from leanstream_ggml import chat, memplan
+    from leanstream_ggml.llama import memory_plan
+
+    monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * 10**6)   # the test session's size aside
+    assert chat._context_that_fits(smollm2_dir, {}) == 2048
+    assert chat._context_that_fits(smollm2_dir, {"memory_limit": 10**10}) == 2048
+    # the least limit 512 tokens fit in, everything else given way: 2048 does not fit there
+    small = memory_plan(smollm2_dir, 10**10, n_ctx=512, n_batch=64, speculative="off")
+    least = small.reserve + small.min_cache
+    tight = least + 10**6
+    assert memory_plan(smollm2_dir, tight, n_ctx=2048).cache < small.min_cache
+    assert chat._context_that_fits(smollm2_dir, {"memory_limit": tight}) == 512
+    assert "context 512 tokens: 2048 does not fit the memory limit (-c to choose)" in capsys.readouterr().err
+    memory_plan(smollm2_dir, tight, n_ctx=512).check()
+    # nothing fits: 2048, which Llama refuses with its plan
+    assert chat._context_that_fits(smollm2_dir, {"memory_limit": least - 2 * 10**6}) == 2048
+
+
 @pytest.mark.parametrize("command", ["chat", "serve", "bench"])
 def test_a_memory_limit_too_small_is_one_line_with_the_plan(tiny_gguf, tmp_path, command):
     """--memory-limit below what the process needs besides the engine: refused before the model

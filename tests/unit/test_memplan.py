@@ -185,15 +185,17 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     roomy = memory_plan(d, 8000 * MB)
     # llama.cpp's output buffer: as many rows as a verify pass has (1 + 8 steps x 3 wide)
     assert roomy.fitted == {} and roomy.parts["logits"] == 25 * 49152 * 4
-    fits = roomy.reserve + memplan.MIN_CACHE          # the least limit the defaults fit in
+    least = roomy.min_cache      # dense: one layer's blocks, the engine's least working set
+    assert least == max(e.n_blocks * e.block_stride for e in manifest_mod.load(d).layers)
+    fits = roomy.reserve + least          # the least limit the defaults fit in
     p = memory_plan(d, fits - 8 * MB)
-    assert p.fitted == {"n_batch": 256} and p.cache >= memplan.MIN_CACHE
+    assert p.fitted == {"n_batch": 256} and p.cache >= least
     assert "fitted to the limit: n_batch=256" in "\n".join(p.lines())
     at64 = memory_plan(d, 8000 * MB, n_batch=64)
-    p = memory_plan(d, at64.reserve + memplan.MIN_CACHE - MB)
-    assert p.fitted == {"n_batch": 64, "draft_width": 1} and p.cache >= memplan.MIN_CACHE
+    p = memory_plan(d, at64.reserve + least - MB)
+    assert p.fitted == {"n_batch": 64, "draft_width": 1} and p.cache >= least
     off = memory_plan(d, 8000 * MB, n_batch=64, speculative="off")
-    p = memory_plan(d, off.reserve + memplan.MIN_CACHE)
+    p = memory_plan(d, off.reserve + least)
     assert p.fitted["speculative"] == "off" and p.mode == "dense"
     p.check()
     # set by the caller: kept, and the plan refuses

@@ -244,8 +244,6 @@ PUBLIC_API = {
     "leanstream_ggml.engine.candidate_blocks": "the engine's rule for the candidates a ratio scores (bench/selection_analysis.py, tests)",
     "leanstream_ggml.engine.kernel_isa": "what the engine's kernels dispatch to here (bench/resident_speed.py reports it)",
     "leanstream_ggml.params.engine_params": "FFNEngine's keywords validated, for a caller that builds an engine itself (tests)",
-    "leanstream_ggml.llama.memory_plan": "the plan a Llama of these arguments makes, without loading it: sizing a limit "
-                                         "(`leanstream info --memory-limit`, in converters/cli.py)",
 }
 
 
