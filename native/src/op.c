@@ -8,9 +8,10 @@
 // the output — do not depend on I/O timing. Up to LS_EXACT_ROWS tokens the shares are a fixed
 // LS_ROW_SHARES whatever the thread count: llama.cpp decodes one token with n_threads and a
 // verify pass with n_threads_batch (llama-cpp-python's defaults: half the cores and all of them),
-// and both must give a token the same output. Each thread takes a contiguous run of shares. gate/up dot products use ggml's own kernels: x is quantized once to the weight
-// type's vec_dot_type (from_float) and each row is dotted with vec_dot, exactly the path
-// ggml_mul_mat takes, so rounding matches stock llama.cpp.
+// and both must give a token the same output. Each thread takes a contiguous run of shares.
+// gate/up dot products use ggml's own kernels: x is quantized once to the weight type's
+// vec_dot_type (from_float) and each row is dotted with vec_dot, exactly the path ggml_mul_mat
+// takes, so rounding matches stock llama.cpp.
 
 #include "internal.h"
 
@@ -144,9 +145,10 @@ static inline void gate_up(const struct ggml_type_traits_cpu * tg, const struct 
 }
 
 // Share ith of plan entries [lo, hi): the ith of nth contiguous parts. Shares are dealt to the
-// threads in contiguous runs: one sequential stream per thread serves the memory prefetchers best (measured: runs of 16 entries dealt out in
-// turn cost 6-8 % of a resident layer's op); on a streaming layer the second part's reads land
-// later, but there the op waits for I/O whichever way the work is dealt.
+// threads in contiguous runs: one sequential stream per thread serves the memory prefetchers best
+// (measured: runs of 16 entries dealt out in turn cost 6-8 % of a resident layer's op); on a
+// streaming layer the later parts' reads land later, but there the op waits for I/O whichever
+// way the work is dealt.
 static inline int32_t share_lo(int32_t lo, int32_t hi, int ith, int nth) {
     return lo + (int32_t) ((int64_t) (hi - lo) * ith / nth);
 }
