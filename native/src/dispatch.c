@@ -2,7 +2,7 @@
 // the start-up checks that let a variant run; the entry points the library calls.
 //
 // The build has a list of instruction sets (ISAS below), from the scalar C up: x86-64 builds
-// avx2 and avx512, aarch64 builds neon and neon+dotprod, any other target the scalar C alone.
+// avx2, avx512 and avx512vnni, aarch64 builds neon and neon+dotprod, any other target the scalar C alone.
 // Each set brings its own kernels or none of a kind (then the set below it serves). For each kind
 // of kernel the best set that this CPU runs (and LEANSTREAM_ISA allows) is tried first: its
 // kernel must give the scalar kernel's results on fixed pseudo-random inputs (up to f32
@@ -34,6 +34,7 @@ static bool cpu_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 static bool cpu_avx512(void) { return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"); }
+static bool cpu_avx512_vnni(void) { return cpu_avx512() && __builtin_cpu_supports("avx512vnni"); }
 #elif defined(LS_ARCH_AARCH64)
 static bool cpu_neon(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0; }
 static bool cpu_dotprod(void) { return cpu_neon() && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
@@ -50,6 +51,7 @@ static const ls_isa ISAS[] = {   // each set above the one before it: a CPU that
 #if defined(LS_ARCH_X86)
     { "avx2", cpu_avx2, &ls_kernels_avx2 },
     { "avx512", cpu_avx512, &ls_kernels_avx512 },
+    { "avx512vnni", cpu_avx512_vnni, &ls_kernels_avx512_vnni },
 #elif defined(LS_ARCH_AARCH64)
     { "neon", cpu_neon, &ls_kernels_neon },
     { "neon+dotprod", cpu_dotprod, &ls_kernels_neon_dotprod },

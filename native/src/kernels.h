@@ -46,7 +46,7 @@ typedef struct ls_kernel_set {
 } ls_kernel_set;
 
 extern const ls_kernel_set ls_kernels_scalar;                     // kernels.c
-extern const ls_kernel_set ls_kernels_avx2, ls_kernels_avx512;    // kernels_x86.c
+extern const ls_kernel_set ls_kernels_avx2, ls_kernels_avx512, ls_kernels_avx512_vnni; // kernels_x86.c
 extern const ls_kernel_set ls_kernels_neon, ls_kernels_neon_dotprod; // kernels_neon.c, kernels_dotprod_neon.c
 
 // acc[t][c] += sum_j h[j][t] * cols[j][c] for t in [t0, T) over every c, and for t < t0 over c >= c0:

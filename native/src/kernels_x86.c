@@ -271,79 +271,20 @@ static const uint8_t PAIR_BCAST[4][64] __attribute__((aligned(64))) = {
 #undef LS_W8
 };
 
-// 512-bit: two 64-value chunks per step (chunk c in the low half, c + 1 in the high half); R token
-// rows at once as dot2_q4_K_avx2_body does, with this kernel's own lanes (16 float lanes; the min
-// sum one float per row, its fused add written out: the compilers contracted the scalar form)
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
-void dot2_q4_K_avx512_body(const int R, int64_t n, const void * va, const void * vb, const void * vx, size_t x_stride,
-                           float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    const ls_block_q4_K * a = va, * b = vb;
-    const ls_block_q8_K * x[LS_GU_ROWS];
-    for (int r = 0; r < R; r++) x[r] = (const ls_block_q8_K *) ((const uint8_t *) vx + (size_t) r * x_stride);
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-    __m512 acc_a[LS_GU_ROWS], acc_b[LS_GU_ROWS];   // per row: 16 float lanes of d * scaled sums
-    __m128 min_a = _mm_setzero_ps(), min_b = min_a;  // lane r: row r's sum of dmin * min sums
-    for (int r = 0; r < R; r++) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / 256; i++) {
-        for (int l = 0; l < pf_lines; l++) _mm_prefetch((const char *) pf + ((size_t) i * pf_lines + l) * 64, _MM_HINT_T0);
-        // the 8 scales as int16 in every 128-bit lane, broadcast per sub-block by shuffles
-        const __m128i ua = q4_K_scales_simd(a[i].scales), ub = q4_K_scales_simd(b[i].scales);
-        const __m512i sca = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(ua)), scb = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(ub));
-        __m512i ia[LS_GU_ROWS], ib[LS_GU_ROWS];
-        for (int r = 0; r < R; r++) ia[r] = ib[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c += 2) {
-            // low nibbles: values 64c..64c+31 | 64(c+1)..+31; high nibbles: the next 32 of each
-            const __m512i qa = _mm512_loadu_si512((const void *) (a[i].qs + 32 * c));
-            const __m512i qb = _mm512_loadu_si512((const void *) (b[i].qs + 32 * c));
-            const __m512i la = _mm512_and_si512(qa, m4), ha = _mm512_and_si512(_mm512_srli_epi16(qa, 4), m4);
-            const __m512i lb = _mm512_and_si512(qb, m4), hb = _mm512_and_si512(_mm512_srli_epi16(qb, 4), m4);
-            const __m512i w0 = _mm512_load_si512((const void *) PAIR_BCAST[c]), w1 = _mm512_load_si512((const void *) PAIR_BCAST[c + 1]);
-            const __m512i sa0 = _mm512_shuffle_epi8(sca, w0), sa1 = _mm512_shuffle_epi8(sca, w1);   // scales 2c | 2c+2, 2c+1 | 2c+3
-            const __m512i sb0 = _mm512_shuffle_epi8(scb, w0), sb1 = _mm512_shuffle_epi8(scb, w1);
-            for (int r = 0; r < R; r++) {
-                const __m512i y0 = _mm512_loadu_si512((const void *) (x[r][i].qs + 64 * c));       // chunk c
-                const __m512i y1 = _mm512_loadu_si512((const void *) (x[r][i].qs + 64 * c + 64));  // chunk c + 1
-                const __m512i x0 = _mm512_shuffle_i64x2(y0, y1, 0x44), x1 = _mm512_shuffle_i64x2(y0, y1, 0xee);
-                const __m512i pa0 = _mm512_madd_epi16(_mm512_maddubs_epi16(la, x0), sa0);
-                const __m512i pa1 = _mm512_madd_epi16(_mm512_maddubs_epi16(ha, x1), sa1);
-                const __m512i pb0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lb, x0), sb0);
-                const __m512i pb1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hb, x1), sb1);
-                ia[r] = _mm512_add_epi32(ia[r], _mm512_add_epi32(pa0, pa1));
-                ib[r] = _mm512_add_epi32(ib[r], _mm512_add_epi32(pb0, pb1));
-            }
-        }
-        const float da = f16_to_f32(a[i].d), db = f16_to_f32(b[i].d);
-        const float ma = f16_to_f32(a[i].dmin), mb = f16_to_f32(b[i].dmin);
-        // the min sums sum_s min_s * bsum_s of a and b as exact integers, one madd per row, the
-        // rows' sums gathered by horizontal adds: [row 0..3 of a | row 0..3 of b]; each row's fused
-        // add in its own lane (the one-row kernel's scalar one, lane 0)
-        const __m256i minab = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(ua, ub));
-        __m256i mm[4];
-        float dx[4] = { 0 };
-        for (int r = 0; r < 4; r++) {
-            if (r >= R) { mm[r] = _mm256_setzero_si256(); continue; }
-            const __m128i bsp = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) x[r][i].bsums),
-                                               _mm_loadu_si128((const __m128i *) (x[r][i].bsums + 8)));
-            mm[r] = _mm256_madd_epi16(minab, _mm256_broadcastsi128_si256(bsp));   // a: 4 lanes | b: 4
-            dx[r] = x[r][i].d;
-            acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r] * da), _mm512_cvtepi32_ps(ia[r]), acc_a[r]);
-            acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(dx[r] * db), _mm512_cvtepi32_ps(ib[r]), acc_b[r]);
-        }
-        const __m256i h01 = _mm256_hadd_epi32(mm[0], mm[1]);
-        const __m256i h23 = R > 2 ? _mm256_hadd_epi32(mm[2], mm[3]) : h01;
-        const __m256 ms = _mm256_cvtepi32_ps(_mm256_hadd_epi32(h01, h23));
-        const __m128 dxv = _mm_loadu_ps(dx);
-        min_a = _mm_fmadd_ps(_mm_mul_ps(dxv, _mm_set1_ps(ma)), _mm256_castps256_ps128(ms), min_a);
-        min_b = _mm_fmadd_ps(_mm_mul_ps(dxv, _mm_set1_ps(mb)), _mm256_extractf128_ps(ms, 1), min_b);
-    }
-    float mina[4], minb[4];
-    _mm_storeu_ps(mina, min_a);
-    _mm_storeu_ps(minb, min_b);
-    for (int r = 0; r < R; r++) {
-        ra[r] = _mm512_reduce_add_ps(acc_a[r]) - mina[r];
-        rb[r] = _mm512_reduce_add_ps(acc_b[r]) - minb[r];
-    }
-}
+#define LS_Q4_K_BODY dot2_q4_K_avx512_body
+#define LS_Q4_K_TARGET "avx512f,avx512bw"
+#define LS_Q4_K_VNNI 0
+#include "kernels_x86_q4_K.inc"
+#undef LS_Q4_K_BODY
+#undef LS_Q4_K_TARGET
+#undef LS_Q4_K_VNNI
+#define LS_Q4_K_BODY dot2_q4_K_vnni_body
+#define LS_Q4_K_TARGET "avx512f,avx512bw,avx512vnni"
+#define LS_Q4_K_VNNI 1
+#include "kernels_x86_q4_K.inc"
+#undef LS_Q4_K_BODY
+#undef LS_Q4_K_TARGET
+#undef LS_Q4_K_VNNI
 
 __attribute__((target("avx512f,avx512bw")))
 static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
@@ -355,6 +296,18 @@ __attribute__((target("avx512f,avx512bw")))
 static void dot2_q4_K_rows_avx512(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
                                   float * ra, float * rb, const uint8_t * pf, int pf_lines) {
     LS_GU_ROWS_DISPATCH(dot2_q4_K_avx512_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void dot2_q4_K_vnni(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
+                           const uint8_t * pf, int pf_lines) {
+    dot2_q4_K_vnni_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+static void dot2_q4_K_rows_vnni(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
+                                float * ra, float * rb, const uint8_t * pf, int pf_lines) {
+    LS_GU_ROWS_DISPATCH(dot2_q4_K_vnni_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
 }
 
 // ---- prefill down projection: acc[t] += sum_j h[j][t] * cols[j] over a staged tile ---------------
@@ -515,6 +468,66 @@ static void axpy_q6_K_multi_avx2(float * restrict acc, const float * h, const vo
                     _mm256_storeu_ps(a, v0); _mm256_storeu_ps(a + 8, v1);
                     _mm256_storeu_ps(a + 16, v2); _mm256_storeu_ps(a + 24, v3);
                 }
+            }
+        }
+    }
+}
+
+// The same sums, 16 lanes wide, 128 values (a half super-block) per step: ql's 64 bytes and qh's
+// 32 (read twice, shifted per 256-bit half) give that half's 128 quants in two registers, each
+// 16-value group of one scale a 128-bit lane; 8 accumulators of 16 outputs stay in registers while
+// the group's columns add to them, each with the factor (h * d) * scale of its group, fused in
+// column order: per output value the one-row AVX2 and scalar kernels' operations, the same bits.
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline))
+void q6_K_half_quants_avx512(const uint8_t * blk, int half, __m512i * q01, __m512i * q23) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m3 = _mm512_set1_epi8(0x03), o32 = _mm512_set1_epi8(32);
+    const __m512i ql = _mm512_loadu_si512((const void *) (blk + half * 64));
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (blk + 128 + half * 32)));
+    // quants 0..63 of the half: low nibbles, high bits qh >> 0 (0..31) | qh >> 2 (32..63);
+    // quants 64..127: high nibbles, qh >> 4 | qh >> 6 (a 64-bit shift: each byte keeps its own 2 bits)
+    const __m512i h01 = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0)), m3);
+    const __m512i h23 = _mm512_and_si512(_mm512_srlv_epi64(qh, _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4)), m3);
+    *q01 = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_slli_epi16(h01, 4)), o32);
+    *q23 = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_slli_epi16(h23, 4)), o32);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void axpy_q6_K_multi_avx512(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
+    const uint8_t * const * cols = (const uint8_t * const *) vcols;
+    for (int j0 = 0; j0 < m; j0 += 8) {
+        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const uint8_t * const * nx = cols + j0 + 8;
+        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        for (int64_t b = 0; b < n / 256; b++) {
+            float F[8][16] __attribute__((aligned(64)));   // (h * d) * scale g of each column's super-block
+            for (int j = 0; j < mj; j++) {
+                const uint8_t * blk = cols[j0 + j] + b * LS_Q6_K_BYTES;
+                uint16_t dh;
+                memcpy(&dh, blk + 208, 2);
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *) (blk + 192))));
+                _mm512_store_ps(F[j], _mm512_mul_ps(_mm512_set1_ps(h[j0 + j] * f16_to_f32(dh)), sc));
+            }
+            for (int half = 0; half < 2; half++) {
+                for (int j = 0; j < n_next; j++)
+                    for (int l = 0; l < 3; l++)
+                        _mm_prefetch((const char *) (nx[j] + b * LS_Q6_K_BYTES + half * 105 + l * 52), _MM_HINT_T0);
+                float * a = acc + b * 256 + half * 128;
+                __m512 v[8];
+                for (int g = 0; g < 8; g++) v[g] = _mm512_loadu_ps(a + 16 * g);
+                for (int j = 0; j < mj; j++) {
+                    __m512i q01, q23;
+                    q6_K_half_quants_avx512(cols[j0 + j] + b * LS_Q6_K_BYTES, half, &q01, &q23);
+                    const float * f = F[j] + 8 * half;
+                    v[0] = _mm512_fmadd_ps(_mm512_set1_ps(f[0]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q01))), v[0]);
+                    v[1] = _mm512_fmadd_ps(_mm512_set1_ps(f[1]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q01, 1))), v[1]);
+                    v[2] = _mm512_fmadd_ps(_mm512_set1_ps(f[2]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q01, 2))), v[2]);
+                    v[3] = _mm512_fmadd_ps(_mm512_set1_ps(f[3]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q01, 3))), v[3]);
+                    v[4] = _mm512_fmadd_ps(_mm512_set1_ps(f[4]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q23))), v[4]);
+                    v[5] = _mm512_fmadd_ps(_mm512_set1_ps(f[5]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q23, 1))), v[5]);
+                    v[6] = _mm512_fmadd_ps(_mm512_set1_ps(f[6]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q23, 2))), v[6]);
+                    v[7] = _mm512_fmadd_ps(_mm512_set1_ps(f[7]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q23, 3))), v[7]);
+                }
+                for (int g = 0; g < 8; g++) _mm512_storeu_ps(a + 16 * g, v[g]);
             }
         }
     }
@@ -899,12 +912,17 @@ const ls_kernel_set ls_kernels_avx2 = {
     .ls2_dot = ls2_dot_avx2,
 };
 
-// AVX-512 where it pays; the Q4_1 gate/up, the Q6_K one-row down, the dequantizations and the
+// AVX-512 where it pays; the Q4_1 gate/up, the dequantizations and the
 // sketch dot are AVX2's
 const ls_kernel_set ls_kernels_avx512 = {
     .dot2_q4_K = dot2_q4_K_avx512, .dot2_q4_K_rows = dot2_q4_K_rows_avx512,
     .axpy_q8_0 = axpy_q8_0_multi_avx512, .axpy_q8_0_rows = axpy_q8_0_rows_avx512,
-    .axpy_q6_K_rows = axpy_q6_K_rows_avx512,
+    .axpy_q6_K = axpy_q6_K_multi_avx512, .axpy_q6_K_rows = axpy_q6_K_rows_avx512,
     .axpy_tile = axpy_tile_avx512,
     .head_q6_K = head_q6_K_avx512,
+};
+
+// AVX-512 VNNI: the Q4_K gate/up (each sub-block's scale and add fused); the rest is AVX-512's
+const ls_kernel_set ls_kernels_avx512_vnni = {
+    .dot2_q4_K = dot2_q4_K_vnni, .dot2_q4_K_rows = dot2_q4_K_rows_vnni,
 };

@@ -33,7 +33,7 @@ typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;                       
 typedef struct { uint8_t ql[128], qh[64]; int8_t sc[16]; uint16_t d; } block_q6_K;     // 256 values
 
 // every instruction set a build has (this one has some of them)
-static const char * const ALL_ISAS[] = { "scalar", "avx2", "avx512", "neon", "neon+dotprod" };
+static const char * const ALL_ISAS[] = { "scalar", "avx2", "avx512", "avx512vnni", "neon", "neon+dotprod" };
 static const char * isas[8];   // the ones this build and CPU run, scalar first
 static int n_isas = 0;
 static const char * isa = "";  // the one in use now

@@ -27,5 +27,5 @@ def test_c_api(tmp_path):
 def test_kernels_in_c(tmp_path, isa):
     r = _build_and_run("test_kernels", tmp_path, env={"LEANSTREAM_ISA": isa})
     first = next(line for line in r.stdout.splitlines() if line.startswith("kernels: "))
-    want = ("scalar",) if isa else ("avx2", "avx512", "neon", "neon+dotprod")
+    want = ("scalar",) if isa else ("avx2", "avx512", "avx512vnni", "neon", "neon+dotprod")
     assert first.split()[1] in want and "(" not in first, first

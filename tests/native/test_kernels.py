@@ -41,7 +41,7 @@ def layer(request, tmp_path_factory):
     return case, m.layer_path(d / "lsm", 0)
 
 
-ISAS = ("scalar", "avx2", "avx512", "neon", "neon+dotprod")   # every set a build can have, from the bottom
+ISAS = ("scalar", "avx2", "avx512", "avx512vnni", "neon", "neon+dotprod")   # every set a build can have, from the bottom
 
 
 def isas_here() -> list[str]:

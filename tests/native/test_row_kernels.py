@@ -24,7 +24,7 @@ ROW_COUNTS = [1, 2, 3, 5, 8, 17, 64]
 
 def isas_here() -> list[str]:
     """The instruction sets this build and CPU run, from the scalar C up."""
-    here = [name for name in ("scalar", "avx2", "avx512", "neon", "neon+dotprod") if lib.ls_kernels_force(name.encode())]
+    here = [name for name in ("scalar", "avx2", "avx512", "avx512vnni", "neon", "neon+dotprod") if lib.ls_kernels_force(name.encode())]
     lib.ls_kernels_select()
     return here
 
