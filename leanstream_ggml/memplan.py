@@ -158,6 +158,7 @@ class MemoryPlan:
     fitted: dict = field(default_factory=dict)   # settings left to their defaults that the limit changed
     n_ctx: int = 0
     layer_bytes: int = 0       # the largest layer's blocks: what the dense engine needs at least
+    ffn_bytes: int = 0         # every layer's blocks: a cache this large streams nothing
 
     @property
     def min_cache(self) -> int:
@@ -166,6 +167,11 @@ class MemoryPlan:
         from . import modes
 
         return self.layer_bytes if self.layer_bytes and not modes.is_sparse(self.mode) else MIN_CACHE
+
+    @property
+    def streams(self) -> bool:
+        """Whether the cache holds less than the whole FFN (every pass reads the rest from disk)."""
+        return self.cache < self.ffn_bytes
 
     @property
     def reserve(self) -> int:
@@ -184,7 +190,7 @@ class MemoryPlan:
                f"({self.limit / MiB:.0f} MiB):"]
         if self.fitted:
             out.append("  fitted to the limit: " + ", ".join(f"{k}={v}" for k, v in self.fitted.items())
-                       + " (defaults that did not fit; give them to choose otherwise)")
+                       + " (defaults changed for this limit; give them to choose otherwise)")
         for k, v in self.parts.items():
             out.append(f"  {k:<12}{_fmt(v)}  {self.notes.get(k, '')}")
         out.append(f"  {'engine':<12}{_fmt(self.budget)}  memory_budget = limit - the above")
@@ -249,9 +255,10 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
                   + (" (a speculative verify pass)" if n_outputs > 1 else ""),
         "margin": "measurement scatter",
     }
-    layer_bytes = max((e.n_blocks * e.block_stride for e in manifest.layers), default=0) if manifest is not None else 0
+    layers = manifest.layers if manifest is not None else []
     return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode, n_ctx=n_ctx,
-                      layer_bytes=layer_bytes)
+                      layer_bytes=max((e.n_blocks * e.block_stride for e in layers), default=0),
+                      ffn_bytes=sum(e.n_blocks * e.block_stride for e in layers))
 
 
 

@@ -175,9 +175,10 @@ def test_the_memory_breakdown_reports_every_stage(smollm2_sketch_dir, capsys):
 
 
 def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
-    """Where the defaults leave the engine less than its least cache, what the caller left to its
-    default gives way: first the batch (512 -> 256 -> 128 -> 64), then the draft tree's width,
-    then speculation; what the caller set never does, and the plan says what changed."""
+    """A model that streams under its limit takes a batch of 128 (its activations' memory goes to
+    the cache); where the defaults leave the engine less than its least cache, what the caller left
+    to its default gives way: then the batch (to 64), the draft tree's width, speculation; what the
+    caller set never does, and the plan says what changed."""
     from leanstream_ggml.llama import memory_plan
 
     monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * MB)   # the test session's size aside
@@ -187,10 +188,15 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     assert roomy.fitted == {} and roomy.parts["logits"] == 25 * 49152 * 4
     least = roomy.min_cache      # dense: one layer's blocks, the engine's least working set
     assert least == max(e.n_blocks * e.block_stride for e in manifest_mod.load(d).layers)
-    fits = roomy.reserve + least          # the least limit the defaults fit in
-    p = memory_plan(d, fits - 8 * MB)
-    assert p.fitted == {"n_batch": 256} and p.cache >= least
-    assert "fitted to the limit: n_batch=256" in "\n".join(p.lines())
+    # the least limit that streams nothing at the default batch, and a MiB less
+    whole = roomy.reserve + roomy.ffn_bytes
+    assert not memory_plan(d, whole).streams and memory_plan(d, whole).fitted == {}
+    p = memory_plan(d, whole - MB)
+    assert p.fitted == {"n_batch": 128} and p.parts["compute"] < roomy.parts["compute"] and p.cache > roomy.ffn_bytes - MB
+    assert "fitted to the limit: n_batch=128" in "\n".join(p.lines())
+    fits = memory_plan(d, 8000 * MB, n_batch=128).reserve + least   # the least limit the streaming default fits in
+    p = memory_plan(d, fits - MB)
+    assert p.fitted == {"n_batch": 64} and p.cache >= least
     at64 = memory_plan(d, 8000 * MB, n_batch=64)
     p = memory_plan(d, at64.reserve + least - MB)
     assert p.fitted == {"n_batch": 64, "draft_width": 1} and p.cache >= least
