@@ -16,37 +16,58 @@ import sys
 import time
 
 
+def _decoded(llm, after_prefill: dict, end: dict) -> tuple[int, int]:
+    """(passes, tokens) of the decode between two stats(): with speculation a pass emits one token
+    and its accepted drafts; without it a pass (every layer's op once) is one token."""
+    a, b = after_prefill.get("speculative"), end.get("speculative")
+    if not (a and b):
+        passes = (end["op_calls"] - after_prefill["op_calls"]) // llm.manifest.n_layer
+        return passes, passes
+    passes = (b["passes"] - a["passes"]) + (b["plain_passes"] - a["plain_passes"])
+    return passes, passes + b["accepted"] - a["accepted"]
+
+
 def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
-    """The engine's counters over the decode steps of one answer, per decoded token."""
-    n_layer = llm.manifest.n_layer
-    steps = (end["op_calls"] - after_prefill["op_calls"]) // n_layer
-    if steps <= 0:
+    """The engine's counters over the decode passes of one answer, per decoded token (with
+    speculation a pass decodes several: its verify rows read the streamed blocks once)."""
+    _, tokens = _decoded(llm, after_prefill, end)
+    if tokens <= 0:
         return "no decode steps"
     d = {k: end[k] - after_prefill[k] for k in ("blocks_computed", "blocks_read", "bytes_read",
                                                  "io_stall_ns", "op_ns", "predictor_ns")}
     miss = d["blocks_read"] / d["blocks_computed"] if d["blocks_computed"] else 0.0
-    return (f"per decoded token: {d['blocks_computed'] / steps:.0f} blocks computed, {d['blocks_read'] / steps:.0f} "
-            f"read from disk (miss ratio {miss:.2f}), {d['bytes_read'] / steps / 1e6:.1f} MB read, FFN op "
-            f"{d['op_ns'] / steps / 1e6:.1f} ms (I/O stall {d['io_stall_ns'] / steps / 1e6:.1f} ms, predictor "
-            f"{d['predictor_ns'] / steps / 1e6:.2f} ms); FFN cache {end['cache_bytes'] / 1e6:.0f} MB")
+    return (f"per decoded token: {d['blocks_computed'] / tokens:.0f} blocks computed, {d['blocks_read'] / tokens:.0f} "
+            f"read from disk (miss ratio {miss:.2f}), {d['bytes_read'] / tokens / 1e6:.1f} MB read, FFN op "
+            f"{d['op_ns'] / tokens / 1e6:.1f} ms (I/O stall {d['io_stall_ns'] / tokens / 1e6:.1f} ms, predictor "
+            f"{d['predictor_ns'] / tokens / 1e6:.2f} ms); FFN cache {end['cache_bytes'] / 1e6:.0f} MB")
 
 
 def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, after_prefill: dict | None) -> None:
     from . import context
 
-    perf = context.perf_context(llm)
     parts = []
-    if perf.n_p_eval:
-        parts.append(f"prefill {perf.n_p_eval} tokens {perf.t_p_eval_ms / 1e3:.2f} s "
-                     f"({perf.n_p_eval / max(perf.t_p_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
-    if perf.n_eval:
-        parts.append(f"decode {perf.n_eval} tokens {perf.t_eval_ms / 1e3:.2f} s "
-                     f"({perf.n_eval / max(perf.t_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
+    now = llm.stats() if after_prefill is not None else None
+    if now is not None and "speculative" in now:
+        # llama.cpp's own counters take a verify pass of several rows for a prompt: the answer's
+        # times come from the clock and the draft's counters instead
+        if t_first is not None:
+            passes, tokens = _decoded(llm, after_prefill, now)
+            parts.append(f"prefill and first token {t_first - t0:.2f} s")
+            if tokens > 0 and t_end > t_first:
+                parts.append(f"decode {tokens} tokens in {passes} passes {t_end - t_first:.2f} s "
+                             f"({tokens / (t_end - t_first):.1f} tok/s)")
+    else:
+        perf = context.perf_context(llm)
+        if perf.n_p_eval:
+            parts.append(f"prefill {perf.n_p_eval} tokens {perf.t_p_eval_ms / 1e3:.2f} s "
+                         f"({perf.n_p_eval / max(perf.t_p_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
+        if perf.n_eval:
+            parts.append(f"decode {perf.n_eval} tokens {perf.t_eval_ms / 1e3:.2f} s "
+                         f"({perf.n_eval / max(perf.t_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
     if t_first is not None:
         parts.append(f"first token after {t_first - t0:.2f} s, answer {t_end - t0:.2f} s")
     print("[" + " | ".join(parts) + "]", file=sys.stderr)
-    if after_prefill is not None:
-        now = llm.stats()
+    if now is not None:
         print("[" + _per_token_stats(llm, after_prefill, now) + "]", file=sys.stderr)
         sp = now.get("speculative")
         if sp and sp["passes"]:

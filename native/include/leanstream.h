@@ -149,7 +149,7 @@ LS_API int32_t     ls_abi_version(void);
 // "leanstream"; NULL outside [0, LS_N_MODES)), and what it reads and does (LS_USES_*, LS_NEEDS_RANK, LS_DECODES_SPARSE bits; 0 for dense).
 LS_API const char * ls_mode_name(int32_t mode);
 LS_API int32_t     ls_mode_uses(int32_t mode);
-// The instruction set the kernels run with on this CPU (docs/design.md §13): "avx512", "avx2",
+// The instruction set the kernels run with on this CPU (docs/design.md §13): "avx512vnni", "avx512", "avx2",
 // "neon+dotprod", "neon" or "scalar" (the plain C, any CPU), then in parentheses whatever did not
 // go as asked (LEANSTREAM_ISA naming a set this build or CPU lacks; a kernel that failed its
 // start-up check against the scalar one and was replaced by the set below's). Chosen once, when the

@@ -4,6 +4,7 @@ plain GGUF is given to `chat` or `serve`."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import sys
@@ -117,6 +118,9 @@ def test_chat_prints_load_time_and_verbose_per_token_stats(smollm2_dir, tmp_path
     assert r.stdout.strip()
     print(r.stderr)
     assert "prefill " in r.stderr and "decode " in r.stderr and "tok/s" in r.stderr
+    # the answer's decoded tokens (with speculation: counted from the passes, not llama.cpp's
+    # counters, which take a verify pass for a prompt)
+    assert 1 <= int(re.search(r"decode (\d+) tokens", r.stderr).group(1)) <= 12
     stats = next(line for line in r.stderr.splitlines() if "per decoded token" in line)
     # under a budget of about half the FFN, dense decoding reads blocks from disk every token
     assert "blocks computed" in stats and "MB read" in stats and "miss ratio" in stats

@@ -184,8 +184,8 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * MB)   # the test session's size aside
     d = str(smollm2_sketch_dir)
     roomy = memory_plan(d, 8000 * MB)
-    # llama.cpp's output buffer: as many rows as a verify pass has (1 + 8 steps x 3 wide)
-    assert roomy.fitted == {} and roomy.parts["logits"] == 25 * 49152 * 4
+    # as many rows as a verify pass has (1 + 8 steps x 3 wide), in the graph and in llama.cpp's output buffer
+    assert roomy.fitted == {} and roomy.parts["logits"] == 2 * 25 * 49152 * 4
     least = roomy.min_cache      # dense: one layer's blocks, the engine's least working set
     assert least == max(e.n_blocks * e.block_stride for e in manifest_mod.load(d).layers)
     # the least limit that streams nothing at the default batch, and a MiB less
