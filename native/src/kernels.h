@@ -66,6 +66,11 @@ static inline void ls_axpy_tile_rest(float * restrict acc, const float * restric
     }
 }
 
+// The down kernels take their m columns 8 at a time: group j0's columns, and how many of the next
+// group's to prefetch while it computes
+static inline int ls_group_cols(int m, int j0) { return m - j0 < 8 ? m - j0 : 8; }
+static inline int ls_group_next(int m, int j0) { return m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8; }
+
 // kernels.c, for the SIMD variants and the dispatch: a rows kernel made of a one-row kernel, row
 // by row (each row its bits, trivially)
 void ls_axpy_rows_by_row(ls_axpy_fn one, float * acc, const float * h, const void * const * cols, int m, int64_t T, int64_t n);

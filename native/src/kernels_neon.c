@@ -196,9 +196,9 @@ static inline void fma8(float32x4_t * v, int8x8_t q, float f) {
 static void axpy_q8_0(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
     const ls_block_q8_0 * const * cols = (const ls_block_q8_0 * const *) vcols;
     for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const int mj = ls_group_cols(m, j0);
         const ls_block_q8_0 * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        const int n_next = ls_group_next(m, j0);
         for (int64_t b = 0; b < n / 32; b++) {
             for (int j = 0; j < n_next; j++) __builtin_prefetch(nx[j] + b);
             float * a = acc + b * 32;
@@ -222,9 +222,9 @@ static void axpy_q8_0(float * restrict acc, const float * h, const void * const 
 static void axpy_q6_K(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
     const uint8_t * const * cols = (const uint8_t * const *) vcols;
     for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const int mj = ls_group_cols(m, j0);
         const uint8_t * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        const int n_next = ls_group_next(m, j0);
         for (int64_t b = 0; b < n / 256; b++) {
             float hd[8];   // h * d of each column's super-block
             for (int j = 0; j < mj; j++) hd[j] = h[j0 + j] * f16_to_f32(((const ls_block_q6_K *) cols[j0 + j])[b].d);

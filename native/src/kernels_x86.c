@@ -69,12 +69,12 @@ __attribute__((target("avx512f,avx512bw")))
 static void axpy_q8_0_multi_avx512(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
     const ls_block_q8_0 * const * cols = (const ls_block_q8_0 * const *) vcols;
     for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const int mj = ls_group_cols(m, j0);
         const ls_block_q8_0 * c[8];
         float hj[8];
         for (int j = 0; j < mj; j++) { c[j] = cols[j0 + j]; hj[j] = h[j0 + j]; }
         const ls_block_q8_0 * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        const int n_next = ls_group_next(m, j0);
         for (int64_t b = 0; b < n / 32; b++) {
             for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
             float * a = acc + b * 32;
@@ -272,43 +272,27 @@ static const uint8_t PAIR_BCAST[4][64] __attribute__((aligned(64))) = {
 };
 
 #define LS_Q4_K_BODY dot2_q4_K_avx512_body
+#define LS_Q4_K_ONE dot2_q4_K_avx512
+#define LS_Q4_K_ROWS dot2_q4_K_rows_avx512
 #define LS_Q4_K_TARGET "avx512f,avx512bw"
 #define LS_Q4_K_VNNI 0
 #include "kernels_x86_q4_K.inc"
 #undef LS_Q4_K_BODY
+#undef LS_Q4_K_ONE
+#undef LS_Q4_K_ROWS
 #undef LS_Q4_K_TARGET
 #undef LS_Q4_K_VNNI
 #define LS_Q4_K_BODY dot2_q4_K_vnni_body
+#define LS_Q4_K_ONE dot2_q4_K_vnni
+#define LS_Q4_K_ROWS dot2_q4_K_rows_vnni
 #define LS_Q4_K_TARGET "avx512f,avx512bw,avx512vnni"
 #define LS_Q4_K_VNNI 1
 #include "kernels_x86_q4_K.inc"
 #undef LS_Q4_K_BODY
+#undef LS_Q4_K_ONE
+#undef LS_Q4_K_ROWS
 #undef LS_Q4_K_TARGET
 #undef LS_Q4_K_VNNI
-
-__attribute__((target("avx512f,avx512bw")))
-static void dot2_q4_K_avx512(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                             const uint8_t * pf, int pf_lines) {
-    dot2_q4_K_avx512_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void dot2_q4_K_rows_avx512(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                                  float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    LS_GU_ROWS_DISPATCH(dot2_q4_K_avx512_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void dot2_q4_K_vnni(int64_t n, const void * va, const void * vb, const void * vx, float * ra, float * rb,
-                           const uint8_t * pf, int pf_lines) {
-    dot2_q4_K_vnni_body(1, n, va, vb, vx, 0, ra, rb, pf, pf_lines);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vnni")))
-static void dot2_q4_K_rows_vnni(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int nr,
-                                float * ra, float * rb, const uint8_t * pf, int pf_lines) {
-    LS_GU_ROWS_DISPATCH(dot2_q4_K_vnni_body, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
 
 // ---- prefill down projection: acc[t] += sum_j h[j][t] * cols[j] over a staged tile ---------------
 //
@@ -437,9 +421,9 @@ static void dequant_q6_K_avx2(float * restrict out, const void * vcol, int64_t n
 static void axpy_q6_K_multi_avx2(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
     const uint8_t * const * cols = (const uint8_t * const *) vcols;
     for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const int mj = ls_group_cols(m, j0);
         const uint8_t * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        const int n_next = ls_group_next(m, j0);
         for (int64_t b = 0; b < n / 256; b++) {
             float hd[8];   // h * d of each column's super-block
             for (int j = 0; j < mj; j++) {
@@ -495,9 +479,9 @@ __attribute__((target("avx512f,avx512bw")))
 static void axpy_q6_K_multi_avx512(float * restrict acc, const float * h, const void * const * vcols, int m, int64_t n) {
     const uint8_t * const * cols = (const uint8_t * const *) vcols;
     for (int j0 = 0; j0 < m; j0 += 8) {
-        const int mj = m - j0 < 8 ? m - j0 : 8;
+        const int mj = ls_group_cols(m, j0);
         const uint8_t * const * nx = cols + j0 + 8;
-        const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+        const int n_next = ls_group_next(m, j0);
         for (int64_t b = 0; b < n / 256; b++) {
             float F[8][16] __attribute__((aligned(64)));   // (h * d) * scale g of each column's super-block
             for (int j = 0; j < mj; j++) {
@@ -706,9 +690,9 @@ static void axpy_q8_0_rows_with(rows_step_fn step, float * restrict acc, const f
     for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
         const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
         for (int j0 = 0; j0 < m; j0 += 8) {
-            const int mj = m - j0 < 8 ? m - j0 : 8;
+            const int mj = ls_group_cols(m, j0);
             const ls_block_q8_0 * const * c = cols + j0, * const * nx = cols + j0 + 8;
-            const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+            const int n_next = ls_group_next(m, j0);
             rows_h(hT, h, j0, mj, t0, Tc, T);
             for (int64_t b = 0; b < n / 32; b++) {
                 for (int j = 0; j < n_next; j++) _mm_prefetch((const char *) (nx[j] + b), _MM_HINT_T0);
@@ -730,9 +714,9 @@ static void axpy_q6_K_rows_with(rows_step_fn step, float * restrict acc, const f
     for (int64_t t0 = 0; t0 < T; t0 += LS_ROWS_CHUNK) {
         const int64_t Tc = T - t0 < LS_ROWS_CHUNK ? T - t0 : LS_ROWS_CHUNK;
         for (int j0 = 0; j0 < m; j0 += 8) {
-            const int mj = m - j0 < 8 ? m - j0 : 8;
+            const int mj = ls_group_cols(m, j0);
             const uint8_t * const * c = cols + j0, * const * nx = cols + j0 + 8;
-            const int n_next = m - j0 - 8 < 0 ? 0 : m - j0 - 8 < 8 ? m - j0 - 8 : 8;
+            const int n_next = ls_group_next(m, j0);
             rows_h(hT, h, j0, mj, t0, Tc, T);
             for (int64_t sb = 0; sb < n / 256; sb++) {
                 float d[8];
