@@ -45,27 +45,21 @@ def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
 def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, after_prefill: dict | None) -> None:
     from . import context
 
+    # times from the clock (llama.cpp's own prompt time read 0.00 s on a streamed model, and its
+    # counters take a speculative verify pass of several rows for a prompt); the decoded tokens
+    # from the draft's counters with speculation, else from llama.cpp's
     parts = []
     now = llm.stats() if after_prefill is not None else None
-    if now is not None and "speculative" in now:
-        # llama.cpp's own counters take a verify pass of several rows for a prompt: the answer's
-        # times come from the clock and the draft's counters instead
-        if t_first is not None:
-            passes, tokens = _decoded(llm, after_prefill, now)
-            parts.append(f"prefill and first token {t_first - t0:.2f} s")
-            if tokens > 0 and t_end > t_first:
-                parts.append(f"decode {tokens} tokens in {passes} passes {t_end - t_first:.2f} s "
-                             f"({tokens / (t_end - t_first):.1f} tok/s)")
-    else:
-        perf = context.perf_context(llm)
-        if perf.n_p_eval:
-            parts.append(f"prefill {perf.n_p_eval} tokens {perf.t_p_eval_ms / 1e3:.2f} s "
-                         f"({perf.n_p_eval / max(perf.t_p_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
-        if perf.n_eval:
-            parts.append(f"decode {perf.n_eval} tokens {perf.t_eval_ms / 1e3:.2f} s "
-                         f"({perf.n_eval / max(perf.t_eval_ms, 1e-9) * 1e3:.1f} tok/s)")
+    spec = now is not None and "speculative" in now
+    perf = context.perf_context(llm)
     if t_first is not None:
-        parts.append(f"first token after {t_first - t0:.2f} s, answer {t_end - t0:.2f} s")
+        parts.append((f"prefill {perf.n_p_eval} tokens" if not spec and perf.n_p_eval else "prefill")
+                     + f" and first token {t_first - t0:.2f} s")
+        passes, tokens = _decoded(llm, after_prefill, now) if spec else (perf.n_eval, perf.n_eval)
+        if tokens > 0 and t_end > t_first:
+            parts.append(f"decode {tokens} tokens" + (f" in {passes} passes" if spec else "")
+                         + f" {t_end - t_first:.2f} s ({tokens / (t_end - t_first):.1f} tok/s)")
+    parts.append(f"answer {t_end - t0:.2f} s")
     print("[" + " | ".join(parts) + "]", file=sys.stderr)
     if now is not None:
         print("[" + _per_token_stats(llm, after_prefill, now) + "]", file=sys.stderr)
