@@ -124,7 +124,10 @@ def child(a: dict) -> dict:
             if hasattr(llm, "stats"):
                 s = llm.stats()
                 r["speculative"] = s.get("speculative")
+                # per row the engine computed (a verify pass's rows each count) and per answer token
+                # (the prompt's pass included): the same for `off`, not with speculation
                 r["mb_read_per_token"] = s["bytes_read"] / max(1, s["tokens"]) / 1e6
+                r["mb_read_per_answer_token"] = s["bytes_read"] / max(1, len(out)) / 1e6
             runs.append(r)
     finally:
         llm.close()
