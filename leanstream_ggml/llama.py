@@ -85,9 +85,9 @@ def _plan(path: Path, m, o: dict, kwargs: dict) -> memplan.MemoryPlan:
 # drafts instead of a tree (fewer logit rows), no speculation
 _FIT_BATCHES = (256, 128, 64)
 # the default batch of a model that streams under its limit: its activations' memory goes to the
-# FFN cache instead (Qwen2.5-Coder-1.5B at 700 MB: 36 MiB, the cache 167 -> 203 MiB; plain decoding
-# 2.75-2.84 -> 3.07-3.11 tok/s on a chat answer). A prompt longer than this takes one more streamed
-# pass per batch; a chat turn's new tokens usually fit in one.
+# FFN cache instead (Qwen2.5-Coder-1.5B: 36 MiB; plain decoding at 1000 MB, cold, 5.28-5.52 ->
+# 5.69-5.95 tok/s). A prompt longer than this takes one more streamed pass per batch; a chat
+# turn's new tokens usually fit in one.
 STREAM_BATCH = 128
 
 
@@ -97,12 +97,13 @@ def _fit(path: Path, m, o: dict, given: dict, kwargs: dict) -> memplan.MemoryPla
     limit takes STREAM_BATCH as its default batch. Changes kwargs (n_batch) and o
     (draft_width, speculative) in place; the plan's ``fitted`` says what changed."""
     steps = []
-    if "n_batch" not in kwargs and "n_ubatch" not in kwargs:
+    batch_default = "n_batch" not in kwargs and "n_ubatch" not in kwargs
+    if batch_default:
         steps += [("n_batch", n) for n in _FIT_BATCHES]
     if o["speculative"] != "off" and "speculative" not in given and "draft_width" not in given:
         steps += [("draft_width", 1), ("speculative", "off")]
     plan, fitted = _plan(path, m, o, kwargs), {}
-    if steps and steps[0][0] == "n_batch" and plan.streams:
+    if batch_default and plan.streams:
         kwargs["n_batch"] = fitted["n_batch"] = STREAM_BATCH
         plan = _plan(path, m, o, kwargs)
         steps = [(k, v) for k, v in steps if k != "n_batch" or v < STREAM_BATCH]
