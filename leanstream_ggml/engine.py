@@ -76,8 +76,8 @@ def _test_hooks(hooks: dict | None):
     """This engine's ls_test_hooks (NULL: none), from its ``test_hooks`` keyword alone: the library
     holds no test state, and reads none from the environment (a test that runs an engine in
     another process wraps its creation there: tests/support/engine_hooks.py). Keys: the struct's
-    fields (io_delay_us, io_queue_cap, buffered_io, fault: "eio", "short" or "corrupt",
-    fault_read: which read)."""
+    fields (io_delay_us, io_queue_cap, io_queue_start, buffered_io, fault: "eio", "short" or
+    "corrupt", fault_read: which read)."""
     if not hooks:
         return ffi.NULL
     bad = sorted(set(hooks) - set(_HOOK_FIELDS))

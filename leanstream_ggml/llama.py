@@ -323,8 +323,8 @@ class Llama(llama_cpp.Llama):
     @staticmethod
     def _verify_rows_max(o: dict) -> int:
         """The most rows a verify pass decodes: the pending tokens and a tree of draft_max steps of
-        the draft's best tokens (the memory plan counts their logits)."""
-        return min(EXACT_ROWS, 1 + o["draft_max"] * o["draft_width"])
+        the draft's best tokens (the memory plan counts their logits), options.VERIFY_ROWS at most."""
+        return min(EXACT_ROWS, options.VERIFY_ROWS, 1 + o["draft_max"] * o["draft_width"])
 
     def _draft_vocab(self):
         """The draft's vocabulary: the first speculative.DRAFT_VOCAB tokens of the converter's

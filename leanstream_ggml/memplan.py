@@ -38,11 +38,6 @@ COMPUTE_FIXED = 8 * MiB
 COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
 TABLES_PER_BLOCK = 64          # the engine's per-block tables (states, slots, checksums, plans)
 MARGIN = 16 * MiB
-# speculative decoding's own working memory (the draft's head buffers, the tree's sequences, the
-# loop's state): with it unplanned, Qwen's default at 1000 MB (cold, 5 answers in one process)
-# evicted base.gguf pages it needs every pass (60-700 major faults an answer, against 12-28 with
-# speculation off); with 16 MiB more, 17-86
-DRAFT_WORKING = 16 * MiB
 MIN_CACHE = 32 * MiB           # the least cache a plan gives a sparse mode's engine (dense: one layer)
 
 
@@ -247,7 +242,6 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         # a pass's logits are held twice: the graph's result tensor (the compute buffer) and
         # llama.cpp's output buffer it is copied to
         "logits": 2 * n_outputs * base.n_vocab * 4,
-        **({"draft": DRAFT_WORKING} if n_outputs > 1 else {}),
         "margin": MARGIN,
     }
     tied = "output.weight" not in base.tensor_bytes
@@ -261,7 +255,6 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         "tables": "the engine's per-block tables",
         "logits": f"{n_outputs} row{'s' if n_outputs > 1 else ''} of {base.n_vocab} logits, twice (the graph's and llama.cpp's copy)"
                   + (" (a speculative verify pass)" if n_outputs > 1 else ""),
-        "draft": "speculative decoding's working memory (draft, tree, loop)",
         "margin": "measurement scatter",
     }
     layers = manifest.layers if manifest is not None else []

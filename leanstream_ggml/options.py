@@ -31,6 +31,11 @@ import inspect
 import textwrap
 from dataclasses import dataclass, field
 
+# the most rows a speculative verify pass decodes: llama.cpp holds that many rows of logits twice
+# (9.3 MiB on Qwen2.5-Coder-1.5B's vocabulary at 16 rows), memory a limit takes from the FFN
+# cache; the controller chose at most 13 on held-out prompts at 1000 and 700 MB
+VERIFY_ROWS = 16
+
 # the commands that take options: the library's front ends, then the tools (leanstream_tools/,
 # bench/serve_load.py), which build their parsers from this table too
 COMMANDS = ("chat", "serve", "info", "bench", "perplexity", "eval", "compare", "tune", "serve_load", "convert", "script")
@@ -157,7 +162,7 @@ OPTIONS: tuple[Option, ...] = (
            ("chat", "serve", "bench", "eval")),
     Option("draft_width", int, 3,
            "speculative decoding: the self draft's best tokens per step that a token tree may verify "
-           "(1: a chain); the verify pass has at most 1 + {draft_max} x {draft_width} rows",
+           f"(1: a chain); the verify pass has at most 1 + {{draft_max}} x {{draft_width}} rows, {VERIFY_ROWS} at most",
            ("chat", "serve", "bench", "eval")),
     Option("draft_fraction", float, None,
            "speculative decoding: the self draft computes each layer's most important fraction of its blocks "

@@ -472,7 +472,8 @@ LS_API ls_status   ls_predictor_eval_batch(ls_predictor * p, const float * x, fl
 // ---- testing -----------------------------------------------------------------------------
 // Test hooks of one engine (ls_engine_params.test_hooks; the library holds no test state of its
 // own): each read sleeps rand() % io_delay_us µs first (0: off); the read queue holds io_queue_cap
-// reads (0: three layers' blocks; when full, the submitting thread reads synchronously);
+// reads (0: three layers' blocks; when full, the submitting thread reads synchronously) and starts
+// io_queue_start long (0: the library's; it doubles as reads wait);
 // buffered_io 1: reads go through the page cache instead of O_DIRECT; fault: the fault_read-th
 // block read of the engine (1 = its first) fails once, as an EIO, a short read, or bytes that
 // arrive corrupt (their checksum then fails).
@@ -483,6 +484,7 @@ typedef struct ls_test_hooks {
     int32_t  buffered_io;
     int32_t  fault;           // LS_FAULT_*
     uint32_t fault_read;
+    uint32_t io_queue_start;
 } ls_test_hooks;
 
 // LS_CDEF_END

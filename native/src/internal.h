@@ -119,6 +119,7 @@ typedef struct ls_layer {
 // and the unselected blocks between them (a bridged gap: cheaper to read than another I/O, see
 // io.c) into the engine's bridge buffer, where they are dropped.
 #define LS_MAX_IOV 64
+#define LS_IO_QUEUE_START 256   // the read queue's first length (io.c)
 typedef struct ls_read {
     ls_layer *   L;
     int32_t      n_iov, n_blocks;
@@ -133,8 +134,8 @@ typedef struct ls_io {
     int             n_threads;
     pthread_mutex_t mu;
     pthread_cond_t  cv;
-    ls_read *       queue;      // ring buffer
-    int             cap, head, count;
+    ls_read *       queue;      // ring buffer (grows to max_cap as reads wait)
+    int             cap, max_cap, head, count;
     bool            stop;
     uint32_t        delay_us;   // test hooks (e->hooks): jitter, and one read that fails
     int32_t         fault;

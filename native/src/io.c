@@ -133,8 +133,14 @@ ls_status ls_io_start(ls_engine * e, int n_threads) {
     for (int32_t il = 0; il < e->n_layers; il++) {
         if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;
     }
-    io->cap = 3 * max_blocks + 3; // this op's reads, the next layer's prefetch, let-go prefetches
-    if (queue_cap > 0 && (int32_t) queue_cap < io->cap) io->cap = (int32_t) queue_cap; // test hook
+    // room for this op's reads, the next layer's prefetch and let-go prefetches at one block a
+    // read; the ring starts small and grows as reads wait (an entry is 1.3 KiB: sized for the worst
+    // case at once, Qwen2.5-1.5B's 35 MB of ring became resident as its head went round, memory
+    // the plan gives the FFN cache; dense streaming keeps ~120 reads queued)
+    io->max_cap = 3 * max_blocks + 3;
+    if (queue_cap > 0 && (int32_t) queue_cap < io->max_cap) io->max_cap = (int32_t) queue_cap; // test hook
+    const int32_t start = hooks->io_queue_start > 0 ? (int32_t) hooks->io_queue_start : LS_IO_QUEUE_START; // (test hook)
+    io->cap = io->max_cap < start ? io->max_cap : start;
     io->queue = malloc(sizeof(ls_read) * (size_t) io->cap);
     io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
     if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
@@ -164,11 +170,25 @@ void ls_io_stop(ls_engine * e) {
     memset(io, 0, sizeof(*io));
 }
 
+// Called with io->mu held: the ring twice as long (up to max_cap), its reads in order from 0. A
+// failed allocation leaves it as it was (push then reads in the submitting thread).
+static void grow_queue(ls_io * io) {
+    const int32_t cap = io->cap * 2 < io->max_cap ? io->cap * 2 : io->max_cap;
+    ls_read * q = malloc(sizeof(ls_read) * (size_t) cap);
+    if (!q) return;
+    for (int32_t i = 0; i < io->count; i++) q[i] = io->queue[(io->head + i) % io->cap];
+    free(io->queue);
+    io->queue = q;
+    io->head = 0;
+    io->cap = cap;
+}
+
 // Called with io->mu held. The queue holds one layer's reads, the next layer's prefetch and
 // reads of prefetched blocks that were let go before they landed; should it still be full, the
 // submitting thread does the read itself rather than overwrite a queued one.
 static void push(ls_engine * e, ls_read * r) {
     ls_io * io = &e->io;
+    if (io->count == io->cap && io->cap < io->max_cap) grow_queue(io);
     if (io->count == io->cap) {
         pthread_mutex_unlock(&io->mu);
         do_read(e, r);

@@ -672,10 +672,9 @@ def test_memory_plan_counts_the_verify_rows(spec_dir):
     m = manifest.load(spec_dir)
     one = memplan.plan(spec_dir, m, 10**9, mode="dense", process=0)
     nine = memplan.plan(spec_dir, m, 10**9, mode="dense", process=0, n_outputs=9)
-    # the logits rows twice (the graph's result and llama.cpp's output buffer), and speculation's
-    # own working memory
-    assert nine.reserve - one.reserve == 2 * 8 * one_vocab(spec_dir) * 4 + memplan.DRAFT_WORKING
-    assert "draft" in nine.parts and "draft" not in one.parts
+    # the logits rows twice (the graph's result and llama.cpp's output buffer)
+    assert nine.reserve - one.reserve == 2 * 8 * one_vocab(spec_dir) * 4
+    assert nine.parts["logits"] == 9 * one.parts["logits"]
 
 
 def one_vocab(d) -> int:

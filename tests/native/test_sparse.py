@@ -113,11 +113,16 @@ def test_streamed_sparse_equals_cached_under_io_delays(model, predictors):
     s = 0.5
     ws = n_selected(h.n_blocks, s) * h.block_stride
     runs = []
-    # the last run's read queue holds 2 reads: submits overflow it and fall back to reading
-    # synchronously on the planning thread, which must not change a bit either
-    for budget, delay, qcap in [(None, 0, 0), (int(ws * 1.5), 400, 0), (int(ws * 1.5), 200, 2)]:
+    # the third run's read queue starts 1 long and doubles as reads (one block each) wait behind the
+    # slow ones; the last one's holds 2 reads: submits overflow it and fall back to reading
+    # synchronously on the planning thread. Neither may change a bit
+    one_block = {"max_read_bytes": 4096, "bridge_bytes": 0}
+    for budget, delay, qcap, qstart in [(None, 0, 0, 0), (int(ws * 1.5), 400, 0, 0), (int(ws * 1.5), 400, 0, 1),
+                                        (int(ws * 1.5), 200, 2, 0)]:
         with FFNEngine(paths, mode="leanstream", sparsity=s, predictor_paths=pred_paths, memory_budget=budget,
-                       n_io_threads=3, test_hooks={"io_delay_us": delay, "io_queue_cap": qcap}) as e:
+                       n_io_threads=3, test_hooks={"io_delay_us": delay, "io_queue_cap": qcap,
+                                                   "io_queue_start": qstart},
+                       **(one_block if qstart else {})) as e:
             ys = []
             for token in range(3):
                 for il in range(N_LAYER):

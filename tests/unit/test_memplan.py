@@ -17,7 +17,7 @@ import pytest
 
 from gguf_synth import write_tiny_model
 from leanstream_ggml import manifest as manifest_mod
-from leanstream_ggml import memplan, params
+from leanstream_ggml import memplan, options, params
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 10**6
@@ -184,8 +184,9 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * MB)   # the test session's size aside
     d = str(smollm2_sketch_dir)
     roomy = memory_plan(d, 8000 * MB)
-    # as many rows as a verify pass has (1 + 8 steps x 3 wide), in the graph and in llama.cpp's output buffer
-    assert roomy.fitted == {} and roomy.parts["logits"] == 2 * 25 * 49152 * 4
+    # as many rows as a verify pass has (1 + 8 steps x 3 wide, VERIFY_ROWS at most), in the graph
+    # and in llama.cpp's output buffer
+    assert roomy.fitted == {} and roomy.parts["logits"] == 2 * min(25, options.VERIFY_ROWS) * 49152 * 4
     least = roomy.min_cache      # dense: one layer's blocks, the engine's least working set
     assert least == max(e.n_blocks * e.block_stride for e in manifest_mod.load(d).layers)
     # the least limit that streams nothing at the default batch, and a MiB less
