@@ -388,10 +388,9 @@ def test_compare_on_smollm2(smollm2_sketch_dir, tmp_path):
             if row["kind"] == "plugin" and row["status"] == "ok":
                 plan = row["memory_plan"]
                 assert plan["limit"] == 600 * 10**6 and row["memory_budget_bytes"] == plan["budget"] > 0
-                # (logits: a pass's output rows, a verify pass's where the setup speculates; draft:
-                # speculation's working memory)
-                assert plan["budget"] == plan["limit"] - sum(plan.get(k, 0) for k in (
-                    "process", "weights", "kv_cache", "heap", "compute", "tables", "margin", "logits", "draft"))
+                # (logits: a pass's output rows, a verify pass's where the setup speculates)
+                assert plan["budget"] == plan["limit"] - sum(plan[k] for k in (
+                    "process", "weights", "kv_cache", "heap", "compute", "tables", "margin", "logits"))
     else:
         assert not doc["limit_applied"] and "NOT APPLIED" in r.stdout
 
