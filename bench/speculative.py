@@ -9,7 +9,7 @@ cgroup of exactly that many bytes, the engine's budget from the memory plan). A 
 plugin dense with ``speculative=`` KIND[:kN][:wN][:fN][:fixed|:pminX] (KIND off, auto, self or ngram;
 kN: draft_max N; wN: draft_width N (1: a chain); fN: draft_fraction N; fixed: always draft
 draft_max, every drafted token verified; pminX: llama.cpp's p_min stop; fa: flash attention, the
-plugin's default in every config), or stock
+plugin's default in every config; stream: in_ram="stream", the op in RAM too), or stock
 llama-cpp-python on the GGUF ("stock") or on a re-quantized copy ("q3_k_m"), "+ngram": with its
 prompt lookup draft (LlamaPromptLookupDecoding, n-grams <= 3, 8 tokens).
 
@@ -60,6 +60,8 @@ def parse_config(config: str) -> dict:
             out["draft_stop"] = f"p_min:{float(o[4:])}"
         elif o == "fa":
             out["flash_attn"] = True
+        elif o == "stream":
+            out["in_ram"] = "stream"
         elif o.startswith("f") and o[1:].replace(".", "", 1).isdigit():
             out["draft_fraction"] = float(o[1:])
         else:
@@ -99,7 +101,7 @@ def child(a: dict) -> dict:
     if cfg["system"] == "plugin":
         from leanstream_ggml import Llama
 
-        kw = {k: cfg[k] for k in ("speculative", "draft_max", "draft_width", "draft_stop", "draft_fraction", "flash_attn") if k in cfg}
+        kw = {k: cfg[k] for k in ("speculative", "draft_max", "draft_width", "draft_stop", "draft_fraction", "flash_attn", "in_ram") if k in cfg}
         if a["regime"] != "ram":
             kw["memory_limit"] = a["regime"]
         llm = Llama(a["model"], n_ctx=a["ctx"], n_threads=a["threads"], n_threads_batch=a["threads"],
@@ -112,6 +114,7 @@ def child(a: dict) -> dict:
         llm = llama_cpp.Llama(a["gguf"][cfg["system"]], n_ctx=a["ctx"], n_threads=a["threads"],
                               n_threads_batch=a["threads"], verbose=False, draft_model=draft)
     load_s = time.perf_counter() - t0
+    backend = getattr(llm, "backend", "llama_cpp")
     runs = []
     try:
         for domain, text in a["prompts"]:
@@ -121,7 +124,7 @@ def child(a: dict) -> dict:
             out, prefill_s, decode_s = greedy(llm, toks, a["max_tokens"])
             r = {"domain": domain, "prompt_tokens": toks, "tokens": out, "prefill_s": prefill_s, "decode_s": decode_s,
                  "decode_tps": (len(out) - 1) / decode_s if decode_s else None}
-            if hasattr(llm, "stats"):
+            if getattr(llm, "backend", None) == "stream":   # (the stock backend counts nothing)
                 s = llm.stats()
                 r["speculative"] = s.get("speculative")
                 # per row the engine computed (a verify pass's rows each count) and per answer token
@@ -131,7 +134,7 @@ def child(a: dict) -> dict:
             runs.append(r)
     finally:
         llm.close()
-    return {"load_s": load_s, "prompts": runs}
+    return {"load_s": load_s, "backend": backend, "prompts": runs}
 
 
 def child_passes(a: dict) -> dict:

@@ -84,7 +84,7 @@ def _stream_answer(llm, messages, args) -> str:
             if t_first is None:
                 # the first chunk comes after the prompt's prefill and before any decode step
                 t_first = time.perf_counter()
-                after_prefill = llm.stats() if args.verbose else None
+                after_prefill = llm.stats() if args.verbose and llm.backend != "stock" else None
             delta = chunk["choices"][0]["delta"].get("content")
             if delta:
                 out.append(delta)
@@ -140,9 +140,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     except (ValueError, ManifestError, LeanstreamError, RuntimeError) as e:
         print(f"leanstream chat: {e}", file=sys.stderr)
         return 1
-    budget = llm.engine.memory_budget
-    print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (mode {llm.mode}{f', sparsity {llm.sparsity:g}' if is_sparse(llm.mode) else ''}, FFN budget "
-          f"{f'{budget / 2**20:.0f} MiB' if budget else 'all'})", file=sys.stderr)
+    if llm.backend == "stock":
+        print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (in RAM: its source {llm.source_path} on "
+              f"llama.cpp's own kernels, the faster here; --in-ram stream for the op)", file=sys.stderr)
+    else:
+        budget = llm.engine.memory_budget
+        print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (mode {llm.mode}{f', sparsity {llm.sparsity:g}' if is_sparse(llm.mode) else ''}, FFN budget "
+              f"{f'{budget / 2**20:.0f} MiB' if budget else 'all'})", file=sys.stderr)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import llama_cpp
 
-from . import _llama_cpp, context, memplan, modes, options, params
+from . import _llama_cpp, context, memplan, modes, options, params, stock
 from . import manifest as manifest_mod
 from .engine import EXACT_ROWS, FFNEngine
 
@@ -144,13 +144,16 @@ class Llama(llama_cpp.Llama):
         The options are declared once, in options.py (their flags are made from the same table).
         They are validated first (params.llama_options): a bad value raises ParameterError (a
         ValueError) naming it. Defaults (None) are the engine's own (ls_engine_params_init), so
-        they are written once. Under memory_limit, ``self.memory_plan`` is the plan. After
-        close(), every method raises ClosedError.
+        they are written once. Under memory_limit, ``self.memory_plan`` is the plan. With no
+        limit and no budget (in_ram="auto"), ``backend`` is "stock" where the source GGUF runs on
+        llama.cpp's own kernels (stock.py; ``engine`` is None, ``stats()`` says so), else
+        "stream" (the op) and ``stock_reason`` says why. After close(), every method raises ClosedError.
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, **kwargs):
         self._engine = self._drafter = None
+        self._closed = False
         # _manifest: the converter's calibration runs the model before its manifest is written
         _manifest = kwargs.pop("_manifest", None)
         given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
@@ -160,6 +163,7 @@ class Llama(llama_cpp.Llama):
         # every option checked before anything is opened (ParameterError names the bad one)
         o = params.llama_options(given)
         mode, spec, quality = o["mode"], o["speculative"], o["quality"]
+        stock_kwargs = dict(kwargs)   # llama_cpp.Llama's arguments as given (stock.py: in RAM)
         # a verify pass decodes several rows at once; llama.cpp's CPU backend computes a row of a
         # batch as that token alone (llama_set_exact_rows) with flash attention only, and plain
         # decoding must use the same attention for speculation to change no answer: flash
@@ -176,6 +180,16 @@ class Llama(llama_cpp.Llama):
         self.manifest = _manifest if _manifest is not None else manifest_mod.load(path)
         self.model_dir = path
         m = self.manifest
+        # nothing streams: the source GGUF on llama.cpp's own kernels where those are the faster
+        # (stock.py); the converter's calibration (_manifest) always runs the op
+        self.backend, self.source_path, self.stock_reason = "stream", None, "the converter's calibration"
+        if _manifest is None:
+            self.source_path, self.stock_reason = stock.choose(path, m, o, given)
+        if self.source_path is not None:
+            self.backend, self.mode, self.sparsity, self.speculative = "stock", mode, 0.0, "off"
+            self.controller_policy, self.hot_blocks = None, 0
+            super().__init__(str(self.source_path), **stock_kwargs)
+            return
         # every file the model is made of: inside the directory, regular, intact (block files
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
@@ -375,13 +389,20 @@ class Llama(llama_cpp.Llama):
         """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ...
         (totals: summed over layers, except ``tokens``, the token rows the model processed);
         ``speculative``: passes, drafted and accepted tokens, tokens per pass (by tree shape),
-        draft and verify seconds, the draft step's milliseconds."""
+        draft and verify seconds, the draft step's milliseconds. On the stock backend: only
+        ``backend`` and ``source``."""
+        if self.backend == "stock":
+            if self._closed:
+                raise ClosedError("this Llama is closed")
+            return {"backend": "stock", "source": str(self.source_path)}
         s = self._live_engine().stats(layer)
         if self._drafter is not None:
             s["speculative"] = self._drafter.stats.as_dict()
         return s
 
     def reset_stats(self) -> None:
+        if self.backend == "stock":
+            return
         self._live_engine().reset_stats()
         if self._drafter is not None:
             from .speculative import SpecStats
@@ -421,6 +442,7 @@ class Llama(llama_cpp.Llama):
         # handle llama-cpp-python leaves behind raises ClosedError from now on
         _llama_cpp.close(self, ClosedError)
         _llama_cpp.close_batch(self)
+        self._closed = True
         self._drafter = None
         if getattr(self, "_engine", None) is not None:
             self._engine.close()

@@ -147,6 +147,16 @@ OPTIONS: tuple[Option, ...] = (
            "(action K of that policy's actions, or of control.DEFAULT_ACTIONS where none was tuned, on every "
            "layer)",
            ("chat", "serve")),
+    Option("in_ram", str, "auto",
+           "with no {memory_limit} or {memory_budget}, where nothing streams: auto (where llama.cpp repacks the "
+           "FFN weights for this CPU, e.g. Q4_K on AVX2, the GGUF the directory was converted from runs on "
+           "llama.cpp's own kernels, as llama_cpp.Llama runs it: its speed and answers, no speculation; "
+           "elsewhere, or without that file, the op), stream (always the op)",
+           ("chat", "serve", "bench", "perplexity", "eval")),
+    Option("source", str, None,
+           "the GGUF the model directory was converted from, for {in_ram}=auto (default: the file the "
+           "manifest names, beside the directory or in the model cache); its size and sha256 are checked",
+           ("chat", "serve", "bench", "perplexity", "eval")),
     Option("speculative", str, "auto",
            "exact speculative decoding in {DEFAULT} mode (docs/design.md §21): auto (drafts from the "
            "engine's resident blocks and from prompt lookup in one token tree verified in one pass, the "

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import re
 
 MAX_BYTES = (1 << 63) - 1       # the engine's budget is a u64; anything near it is a typo
@@ -306,6 +307,18 @@ def draft_stop(value) -> tuple[str, float]:
     raise ParameterError("draft_stop", f"expected 'controller', 'fixed' or 'p_min:X' (0 <= X <= 1), got {value!r}")
 
 
+def in_ram(value) -> str:
+    if value not in ("auto", "stream"):
+        raise ParameterError("in_ram", f"expected 'auto' or 'stream', got {value!r}")
+    return value
+
+
+def source(value) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not os.path.isfile(value):
+        raise ParameterError("source", f"not a file: {value!r}")
+    return os.fspath(value)
+
+
 # Each option's check, by the option's name (options.py declares the options; every one has a check
 # here, tests/unit/test_options.py holds the two to each other): a given value (never None) ->
 # the value Llama uses, or ParameterError naming the option.
@@ -327,4 +340,6 @@ CHECKS = {
     "draft_fraction": draft_fraction,
     "draft_stop": draft_stop,
     "reuse_prefix": bool,
+    "in_ram": in_ram,
+    "source": source,
 }

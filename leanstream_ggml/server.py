@@ -269,6 +269,8 @@ def create_app(model_dir: str | Path, *, server_settings=None, model_settings=No
         llm = current()
         if llm is None:
             return {"model": str(model_dir), "loaded": False}
+        if llm.backend == "stock":
+            return {"model": str(model_dir), "loaded": True, "backend": "stock", "source": str(llm.source_path)}
         return {"model": str(model_dir), "loaded": True, "mode": llm.mode, "sparsity": llm.sparsity,
                 "memory_budget": llm.engine.memory_budget, "params": llm.engine.params, "stats": llm.stats(),
                 "memory_plan": (None if llm.memory_plan is None else

@@ -211,11 +211,12 @@ def test_fifo_in_place_of_a_model_file_does_not_hang(model, rel, mode):
 
 # ---- case 6: a closed Llama raises instead of crashing -----------------------------------------
 
-def test_calls_after_close_raise(pristine):
+@pytest.mark.parametrize("in_ram", ["auto", "stream"])   # (its Q4_0 FFN: the stock backend, and the op)
+def test_calls_after_close_raise(pristine, in_ram):
     from leanstream_ggml import Llama
     from leanstream_ggml.llama import ClosedError
 
-    llm = Llama(str(pristine), **CTX)
+    llm = Llama(str(pristine), in_ram=in_ram, **CTX)
     llm.close()
     llm.close()                                             # idempotent
     for call in (lambda: llm.tokenize(b"hi"), lambda: llm.detokenize([1]), lambda: llm.eval([1]),

@@ -88,7 +88,7 @@ def test_a_live_llama_has_what_is_relied_on(tmp_path):
     from leanstream_ggml import Llama
     from leanstream_ggml.llama import ClosedError
 
-    llm = Llama(str(make_model_dir(tmp_path, predictors=False)), **CTX)
+    llm = Llama(str(make_model_dir(tmp_path, predictors=False)), in_ram="stream", **CTX)   # the op's Llama
     try:
         missing = [a for a in _llama_cpp.LLAMA_ATTRS if a not in llm.__dict__]
         assert not missing, f"a Llama has no {missing}; " + RECHECK.format(pinned=_llama_cpp.PINNED)
