@@ -159,6 +159,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                      f"(stage: seconds / peak resident): {stages}")
     lines += _quality_lines(m)
     lines.append(f"runtime          {runtime_line()}")
+    lines.append(f"in RAM           {_in_ram_line(m, d)}")
     if args.memory_limit is not None:
         try:
             lines += [""] + _plan_lines(m, d, args)
@@ -181,6 +182,17 @@ def _plan_lines(m, d: Path, args) -> list[str]:
     out = plan.lines()
     plan.check()
     return out
+
+
+def _in_ram_line(m, d: Path) -> str:
+    """What Llama(d) runs with no limit and no budget (leanstream_ggml/stock.py)."""
+    try:
+        from leanstream_ggml import params, stock
+
+        src, why = stock.choose(d, m, params.llama_options({}), {})
+    except (ImportError, OSError) as e:
+        return f"unknown: {e}"
+    return f"the source GGUF on llama.cpp's own kernels ({src})" if src else f"the op ({why})"
 
 
 def runtime_line() -> str:

@@ -146,3 +146,14 @@ def test_the_source_must_be_the_converted_file(q4_0, tmp_path, monkeypatch):
             assert llm.backend == "stream" and "sha256 differs" in llm.stock_reason
         finally:
             llm.close()
+
+
+def test_info_says_what_runs_in_ram(q4_0, smollm2_dir):
+    for d, want in ((q4_0[1], "the source GGUF on llama.cpp's own kernels" if stock.repacks(GGML_TYPE_IDS["q4_0"], 576, 1536)
+                     else "the op (llama.cpp does not repack q4_0"),
+                    (smollm2_dir, "the op (llama.cpp does not repack q4_1")):
+        r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "info", str(d)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        line = next(x for x in r.stdout.splitlines() if x.startswith("in RAM"))
+        assert want in line, line
