@@ -29,6 +29,11 @@ class GGUFInitParams(ctypes.Structure):
     _fields_ = [("no_alloc", c_bool), ("ctx", c_void_p)]
 
 
+class InitParams(ctypes.Structure):
+    """struct ggml_init_params (ggml.h)."""
+    _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
+
+
 # enum gguf_type values (gguf.h) the header reader handles
 GGUF_TYPE_UINT32, GGUF_TYPE_INT32, GGUF_TYPE_STRING, GGUF_TYPE_ARRAY = 4, 5, 8, 9
 
@@ -51,11 +56,24 @@ SIGNATURES = {
         # ggml.h: (type, src f32*, dst, start row, n rows, n per row, imatrix) -> bytes written
         # (the converter's K-quant down columns)
         "ggml_quantize_chunk": ([c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p], c_size_t),
+        # ggml.h, ggml-backend.h: a matrix product without data, and whether the CPU device runs it
+        # from its repack buffer type (stock.repacks)
+        "ggml_init": ([InitParams], c_void_p),
+        "ggml_free": ([c_void_p], None),
+        "ggml_new_tensor_2d": ([c_void_p, c_int, c_int64, c_int64], c_void_p),
+        "ggml_mul_mat": ([c_void_p, c_void_p, c_void_p], c_void_p),
+        "ggml_backend_dev_backend_reg": ([c_void_p], c_void_p),
+        "ggml_backend_reg_get_proc_address": ([c_void_p, c_char_p], c_void_p),
+        "ggml_backend_buft_name": ([c_void_p], c_char_p),
+        "ggml_backend_buft_alloc_buffer": ([c_void_p, c_size_t], c_void_p),
+        "ggml_backend_buffer_free": ([c_void_p], None),
+        "ggml_backend_dev_supports_op": ([c_void_p, c_void_p], c_bool),
     },
     GGML: {
         # ggml-backend.h: the backend registry (_native: LEANSTREAM_GGML_CPU)
         "ggml_backend_reg_count": ([], c_size_t),
         "ggml_backend_load": ([c_char_p], c_void_p),
+        "ggml_backend_dev_by_type": ([c_int], c_void_p),
     },
 }
 

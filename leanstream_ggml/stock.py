@@ -22,7 +22,7 @@ import ctypes
 import hashlib
 import json
 import os
-from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_void_p
+from ctypes import c_void_p
 from pathlib import Path
 
 from . import ggml_ctypes, modes
@@ -32,43 +32,13 @@ GGML_BACKEND_DEVICE_TYPE_CPU = 0
 VERIFIED = "verified-sources.json"
 
 
-class _InitParams(ctypes.Structure):
-    """struct ggml_init_params (ggml.h)."""
-    _fields_ = [("mem_size", c_size_t), ("mem_buffer", c_void_p), ("no_alloc", c_bool)]
-
-
-_SIGNATURES = {
-    # ggml.h: a graph node without data, to ask the CPU backend about
-    "ggml_init": ([_InitParams], c_void_p),
-    "ggml_free": ([c_void_p], None),
-    "ggml_new_tensor_2d": ([c_void_p, c_int, c_int64, c_int64], c_void_p),
-    "ggml_mul_mat": ([c_void_p, c_void_p, c_void_p], c_void_p),
-    # ggml-backend.h: the CPU device, its extra buffer types, and what it supports
-    "ggml_backend_dev_backend_reg": ([c_void_p], c_void_p),
-    "ggml_backend_reg_get_proc_address": ([c_void_p, c_char_p], c_void_p),
-    "ggml_backend_buft_name": ([c_void_p], c_char_p),
-    "ggml_backend_buft_alloc_buffer": ([c_void_p, c_size_t], c_void_p),
-    "ggml_backend_buffer_free": ([c_void_p], None),
-    "ggml_backend_dev_supports_op": ([c_void_p, c_void_p], c_bool),
-}
-
-
-def _base() -> ctypes.CDLL:
-    b = ggml_ctypes.base()
-    for name, (args, res) in _SIGNATURES.items():
-        f = getattr(b, name)
-        f.argtypes, f.restype = args, res
-    return b
-
-
 def repacks(ggml_type: int, n_in: int, n_out: int) -> bool:
     """Whether llama.cpp's CPU backend, as loaded in this process, keeps a weight of this type and
     shape [n_in, n_out] in its CPU_REPACK buffer: what llama_model_load asks (a matrix product of
     the weight placed in that buffer type, supported by the CPU device), asked the same way."""
     from . import _native  # noqa: F401  (loads ggml's backends, as the first Llama would)
 
-    b, g = _base(), ggml_ctypes.ggml()
-    g.ggml_backend_dev_by_type.argtypes, g.ggml_backend_dev_by_type.restype = [c_int], c_void_p
+    b, g = ggml_ctypes.base(), ggml_ctypes.ggml()
     dev = g.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
     if not dev:
         return False
@@ -83,7 +53,7 @@ def repacks(ggml_type: int, n_in: int, n_out: int) -> bool:
         i += 1
     if repack is None:
         return False
-    ctx = b.ggml_init(_InitParams(1 << 16, None, True))
+    ctx = b.ggml_init(ggml_ctypes.InitParams(1 << 16, None, True))
     if not ctx:
         return False
     buf = None
