@@ -250,6 +250,12 @@ def summarize(doc: dict) -> list[dict]:
                         "acceptance": sum(x["accepted"] for x in sp) / max(1, sum(x["drafted"] for x in sp)),
                         "draft_s": sum(x["draft_time_s"] for x in sp), "verify_s": sum(x["verify_time_s"] for x in sp),
                         "draft_steps": sum(x["draft_steps"] for x in sp)}
+                    # the share of decode time spent drafting, and the rate if drafting cost nothing
+                    # (every pass as it was, the draft hidden under it): the most overlapping the
+                    # draft with the verify pass could give at these tokens per pass
+                    d_s = row["speculative"]["draft_s"]
+                    row["speculative"]["draft_share"] = d_s / secs if secs else None
+                    row["speculative"]["tps_if_draft_free"] = toks / (secs - d_s) if secs > d_s else None
                     by_n = {}
                     for x in sp:
                         for n, v in (x.get("lookup_by_ngram") or {}).items():
@@ -264,6 +270,9 @@ def summarize(doc: dict) -> list[dict]:
             for row in rows.values():
                 if base and row.get("decode_tps"):
                     row["ratio_to_off"] = row["decode_tps"] / base
+                    free = row.get("speculative", {}).get("tps_if_draft_free")
+                    if free:
+                        row["speculative"]["ratio_if_draft_free"] = free / base
             out.append({"regime": regime, "domain": domain, "configs": rows})
     return out
 
