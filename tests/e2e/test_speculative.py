@@ -159,6 +159,81 @@ def test_draft_fraction_keeps_the_best_ranked_share(tiny):
             e.set_draft(True, 0.0)
 
 
+def test_the_draft_centre_is_the_mean_of_the_target_rows_and_the_draft_computes_around_it(tiny):
+    """The centre (ls_engine_set_draft_centre): dense ops sum each neuron's h and their output rows
+    (equal to the numpy reference's means, the outputs themselves unchanged); a draft op is then
+    mean(y) + sum over its blocks of (h - mean h) * down, against the numpy reference; past
+    LS_CENTRE_ROWS rows the sums halve together (the mean of one repeated row stays that row's)."""
+    from leanstream_ggml.engine import CENTRE_MIN, CENTRE_ROWS
+    from reference import centred_draft_reference, ffn_h
+
+    h = blockfile.read_header(tiny[0])
+    rank = np.random.default_rng(2).random((N_LAYER, h.n_blocks)).astype(np.float32)
+    budget = (2 * h.n_blocks) * h.block_stride
+    with FFNEngine(tiny, memory_budget=budget, block_rank=rank) as e, FFNEngine(tiny) as plain:
+        e.set_draft_centre(True)
+        xs = [_x(5, 20), _x(1, 21), _x(3, 22)]
+        for il in range(N_LAYER):
+            w = load_layer(tiny[il])
+            assert e.draft_centre(il)[0] == 0
+            ys = [e.eval_layer(il, x, n_threads=2) for x in xs]
+            for x, y in zip(xs, ys):                 # the target's outputs: unchanged
+                assert np.array_equal(y, plain.eval_layer(il, x, n_threads=2))
+            n, mean_h, mean_y = e.draft_centre(il)
+            assert n == sum(len(x) for x in xs) >= CENTRE_MIN
+            ref_h = ffn_h(w, np.concatenate(xs)).mean(0)           # by neuron id
+            by_slot = np.where(w.perm >= 0, ref_h[np.maximum(w.perm, 0)], 0.0)
+            assert np.abs(mean_h - by_slot).max() <= 1e-3 * np.abs(by_slot).max() + 1e-5
+            _check(mean_y, np.concatenate(ys).mean(0))
+            # the draft around it, over the resident blocks
+            res = e.resident(il).astype(bool)
+            slots = w.perm.reshape(-1, w.k)[res]
+            neurons = slots[slots >= 0]
+            mean_by_id = np.zeros(w.gate.shape[0])
+            mean_by_id[w.perm[w.perm >= 0]] = mean_h[w.perm >= 0]
+            x = _x(2, 30 + il)
+            e.set_draft(True, 1.0)
+            y = e.eval_layer(il, x, n_threads=2)
+            e.set_draft(False)
+            _check(y, centred_draft_reference(w, x, neurons, mean_by_id, mean_y))
+            assert not np.allclose(y, ffn_reference(w, x, neurons=neurons))   # (the centre did something)
+        # a window: one row repeated past CENTRE_ROWS, the sums halved together
+        e.set_draft_centre(False)
+        assert e.draft_centre(0)[0] == 0
+        e.set_draft_centre(True)
+        x = np.repeat(_x(1, 40), CENTRE_ROWS + 44, axis=0)
+        y = e.eval_layer(0, x, n_threads=2)
+        n, mean_h, mean_y = e.draft_centre(0)
+        assert CENTRE_ROWS / 2 < n <= CENTRE_ROWS
+        w = load_layer(tiny[0])
+        row_h = ffn_h(w, x[:1])[0]
+        by_slot = np.where(w.perm >= 0, row_h[np.maximum(w.perm, 0)], 0.0)
+        assert np.abs(mean_h - by_slot).max() <= 1e-3 * np.abs(by_slot).max() + 1e-5
+        _check(mean_y, y[0])
+
+
+def test_the_draft_centre_leaves_out_an_op_with_an_outlier_row(tiny):
+    """An attention sink's FFN output is thousands of times the others' (Qwen2.5's first token):
+    an op with a row whose squared output norm passes LS_CENTRE_OUTLIER x the mean of the rows
+    taken (before LS_CENTRE_MIN of them: of the op's other rows) is left out whole."""
+    from leanstream_ggml.engine import CENTRE_MIN
+
+    with FFNEngine(tiny) as e:
+        e.set_draft_centre(True)
+        e.eval_layer(0, _x(CENTRE_MIN - 3, 50))
+        assert e.draft_centre(0)[0] == CENTRE_MIN - 3
+        e.eval_layer(0, np.concatenate([_x(3, 51), 200.0 * _x(1, 52)]))        # a sink among the op's rows
+        assert e.draft_centre(0)[0] == CENTRE_MIN - 3
+        e.eval_layer(0, _x(4, 53))
+        n, mean_h, mean_y = e.draft_centre(0)
+        assert n == CENTRE_MIN + 1
+        e.eval_layer(0, 200.0 * _x(1, 54))                                       # alone: against the mean
+        n2, mean_h2, mean_y2 = e.draft_centre(0)
+        assert n2 == n and np.array_equal(mean_h2, mean_h) and np.array_equal(mean_y2, mean_y)
+        e.eval_layer(0, 1.2 * _x(1, 55))                                         # an ordinary row is taken
+        assert e.draft_centre(0)[0] == n + 1
+
+
 # ---- how far to draft ----------------------------------------------------------------------
 
 def _costs(k, t1, slope, td, accept, freq=None):
