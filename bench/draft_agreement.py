@@ -9,9 +9,8 @@ For each model directory (interleaved, prompt by prompt) and each held-out promp
 answer, and at every position of it the draft's top-1 token (the engine's draft FFN over the
 blocks resident under the budget the memory plan gives at --memory-limit, no cgroup: this is
 about what is resident, not about speed; fraction 1: every resident block; the draft vocabulary)
-given the same context, the draft's centre measured from the prompt on (its mean of what it leaves
-out; --no-centre: also without, interleaved). Agreement = share of positions where the two are
-equal. Prints one JSON object: per directory and domain the agreement, and per prompt.
+given the same context. Agreement = share of positions where the two are equal. Prints one JSON
+object: per directory and domain the agreement, and per prompt.
 """
 
 from __future__ import annotations
@@ -29,14 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PROMPTS = Path(__file__).resolve().parent / "data" / "speculative-heldout.json"
 
 
-def agreement(llm, prompt: list[int], n_tokens: int, centre: bool = True) -> tuple[int, int, list[int]]:
-    """(positions where the draft's top-1 equals the model's greedy token, positions, answer); the
-    draft's centre (the mean of what it leaves out) measured from this prompt on, or off."""
+def agreement(llm, prompt: list[int], n_tokens: int) -> tuple[int, int, list[int]]:
+    """(positions where the draft's top-1 equals the model's greedy token, positions, answer)."""
     import numpy as np
 
     eng = llm.engine
-    eng.set_draft_centre(False)
-    eng.set_draft_centre(centre)
     llm.reset()
     llm.eval(prompt)
     same = total = 0
@@ -72,8 +68,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="per domain")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-centre", action="store_true",
-                    help="also without the draft's centre (the neurons it leaves out at zero), interleaved")
     args = ap.parse_args(argv)
     data = json.loads(PROMPTS.read_text())
     limit = params.size_bytes(args.memory_limit, "memory_limit")
@@ -88,13 +82,9 @@ def main(argv=None) -> int:
             for text in data[domain][:args.prompts]:
                 answers = {}
                 for d, llm in llms.items():
-                    p = chat_prompt_tokens(llm, text)
-                    s, t, ans = agreement(llm, p, args.tokens)
+                    s, t, ans = agreement(llm, chat_prompt_tokens(llm, text), args.tokens)
                     out[d]["prompts"].append({"domain": domain, "same": s, "positions": t, "agreement": s / t})
                     answers[d] = ans
-                    if args.no_centre:
-                        s0, t0, _ = agreement(llm, p, args.tokens, centre=False)
-                        out[d]["prompts"][-1].update(same_no_centre=s0, agreement_no_centre=s0 / t0)
                 first = next(iter(answers.values()))
                 for d in answers:   # the models' own answers (plain decoding) should match too
                     out[d]["prompts"][-1]["answer_equal_to_first_dir"] = answers[d] == first
@@ -105,8 +95,6 @@ def main(argv=None) -> int:
         for domain in ("code", "chat"):
             ps = [p for p in r["prompts"] if p["domain"] == domain]
             r[domain] = round(sum(p["same"] for p in ps) / max(sum(p["positions"] for p in ps), 1), 4)
-            if args.no_centre:
-                r[f"{domain}_no_centre"] = round(sum(p["same_no_centre"] for p in ps) / max(sum(p["positions"] for p in ps), 1), 4)
         r["all"] = round(sum(p["same"] for p in r["prompts"]) / max(sum(p["positions"] for p in r["prompts"]), 1), 4)
     print(json.dumps({"memory_limit": limit, "tokens": args.tokens, "results": out}, indent=1))
     return 0

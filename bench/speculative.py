@@ -9,8 +9,7 @@ cgroup of exactly that many bytes, the engine's budget from the memory plan). A 
 plugin dense with ``speculative=`` KIND[:kN][:wN][:fN][:fixed|:pminX] (KIND off, auto, self or ngram;
 kN: draft_max N; wN: draft_width N (1: a chain); fN: draft_fraction N; fixed: always draft
 draft_max, every drafted token verified; pminX: llama.cpp's p_min stop; fa: flash attention, the
-plugin's default in every config; stream: in_ram="stream", the op in RAM too; nocentre: the self
-draft leaves out the neurons it does not compute at zero, not at their mean), or stock
+plugin's default in every config; stream: in_ram="stream", the op in RAM too), or stock
 llama-cpp-python on the GGUF ("stock") or on a re-quantized copy ("q3_k_m"), "+ngram": with its
 prompt lookup draft (LlamaPromptLookupDecoding, n-grams <= 3, 8 tokens).
 
@@ -63,8 +62,6 @@ def parse_config(config: str) -> dict:
             out["flash_attn"] = True
         elif o == "stream":
             out["in_ram"] = "stream"
-        elif o == "nocentre":
-            out["draft_centre"] = False
         elif o.startswith("f") and o[1:].replace(".", "", 1).isdigit():
             out["draft_fraction"] = float(o[1:])
         else:
@@ -109,8 +106,6 @@ def child(a: dict) -> dict:
             kw["memory_limit"] = a["regime"]
         llm = Llama(a["model"], n_ctx=a["ctx"], n_threads=a["threads"], n_threads_batch=a["threads"],
                     verbose=False, mode="dense", **kw)
-        if cfg.get("draft_centre") is False and llm.engine is not None:   # the self draft around zero
-            llm.engine.set_draft_centre(False)
     else:
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

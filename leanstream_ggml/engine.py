@@ -16,8 +16,6 @@ ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
 # llama_set_exact_rows, llama.cpp's other ops): what a verify pass may hold
 EXACT_ROWS = int(lib.LS_EXACT_ROWS)
 DRAFT_TOP = int(lib.LS_DRAFT_TOP)   # best tokens per row the draft's output head keeps (draft_top)
-CENTRE_ROWS = int(lib.LS_CENTRE_ROWS)  # the draft centre's window (its sums halve past it)
-CENTRE_MIN = int(lib.LS_CENTRE_MIN)    # rows it needs before a draft op computes around it
 
 
 def parse_bytes(value: int | float | str | None) -> int:
@@ -243,20 +241,6 @@ class FFNEngine:
         """Speculative decoding's draft FFN: while on, ops compute only resident blocks (of each
         layer's best-ranked ``fraction``) and read nothing."""
         check(lib.ls_engine_set_draft(self.handle, 1 if on else 0, float(fraction)))
-
-    def set_draft_centre(self, on: bool) -> None:
-        """The draft's centre: dense ops keep each layer's mean h by neuron and mean output (the
-        last few hundred rows); a draft op then leaves out the neurons it does not compute at
-        their mean contribution instead of zero. Off frees the sums."""
-        check(lib.ls_engine_set_draft_centre(self.handle, 1 if on else 0))
-
-    def draft_centre(self, il: int) -> tuple[float, np.ndarray, np.ndarray]:
-        """Layer il's centre: (rows it is the mean of, mean h by slot, mean output)."""
-        info = self.layer_info(il)
-        h = np.zeros(info["n_blocks"] * info["neurons_per_block"], dtype=np.float32)
-        y = np.zeros(info["n_embd"], dtype=np.float32)
-        n = lib.ls_engine_draft_centre(self.handle, il, ffi.cast("float *", h.ctypes.data), ffi.cast("float *", y.ctypes.data))
-        return float(n), h, y
 
     def set_draft_vocab(self, ids) -> None:
         """The token ids the draft's output projection computes (empty: every token)."""

@@ -254,10 +254,6 @@ class Llama(llama_cpp.Llama):
                                     width=o["draft_width"], max_rows=min(self._verify_rows_max(o), self._n_seq),
                                     vocab=self._draft_vocab(),
                                     resident=self._resident_share())
-            if spec in ("auto", "self"):
-                # the self draft leaves out the neurons it does not compute at their mean over the
-                # last few hundred tokens the model decoded, not at zero (docs/design.md §21)
-                self._engine.set_draft_centre(True)
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(

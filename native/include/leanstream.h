@@ -52,9 +52,6 @@ extern "C" {
 // ops through llama_set_exact_rows(ctx, LS_EXACT_ROWS) (patches/0003), which the binding calls.
 #define LS_EXACT_ROWS 64
 #define LS_DRAFT_TOP 8      // best tokens per row the draft's output projection keeps (ls_engine_draft_top)
-#define LS_CENTRE_ROWS 256  // the draft's centre halves its sums past this many rows (ls_engine_set_draft_centre)
-#define LS_CENTRE_MIN 8     // rows the centre needs before a draft op uses it
-#define LS_CENTRE_OUTLIER 16 // an op whose row's squared output norm passes this many times the mean is left out
 
 typedef int32_t ls_status;
 enum {
@@ -365,19 +362,6 @@ LS_API ls_status   ls_engine_ctrl_decisions(const ls_engine * e, uint64_t * deci
 // layer's best-ranked fraction of its blocks (those resident; 1: every resident block), a
 // cheaper draft. Between ops only; counted in the draft_* counters.
 LS_API ls_status   ls_engine_set_draft(ls_engine * e, int32_t on, float fraction);
-// The draft's centre (on: 1): every dense op (the target's own passes, every block computed)
-// adds its rows' act(gate)*up of each neuron and its output rows to per-layer sums, halved
-// together once they hold LS_CENTRE_ROWS rows (a window of the last few hundred tokens), unless
-// one of its rows is an outlier (squared output norm > LS_CENTRE_OUTLIER x the mean); from
-// LS_CENTRE_MIN rows on, a draft op computes
-//     y = mean(y) + sum over its blocks of (h_n - mean(h_n)) * down_n,
-// the neurons it leaves out replaced by their mean contribution (mean(y) is the sum over every
-// neuron of mean(h_n) * down_n). The target's outputs never change. off (0) frees the sums.
-// Between ops only.
-LS_API ls_status   ls_engine_set_draft_centre(ls_engine * e, int32_t on);
-// Layer il's centre: mean h by slot [n_blocks*k] and mean output [n_embd] (either may be NULL);
-// returns the rows it is the mean of (after the halvings; 0: none yet or off).
-LS_API float       ls_engine_draft_centre(ls_engine * e, int32_t il, float * mean_h, float * mean_y);
 
 // The output projection (the LM head), for llama_set_output_builder(ctx, ls_output_build, engine)
 // (patches/0004): a ggml custom node [n_vocab, n_rows] computing w . cur with ggml's vec_dot for

@@ -394,12 +394,6 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     return LS_OK;
 }
 
-static void free_centre(ls_layer * L) {
-    free(L->centre_h); free(L->centre_op); free(L->centre_y);
-    L->centre_h = L->centre_op = L->centre_y = NULL;
-    L->centre_r = L->centre_n = 0.0f;
-}
-
 void ls_engine_free(ls_engine * e) {
     if (!e) return;
     ls_io_stop(e);
@@ -412,7 +406,6 @@ void ls_engine_free(ls_engine * e) {
         free((void *) L->verified);
         free(L->slot_of_block);
         free((void *) L->state);
-        free_centre(L);
         free(L->prio); free(L->prefetch); free(L->order); free(L->mark); free(L->in_prefetch); free(L->last_plan);
         free(L->hot); free(L->hot_pinned); free(L->rank_order);
         if (L->pred) ls_predictor_free(L->pred);
@@ -515,40 +508,6 @@ ls_status ls_engine_set_draft(ls_engine * e, int32_t on, float fraction) {
     e->draft_fraction = fraction;
     ls_engine_unlock_between_ops(e);
     return LS_OK;
-}
-
-ls_status ls_engine_set_draft_centre(ls_engine * e, int32_t on) {
-    if (!e) { ls_set_error("ls_engine_set_draft_centre: no engine"); return LS_ERR_ARG; }
-    bool ok = true;
-    ls_engine_lock_between_ops(e);
-    for (int32_t il = 0; il < e->n_layers && on; il++) {
-        ls_layer * L = &e->layers[il];
-        if (L->centre_h) continue;
-        const size_t n_slots = (size_t) L->info.n_blocks * (size_t) L->info.neurons_per_block;
-        L->centre_h = calloc(n_slots, sizeof(float));
-        L->centre_op = calloc(n_slots, sizeof(float));
-        L->centre_y = calloc((size_t) L->info.n_embd, sizeof(float));
-        L->centre_r = L->centre_n = 0.0f;
-        ok = ok && L->centre_h && L->centre_op && L->centre_y;
-    }
-    if (!on || !ok) for (int32_t il = 0; il < e->n_layers; il++) free_centre(&e->layers[il]);
-    ls_engine_unlock_between_ops(e);
-    if (!ok) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    return LS_OK;
-}
-
-float ls_engine_draft_centre(ls_engine * e, int32_t il, float * mean_h, float * mean_y) {
-    if (!e || il < 0 || il >= e->n_layers) return 0.0f;
-    ls_engine_lock_between_ops(e);
-    const ls_layer * L = &e->layers[il];
-    const float n = L->centre_h ? L->centre_n : 0.0f;
-    if (n > 0.0f) {
-        const size_t n_slots = (size_t) L->info.n_blocks * (size_t) L->info.neurons_per_block;
-        for (size_t i = 0; mean_h && i < n_slots; i++) mean_h[i] = L->centre_h[i] / n;
-        for (int64_t i = 0; mean_y && i < L->info.n_embd; i++) mean_y[i] = L->centre_y[i] / n;
-    }
-    ls_engine_unlock_between_ops(e);
-    return n;
 }
 
 ls_status ls_engine_set_priorities(ls_engine * e, int32_t il, const float * prio, int32_t n_blocks) {

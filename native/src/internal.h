@@ -112,15 +112,6 @@ typedef struct ls_layer {
     float *            capture;
     int32_t            capture_rows;
     int32_t            capture_n;       // token rows the last op wrote
-    // the draft's centre (ls_engine_set_draft_centre): sums over the rows of this layer's dense
-    // ops of act(gate)*up by slot [n_blocks*k], of the output [n_embd] and of its squared norm,
-    // and the rows summed (halved together once past LS_CENTRE_ROWS); centre_op: the running op's
-    // h sums by slot, taken in when none of its rows is an outlier; NULL: off
-    float *            centre_h;
-    float *            centre_op;
-    float *            centre_y;
-    float              centre_r;
-    float              centre_n;
     ls_layer_stats     stats;
 } ls_layer;
 

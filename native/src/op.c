@@ -219,11 +219,6 @@ static float * thread_work(const ls_plan * P, int ith) { return P->buf.work + (s
 
 // y = the sum of the shares' partial outputs, in share order (deterministic); each thread sums
 // its slice of the output.
-// A draft op computes around the layer's centre: there is one, holding enough rows.
-static inline bool centred_draft(const ls_plan * P) {
-    return P->path == LS_PATH_DRAFT && P->L->centre_h && P->L->centre_n >= (float) LS_CENTRE_MIN;
-}
-
 static void reduce_partials(const ls_plan * P, float * y, int ith, int nth) {
     const size_t per = (size_t) P->n_tokens * (size_t) P->L->info.n_embd;
     const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
@@ -260,10 +255,6 @@ static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_
     float * cols = work + (size_t) tile * T;      // [tile][n_embd] dequantized down columns
     float * gu_tmp = cols + (size_t) tile * n_embd; // [2][Tc] gate and up values of one neuron
     const uint8_t * qcols[LS_TILE_MAX];   // direct mode: the staged columns themselves
-    // the draft's centre (ls_engine_set_draft_centre): a dense op adds each neuron's h to its sum,
-    // a draft op computes with h less its mean (op_predicted adds the mean output)
-    float * centre = !L->centre_h ? NULL : P->path == LS_PATH_DENSE ? L->centre_op : centred_draft(P) ? L->centre_h : NULL;
-    const float centre_inv = centred_draft(P) ? 1.0f / L->centre_n : 0.0f;
     int n_staged = 0;
     uint64_t stall_ns = 0, n_computed = 0, bytes_computed = 0;
     const int32_t s0 = share_lo(lo, hi, s, n_shares), s1 = share_lo(lo, hi, s + 1, n_shares);
@@ -308,11 +299,6 @@ static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_
                     }
                 }
                 const uint8_t * col = down + j * L->down_col_bytes;
-                if (centre) {
-                    float * c = centre + (size_t) b * k + (size_t) j;
-                    if (P->path == LS_PATH_DRAFT) { const float m = *c * centre_inv; for (int64_t t = 0; t < Tc; t++) hj[t] -= m; }
-                    else for (int64_t t = 0; t < Tc; t++) *c += hj[t];
-                }
                 if (L->capture && P->path != LS_PATH_DRAFT) {   // the converter's profile: blocks are this thread's alone
                     const size_t slot = (size_t) b * k + (size_t) j, n_slots = (size_t) in->n_blocks * (size_t) k;
                     for (int64_t t = 0; t < Tc && t0 + t < L->capture_rows; t++) L->capture[(size_t) (t0 + t) * n_slots + slot] = hj[t];
@@ -380,14 +366,6 @@ static void op_predicted(ls_engine * e, const float * x, size_t x_row_stride, fl
     for (int s = s0; s < s1; s++) compute_share(e, s, P->n_shares, 0, P->n, share_acc(P, s), thread_work(P, ith));
     ls_barrier_wait(&e->barrier, nth);
     reduce_partials(P, y, ith, nth);
-    if (centred_draft(P)) {   // + the mean output: the neurons left out at their mean contribution
-        const ls_layer * L = P->L;
-        const int64_t n_embd = L->info.n_embd;
-        const float inv = 1.0f / L->centre_n;
-        const size_t per = (size_t) P->n_tokens * (size_t) n_embd;
-        const size_t lo = per * (size_t) ith / (size_t) nth, hi = per * (size_t) (ith + 1) / (size_t) nth;
-        for (size_t i = lo; i < hi; i++) y[i] += L->centre_y[i % (size_t) n_embd] * inv;
-    }
 }
 
 // ---- path 3: cascade (exact-input selection) --------------------------------------------------------
@@ -551,40 +529,6 @@ static void op_begin(ls_engine * e, ls_layer * L, int64_t n_tokens, int nth, con
     P->path = LS_PATH_FAILED;
 }
 
-// Thread 0, after a dense op's last barrier: the op's rows into the layer's centre, unless it
-// stopped short (its h sums are partial) or a row's output is an outlier: its squared norm above
-// LS_CENTRE_OUTLIER times the mean of the rows taken so far (or, before LS_CENTRE_MIN of them,
-// of the op's other rows). An attention sink (the first token of Qwen2.5's context) has FFN
-// outputs thousands of times the others' at some layers: in the mean it swamped every draft step
-// there (top-1 agreement 0.80 -> 0.18). The sums halve together past LS_CENTRE_ROWS rows.
-static void centre_add(ls_layer * L, const float * y, int64_t n_tokens, bool partial) {
-    const int64_t n_embd = L->info.n_embd;
-    const size_t n_slots = (size_t) L->info.n_blocks * (size_t) L->info.neurons_per_block;
-    double r_sum = 0.0, r_max = 0.0;
-    for (int64_t t = 0; t < n_tokens; t++) {
-        double r = 0.0;
-        for (int64_t i = 0; i < n_embd; i++) { const double v = y[(size_t) t * (size_t) n_embd + (size_t) i]; r += v * v; }
-        r_sum += r;
-        r_max = r > r_max ? r : r_max;
-    }
-    const double ref = L->centre_n >= (float) LS_CENTRE_MIN ? (double) L->centre_r / L->centre_n
-                     : n_tokens > 1 ? (r_sum - r_max) / (double) (n_tokens - 1) : INFINITY;
-    if (!partial && r_max <= LS_CENTRE_OUTLIER * ref) {
-        for (size_t i = 0; i < n_slots; i++) L->centre_h[i] += L->centre_op[i];
-        for (int64_t t = 0; t < n_tokens; t++)
-            for (int64_t i = 0; i < n_embd; i++) L->centre_y[i] += y[(size_t) t * (size_t) n_embd + (size_t) i];
-        L->centre_r += (float) r_sum;
-        L->centre_n += (float) n_tokens;
-        while (L->centre_n > (float) LS_CENTRE_ROWS) {
-            for (size_t i = 0; i < n_slots; i++) L->centre_h[i] *= 0.5f;
-            for (int64_t i = 0; i < n_embd; i++) L->centre_y[i] *= 0.5f;
-            L->centre_r *= 0.5f;
-            L->centre_n *= 0.5f;
-        }
-    }
-    memset(L->centre_op, 0, sizeof(float) * n_slots);
-}
-
 // Thread 0, after the last barrier, under e->mu: unpin, and a dense layer whose every block is now
 // resident in a cache that never evicts stays so for good (and is split for the sparse paths).
 static void op_end(ls_engine * e, ls_layer * L, int64_t n_tokens, uint64_t t0) {
@@ -637,7 +581,6 @@ void ls_op_run(ls_engine * e, ls_layer * L, const float * x, size_t x_row_stride
     }
     ls_barrier_wait(&e->barrier, nth);
     if (ith == 0) {
-        if (P->path == LS_PATH_DENSE && L->centre_h) centre_add(L, y, n_tokens, P->chunks.stop);
         pthread_mutex_lock(&e->mu);
         op_end(e, L, n_tokens, t0);
         pthread_mutex_unlock(&e->mu);

@@ -104,30 +104,15 @@ def act(z: np.ndarray, activation: str = "silu") -> np.ndarray:
     return np.where(z <= -10.0, 0.0, np.where(z >= 10.0, z, g))
 
 
-def ffn_h(w: LayerWeights, x: np.ndarray, *, activation: str = "silu",
-          neurons: np.ndarray | None = None) -> np.ndarray:
-    """act(gate . x~) * (up . x~) [n_tokens, neurons] of all neurons (ids order), or of ``neurons``."""
+def ffn_reference(w: LayerWeights, x: np.ndarray, *, activation: str = "silu",
+                  neurons: np.ndarray | None = None) -> np.ndarray:
+    """y [n_tokens, n_embd] over all neurons, or only ``neurons`` (ids) if given."""
     x = np.atleast_2d(np.asarray(x, np.float32))
     xg = round_like_ggml(x, w.gate_type).astype(np.float64)
     xu = round_like_ggml(x, w.up_type).astype(np.float64)
     sel = slice(None) if neurons is None else np.asarray(neurons)
-    return act(xg @ w.gate[sel].T.astype(np.float64), activation) * (xu @ w.up[sel].T.astype(np.float64))
-
-
-def ffn_reference(w: LayerWeights, x: np.ndarray, *, activation: str = "silu",
-                  neurons: np.ndarray | None = None) -> np.ndarray:
-    """y [n_tokens, n_embd] over all neurons, or only ``neurons`` (ids) if given."""
-    sel = slice(None) if neurons is None else np.asarray(neurons)
-    return ffn_h(w, x, activation=activation, neurons=neurons) @ w.down[sel].astype(np.float64)
-
-
-def centred_draft_reference(w: LayerWeights, x: np.ndarray, neurons: np.ndarray, mean_h: np.ndarray,
-                            mean_y: np.ndarray, *, activation: str = "silu") -> np.ndarray:
-    """The draft op around its centre (ls_engine_set_draft_centre): mean_y + sum over ``neurons``
-    of (h_n - mean_h[n]) * down_n; mean_h by neuron id [n_ff], mean_y [n_embd]."""
-    neurons = np.asarray(neurons)
-    h = ffn_h(w, x, activation=activation, neurons=neurons) - np.asarray(mean_h, np.float64)[neurons]
-    return np.asarray(mean_y, np.float64) + h @ w.down[neurons].astype(np.float64)
+    h = act(xg @ w.gate[sel].T.astype(np.float64), activation) * (xu @ w.up[sel].T.astype(np.float64))
+    return h @ w.down[sel].astype(np.float64)
 
 
 # ---- the FFN kernels one by one ---------------------------------------------------------------------
