@@ -256,6 +256,14 @@ def summarize(doc: dict) -> list[dict]:
                     d_s = row["speculative"]["draft_s"]
                     row["speculative"]["draft_share"] = d_s / secs if secs else None
                     row["speculative"]["tps_if_draft_free"] = toks / (secs - d_s) if secs > d_s else None
+                    by_kind = {}
+                    for x in sp:
+                        for k, n in x["proposals"].items():
+                            a = by_kind.setdefault(k, [0, 0])
+                            a[0], a[1] = a[0] + n, a[1] + (x.get("tokens_by_kind") or {}).get(k, 0)
+                    row["speculative"]["passes_by_kind"] = {k: a[0] for k, a in by_kind.items()}
+                    if all("tokens_by_kind" in x for x in sp):
+                        row["speculative"]["tokens_per_pass_by_kind"] = {k: a[1] / a[0] for k, a in by_kind.items() if a[0]}
                     by_n = {}
                     for x in sp:
                         for n, v in (x.get("lookup_by_ngram") or {}).items():

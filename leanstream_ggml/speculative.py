@@ -57,7 +57,8 @@ class SpecStats:
     verify_s: float = 0.0
     plain_passes: int = 0    # one-token passes (nothing drafted)
     redecoded: int = 0       # accepted tokens off the main path, decoded again in the next pass
-    by_kind: dict = field(default_factory=lambda: {"self": 0, "ngram": 0, "both": 0})
+    by_kind: dict = field(default_factory=lambda: {"self": 0, "ngram": 0, "both": 0})   # passes by tree source
+    tokens_by_kind: dict = field(default_factory=lambda: {"self": 0, "ngram": 0, "both": 0})  # their tokens
     by_shape: dict = field(default_factory=dict)   # "depth x nodes" -> [passes, tokens]
     by_fraction: dict = field(default_factory=dict)  # the self draft's size -> [steps, seconds]
     by_ngram: dict = field(default_factory=dict)     # lookup's matched n-gram size -> [passes, hits]
@@ -71,6 +72,8 @@ class SpecStats:
         d["tokens_per_pass"] = round((self.accepted + self.passes) / self.passes, 4) if self.passes else 0.0
         d["acceptance"] = round(self.accepted / self.drafted, 4) if self.drafted else 0.0
         d["proposals"] = dict(self.by_kind)
+        d["tokens_by_kind"] = dict(self.tokens_by_kind)
+        d["tokens_per_pass_by_kind"] = {k: round(self.tokens_by_kind[k] / n, 3) for k, n in self.by_kind.items() if n}
         d["by_shape"] = {k: {"passes": v[0], "tokens_per_pass": round(v[1] / v[0], 3)} for k, v in sorted(self.by_shape.items())}
         d["by_fraction"] = {k: {"steps": v[0], "step_ms": round(1e3 * v[1] / v[0], 3)} for k, v in sorted(self.by_fraction.items())}
         d["lookup_by_ngram"] = {str(k): {"passes": v[0], "first_hit": round(v[1] / v[0], 3)} for k, v in sorted(self.by_ngram.items())}
@@ -381,7 +384,9 @@ def _pass(llm, drafter: Drafter, smp, pending: list[int], plain: bool) -> tuple[
     st.accepted += len(accepted)
     st.redecoded += len(accepted) - n_keep
     kinds = {n.source for n in tree.nodes}
-    st.by_kind["both" if len(kinds) > 1 else kinds.pop()] += 1
+    kind = "both" if len(kinds) > 1 else kinds.pop()
+    st.by_kind[kind] += 1
+    st.tokens_by_kind[kind] += len(emitted)
     s = st.by_shape.setdefault(f"{max(n.depth for n in tree.nodes)}x{len(tree)}", [0, 0])
     s[0] += 1
     s[1] += len(emitted)

@@ -499,6 +499,14 @@ def test_speculative_greedy_equals_plain(spec_dir, plain, kw):
     # proposes too), and every draft step read its own head's top tokens
     assert s["passes"] > 0 and s["drafted"] > 0 and s["accepted"] > 0 and s["head_missing"] == 0
     assert s["tokens_per_pass"] == pytest.approx((s["accepted"] + s["passes"]) / s["passes"], abs=1e-3)
+    # tokens per pass by the tree's source: every pass counted under one source, its tokens too
+    assert sum(s["proposals"].values()) == s["passes"]
+    assert sum(s["tokens_by_kind"].values()) == s["accepted"] + s["passes"]
+    for k, n in s["proposals"].items():
+        assert (k in s["tokens_per_pass_by_kind"]) == (n > 0)
+        if n:
+            assert s["tokens_per_pass_by_kind"][k] == pytest.approx(s["tokens_by_kind"][k] / n, abs=1e-3)
+            assert s["tokens_per_pass_by_kind"][k] >= 1.0
     if kw["speculative"] == "self":
         assert s["draft_steps"] > 0 and s["draft_time_s"] > 0 and s["proposals"]["self"] > 0
 
