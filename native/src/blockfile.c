@@ -31,26 +31,23 @@ static bool type_ok_for_cols(int32_t t) {
     return tt && tt->to_float && tt->blck_size > 0;
 }
 
-ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
-    L->il = il;
-    L->fd = -1;
-    L->path = strdup(path);
-    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+// The header's fields that are not kept in the layer (docs/formats.md: offsets in bytes)
+typedef struct {
+    uint32_t il, align, meta_crc;               // the layer index written, data alignment, CRC-32C of the tables
+    uint64_t perm_off, crc_off, file_size;      // the permutation, the block checksums; the whole file
+} block_header;
 
-    int fd = -1;
-    struct stat st;
-    ls_status ost = ls_open_regular(path, &fd, &st);
-    if (ost != LS_OK) return ost;
+// The 4096-byte header read into L->info, L's row sizes and *hd: magic and version checked, the
+// rest as written (check_header judges it).
+static ls_status read_header(int fd, const char * path, const struct stat * st, ls_layer * L, block_header * hd) {
     uint8_t h[4096];
     ssize_t got = pread(fd, h, sizeof(h), 0);
     if (got != (ssize_t) sizeof(h)) {
-        ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st.st_size);
-        close(fd);
+        ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st->st_size);
         return LS_ERR_FORMAT;
     }
     if (memcmp(h, "LSBLOCKS", 8) != 0) {
         ls_set_error("%s: not a leanstream block file (bad magic)", path);
-        close(fd);
         return LS_ERR_FORMAT;
     }
     uint32_t version = rd_u32(h + 8);
@@ -58,11 +55,10 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
         ls_set_error("%s: block file version %u, this build reads version %d%s (re-run `leanstream convert` "
                      "with --force to rewrite the model directory)", path, version, LS_BLOCK_FILE_VERSION,
                      version == 1 ? ", which adds a checksum to every block" : "");
-        close(fd);
         return LS_ERR_FORMAT;
     }
     ls_layer_info * in = &L->info;
-    uint32_t file_il   = rd_u32(h + 12);
+    hd->il              = rd_u32(h + 12);
     in->n_embd          = (int64_t) rd_u64(h + 16);
     in->n_ff            = (int64_t) rd_u64(h + 24);
     in->neurons_per_block = (int32_t) rd_u32(h + 32);
@@ -70,51 +66,65 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     in->gate_type       = (int32_t) rd_u32(h + 40);
     in->up_type         = (int32_t) rd_u32(h + 44);
     in->down_type       = (int32_t) rd_u32(h + 48);
-    uint32_t align      = rd_u32(h + 52);
+    hd->align           = rd_u32(h + 52);
     L->gate_row_bytes   = rd_u64(h + 56);
     L->up_row_bytes     = rd_u64(h + 64);
     L->down_col_bytes   = rd_u64(h + 72);
     in->block_stride    = rd_u64(h + 80);
-    uint64_t perm_off   = rd_u64(h + 88);
+    hd->perm_off        = rd_u64(h + 88);
     in->data_offset     = rd_u64(h + 96);
-    uint64_t file_size  = rd_u64(h + 104);
-    uint64_t crc_off    = rd_u64(h + 112);
-    uint32_t meta_crc   = rd_u32(h + 120);
+    hd->file_size       = rd_u64(h + 104);
+    hd->crc_off         = rd_u64(h + 112);
+    hd->meta_crc        = rd_u32(h + 120);
+    return LS_OK;
+}
 
+// what is wrong with the header's geometry (NULL: nothing): dimensions, types, sizes, offsets
+static const char * header_flaw(const ls_layer * L, int32_t il, const block_header * hd) {
+    const ls_layer_info * in = &L->info;
     const int64_t k = in->neurons_per_block;
-    const char * bad = NULL;
-    if (file_il != (uint32_t) il) bad = "layer index does not match its position";
-    else if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) bad = "zero dimension";
-    else if (in->n_embd > (1 << 24) || in->n_ff > (1 << 28)) bad = "implausibly large dimension";
-    else if (k > 256) bad = "more than 256 neurons per block";
-    else if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) bad = "n_blocks != ceil(n_ff / k)";
-    else if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) bad = "unsupported gate/up type";
-    else if (!type_ok_for_cols(in->down_type)) bad = "unsupported down column type";
-    else if (L->gate_row_bytes != ggml_row_size(in->gate_type, in->n_embd) ||
-             L->up_row_bytes   != ggml_row_size(in->up_type, in->n_embd) ||
-             in->n_embd % ggml_blck_size(in->down_type) != 0 ||
-             L->down_col_bytes != ggml_row_size(in->down_type, in->n_embd)) bad = "row sizes do not match the types";
-    else if (align < 512 || (align & (align - 1)) != 0) bad = "alignment is not a power of two >= 512";
-    else if (in->block_stride % align != 0 || in->block_stride > (1ull << 32) ||
-             in->block_stride < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes)) bad = "bad block stride";
-    else if (perm_off < 128 || perm_off > (1ull << 40) || in->data_offset % 4096 != 0 ||
-             crc_off != perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k ||
-             crc_off + 4ull * (uint64_t) in->n_blocks > in->data_offset) bad = "bad offsets";
-    else if (file_size != in->data_offset + (uint64_t) in->n_blocks * in->block_stride) bad = "file_size field inconsistent";
+    if (hd->il != (uint32_t) il) return "layer index does not match its position";
+    if (in->n_embd <= 0 || in->n_ff <= 0 || k <= 0) return "zero dimension";
+    if (in->n_embd > (1 << 24) || in->n_ff > (1 << 28)) return "implausibly large dimension";
+    if (k > 256) return "more than 256 neurons per block";
+    if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) return "n_blocks != ceil(n_ff / k)";
+    if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) return "unsupported gate/up type";
+    if (!type_ok_for_cols(in->down_type)) return "unsupported down column type";
+    if (L->gate_row_bytes != ggml_row_size(in->gate_type, in->n_embd) ||
+        L->up_row_bytes   != ggml_row_size(in->up_type, in->n_embd) ||
+        in->n_embd % ggml_blck_size(in->down_type) != 0 ||
+        L->down_col_bytes != ggml_row_size(in->down_type, in->n_embd)) return "row sizes do not match the types";
+    if (hd->align < 512 || (hd->align & (hd->align - 1)) != 0) return "alignment is not a power of two >= 512";
+    if (in->block_stride % hd->align != 0 || in->block_stride > (1ull << 32) ||
+        in->block_stride < (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes)) return "bad block stride";
+    if (hd->perm_off < 128 || hd->perm_off > (1ull << 40) || in->data_offset % 4096 != 0 ||
+        hd->crc_off != hd->perm_off + 4ull * (uint64_t) in->n_blocks * (uint64_t) k ||
+        hd->crc_off + 4ull * (uint64_t) in->n_blocks > in->data_offset) return "bad offsets";
+    if (hd->file_size != in->data_offset + (uint64_t) in->n_blocks * in->block_stride) return "file_size field inconsistent";
+    return NULL;
+}
+
+// The header's geometry consistent and the file as long as it says; L->info.block_payload set.
+static ls_status check_header(ls_layer * L, int32_t il, const char * path, const struct stat * st, const block_header * hd) {
+    const char * bad = header_flaw(L, il, hd);
     if (bad) {
         ls_set_error("%s: malformed block file header: %s", path, bad);
-        close(fd);
         return LS_ERR_FORMAT;
     }
-    if ((uint64_t) st.st_size < file_size) {
+    if ((uint64_t) st->st_size < hd->file_size) {
         ls_set_error("%s: truncated block file: %lld bytes, header says %llu", path,
-                     (long long) st.st_size, (unsigned long long) file_size);
-        close(fd);
+                     (long long) st->st_size, (unsigned long long) hd->file_size);
         return LS_ERR_FORMAT;
     }
-    in->block_payload = (uint64_t) k * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes);
+    L->info.block_payload = (uint64_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes + L->down_col_bytes);
+    return LS_OK;
+}
 
-    const size_t n_slots = (size_t) in->n_blocks * (size_t) k;
+// L's per-block arrays allocated, the permutation and the block checksums read into them
+// (L->perm [n_blocks * k] neuron ids, L->block_crc [n_blocks])
+static ls_status read_tables(int fd, const char * path, ls_layer * L, int32_t il, const block_header * hd) {
+    const ls_layer_info * in = &L->info;
+    const size_t n_slots = (size_t) in->n_blocks * (size_t) in->neurons_per_block;
     L->perm = malloc(n_slots * sizeof(int32_t));
     L->block_crc = malloc((size_t) in->n_blocks * sizeof(uint32_t));
     L->verified = calloc((size_t) in->n_blocks, sizeof(*L->verified));
@@ -122,29 +132,36 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
     uint8_t * meta = malloc((size_t) in->data_offset);
     if (!L->perm || !L->block_crc || !L->verified || !L->slot_of_block || !L->state || !meta) {
-        free(meta); close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM;
+        free(meta); ls_set_error("out of memory"); return LS_ERR_NOMEM;
     }
     // header, perm and checksum tables: one read, checked against meta_crc before any use
     if (pread(fd, meta, (size_t) in->data_offset, 0) != (ssize_t) in->data_offset) {
         ls_set_error("%s: cannot read the block file's tables (%llu bytes)", path, (unsigned long long) in->data_offset);
-        free(meta); close(fd);
+        free(meta);
         return LS_ERR_FORMAT;
     }
     memset(meta + 120, 0, 4);
     const uint32_t have_crc = ls_crc32c(0, meta, (size_t) in->data_offset);
-    if (have_crc != meta_crc) {
+    if (have_crc != hd->meta_crc) {
         ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); "
                      "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
-                     path, il, have_crc, meta_crc);
-        free(meta); close(fd);
+                     path, il, have_crc, hd->meta_crc);
+        free(meta);
         return LS_ERR_CORRUPT;
     }
-    memcpy(L->perm, meta + perm_off, n_slots * 4);
-    memcpy(L->block_crc, meta + crc_off, (size_t) in->n_blocks * 4);
+    memcpy(L->perm, meta + hd->perm_off, n_slots * 4);
+    memcpy(L->block_crc, meta + hd->crc_off, (size_t) in->n_blocks * 4);
     free(meta);
-    // every neuron exactly once, padding only as -1
+    return LS_OK;
+}
+
+// every neuron exactly once in L->perm, padding only as -1
+static ls_status check_permutation(const ls_layer * L, const char * path) {
+    const ls_layer_info * in = &L->info;
+    const size_t n_slots = (size_t) in->n_blocks * (size_t) in->neurons_per_block;
     uint8_t * seen = calloc((size_t) in->n_ff, 1);
-    if (!seen) { close(fd); ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    if (!seen) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    const char * bad = NULL;
     int64_t n_real = 0;
     for (size_t i = 0; i < n_slots && !bad; i++) {
         int32_t nid = L->perm[i];
@@ -154,9 +171,12 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     }
     free(seen);
     if (!bad && n_real != in->n_ff) bad = "permutation misses neurons";
-    if (bad) { ls_set_error("%s: %s", path, bad); close(fd); return LS_ERR_FORMAT; }
-    for (int32_t b = 0; b < in->n_blocks; b++) L->slot_of_block[b] = -1;
-    close(fd);
+    if (bad) { ls_set_error("%s: %s", path, bad); return LS_ERR_FORMAT; }
+    return LS_OK;
+}
+
+// L->fd: the data's descriptor, the file st describes (the one whose header was read)
+static ls_status open_data(ls_layer * L, const char * path, const struct stat * st, bool use_direct_io, bool * direct_io) {
     // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
     if (use_direct_io) {
         L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
@@ -174,9 +194,32 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     }
     // the file read above must be the one kept open (not replaced in between)
     struct stat st2;
-    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st.st_dev || st2.st_ino != st.st_ino) {
+    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st->st_dev || st2.st_ino != st->st_ino) {
         ls_set_error("%s: the file changed while it was being opened", path);
         return LS_ERR_IO;
     }
     return LS_OK;
+}
+
+// Header, tables and permutation read and checked through one descriptor, closed after; the data
+// then opened again as the I/O reads it.
+ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
+    L->il = il;
+    L->fd = -1;
+    L->path = strdup(path);
+    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+
+    int fd = -1;
+    struct stat st;
+    ls_status ost = ls_open_regular(path, &fd, &st);
+    if (ost != LS_OK) return ost;
+    block_header hd;
+    ost = read_header(fd, path, &st, L, &hd);
+    if (ost == LS_OK) ost = check_header(L, il, path, &st, &hd);
+    if (ost == LS_OK) ost = read_tables(fd, path, L, il, &hd);
+    if (ost == LS_OK) ost = check_permutation(L, path);
+    close(fd);
+    if (ost != LS_OK) return ost;
+    for (int32_t b = 0; b < L->info.n_blocks; b++) L->slot_of_block[b] = -1;
+    return open_data(L, path, &st, use_direct_io, direct_io);
 }

@@ -78,25 +78,35 @@ const ls_crc_hw * ls_kernels_crc32c(void) {
 #endif
 }
 
-// ---- kinds of kernels: what is chosen, checked and replaced together ------------------------------
+// ---- kinds of kernels: what is chosen, checked and replaced together (kernels.h LS_KERNEL_KINDS) --
 
-enum { K_GU_Q4_K, K_GU_Q4_1, K_DN_Q8_0, K_DN_Q6_K, K_TILE, K_DEQUANT, K_HEAD, K_LS2, N_KINDS };
-static const char * const KIND_NAME[N_KINDS] = {
-    "gate/up Q4_K", "gate/up Q4_1", "down Q8_0", "down Q6_K", "prefill tile", "dequantization", "head Q6_K", "sketch LS2",
-};
+#define KIND_ID(id, name, fn, shape, in) K_##id,
+#define KIND_NAME_OF(id, name, fn, shape, in) [K_##id] = name,
+enum { LS_KERNEL_KINDS(KIND_ID) N_KINDS };
+static const char * const KIND_NAME[N_KINDS] = { LS_KERNEL_KINDS(KIND_NAME_OF) };
+#undef KIND_NAME_OF
+#undef KIND_ID
 
 // kind k's kernels of src into dst
 static void take(int k, ls_kernel_set * dst, const ls_kernel_set * src) {
-    switch (k) {
-    case K_GU_Q4_K: dst->dot2_q4_K = src->dot2_q4_K; dst->dot2_q4_K_rows = src->dot2_q4_K_rows; break;
-    case K_GU_Q4_1: dst->dot2_q4_1 = src->dot2_q4_1; dst->dot2_q4_1_rows = src->dot2_q4_1_rows; break;
-    case K_DN_Q8_0: dst->axpy_q8_0 = src->axpy_q8_0; dst->axpy_q8_0_rows = src->axpy_q8_0_rows; break;
-    case K_DN_Q6_K: dst->axpy_q6_K = src->axpy_q6_K; dst->axpy_q6_K_rows = src->axpy_q6_K_rows; break;
-    case K_TILE:    dst->axpy_tile = src->axpy_tile; break;
-    case K_DEQUANT: dst->dequant_q8_0 = src->dequant_q8_0; dst->dequant_q6_K = src->dequant_q6_K; break;
-    case K_HEAD:    dst->head_q6_K = src->head_q6_K; break;
-    case K_LS2:     dst->ls2_dot = src->ls2_dot; break;
-    }
+#define TAKE(role, type, m) dst->m = src->m;
+#define TAKE_KIND(id, name, fn, shape, in) case K_##id: LS_SHAPE_##shape(TAKE, fn) break;
+    switch (k) { LS_KERNEL_KINDS(TAKE_KIND) }
+#undef TAKE_KIND
+#undef TAKE
+}
+
+// kind k's rows kernel in s dropped: its rows one at a time by the one-row kernel (the entry points)
+static void drop_rows(int k, ls_kernel_set * s) {
+#define DROP_one(m)
+#define DROP_rows(m) s->m = NULL;
+#define DROP(role, type, m) DROP_##role(m)
+#define DROP_KIND(id, name, fn, shape, in) case K_##id: LS_SHAPE_##shape(DROP, fn) break;
+    switch (k) { LS_KERNEL_KINDS(DROP_KIND) }
+#undef DROP_KIND
+#undef DROP
+#undef DROP_rows
+#undef DROP_one
 }
 
 static bool same_kind(int k, const ls_kernel_set * a, const ls_kernel_set * b) {
@@ -113,11 +123,11 @@ static ls_kernel_set kernels_of(int l) {
     ls_kernel_set s = ls_kernels_scalar;
     for (int i = 1; i <= l; i++) {
         const ls_kernel_set * o = ISAS[i].kernels;
-#define LS_OVER(m) if (o->m) s.m = o->m;
-        LS_OVER(dot2_q4_K) LS_OVER(dot2_q4_1) LS_OVER(dot2_q4_K_rows) LS_OVER(dot2_q4_1_rows)
-        LS_OVER(axpy_q8_0) LS_OVER(axpy_q6_K) LS_OVER(axpy_q8_0_rows) LS_OVER(axpy_q6_K_rows)
-        LS_OVER(axpy_tile) LS_OVER(dequant_q8_0) LS_OVER(dequant_q6_K) LS_OVER(head_q6_K) LS_OVER(ls2_dot)
-#undef LS_OVER
+#define OVER(role, type, m) if (o->m) s.m = o->m;
+#define OVER_KIND(id, name, fn, shape, in) LS_SHAPE_##shape(OVER, fn)
+        LS_KERNEL_KINDS(OVER_KIND)
+#undef OVER_KIND
+#undef OVER
     }
     return s;
 }
@@ -138,7 +148,8 @@ static bool close_enough(const float * a, const float * b, int n) {
 static bool same_bits(const float * a, const float * b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
 
 // Q4_K rows a, b and Q8_K activations of T rows; Q4_1 rows and Q8_1 activations; Q8_0 and Q6_K
-// columns (the Q6_K ones also the head's weight rows); LS2 sketch rows and their x
+// columns (the Q6_K ones also the head's weight rows); LS2 sketch rows and their x. The kinds'
+// lines (kernels.h LS_KERNEL_KINDS) name theirs.
 enum { CK_N = 512, CK_M = 11, CK_T = 5, CK_LS2 = CK_N * 5 / 16 };
 static struct {
     ls_block_q4_K a[CK_N / 256], b[CK_N / 256];
@@ -211,97 +222,113 @@ static void check_inputs(void) {
     for (int i = 0; i < CK_M * CK_N; i++) ck.tile_cols[i] = (float) (lcg(&s) % 2001) / 1000.0f - 1.0f;
 }
 
-// ---- the checks --------------------------------------------------------------------------------------
+// ---- the checks, per shape: kind k of set v against the scalar kernel, on k's inputs ---------------------
 
 static float want[CK_T * CK_N], got[CK_T * CK_N];   // (the checks run under the once or a caller's select)
+
+// gate and up of CK_T rows of x (x_stride bytes apart), one at a time
+static bool agrees_DOT2(ls_dot2_fn r, ls_dot2_fn v, const void * a, const void * b, const void * x, size_t x_stride) {
+    for (int t = 0; t < CK_T; t++) {
+        const uint8_t * xt = (const uint8_t *) x + (size_t) t * x_stride;
+        r(CK_N, a, b, xt, &want[2 * t], &want[2 * t + 1], NULL, 0);
+        v(CK_N, a, b, xt, &got[2 * t], &got[2 * t + 1], NULL, 0);
+    }
+    return close_enough(want, got, 2 * CK_T);
+}
+
+static bool agrees_AXPY(ls_axpy_fn r, ls_axpy_fn v, const void * const * cols) {
+    memcpy(want, ck.tile_cols, sizeof(float) * CK_N);   // a non-zero start
+    memcpy(got, ck.tile_cols, sizeof(float) * CK_N);
+    r(want, ck.h, cols, CK_M, CK_N);
+    v(got, ck.h, cols, CK_M, CK_N);
+    return close_enough(want, got, CK_N);
+}
+
+static bool agrees_TILE(ls_tile_fn r, ls_tile_fn v, const float * cols) {
+    memset(want, 0, sizeof(want));
+    memset(got, 0, sizeof(got));
+    r(want, ck.h, cols, CK_M, CK_T, CK_N);
+    v(got, ck.h, cols, CK_M, CK_T, CK_N);
+    return close_enough(want, got, CK_T * CK_N);
+}
+
+static bool agrees_DEQUANT(ls_dequant_fn r, ls_dequant_fn v, const void * const * cols) {
+    for (int j = 0; j < CK_M; j++) {
+        r(want, cols[j], CK_N);
+        v(got, cols[j], CK_N);
+        if (!close_enough(want, got, CK_N)) return false;
+    }
+    return true;
+}
+
+// (each row on its own too: a verify pass's rows are decoding's)
+static bool agrees_HEAD(ls_head_fn r, ls_head_fn v, const void * const * w, const void * const * xs) {
+    for (int j = 0; j < CK_M; j++) {
+        r(w[j], CK_N, xs, CK_T, want + j, CK_M);
+        v(w[j], CK_N, xs, CK_T, got + j, CK_M);
+        for (int t = 0; t < CK_T; t++) v(w[j], CK_N, xs + t, 1, got + CK_T * CK_M + t * CK_M + j, 1);
+    }
+    return close_enough(want, got, CK_T * CK_M) && same_bits(got, got + CK_T * CK_M, CK_T * CK_M);
+}
+
+// rows [CK_M][CK_LS2]
+static bool agrees_LS2(ls_ls2_dot_fn r, ls_ls2_dot_fn v, const uint8_t * rows, const int8_t * x8, const float * dx,
+                       const float * xo) {
+    for (int j = 0; j < CK_M; j++) {
+        want[j] = r(rows + j * CK_LS2, x8, dx, xo, CK_N);
+        got[j] = v(rows + j * CK_LS2, x8, dx, xo, CK_N);
+    }
+    return close_enough(want, got, CK_M);
+}
+
+// the rows kernel gives each of CK_T rows the one-row kernel's bits
+static bool rows_exact_DOT2(ls_dot2_fn one, ls_dot2_rows_fn rows, const void * a, const void * b, const void * x,
+                            size_t x_stride) {
+    float ra[CK_T], rb[CK_T], o[2];
+    rows(CK_N, a, b, x, x_stride, CK_T, ra, rb, NULL, 0);
+    for (int t = 0; t < CK_T; t++) {
+        one(CK_N, a, b, (const uint8_t *) x + (size_t) t * x_stride, &o[0], &o[1], NULL, 0);
+        if (!same_bits(o, (float[2]) { ra[t], rb[t] }, 2)) return false;
+    }
+    return true;
+}
+
+static bool rows_exact_AXPY(ls_axpy_fn one, ls_axpy_rows_fn rows, const void * const * cols) {
+    memcpy(got, ck.tile_cols, sizeof(got));   // a non-zero start
+    rows(got, ck.h, cols, CK_M, CK_T, CK_N);
+    for (int t = 0; t < CK_T; t++) {
+        float ht[CK_M];
+        for (int j = 0; j < CK_M; j++) ht[j] = ck.h[j * CK_T + t];
+        memcpy(want, ck.tile_cols + t * CK_N, sizeof(float) * CK_N);
+        one(want, ht, cols, CK_M, CK_N);
+        if (!same_bits(want, got + t * CK_N, CK_N)) return false;
+    }
+    return true;
+}
+
+// a shape's rows check as a kind's line calls it (shapes without a rows kernel: true)
+#define ARGS(...) __VA_ARGS__   // a kind's inputs (its line's `in`) as arguments
+#define ROWS_EXACT_DOT2(v, fn, in)    rows_exact_DOT2(v->fn, v->fn##_rows, ARGS in)
+#define ROWS_EXACT_AXPY(v, fn, in)    rows_exact_AXPY(v->fn, v->fn##_rows, ARGS in)
+#define ROWS_EXACT_TILE(v, fn, in)    true
+#define ROWS_EXACT_DEQUANT(v, fn, in) true
+#define ROWS_EXACT_HEAD(v, fn, in)    true
+#define ROWS_EXACT_LS2(v, fn, in)     true
 
 // kind k of set v gives the scalar kernels' results on the fixed inputs
 static bool agrees(int k, const ls_kernel_set * v) {
     const ls_kernel_set * r = &ls_kernels_scalar;
-    switch (k) {
-    case K_GU_Q4_K:
-    case K_GU_Q4_1:
-        for (int t = 0; t < CK_T; t++) {
-            if (k == K_GU_Q4_K) {
-                r->dot2_q4_K(CK_N, ck.a, ck.b, ck.x[t], &want[2 * t], &want[2 * t + 1], NULL, 0);
-                v->dot2_q4_K(CK_N, ck.a, ck.b, ck.x[t], &got[2 * t], &got[2 * t + 1], NULL, 0);
-            } else {
-                r->dot2_q4_1(CK_N, ck.a1, ck.b1, ck.x1[t], &want[2 * t], &want[2 * t + 1], NULL, 0);
-                v->dot2_q4_1(CK_N, ck.a1, ck.b1, ck.x1[t], &got[2 * t], &got[2 * t + 1], NULL, 0);
-            }
-        }
-        return close_enough(want, got, 2 * CK_T);
-    case K_DN_Q8_0:
-    case K_DN_Q6_K: {
-        const ls_axpy_fn a = k == K_DN_Q8_0 ? r->axpy_q8_0 : r->axpy_q6_K, b = k == K_DN_Q8_0 ? v->axpy_q8_0 : v->axpy_q6_K;
-        const void * const * c = k == K_DN_Q8_0 ? ck.cp : ck.cp6;
-        memcpy(want, ck.tile_cols, sizeof(float) * CK_N);   // a non-zero start
-        memcpy(got, ck.tile_cols, sizeof(float) * CK_N);
-        a(want, ck.h, c, CK_M, CK_N);
-        b(got, ck.h, c, CK_M, CK_N);
-        return close_enough(want, got, CK_N);
-    }
-    case K_TILE:
-        memset(want, 0, sizeof(want));
-        memset(got, 0, sizeof(got));
-        r->axpy_tile(want, ck.h, ck.tile_cols, CK_M, CK_T, CK_N);
-        v->axpy_tile(got, ck.h, ck.tile_cols, CK_M, CK_T, CK_N);
-        return close_enough(want, got, CK_T * CK_N);
-    case K_DEQUANT:
-        for (int j = 0; j < CK_M; j++) {
-            r->dequant_q8_0(want, ck.cols[j], CK_N);
-            r->dequant_q6_K(want + CK_N, ck.cols6[j], CK_N);
-            v->dequant_q8_0(got, ck.cols[j], CK_N);
-            v->dequant_q6_K(got + CK_N, ck.cols6[j], CK_N);
-            if (!close_enough(want, got, 2 * CK_N)) return false;
-        }
-        return true;
-    case K_HEAD:   // (each row on its own too: a verify pass's rows are decoding's)
-        for (int j = 0; j < CK_M; j++) {
-            r->head_q6_K(ck.cols6[j], CK_N, ck.xs, CK_T, want + j, CK_M);
-            v->head_q6_K(ck.cols6[j], CK_N, ck.xs, CK_T, got + j, CK_M);
-            for (int t = 0; t < CK_T; t++) v->head_q6_K(ck.cols6[j], CK_N, ck.xs + t, 1, got + CK_T * CK_M + t * CK_M + j, 1);
-        }
-        return close_enough(want, got, CK_T * CK_M) && same_bits(got, got + CK_T * CK_M, CK_T * CK_M);
-    case K_LS2:
-        for (int j = 0; j < CK_M; j++) {
-            want[j] = r->ls2_dot(ck.ls2[j], ck.x8, ck.dx, ck.xo, CK_N);
-            got[j] = v->ls2_dot(ck.ls2[j], ck.x8, ck.dx, ck.xo, CK_N);
-        }
-        return close_enough(want, got, CK_M);
-    }
+#define AGREES_KIND(id, name, fn, shape, in) case K_##id: return agrees_##shape(r->fn, v->fn, ARGS in);
+    switch (k) { LS_KERNEL_KINDS(AGREES_KIND) }
+#undef AGREES_KIND
     return false;
 }
 
-// kind k's rows kernel of set v gives each of CK_T rows the one-row kernel's bits (kinds without one: true)
+// kind k's rows kernel of set v gives each row the one-row kernel's bits (kinds without one: true)
 static bool rows_exact(int k, const ls_kernel_set * v) {
-    float ra[CK_T], rb[CK_T], one[2];
-    switch (k) {
-    case K_GU_Q4_K:
-    case K_GU_Q4_1:
-        if (k == K_GU_Q4_K) v->dot2_q4_K_rows(CK_N, ck.a, ck.b, ck.x, sizeof(ck.x[0]), CK_T, ra, rb, NULL, 0);
-        else v->dot2_q4_1_rows(CK_N, ck.a1, ck.b1, ck.x1, sizeof(ck.x1[0]), CK_T, ra, rb, NULL, 0);
-        for (int t = 0; t < CK_T; t++) {
-            if (k == K_GU_Q4_K) v->dot2_q4_K(CK_N, ck.a, ck.b, ck.x[t], &one[0], &one[1], NULL, 0);
-            else v->dot2_q4_1(CK_N, ck.a1, ck.b1, ck.x1[t], &one[0], &one[1], NULL, 0);
-            if (!same_bits(one, (float[2]) { ra[t], rb[t] }, 2)) return false;
-        }
-        return true;
-    case K_DN_Q8_0:
-    case K_DN_Q6_K: {
-        const void * const * c = k == K_DN_Q8_0 ? ck.cp : ck.cp6;
-        memcpy(got, ck.tile_cols, sizeof(got));   // a non-zero start
-        (k == K_DN_Q8_0 ? v->axpy_q8_0_rows : v->axpy_q6_K_rows)(got, ck.h, c, CK_M, CK_T, CK_N);
-        for (int t = 0; t < CK_T; t++) {
-            float ht[CK_M];
-            for (int j = 0; j < CK_M; j++) ht[j] = ck.h[j * CK_T + t];
-            memcpy(want, ck.tile_cols + t * CK_N, sizeof(float) * CK_N);
-            (k == K_DN_Q8_0 ? v->axpy_q8_0 : v->axpy_q6_K)(want, ht, c, CK_M, CK_N);
-            if (!same_bits(want, got + t * CK_N, CK_N)) return false;
-        }
-        return true;
-    }
-    }
+#define ROWS_EXACT_KIND(id, name, fn, shape, in) case K_##id: return ROWS_EXACT_##shape(v, fn, in);
+    switch (k) { LS_KERNEL_KINDS(ROWS_EXACT_KIND) }
+#undef ROWS_EXACT_KIND
     return true;
 }
 
@@ -340,10 +367,7 @@ static void choose(int isa, const char * note) {
             append(notes, sizeof(notes), "; %s: the %s kernel failed its start-up check", KIND_NAME[k], ISAS[l].name);
         }
         if (!rows_exact(k, &use)) {
-            if (k == K_GU_Q4_K) use.dot2_q4_K_rows = NULL;
-            if (k == K_GU_Q4_1) use.dot2_q4_1_rows = NULL;
-            if (k == K_DN_Q8_0) use.axpy_q8_0_rows = NULL;
-            if (k == K_DN_Q6_K) use.axpy_q6_K_rows = NULL;
+            drop_rows(k, &use);
             append(notes, sizeof(notes), "; %s: the rows kernel failed its start-up check: rows one at a time", KIND_NAME[k]);
         }
     }
@@ -384,63 +408,51 @@ int32_t ls_kernels_force(const char * isa) {
 const char * ls_kernel_isa(void) { return isa_desc; }
 
 // ---- the entry points ------------------------------------------------------------------------------
+// Per kind, those of its shape (leanstream.h declares each): ls_<fn> (AXPY: ls_<fn>_multi) and, for
+// a shape with rows, ls_<fn>_rows: the rows kernel, or (its start-up check failed) the one-row
+// kernel row by row.
 
-void ls_dot2_q4_K(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int32_t pf_lines) {
-    active.dot2_q4_K(n, a, b, x, ra, rb, pf, pf_lines);
-}
+#define ENTRY_DOT2(fn)                                                                                        \
+    void ls_##fn(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,            \
+                 const uint8_t * pf, int32_t pf_lines) {                                                       \
+        active.fn(n, a, b, x, ra, rb, pf, pf_lines);                                                          \
+    }                                                                                                         \
+    void ls_##fn##_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int32_t nr, \
+                        float * ra, float * rb, const uint8_t * pf, int32_t pf_lines) {                         \
+        if (active.fn##_rows) active.fn##_rows(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);                \
+        else ls_dot2_rows_by_row(active.fn, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);                   \
+    }
 
-void ls_dot2_q4_1(int64_t n, const void * a, const void * b, const void * x, float * ra, float * rb,
-                  const uint8_t * pf, int32_t pf_lines) {
-    active.dot2_q4_1(n, a, b, x, ra, rb, pf, pf_lines);
-}
+#define ENTRY_AXPY(fn)                                                                                        \
+    void ls_##fn##_multi(float * acc, const float * h, const void * const * cols, int32_t m, int64_t n) {     \
+        active.fn(acc, h, cols, m, n);                                                                        \
+    }                                                                                                         \
+    void ls_##fn##_rows(float * acc, const float * h, const void * const * cols, int32_t m, int64_t T, int64_t n) { \
+        if (active.fn##_rows) active.fn##_rows(acc, h, cols, m, T, n);                                        \
+        else ls_axpy_rows_by_row(active.fn, acc, h, cols, m, T, n);                                           \
+    }
 
-// the rows kernels, or (their start-up check failed) the one-row kernels row by row
-void ls_dot2_q4_K_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int32_t nr,
-                       float * ra, float * rb, const uint8_t * pf, int32_t pf_lines) {
-    if (active.dot2_q4_K_rows) active.dot2_q4_K_rows(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-    else ls_dot2_rows_by_row(active.dot2_q4_K, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
+#define ENTRY_TILE(fn)                                                                                        \
+    void ls_##fn(float * acc, const float * h, const float * cols, int32_t n_staged, int64_t T, int64_t n_embd) { \
+        active.fn(acc, h, cols, n_staged, T, n_embd);                                                         \
+    }
 
-void ls_dot2_q4_1_rows(int64_t n, const void * a, const void * b, const void * x, size_t x_stride, int32_t nr,
-                       float * ra, float * rb, const uint8_t * pf, int32_t pf_lines) {
-    if (active.dot2_q4_1_rows) active.dot2_q4_1_rows(n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-    else ls_dot2_rows_by_row(active.dot2_q4_1, n, a, b, x, x_stride, nr, ra, rb, pf, pf_lines);
-}
-
-void ls_axpy_q8_0_multi(float * acc, const float * h, const void * const * cols, int32_t m, int64_t n) {
-    active.axpy_q8_0(acc, h, cols, m, n);
-}
-
-void ls_axpy_q8_0_rows(float * acc, const float * h, const void * const * cols, int32_t m, int64_t T, int64_t n) {
-    if (active.axpy_q8_0_rows) active.axpy_q8_0_rows(acc, h, cols, m, T, n);
-    else ls_axpy_rows_by_row(active.axpy_q8_0, acc, h, cols, m, T, n);
-}
-
-void ls_axpy_q6_K_multi(float * acc, const float * h, const void * const * cols, int32_t m, int64_t n) {
-    active.axpy_q6_K(acc, h, cols, m, n);
-}
-
-void ls_axpy_q6_K_rows(float * acc, const float * h, const void * const * cols, int32_t m, int64_t T, int64_t n) {
-    if (active.axpy_q6_K_rows) active.axpy_q6_K_rows(acc, h, cols, m, T, n);
-    else ls_axpy_rows_by_row(active.axpy_q6_K, acc, h, cols, m, T, n);
-}
-
-void ls_axpy_tile(float * acc, const float * h, const float * cols, int32_t n_staged, int64_t T, int64_t n_embd) {
-    active.axpy_tile(acc, h, cols, n_staged, T, n_embd);
-}
-
-void ls_dequant_q8_0(float * out, const void * col, int64_t n) { active.dequant_q8_0(out, col, n); }
-void ls_dequant_q6_K(float * out, const void * col, int64_t n) { active.dequant_q6_K(out, col, n); }
+#define ENTRY_DEQUANT(fn) void ls_##fn(float * out, const void * col, int64_t n) { active.fn(out, col, n); }
 
 // rows in groups of LS_EXACT_ROWS (the kernels' bound): each row's result does not depend on the others
-void ls_head_q6_K(const void * w, int64_t n, const void * const * x, int64_t T, float * out, size_t out_stride) {
-    for (int64_t t0 = 0; t0 < T; t0 += LS_EXACT_ROWS) {
-        const int64_t rows = T - t0 < LS_EXACT_ROWS ? T - t0 : LS_EXACT_ROWS;
-        active.head_q6_K(w, n, x + t0, rows, out + (size_t) t0 * out_stride, out_stride);
+#define ENTRY_HEAD(fn)                                                                                        \
+    void ls_##fn(const void * w, int64_t n, const void * const * x, int64_t T, float * out, size_t out_stride) { \
+        for (int64_t t0 = 0; t0 < T; t0 += LS_EXACT_ROWS) {                                                   \
+            const int64_t rows = T - t0 < LS_EXACT_ROWS ? T - t0 : LS_EXACT_ROWS;                             \
+            active.fn(w, n, x + t0, rows, out + (size_t) t0 * out_stride, out_stride);                        \
+        }                                                                                                     \
     }
-}
 
-float ls_ls2_dot(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n) {
-    return active.ls2_dot(row, x8, dx, xo, n);
-}
+#define ENTRY_LS2(fn)                                                                                         \
+    float ls_##fn(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n) {    \
+        return active.fn(row, x8, dx, xo, n);                                                                 \
+    }
+
+#define ENTRY_KIND(id, name, fn, shape, in) ENTRY_##shape(fn)
+LS_KERNEL_KINDS(ENTRY_KIND)
+#undef ENTRY_KIND

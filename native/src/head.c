@@ -52,60 +52,62 @@ static void row_top(const float * y, const int32_t * ids, int32_t n, int32_t * t
 
 enum { HEAD_AHEAD = 4 };   // rows of a draft vocabulary fetched ahead of the one computing
 
-static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    ls_engine * e = userdata;
+// One op's tensors and shapes, as its threads share them
+typedef struct {
+    struct ggml_tensor * dst;                  // [n_vocab, T] logits
+    const struct ggml_tensor * w, * x;         // [n_embd, n_vocab] weights; [n_embd, T] f32 hidden state
+    const struct ggml_type_traits_cpu * tw;    // w's
+    enum ggml_type vt;                         // w's vec_dot type: x's rows quantized to it
+    int64_t n_embd, n_vocab, T;
+    size_t xrow;                               // bytes of one quantized x row
+} head_op;
+
+static float * logits_row(const head_op * o, int64_t t) { return (float *) ((char *) o->dst->data + (size_t) t * o->dst->nb[1]); }
+
+// Thread 0, holding op_mu for the op: the scratch for T rows and the draft's settings of this op;
+// H->ok false (the error recorded) without them or when the draft vocabulary exceeds the model's.
+static void head_begin(ls_engine * e, const head_op * o) {
     ls_head * H = &e->head;
-    const struct ggml_tensor * w = dst->src[0];
-    const struct ggml_tensor * x = dst->src[1];
-    const int64_t n_embd = w->ne[0], n_vocab = w->ne[1], T = x->ne[1];
-    const struct ggml_type_traits_cpu * tw = ls_cpu_traits(w->type);
-    const enum ggml_type vt = tw->vec_dot_type;
-    const size_t xrow = ggml_row_size(vt, n_embd);
-    if (ith == 0) {
-        pthread_mutex_lock(&e->op_mu);
-        H->ok = ls_grow((void **) &H->xq, &H->xq_cap, (size_t) T * xrow, 1) &&
-                ls_grow((void **) &H->top, &H->top_cap, (size_t) T * LS_DRAFT_TOP * sizeof(int32_t), 1) &&
-                ls_grow((void **) &H->prob, &H->prob_cap, (size_t) T * LS_DRAFT_TOP * sizeof(float), 1);
-        H->draft = e->draft;
-        H->n_rows = 0;
-        if (!H->ok) ls_engine_record_error(e, LS_ERR_NOMEM, "output projection: out of memory");
-        if (H->ok && H->n_vocab_draft > 0 && H->vocab[H->n_vocab_draft - 1] >= n_vocab) {
-            ls_engine_record_error(e, LS_ERR_ARG, "draft vocabulary holds token %d, the model has %lld",
-                                   H->vocab[H->n_vocab_draft - 1], (long long) n_vocab);
-            H->ok = false;
-        }
+    const int64_t T = o->T;
+    pthread_mutex_lock(&e->op_mu);
+    H->ok = ls_grow((void **) &H->xq, &H->xq_cap, (size_t) T * o->xrow, 1) &&
+            ls_grow((void **) &H->top, &H->top_cap, (size_t) T * LS_DRAFT_TOP * sizeof(int32_t), 1) &&
+            ls_grow((void **) &H->prob, &H->prob_cap, (size_t) T * LS_DRAFT_TOP * sizeof(float), 1);
+    H->draft = e->draft;
+    H->n_rows = 0;
+    if (!H->ok) ls_engine_record_error(e, LS_ERR_NOMEM, "output projection: out of memory");
+    if (H->ok && H->n_vocab_draft > 0 && H->vocab[H->n_vocab_draft - 1] >= o->n_vocab) {
+        ls_engine_record_error(e, LS_ERR_ARG, "draft vocabulary holds token %d, the model has %lld",
+                               H->vocab[H->n_vocab_draft - 1], (long long) o->n_vocab);
+        H->ok = false;
     }
-    ls_barrier_wait(&e->barrier, nth);
-    if (!H->ok) {
-        for (int64_t t = ith; t < T; t += nth) {
-            float * y = (float *) ((char *) dst->data + (size_t) t * dst->nb[1]);
-            for (int64_t v = 0; v < n_vocab; v++) y[v] = -INFINITY;
-        }
-        ls_barrier_wait(&e->barrier, nth);
-        if (ith == 0) pthread_mutex_unlock(&e->op_mu);
-        return;
+}
+
+// this thread's share of the op's input: x rows quantized to the weights' vec_dot type, as
+// ggml_mul_mat does; of a subset's logits, those it does not compute -inf (a draft reads only the
+// top tokens)
+static void head_inputs(const ls_head * H, const head_op * o, bool subset, int ith, int nth) {
+    for (int64_t t = ith; t < o->T; t += nth) {
+        const float * xt = (const float *) ((const char *) o->x->data + (size_t) t * o->x->nb[1]);
+        if (o->vt == GGML_TYPE_F32) memcpy(H->xq + (size_t) t * o->xrow, xt, o->xrow);
+        else ls_cpu_traits(o->vt)->from_float(xt, H->xq + (size_t) t * o->xrow, o->n_embd);
     }
-    // x rows quantized to the weights' vec_dot type, as ggml_mul_mat does
-    for (int64_t t = ith; t < T; t += nth) {
-        const float * xt = (const float *) ((const char *) x->data + (size_t) t * x->nb[1]);
-        if (vt == GGML_TYPE_F32) memcpy(H->xq + (size_t) t * xrow, xt, xrow);
-        else ls_cpu_traits(vt)->from_float(xt, H->xq + (size_t) t * xrow, n_embd);
-    }
-    const bool subset = H->draft && H->n_vocab_draft > 0;
-    if (subset) {   // the rows the draft does not compute are -inf (a draft reads only the top tokens)
-        const int64_t v0 = n_vocab * ith / nth, v1 = n_vocab * (ith + 1) / nth;
-        for (int64_t t = 0; t < T; t++) {
-            float * y = (float *) ((char *) dst->data + (size_t) t * dst->nb[1]);
+    if (subset) {
+        const int64_t v0 = o->n_vocab * ith / nth, v1 = o->n_vocab * (ith + 1) / nth;
+        for (int64_t t = 0; t < o->T; t++) {
+            float * y = logits_row(o, t);
             for (int64_t v = v0; v < v1; v++) y[v] = -INFINITY;
         }
     }
-    ls_barrier_wait(&e->barrier, nth);
-    const int64_t n = subset ? H->n_vocab_draft : n_vocab;
-    const int64_t i0 = n * ith / nth, i1 = n * (ith + 1) / nth;
-    const bool own = w->type == GGML_TYPE_Q6_K && vt == GGML_TYPE_Q8_K;   // the library's kernel (module doc)
+}
+
+// the logits of entries [i0, i1) of the vocabulary computed (subset: of the draft vocabulary) for every row
+static void head_rows(const ls_head * H, const head_op * o, bool subset, int64_t i0, int64_t i1) {
+    const struct ggml_tensor * w = o->w;
+    const bool own = w->type == GGML_TYPE_Q6_K && o->vt == GGML_TYPE_Q8_K;   // the library's kernel (module doc)
     const void * xs[LS_EXACT_ROWS];
-    for (int64_t t = 0; t < T; t++) xs[t] = H->xq + (size_t) t * xrow;
-    const size_t ystride = dst->nb[1] / sizeof(float);
+    for (int64_t t = 0; t < o->T; t++) xs[t] = H->xq + (size_t) t * o->xrow;
+    const size_t ystride = o->dst->nb[1] / sizeof(float);
     for (int64_t i = i0; i < i1; i++) {
         const int64_t v = subset ? H->vocab[i] : i;
         const uint8_t * wr = (const uint8_t *) w->data + (size_t) v * w->nb[1];
@@ -114,35 +116,65 @@ static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * user
         // 32k draft rows, one thread: 9.8 ms -> 6.3 ms)
         if (subset && i + HEAD_AHEAD < i1) {
             const uint8_t * nx = (const uint8_t *) w->data + (size_t) H->vocab[i + HEAD_AHEAD] * w->nb[1];
-            for (size_t o = 0; o < w->nb[1]; o += 64) __builtin_prefetch(nx + o, 0, 3);
+            for (size_t off = 0; off < w->nb[1]; off += 64) __builtin_prefetch(nx + off, 0, 3);
         }
         if (own) {
-            ls_head_q6_K(wr, n_embd, xs, T, (float *) dst->data + v, ystride);
+            ls_head_q6_K(wr, o->n_embd, xs, o->T, (float *) o->dst->data + v, ystride);
             continue;
         }
-        for (int64_t t = 0; t < T; t++) {
-            float * y = (float *) ((char *) dst->data + (size_t) t * dst->nb[1]);
-            tw->vec_dot((int) n_embd, &y[v], 0, wr, 0, H->xq + (size_t) t * xrow, 0, 1);
-        }
+        for (int64_t t = 0; t < o->T; t++)
+            o->tw->vec_dot((int) o->n_embd, &logits_row(o, t)[v], 0, wr, 0, H->xq + (size_t) t * o->xrow, 0, 1);
     }
-    ls_barrier_wait(&e->barrier, nth);
-    if (ith == 0) {
-        if (H->draft) {
-            if (!subset) {   // every token is in the draft vocabulary
-                if (!ls_grow((void **) &H->all, &H->all_cap, (size_t) n_vocab * sizeof(int32_t), 1)) {
-                    ls_engine_record_error(e, LS_ERR_NOMEM, "output projection: out of memory");
-                } else {
-                    for (int64_t v = 0; v < n_vocab; v++) H->all[v] = (int32_t) v;
-                }
+}
+
+// Thread 0, every row computed: a draft's best tokens of each row over the n entries of its
+// vocabulary (subset: the draft vocabulary; else every token); op_mu released.
+static void head_end(ls_engine * e, const head_op * o, bool subset, int64_t n) {
+    ls_head * H = &e->head;
+    if (H->draft) {
+        if (!subset) {   // every token is in the draft vocabulary
+            if (!ls_grow((void **) &H->all, &H->all_cap, (size_t) o->n_vocab * sizeof(int32_t), 1)) {
+                ls_engine_record_error(e, LS_ERR_NOMEM, "output projection: out of memory");
+            } else {
+                for (int64_t v = 0; v < o->n_vocab; v++) H->all[v] = (int32_t) v;
             }
-            const int32_t * ids = subset ? H->vocab : H->all;
-            for (int64_t t = 0; t < T && ids; t++)
-                row_top((const float *) ((const char *) dst->data + (size_t) t * dst->nb[1]), ids, (int32_t) n,
-                        H->top + t * LS_DRAFT_TOP, H->prob + t * LS_DRAFT_TOP);
-            H->n_rows = (int32_t) T;
         }
-        pthread_mutex_unlock(&e->op_mu);
+        const int32_t * ids = subset ? H->vocab : H->all;
+        for (int64_t t = 0; t < o->T && ids; t++)
+            row_top(logits_row(o, t), ids, (int32_t) n, H->top + t * LS_DRAFT_TOP, H->prob + t * LS_DRAFT_TOP);
+        H->n_rows = (int32_t) o->T;
     }
+    pthread_mutex_unlock(&e->op_mu);
+}
+
+static void head_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    ls_engine * e = userdata;
+    ls_head * H = &e->head;
+    head_op o = { .dst = dst, .w = dst->src[0], .x = dst->src[1] };
+    o.n_embd = o.w->ne[0];
+    o.n_vocab = o.w->ne[1];
+    o.T = o.x->ne[1];
+    o.tw = ls_cpu_traits(o.w->type);
+    o.vt = o.tw->vec_dot_type;
+    o.xrow = ggml_row_size(o.vt, o.n_embd);
+    if (ith == 0) head_begin(e, &o);
+    ls_barrier_wait(&e->barrier, nth);
+    if (!H->ok) {   // every logit -inf
+        for (int64_t t = ith; t < o.T; t += nth) {
+            float * y = logits_row(&o, t);
+            for (int64_t v = 0; v < o.n_vocab; v++) y[v] = -INFINITY;
+        }
+        ls_barrier_wait(&e->barrier, nth);
+        if (ith == 0) pthread_mutex_unlock(&e->op_mu);
+        return;
+    }
+    const bool subset = H->draft && H->n_vocab_draft > 0;
+    head_inputs(H, &o, subset, ith, nth);
+    ls_barrier_wait(&e->barrier, nth);
+    const int64_t n = subset ? H->n_vocab_draft : o.n_vocab;
+    head_rows(H, &o, subset, n * ith / nth, n * (ith + 1) / nth);
+    ls_barrier_wait(&e->barrier, nth);
+    if (ith == 0) head_end(e, &o, subset, n);
 }
 
 struct ggml_tensor * ls_output_build(struct ggml_context * ctx0, struct ggml_tensor * w, struct ggml_tensor * cur,

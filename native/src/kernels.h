@@ -32,18 +32,49 @@ typedef void (*ls_dequant_fn)(float * out, const void * col, int64_t n);
 typedef void (*ls_head_fn)(const void * w, int64_t n, const void * const * x, int64_t T, float * out, size_t out_stride);
 typedef float (*ls_ls2_dot_fn)(const uint8_t * row, const int8_t * x8, const float * dx, const float * xo, int64_t n);
 
+// The kinds of kernels, one line each: what dispatch.c chooses, checks against the scalar kernel
+// and replaces together. Everything else of a kind is derived from its line (its members of
+// ls_kernel_set, its id and name, its selection, its checks and its entry points in dispatch.c);
+// what a new kind adds besides is its bodies (kernels.c, and per instruction set the members of
+// its ls_kernel_set) and its entry points' declarations in leanstream.h (the ABI).
+//   X(id, name, fn, shape, in)
+//   id     K_<id> in dispatch.c
+//   name   as ls_kernel_isa() names a kind whose check failed
+//   fn     its member of ls_kernel_set (fn_rows too where the shape has rows); the entry points
+//          are ls_<fn> (AXPY: ls_<fn>_multi) and ls_<fn>_rows
+//   shape  its signature, members, checks and entry points: LS_SHAPE_<shape> below, dispatch.c's
+//          agrees_<shape>, ROWS_EXACT_<shape> and ENTRY_<shape> (a new shape writes these four)
+//   in     the fixed inputs of its start-up checks (dispatch.c's ck), as the shape's checks take them
+#define LS_KERNEL_KINDS(X)                                                                              \
+    X(GU_Q4_K,    "gate/up Q4_K",        dot2_q4_K,    DOT2,    (ck.a, ck.b, ck.x, sizeof(ck.x[0])))     \
+    X(GU_Q4_1,    "gate/up Q4_1",        dot2_q4_1,    DOT2,    (ck.a1, ck.b1, ck.x1, sizeof(ck.x1[0]))) \
+    X(DN_Q8_0,    "down Q8_0",           axpy_q8_0,    AXPY,    (ck.cp))                                 \
+    X(DN_Q6_K,    "down Q6_K",           axpy_q6_K,    AXPY,    (ck.cp6))                                \
+    X(TILE,       "prefill tile",        axpy_tile,    TILE,    (ck.tile_cols))                          \
+    X(DEQ_Q8_0,   "dequantization Q8_0", dequant_q8_0, DEQUANT, (ck.cp))                                 \
+    X(DEQ_Q6_K,   "dequantization Q6_K", dequant_q6_K, DEQUANT, (ck.cp6))                                \
+    X(HEAD_Q6_K,  "head Q6_K",           head_q6_K,    HEAD,    (ck.cp6, ck.xs))                         \
+    X(LS2,        "sketch LS2",          ls2_dot,      LS2,     (ck.ls2[0], ck.x8, ck.dx, ck.xo))
+
+// The shapes: a kind's members of ls_kernel_set, M(role, type, member) each. Role one: the kernel;
+// rows: the same for several token rows, each row bit for bit the one-row kernel's (dispatch.c
+// drops it, rows then one at a time, where its check finds otherwise).
+#define LS_SHAPE_DOT2(M, fn)    M(one, ls_dot2_fn, fn) M(rows, ls_dot2_rows_fn, fn##_rows)   // gate and up of a neuron
+#define LS_SHAPE_AXPY(M, fn)    M(one, ls_axpy_fn, fn) M(rows, ls_axpy_rows_fn, fn##_rows)   // down columns added in place
+#define LS_SHAPE_TILE(M, fn)    M(one, ls_tile_fn, fn)       // f32 columns of a prefill tile
+#define LS_SHAPE_DEQUANT(M, fn) M(one, ls_dequant_fn, fn)    // a down column to f32
+#define LS_SHAPE_HEAD(M, fn)    M(one, ls_head_fn, fn)       // the LM head's rows (head.c)
+#define LS_SHAPE_LS2(M, fn)     M(one, ls_ls2_dot_fn, fn)    // a sketch row . x (sketch.c)
+
 // One instruction set's kernels. NULL: none of its own (the set below it serves: AVX-512 takes
-// AVX2's Q4_1 kernels, NEON takes the scalar head kernel).
+// AVX2's Q4_1 kernels, NEON with the dot product takes NEON's down kernels).
+#define LS_SET_MEMBER(role, type, member) type member;
+#define LS_SET_MEMBERS(id, name, fn, shape, in) LS_SHAPE_##shape(LS_SET_MEMBER, fn)
 typedef struct ls_kernel_set {
-    ls_dot2_fn      dot2_q4_K, dot2_q4_1;             // gate and up of a neuron, one token
-    ls_dot2_rows_fn dot2_q4_K_rows, dot2_q4_1_rows;   // the same for nr tokens, each row bit for bit the one-token kernel's
-    ls_axpy_fn      axpy_q8_0, axpy_q6_K;             // down columns added in place, one token
-    ls_axpy_rows_fn axpy_q8_0_rows, axpy_q6_K_rows;   // the same for T tokens, each row bit for bit the one-token kernel's
-    ls_tile_fn      axpy_tile;                        // f32 columns of a prefill tile
-    ls_dequant_fn   dequant_q8_0, dequant_q6_K;       // a down column to f32
-    ls_head_fn      head_q6_K;                        // the LM head's rows, Q6_K x Q8_K (head.c)
-    ls_ls2_dot_fn   ls2_dot;                          // a sketch row . x (sketch.c)
+    LS_KERNEL_KINDS(LS_SET_MEMBERS)
 } ls_kernel_set;
+#undef LS_SET_MEMBERS
+#undef LS_SET_MEMBER
 
 extern const ls_kernel_set ls_kernels_scalar;                     // kernels.c
 extern const ls_kernel_set ls_kernels_avx2, ls_kernels_avx512, ls_kernels_avx512_vnni; // kernels_x86.c

@@ -229,6 +229,35 @@ static void reduce_partials(const ls_plan * P, float * y, int ith, int nth) {
     }
 }
 
+// How compute_share computes a layer's neurons' gate and up: the types, and x quantized for each
+typedef struct {
+    const struct ggml_type_traits_cpu * tg, * tu;   // gate's and up's
+    int fused;                                      // LS_FUSED_*
+    int32_t act;                                    // LS_ACT_*
+    int64_t n_embd;
+    size_t rg, ru;                                  // bytes of one quantized x row for gate, for up
+} neuron_math;
+
+// h[t] = act(gate . x[t]) * (up . x[t]) of one neuron (rows gr, ur) for Tc token rows of x
+// (gate's from xg, up's from xu); gu_tmp [2][Tc] scratch; the prefetch stream (nx, pf_lines) with
+// the first row.
+static inline void neuron_h(const neuron_math * nm, const uint8_t * gr, const uint8_t * ur, const uint8_t * xg,
+                            const uint8_t * xu, int64_t Tc, const uint8_t * nx, int pf_lines, float * gu_tmp, float * h) {
+    if (nm->fused && Tc > 1) {   // the rows kernels: each row's gate/up as that token's alone, the weights unpacked once per few rows
+        float * g = gu_tmp, * u = gu_tmp + Tc;
+        if (nm->fused == LS_FUSED_Q4_K) ls_dot2_q4_K_rows(nm->n_embd, gr, ur, xg, nm->rg, (int) Tc, g, u, nx, pf_lines);
+        else ls_dot2_q4_1_rows(nm->n_embd, gr, ur, xg, nm->rg, (int) Tc, g, u, nx, pf_lines);
+        for (int64_t t = 0; t < Tc; t++) h[t] = ls_act(nm->act, g[t]) * u[t];
+        return;
+    }
+    for (int64_t t = 0; t < Tc; t++) {
+        float g, u;
+        gate_up(nm->tg, nm->tu, nm->fused, nm->n_embd, gr, ur, xg + (size_t) t * nm->rg, xu + (size_t) t * nm->ru, &g, &u,
+                t == 0 ? nx : NULL, t == 0 ? pf_lines : 0);
+        h[t] = ls_act(nm->act, g) * u;
+    }
+}
+
 // Share s of n_shares of plan entries [lo, hi) (share_lo), every neuron of each block, accumulated
 // into acc [n_tokens, n_embd]; counted in the layer's compute counters unless it is the draft's.
 static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_t hi, float * acc, float * work) {
@@ -236,13 +265,12 @@ static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_
     ls_layer * L = P->L;
     const ls_layer_info * in = &L->info;
     const int64_t n_embd = in->n_embd, T = P->n_tokens, k = in->neurons_per_block;
-    const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type);
-    const struct ggml_type_traits_cpu * tu = ls_cpu_traits(in->up_type);
-    const size_t rg = ggml_row_size(tg->vec_dot_type, n_embd), ru = ggml_row_size(tu->vec_dot_type, n_embd);
+    neuron_math nm = { .tg = ls_cpu_traits(in->gate_type), .tu = ls_cpu_traits(in->up_type), .fused = fused_gate_up(in),
+                       .act = e->params.activation, .n_embd = n_embd };
+    nm.rg = ggml_row_size(nm.tg->vec_dot_type, n_embd);
+    nm.ru = ggml_row_size(nm.tu->vec_dot_type, n_embd);
     const uint8_t * xg0 = P->buf.xq;
-    const uint8_t * xu0 = tu->vec_dot_type == tg->vec_dot_type ? P->buf.xq : P->buf.xq + (size_t) T * rg;
-    const int32_t act = e->params.activation;
-    const int fused = fused_gate_up(in);
+    const uint8_t * xu0 = nm.tu->vec_dot_type == nm.tg->vec_dot_type ? P->buf.xq : P->buf.xq + (size_t) T * nm.rg;
     // few tokens: read int8 columns directly; many: dequantize once per tile, reuse for every token
     const bool rowwise = T <= LS_EXACT_ROWS;
     const bool direct = adds_in_place(in->down_type) && rowwise;
@@ -264,7 +292,7 @@ static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_
     // touching all T rows moved the whole [T][n_embd] output through memory per 32 neurons)
     for (int64_t t0 = 0; t0 < T; t0 += LS_TOKEN_CHUNK) {
         const int64_t Tc = T - t0 < LS_TOKEN_CHUNK ? T - t0 : LS_TOKEN_CHUNK;
-        const uint8_t * xg = xg0 + (size_t) t0 * rg, * xu = xu0 + (size_t) t0 * ru;
+        const uint8_t * xg = xg0 + (size_t) t0 * nm.rg, * xu = xu0 + (size_t) t0 * nm.ru;
         float * acc_c = acc + (size_t) t0 * n_embd;
         for (int32_t i = s0; i < s1; i++) {
             if (n_staged + k > tile) {
@@ -282,22 +310,8 @@ static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_
             for (int64_t j = 0; j < k; j++) {
                 if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
                 float * hj = h + (size_t) n_staged * Tc;
-                if (fused && Tc > 1) {   // the rows kernels: each row's gate/up as that token's alone, the weights unpacked once per few rows
-                    float * g = gu_tmp, * u = gu_tmp + Tc;
-                    const uint8_t * gr = gate + j * L->gate_row_bytes, * ur = up + j * L->up_row_bytes;
-                    const uint8_t * nx = nxt_for(pf.nxt, pf.lines, j, fused, n_embd);
-                    if (fused == LS_FUSED_Q4_K) ls_dot2_q4_K_rows(n_embd, gr, ur, xg, rg, (int) Tc, g, u, nx, pf.lines);
-                    else ls_dot2_q4_1_rows(n_embd, gr, ur, xg, rg, (int) Tc, g, u, nx, pf.lines);
-                    for (int64_t t = 0; t < Tc; t++) hj[t] = ls_act(act, g[t]) * u[t];
-                } else {
-                    for (int64_t t = 0; t < Tc; t++) {
-                        float g, u;
-                        gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes,
-                                xg + (size_t) t * rg, xu + (size_t) t * ru, &g, &u,
-                                t == 0 ? nxt_for(pf.nxt, pf.lines, j, fused, n_embd) : NULL, t == 0 ? pf.lines : 0);
-                        hj[t] = ls_act(act, g) * u;
-                    }
-                }
+                neuron_h(&nm, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, Tc,
+                         nxt_for(pf.nxt, pf.lines, j, nm.fused, n_embd), pf.lines, gu_tmp, hj);
                 const uint8_t * col = down + j * L->down_col_bytes;
                 if (L->capture && P->path != LS_PATH_DRAFT) {   // the converter's profile: blocks are this thread's alone
                     const size_t slot = (size_t) b * k + (size_t) j, n_slots = (size_t) in->n_blocks * (size_t) k;
