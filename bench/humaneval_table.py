@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import benchkit
+from leanstream_ggml.cli import command_line
 from leanstream_tools import humaneval
 from leanstream_tools.compare import selecting_budget
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     docs, rows = {}, []
     for s in setups:
         path = out_dir / f"{s.replace('@', '-at-').replace('%', 'pct').replace('+', '')}.json"
-        cmd = [sys.executable, "-m", "leanstream_ggml.cli", "eval", "humaneval",
+        cmd = [*command_line(), "eval", "humaneval",
                *setup_args(s, gguf, model_dir, budget, args.threads), "--max-tokens", str(args.max_tokens),
                "--out", str(path), "--quiet", *(["--limit", str(args.limit)] if args.limit else [])]
         print(f"[{s}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)

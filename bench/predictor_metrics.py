@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def latency_us(path, repeats: int = 2000) -> float:
     import cffi
 
-    from converters.train.export import NativePredictor
+    from leanstream_convert.train.export import NativePredictor
 
     ffi = cffi.FFI()   # float buffers only: cffi's primitive types are one across its FFI objects
     with NativePredictor(path) as c:
@@ -43,12 +43,12 @@ def latency_us(path, repeats: int = 2000) -> float:
 
 
 def check_exact(path) -> bool:
-    from converters.train.export import NativePredictor, read_predictor
+    from leanstream_convert.train.export import NativePredictor, read_predictor
 
     hdr, params = read_predictor(path)
     x = np.random.default_rng(1).standard_normal((64, hdr["n_embd"])).astype(np.float32) * 3
     try:
-        from converters.train.hashing import infer_params
+        from leanstream_convert.train.hashing import infer_params
     except ImportError:
         return True   # no torch: nothing to compare against
     ref = infer_params(params, hdr["tau"], hdr["n_tables"], x).numpy()

@@ -44,7 +44,7 @@ def domain_tokens(vocab_llm, path, n_tokens: int) -> list[int]:
 def capture(src: str, token_lists: dict[str, list[int]], n_threads: int, chunk: int = 256):
     """{domain: {il: (x [T, n_embd], a [T, n_ff])}} from stock llama.cpp (first 8 positions of a
     chunk dropped: no context yet)."""
-    from converters.profile import Profiler
+    from leanstream_convert.profile import Profiler
 
     out = {}
     with Profiler(src, n_ctx=chunk, n_threads=n_threads) as prof:
@@ -120,7 +120,7 @@ def main() -> int:
 
     import llama_cpp
 
-    from converters import sketch
+    from leanstream_convert import sketch
     from leanstream_ggml import manifest
     from leanstream_ggml.engine import candidate_blocks, kept_blocks
     from tests.support.reference import act as act_fn, load_layer

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import benchkit
 
+from leanstream_ggml.cli import command_line
+
 PARAGRAPH = ("The committee reviewed the proposal in detail and asked the authors to explain how the "
              "measurements were taken, which baselines were used, and whether the results hold on other "
              "hardware. ")
@@ -65,7 +67,7 @@ def start_server(model_dir: str, port: int, memory_budget: str | None, n_ctx: in
     from leanstream_ggml.options import BY_NAME
     from leanstream_tools import cgroup
 
-    cmd = [*(launcher or [sys.executable, "-m", "leanstream_ggml.cli"]), "serve", model_dir, "--port", str(port),
+    cmd = [*(launcher or command_line()), "serve", model_dir, "--port", str(port),
            "--n_ctx", str(n_ctx), "--n_threads", "2", "--n_threads_batch", "2", "--interrupt_requests", "false",
            "--verbose", "false"]
     if memory_budget:

@@ -1,6 +1,6 @@
 """GGUF -> LeanStream model directory (``leanstream convert``).
 
-    from converters import convert
+    from leanstream_convert import convert
     manifest = convert("model.gguf", "model.lsm")    # returns leanstream_ggml.manifest.Manifest
 
 ``convert`` is the pipeline `leanstream convert` runs, with its defaults (``stages.convert_model``:

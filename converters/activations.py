@@ -98,72 +98,25 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
     vocabulary and references); sets_dir: also write each layer's read sets there (coact order)
     as ``l<il>.bits`` (np.packbits rows of n_slots bits); calibration_windows: {domain: path} of
     the calibration texts whose windows get references (calibrate.window_tokens); max_tokens:
-    kept positions at most."""
-    from tqdm import tqdm
-
+    kept positions at most. Under memory_limit the dense engine's plan counts the pass's capture
+    buffers and its rows of logits (``pass_keywords``)."""
     from leanstream_ggml import Llama
 
-    from .order import read_sets
-
-    n_layer = manifest.n_layer
-    n_slots = manifest.layers[0].n_blocks * manifest.block.k
-    n_vocab = _n_vocab(model_dir, manifest)
-    rows = decode_rows(model_dir, manifest, memory_limit, bool(n_read), n_vocab)
-    # the capture buffers first, written once (resident): the memory plan counts what the process
-    # holds when it plans; the rows of logits a decode returns are not in the plan's parts
-    caps = [np.empty((rows, n_slots), np.float32) for _ in range(n_layer)] if n_read else []
-    for c in caps:
-        c.fill(0.0)
-    if memory_limit:
-        memory_limit -= (rows - 1) * n_vocab * 4
-    llm = Llama(str(model_dir), _manifest=manifest, mode="dense", speculative="off", n_ctx=N_CTX, n_batch=rows,
-                n_ubatch=rows, n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
-                **({"memory_limit": memory_limit} if memory_limit else {}))
+    rows = decode_rows(model_dir, manifest, memory_limit, bool(n_read))
+    llm = Llama.converting(str(model_dir), n_threads=n_threads, n_threads_batch=n_threads, verbose=False,
+                           **pass_keywords(manifest, rows, bool(n_read)),
+                           **({"memory_limit": memory_limit} if memory_limit else {}))
     res = PassResult(rows=rows)
+    caps = []
     try:
-        eng = llm.engine
-        for il, c in enumerate(caps):
-            eng.set_capture(il, c)
-        res.vocab = np.zeros(n_vocab, np.float64)
+        caps = _capture_buffers(llm, manifest, rows) if n_read else []
+        res.vocab = np.zeros(_n_vocab(model_dir, manifest), np.float64)
         if n_read:
-            res.abs_h = np.zeros((n_layer, n_slots), np.float64)
-            res.reads = np.zeros((n_layer, n_slots), np.int64)
-        sets = [open(sets_dir / f"l{il}.bits", "wb") for il in range(n_layer)] if (sets_dir and n_read) else []
+            res.abs_h = np.zeros((manifest.n_layer, caps[0].shape[1]), np.float64)
+            res.reads = np.zeros((manifest.n_layer, caps[0].shape[1]), np.int64)
+        sets = [open(sets_dir / f"l{il}.bits", "wb") for il in range(manifest.n_layer)] if (sets_dir and n_read) else []
         try:
-            seqs = _sequences(llm, texts)
-            total = sum(min(len(s["tokens"]) - s["start"], max_tokens) for s in seqs)
-            bar = tqdm(total=min(total, max_tokens), desc="profiling (dense, one pass)", unit="tok", disable=not progress)
-            for seq in seqs:
-                if res.n_tokens >= max_tokens:
-                    break
-                toks, start = seq["tokens"], seq["start"]
-                llm.reset()
-                for p0 in range(0, len(toks), rows):
-                    piece = toks[p0:p0 + rows]
-                    llm.eval_all_rows(piece)
-                    lo = max(start - p0, 0)                                   # first kept row of the piece
-                    hi = min(len(piece), lo + max_tokens - res.n_tokens) if lo < len(piece) else lo
-                    if hi <= lo:
-                        continue
-                    for r in range(lo, hi):
-                        z = llm.logits(r)
-                        p = np.exp(z - z.max())
-                        res.vocab += p / p.sum(dtype=np.float64)
-                    for il in range(n_layer) if n_read else ():
-                        if eng.capture_rows(il) != len(piece):
-                            raise RuntimeError(f"layer {il}: the engine captured {eng.capture_rows(il)} rows of "
-                                               f"{len(piece)} (was the dense path taken?)")
-                        a = np.abs(caps[il][lo:hi])
-                        res.abs_h[il] += a.sum(axis=0, dtype=np.float64)
-                        m = read_sets(a, n_read)             # uint8 [rows, n_slots]
-                        res.reads[il] += m.sum(axis=0, dtype=np.int64)
-                        if sets:
-                            sets[il].write(np.packbits(m, axis=1).tobytes())
-                    res.n_tokens += hi - lo
-                    bar.update(hi - lo)
-                    if res.n_tokens >= max_tokens:
-                        break
-            bar.close()
+            _profile(llm, _sequences(llm, texts), caps, res, n_read, sets, max_tokens, progress)
         finally:
             for f in sets:
                 f.close()
@@ -177,34 +130,107 @@ def run_pass(model_dir: Path, manifest, texts: list[Path], *, memory_limit: int 
     return res
 
 
+def _capture_buffers(llm, manifest, rows: int) -> list[np.ndarray]:
+    """The engine's capture buffers, f32 [rows, n_slots] per layer, written once (resident: the
+    plan's ``captures`` part) and set on the engine."""
+    n_slots = manifest.layers[0].n_blocks * manifest.block.k
+    caps = [np.empty((rows, n_slots), np.float32) for _ in range(manifest.n_layer)]
+    for il, c in enumerate(caps):
+        c.fill(0.0)
+        llm.engine.set_capture(il, c)
+    return caps
+
+
+def _profile(llm, seqs: list[dict], caps: list[np.ndarray], res: PassResult, n_read: int | None, sets: list,
+             max_tokens: int, progress: bool) -> None:
+    """The sequences decoded res.rows tokens at a time (every row's logits kept) until max_tokens
+    positions are kept; the kept rows go into res (``_keep_rows``)."""
+    from tqdm import tqdm
+
+    rows = res.rows
+    total = sum(min(len(s["tokens"]) - s["start"], max_tokens) for s in seqs)
+    bar = tqdm(total=min(total, max_tokens), desc="profiling (dense, one pass)", unit="tok", disable=not progress)
+    for seq in seqs:
+        if res.n_tokens >= max_tokens:
+            break
+        toks, start = seq["tokens"], seq["start"]
+        llm.reset()
+        for p0 in range(0, len(toks), rows):
+            piece = toks[p0:p0 + rows]
+            llm.eval_all_rows(piece)
+            lo = max(start - p0, 0)                                   # first kept row of the piece
+            hi = min(len(piece), lo + max_tokens - res.n_tokens) if lo < len(piece) else lo
+            if hi <= lo:
+                continue
+            _keep_rows(llm, caps, res, n_read, sets, len(piece), lo, hi)
+            res.n_tokens += hi - lo
+            bar.update(hi - lo)
+            if res.n_tokens >= max_tokens:
+                break
+    bar.close()
+
+
+def _keep_rows(llm, caps: list[np.ndarray], res: PassResult, n_read: int | None, sets: list, n_rows: int,
+               lo: int, hi: int) -> None:
+    """Rows lo..hi of the last decode (of n_rows): each one's softmax summed into res.vocab; with
+    captures, each layer's |h| into res.abs_h and its read sets into res.reads (and ``sets``)."""
+    from .order import read_sets
+
+    for r in range(lo, hi):
+        z = llm.logits(r)
+        p = np.exp(z - z.max())
+        res.vocab += p / p.sum(dtype=np.float64)
+    eng = llm.engine
+    for il, c in enumerate(caps):
+        if eng.capture_rows(il) != n_rows:
+            raise RuntimeError(f"layer {il}: the engine captured {eng.capture_rows(il)} rows of "
+                               f"{n_rows} (was the dense path taken?)")
+        a = np.abs(c[lo:hi])
+        res.abs_h[il] += a.sum(axis=0, dtype=np.float64)
+        m = read_sets(a, n_read)             # uint8 [rows, n_slots]
+        res.reads[il] += m.sum(axis=0, dtype=np.int64)
+        if sets:
+            sets[il].write(np.packbits(m, axis=1).tobytes())
+
+
 def _n_vocab(model_dir: Path, manifest) -> int:
     from leanstream_ggml.memplan import read_base
 
     return read_base(manifest.resolve(model_dir, manifest.base.file)).n_vocab
 
 
-def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool, n_vocab: int) -> int:
-    """Tokens per decode: ROWS, or fewer (halved down to MIN_ROWS) where the limit cannot hold ROWS rows of
-    captures and logits beside the model while the engine keeps one layer's blocks (dense mode's
-    least working set) and the plan's least cache."""
+def capture_bytes(manifest, rows: int) -> int:
+    """Bytes of the pass's capture buffers: f32 [rows, n_slots] per layer."""
+    return manifest.n_layer * rows * manifest.layers[0].n_blocks * manifest.block.k * 4
+
+
+def pass_keywords(manifest, rows: int, capture: bool) -> dict:
+    """The keywords of the pass's Llama.converting (and of its memory plan, llama.memory_plan): dense
+    mode, no speculation, ``rows`` tokens per decode with every row's logits kept, and the capture
+    buffers (``memory_pass``: memplan.plan's ``logits`` and ``captures`` parts)."""
+    return dict(manifest=manifest, memory_pass={"rows": rows, "captures": capture_bytes(manifest, rows) if capture else 0},
+                mode="dense", speculative="off", n_ctx=N_CTX, n_batch=rows, n_ubatch=rows)
+
+
+def pass_plan(model_dir: Path, manifest, memory_limit: int, rows: int, capture: bool):
+    """The memory plan the pass's Llama makes at ``rows`` tokens per decode (llama.memory_plan: the
+    same function, the same keywords)."""
+    from leanstream_ggml.llama import memory_plan
+
+    return memory_plan(model_dir, memory_limit, **pass_keywords(manifest, rows, capture))
+
+
+def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool) -> int:
+    """Tokens per decode: ROWS, or fewer (halved down to MIN_ROWS) where the limit cannot hold ROWS
+    rows of captures and logits beside the model while the engine keeps its least cache (dense
+    mode: one layer's blocks) and memplan.FIT_SPARE more: memplan.fit over the pass's plans."""
     from leanstream_ggml import memplan
 
     if not memory_limit:
         return ROWS
-    n_slots = manifest.layers[0].n_blocks * manifest.block.k
-    layer = max(e.n_blocks * e.block_stride for e in manifest.layers)
-    base = memplan.read_base(manifest.resolve(model_dir, manifest.base.file))
-    now = memplan.process_bytes()
-    rows = ROWS
-    while rows >= MIN_ROWS:
-        captures = manifest.n_layer * rows * n_slots * 4 if capture else 0
-        logits = (rows - 1) * n_vocab * 4
-        plan = memplan.plan(model_dir, manifest, memory_limit - logits, mode="dense", n_ctx=N_CTX, n_ubatch=rows,
-                            process=now + captures, base=base)     # as run_pass plans it
-        if plan.cache >= max(memplan.MIN_CACHE, layer):
-            return rows
-        rows //= 2
-    return MIN_ROWS
+    fewer = [{"rows": ROWS >> i} for i in range(1, ROWS.bit_length()) if ROWS >> i >= MIN_ROWS]
+    plan = memplan.fit(lambda s: pass_plan(model_dir, manifest, memory_limit, s.get("rows", ROWS), capture), fewer)
+    return plan.fitted.get("rows", ROWS)
 
 
 def _references(llm, paths: dict, rows: int) -> dict:

@@ -17,24 +17,15 @@ import os
 import time
 from pathlib import Path
 
+from leanstream_ggml.memplan import proc_field
+
 MiB = 1 << 20
 _UNLIMITED = 1 << 60    # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 
-def _kb_field(path: str, field: str) -> int | None:
-    """A "Field:  N kB" line of a /proc file in bytes, None where unreadable."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM), 0 where unreadable."""
-    return _kb_field("/proc/self/status", field) or 0
+    """A /proc/self/status field in bytes (VmRSS, VmHWM), 0 where unreadable (memplan's reader)."""
+    return proc_field(field) or 0
 
 
 def cgroup_limits(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> list[tuple[int, str]]:
@@ -82,7 +73,7 @@ def machine_limit() -> tuple[int, str]:
     """(bytes, where it comes from): what this process may hold, the smallest of its memory
     cgroups' limits and the memory available now (MemAvailable plus what it holds itself)."""
     cands = [(n, f"the memory cgroup's limit ({f})") for n, f in cgroup_limits()]
-    avail = _kb_field("/proc/meminfo", "MemAvailable")
+    avail = proc_field("MemAvailable", "/proc/meminfo")
     if avail is not None:
         cands.append((avail + _status("VmRSS"), "the memory available now"))
     if not cands:

@@ -59,9 +59,9 @@ def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
     from the exact h of every block, which is better than the sketch's candidates that every
     smaller budget uses; one block short (and with no hot set, calibrate's runs), every op
     selects through the sketch's candidates, so the table holds for any budget."""
-    llm = Llama(str(out), mode="leanstream", _manifest=manifest, **kw)
+    llm = Llama.converting(str(out), manifest, mode="leanstream", **kw)
     try:
-        eng = llm._engine
+        eng = llm.engine
         st = eng.stats()
         stride = max(eng.layer_info(il)["block_stride"] for il in range(eng.n_layers))
         return int(st["cache_capacity"] + st["resident_bytes"] - stride)
@@ -72,7 +72,7 @@ def _sketch_budget(Llama, out: Path, manifest: mf.Manifest, kw: dict) -> int:
 def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limit: int | None = None,
               n_threads: int = 2, progress: bool = True, log=print) -> list[dict]:
     """The quality table (module doc) of leanstream mode against the references the profile
-    stage gathered with dense mode (``{domain: [(window, nll, top)]}``, converters/profile_pass.py;
+    stage gathered with dense mode (``{domain: [(window, nll, top)]}``, converters/activations.py;
     dense reproduces stock llama.cpp within its rounding noise); [] when no domain's text holds
     one window. Under ``memory_limit`` no run's budget exceeds what the plan leaves it."""
     from tqdm import tqdm
@@ -84,20 +84,18 @@ def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limi
         log(f"calibrate: the {name} text is shorter than one window of {N_CTX} tokens; left out")
     if not domains:
         return []
-    from leanstream_ggml import memplan
     from leanstream_ggml.engine import candidate_blocks
+    from leanstream_ggml.llama import memory_plan
 
     from .order import CANDIDATE_RATIO
 
-    kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_threads=n_threads, logits_all=True, verbose=False, speculative="off")
+    # a window's first half is prefilled in one batch, the rest decoded a token at a time
+    kw = dict(n_ctx=N_CTX, n_batch=N_CTX // 2, n_threads=n_threads, logits_all=True, verbose=False, speculative="off")
     one_short = _sketch_budget(Llama, out, manifest, kw)
     stride = max(e.block_stride for e in manifest.layers)
-    cap = None
-    if memory_limit:
-        # logits_all keeps n_ctx rows of logits besides what the plan counts
-        n_vocab = memplan.read_base(manifest.resolve(out, manifest.base.file)).n_vocab
-        cap = memplan.plan(out, manifest, memory_limit - N_CTX * n_vocab * 4, mode="leanstream", n_ctx=N_CTX,
-                           n_ubatch=N_CTX).budget
+    # the plan of these runs counts logits_all's logits: llama-cpp-python's n_ctx rows, and a
+    # batch's rows in the graph and in llama.cpp's output buffer
+    cap = memory_plan(out, memory_limit, mode="leanstream", manifest=manifest, **kw).budget if memory_limit else None
     table = []
     for s in tqdm(SPARSITIES, desc="calibrating sparse decode", unit="sparsity", disable=not progress):
         # one block short of the FFN (module doc of _sketch_budget); where the candidates are every
@@ -109,8 +107,8 @@ def calibrate(out: Path, manifest: mf.Manifest, references: dict, *, memory_limi
             budget = min(budget, cap)
         # no hot set: hot blocks are always candidates (scored exactly, their rows are resident),
         # which selects better than the sketch alone; the table holds for the smallest hot set
-        llm = Llama(str(out), mode="leanstream", sparsity=s, hot_fraction=0.0, memory_budget=budget,
-                    _manifest=manifest, **kw)
+        llm = Llama.converting(str(out), manifest, mode="leanstream", sparsity=s, hot_fraction=0.0,
+                               memory_budget=budget, **kw)
         t0 = time.perf_counter()
         try:
             per = {name: _score(llm, wr) for name, wr in domains.items()}

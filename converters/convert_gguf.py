@@ -1,4 +1,4 @@
-"""The read and write stages of the converter (the driver is ``stages.py``: ``converters.convert``).
+"""The read and write stages of the converter (the driver is ``stages.py``: ``leanstream_convert.convert``).
 
 Reads the source with gguf-py (memory-mapped, read-only; the source is never modified) and writes
 
@@ -7,6 +7,10 @@ Reads the source with gguf-py (memory-mapped, read-only; the source is never mod
                                ffn_gate/ffn_up/ffn_down as optional), leanstream.format_version,
                                leanstream.source_sha256
     OUT_DIR/ffn/blk.<il>.bin   per layer: neuron blocks (format: docs/formats.md; converters/blockfile.py)
+
+A mixture-of-experts source (qwen3moe, qwen2moe, olmoe, Mixtral-style llama / qwen2) has no block
+files: base.gguf leaves out its routed experts (ffn_{gate,up,down}_exps) and keeps the router and
+any shared expert; each layer's experts go to OUT_DIR/experts/blk.<il>.bin (converters/moe_source.py).
 
 Every file is written under a temporary name and renamed; a block file already complete from an
 interrupted run is kept. The manifest (written last, by the driver) is built by ``make_manifest``
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +32,17 @@ import numpy as np
 
 from leanstream_ggml import manifest as mf
 from leanstream_ggml.checksum import crc32c_rows
-from leanstream_ggml.formats import MIN_ALIGN
+from leanstream_ggml.formats import EXPERT_VERSION, MIN_ALIGN
 
-from . import blockfile
+from . import blockfile, moe_source
 from ._faults import kill_point
 from .fileio import PARTIAL, atomic_write_text, atomic_writer, fsync_dir, sha256_file
 from .validate import check_tensors
 
 # gated FFN down(act(gate x) * up x), by architecture: the activation its llama.cpp graph uses
 ACTIVATION_OF_ARCH = mf.ARCH_ACTIVATION   # the contract's table (leanstream_ggml/manifest.py)
-SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
+# the dense ones (the mixture-of-experts families: converters/moe_source.py)
+SUPPORTED_ARCHS = tuple(a for a in ACTIVATION_OF_ARCH if a not in moe_source.MOE_ONLY_ARCHS)
 # architectures whose ffn_up holds the gate's rows and the up's in one tensor, ne = [n_embd, 2 n_ff],
 # and that have no ffn_gate: llama.cpp's graph calls build_ffn with gate = NULL and LLM_FFN_SWIGLU,
 # whose ggml_swiglu takes the activation of the first half of each output row times the second
@@ -44,10 +50,6 @@ SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
 # up. The read stage describes each half as a tensor of its own (views of the same bytes), so
 # every later stage reads a layer's gate and up as it reads any other model's.
 FUSED_GATE_UP = ("phi3",)
-# architectures the layer-ahead predictors are trained for (the profile also reads gemma3's graph,
-# sa_out / ffn_geglu, for the order stage; predictors on gemma3, whose FFN output is normed again
-# before the residual add, have not been trained or measured): the others get no predictors
-PREDICTOR_ARCHS = ("llama", "qwen2")
 
 
 class ConvertError(Exception):
@@ -161,8 +163,22 @@ class _Model:
     n_embd: int
     n_ff: int
     layers: list[_Layer]
-    ffn_names: set[str]
+    ffn_names: set[str]           # what base.gguf leaves out (an MoE model's: its routed experts)
     path: Path | None = None
+    moe: Any = None               # an MoE model's experts: moe_source.describe's data (read stage's
+                                  # child), a moe_source.MoELayout (after); then ``layers`` is empty
+
+    def release_pages(self) -> None:
+        """Drop the source's mapped pages from this process (clean file pages: read again if needed),
+        so that a layer done with is not held until the end of the conversion."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise"):
+            import mmap
+
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
 
 
 def _open_gguf(src: Path):
@@ -209,17 +225,27 @@ def _inspect(reader, src: Path) -> _Model:
     if not isinstance(arch, str):
         raise ConvertError(f"{src}: no general.architecture key; is this a llama.cpp model GGUF?")
     tensors = {t.name: t for t in reader.tensors}
-    if (_kv(reader, f"{arch}.expert_count", 0) or 0) > 0 or any(
-            "_exps." in n or ".ffn_gate_inp." in n for n in tensors):
-        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}); leanstream convert supports dense "
-                           f"gated-FFN models only ({', '.join(SUPPORTED_ARCHS)})")
-    if arch not in SUPPORTED_ARCHS:
+    moe = moe_source.is_moe(_kv(reader, f"{arch}.expert_count", 0), tensors)
+    if moe and arch not in moe_source.SUPPORTED_ARCHS:
+        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}) that leanstream does not convert yet; "
+                           f"supported: {moe_source.SUPPORTED_TEXT}")
+    if not moe and arch in moe_source.MOE_ONLY_ARCHS:
+        raise ConvertError(f"{src}: a {arch} model without experts (no {arch}.expert_count, no ffn_*_exps "
+                           f"tensors): already converted, or not a complete model?")
+    if arch not in SUPPORTED_ARCHS + moe_source.SUPPORTED_ARCHS:
         raise ConvertError(f"{src}: unsupported architecture {arch!r}; leanstream convert supports "
-                           f"{', '.join(SUPPORTED_ARCHS)} (gated SiLU/GELU FFN)")
+                           f"{', '.join(SUPPORTED_ARCHS)} (gated SiLU/GELU FFN); mixture-of-experts: "
+                           f"{moe_source.SUPPORTED_TEXT}")
     n_layer = _kv(reader, f"{arch}.block_count")
     n_embd = _kv(reader, f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
         raise ConvertError(f"{src}: missing or invalid {arch}.block_count / {arch}.embedding_length")
+    if moe:
+        try:
+            d = moe_source.describe(arch, lambda key: _kv(reader, key), tensors, n_layer, n_embd)
+        except moe_source.MoEError as e:
+            raise ConvertError(f"{src}: {e}") from None
+        return _Model(reader, arch, n_layer, n_embd, d["n_ff_exp"], [], set(d["names"]), moe=d)
     fused = arch in FUSED_GATE_UP
     n_ff = None
     if fused:   # (the others' n_ff is their ffn_gate's)
@@ -440,11 +466,12 @@ def _base_writer_class():
     gguf = _gguf()
 
     class BaseWriter(gguf.GGUFWriter):
-        # GGUFWriter refuses empty arrays; a source may legitimately hold one
+        # GGUFWriter refuses empty arrays; a source may legitimately hold one: its bytes are the
+        # array's type, its element type and a zero count, in the file's byte order
         def _pack_val(self, val, vtype, add_vtype, sub_type=None):
             if vtype == gguf.GGUFValueType.ARRAY and len(val) == 0 and sub_type is not None:
-                out = self._pack("I", vtype) if add_vtype else b""
-                return out + self._pack("I", sub_type) + self._pack("Q", 0)
+                order = "<" if self.endianess == gguf.GGUFEndian.LITTLE else ">"
+                return (struct.pack(order + "I", vtype) if add_vtype else b"") + struct.pack(order + "IQ", sub_type, 0)
             return super()._pack_val(val, vtype, add_vtype, sub_type)
 
     return BaseWriter
@@ -503,7 +530,7 @@ def check_out_dir_apart(src: Path, out: Path) -> None:
 
 def remove_partials(out: Path) -> None:
     """Files left half-written by a failed conversion (disk full, interrupted, ...)."""
-    for d in (out, out / mf.FFN_DIR):
+    for d in (out, out / mf.FFN_DIR, out / mf.EXPERT_DIR):
         try:
             for p in d.glob("*" + PARTIAL):
                 p.unlink(missing_ok=True)
@@ -562,6 +589,9 @@ class Source:
 
     def params(self) -> dict:
         """What the written files depend on (an interrupted conversion resumes only if equal)."""
+        if self.model.moe is not None:
+            return {"source_sha256": self.sha256, "source_size": self.size, "align": self.align,
+                    "moe": {"expert_file_version": EXPERT_VERSION, "expert_order": moe_source.EXPERT_ORDER}}
         return {"source_sha256": self.sha256, "source_size": self.size, "k": self.k, "align": self.align,
                 "permutation_sha256": hashlib.sha256(b"".join(o.tobytes() for o in self.orders)).hexdigest(),
                 "block_file_version": blockfile.VERSION,
@@ -592,7 +622,7 @@ def _describe(src: Path) -> dict:
                 "data_shape": list(t.data.shape)}
 
     return {"arch": model.arch, "n_layer": model.n_layer, "n_embd": model.n_embd, "n_ff": model.n_ff,
-            "ffn_names": sorted(model.ffn_names),
+            "ffn_names": sorted(model.ffn_names), "moe": model.moe,
             "layers": [[spec(t) for t in (layer.gate, layer.up, layer.down)] for layer in model.layers]}
 
 
@@ -606,7 +636,9 @@ def _model_of(src: Path, d: dict) -> _Model:
                              raw.view(np.dtype(sp["dtype"])).reshape(sp["data_shape"]))
 
     layers = [_Layer(il, *(tensor(sp) for sp in specs)) for il, specs in enumerate(d["layers"])]
-    return _Model(_SourceMap(data), d["arch"], d["n_layer"], d["n_embd"], d["n_ff"], layers, set(d["ffn_names"]), src)
+    moe = moe_source.MoELayout.from_dict(d["moe"]) if d.get("moe") else None
+    return _Model(_SourceMap(data), d["arch"], d["n_layer"], d["n_embd"], d["n_ff"], layers, set(d["ffn_names"]), src,
+                  moe)
 
 
 def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 1, align: int | None = None,
@@ -623,6 +655,12 @@ def read_source(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int = 
     if not isinstance(align, int) or isinstance(align, bool) or align < MIN_ALIGN or align & (align - 1):
         raise ConvertError(f"align must be a power of two >= {MIN_ALIGN}, got {align!r}")
     model = _model_of(src, in_child(_describe, src))
+    if model.moe is not None:
+        if permutation is not None:
+            raise ConvertError(f"{src.name} is a mixture-of-experts model ({model.arch}): a permutation orders a "
+                               f"dense FFN's neurons; its experts are kept whole")
+        sha = sha256_file(src, progress=progress, desc="hashing source")
+        return Source(src, model, sha, src.stat().st_size, k, align, [])
     orders = _layer_orders(permutation, model.n_layer, model.n_ff)
     down_type = resolve_down_type(down_type, {layer.down.tensor_type for layer in model.layers}, model.n_embd)
     if down_type != "q8_0" and model.n_embd % 256:
@@ -651,20 +689,7 @@ def _write_source_layer(source: Source, path: Path, layer, h: blockfile.BlockHea
     assert int(down_type) == h.down_type and down_cols.shape[1] == h.down_col_bytes
     _write_layer(path, h, slots, pack_blocks(_rows_as_bytes(layer.gate, model.n_ff), _rows_as_bytes(layer.up, model.n_ff),
                                              down_cols, slots, h))
-    release_source_pages(model)
-
-
-def release_source_pages(model: _Model) -> None:
-    """Drop the source's mapped pages from this process (clean file pages: read again if needed),
-    so that a layer done with is not held until the end of the conversion."""
-    mm = getattr(model.reader.data, "_mmap", None)
-    if mm is not None and hasattr(mm, "madvise"):
-        import mmap
-
-        try:
-            mm.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):
-            pass
+    model.release_pages()
 
 
 def write_model(source: Source, out: Path, *, progress: bool = True, write: bool = True) -> tuple[list[mf.LayerEntry], mf.Totals, int]:
@@ -675,11 +700,19 @@ def write_model(source: Source, out: Path, *, progress: bool = True, write: bool
 
     model = source.model
     n_ff = model.n_ff
-    (out / mf.FFN_DIR).mkdir(exist_ok=True)
     base = out / mf.BASE_NAME
     if write and not base.exists():
         write_base(model, base, source.sha256)
-        release_source_pages(model)
+        model.release_pages()
+    if model.moe is not None:   # no block files: an expert file per layer
+        try:
+            _, totals, kept = moe_source.write_experts(model.moe, model.reader.data, out, n_layer=model.n_layer,
+                                                       n_embd=model.n_embd, align=source.align,
+                                                       release=model.release_pages, progress=progress, write=write)
+        except moe_source.MoEError as e:
+            raise ConvertError(str(e)) from None
+        return [], totals, kept
+    (out / mf.FFN_DIR).mkdir(exist_ok=True)
     entries, kept = [], 0
     ffn_src = pad = region = on_disk = 0
     for layer in tqdm(model.layers, desc="writing FFN block files", unit="layer", disable=not progress or not write):
@@ -742,6 +775,9 @@ def estimate_output_bytes(source: Source, sketch: str) -> int:
     """Bytes a conversion writes: base.gguf, the block files (and one layer's rewrite at a time),
     the sketch."""
     model = source.model
+    if model.moe is not None:
+        return (source.size - model.moe.source_bytes()
+                + moe_source.output_bytes(model.moe, model.n_layer, model.n_embd, source.align))
     ffn = sum(layer.gate.n_bytes + layer.up.n_bytes + layer.down.n_bytes for layer in model.layers)
     files = [_layer_header(source, layer).file_size for layer in model.layers]
     sketch_bytes = 0
@@ -756,6 +792,8 @@ def estimate_output_bytes(source: Source, sketch: str) -> int:
 # and transposed), its columns re-quantized, and its packed blocks
 def layer_working_bytes(source: Source) -> int:
     model = source.model
+    if model.moe is not None:
+        return moe_source.working_bytes(model.moe, model.n_embd, source.align)
     h = _layer_header(source, model.layers[0])
     return 2 * 4 * model.n_embd * model.n_ff + model.n_ff * h.down_col_bytes + h.n_blocks * h.block_stride
 
@@ -775,9 +813,12 @@ def check_fits(source: Source, out: Path, limit: int, *, sketch: str) -> None:
         raise ConvertError(f"{out}: not enough disk space: the conversion writes about {need / 1e6:.0f} MB "
                            f"({have / 1e6:.0f} MB of it there already), the file system has {free / 1e6:.0f} MB free")
     work, now = layer_working_bytes(source), process_bytes()
+    m = source.model
+    shape = (f"n_ff {m.n_ff} x n_embd {m.n_embd}" if m.moe is None else
+             f"{m.moe.n_expert} experts of n_ff_exp {m.n_ff} x n_embd {m.n_embd}")
     if now + work > limit:
         raise ConvertError(f"memory limit {limit / 1e6:.0f} MB is too small to convert {source.path.name}: one layer's "
-                           f"work takes {work / MiB:.0f} MiB (n_ff {source.model.n_ff} x n_embd {source.model.n_embd}) "
+                           f"work takes {work / MiB:.0f} MiB ({shape}) "
                            f"besides the {now / MiB:.0f} MiB this process holds; at least "
                            f"{(now + work) / 1e6:.0f} MB is needed")
 
@@ -785,13 +826,14 @@ def check_fits(source: Source, out: Path, limit: int, *, sketch: str) -> None:
 def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], totals: mf.Totals,
                   predictor: mf.PredictorInfo | None) -> mf.Manifest:
     model = source.model
+    moe = None if model.moe is None else moe_source.moe_info(model.moe, model.n_layer, model.n_embd, source.align)
     return mf.Manifest(
         source=mf.SourceInfo(filename=source.path.name, sha256=source.sha256, size=source.size),
-        architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,
+        architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,   # (MoE: n_ff_exp)
         activation=ACTIVATION_OF_ARCH[model.arch], block=mf.BlockGeometry(k=source.k, align=source.align),
         layers=entries,
         totals=totals, base=mf.BaseInfo(file=mf.BASE_NAME, size=(out / mf.BASE_NAME).stat().st_size),
-        predictor=predictor)
+        predictor=predictor, moe=moe)
 
 
 def save_manifest(manifest: mf.Manifest, model_dir: str | os.PathLike) -> Path:

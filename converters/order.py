@@ -7,7 +7,7 @@ falls into few contiguous runs that the read planner (native/src/io.c) reads in 
 bridging the small gaps. The selection itself is unchanged: per neuron, from the layer's own
 input; only the file order moves.
 
-The profile is the activations stage's (converters/profile_pass.py: the plugin's dense engine,
+The statistics are the activations stage's (converters/activations.py: the plugin's dense engine,
 which reproduces llama.cpp, on the converter's calibration text, never the evaluation text):
 for every kept position the |silu(gate) * up| of every neuron, and from them the set a token
 reads at the default setting (the top ``candidate_ratio x (1 - sparsity)`` of
@@ -27,6 +27,8 @@ docs/design.md §14 and §21 have the measurements behind the default.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -108,3 +110,44 @@ def order_layer(method: str, importance: np.ndarray, reads: np.ndarray, sets: np
         return order_from_sets(sets, "coact")
     raise ValueError(f"order must be one of {', '.join(METHODS)}, got {method!r}")
 
+
+
+def neuron_orders(model, method: str, acts, sets_dir, path, *, progress: bool = True, log=print) -> None:
+    """The order stage: each layer's neuron order by ``method`` from the activations stage's
+    statistics (``acts``: activations.PassResult; with "coact", its read sets in ``sets_dir``),
+    written to ``path`` (npz, under a temporary name and renamed) with, per layer in that order,
+    f32 [n_layer, n_ff] read frequency (``freq``), mean |h| (``absh``) and ||down column||
+    (``down_norm``); one layer's down columns in RAM at a time."""
+    from tqdm import tqdm
+
+    from .convert_gguf import ConvertError
+    from .sketch import down_column_norms
+
+    if acts.abs_h is None:
+        raise ConvertError("the activations stage kept no neuron statistics; re-run with --force")
+    n = max(acts.n_tokens, 1)
+    orders, freq, absh, norms = [], [], [], []
+    before = after = 0.0
+    for il in tqdm(range(model.n_layer), desc=f"ordering neurons ({method})", unit="layer", disable=not progress):
+        norm = down_column_norms(model.layers[il], model.n_embd)          # f32 [n_ff], GGUF order
+        model.release_pages()
+        mean_abs = (acts.abs_h[il] / n).astype(np.float32)
+        sets = None
+        if method == "coact":
+            bits = np.fromfile(Path(sets_dir) / f"l{il}.bits", np.uint8).reshape(acts.n_tokens, -1)
+            sets = np.unpackbits(bits, axis=1, count=model.n_ff)       # uint8 [T, n_ff], one layer's
+        o = order_layer(method, mean_abs * norm, acts.reads[il], sets)
+        if sets is not None and progress:
+            before += runs(sets, np.arange(model.n_ff))
+            after += runs(sets, o)
+        orders.append(o)
+        freq.append((acts.reads[il] / n).astype(np.float32)[o])
+        absh.append(mean_abs[o])
+        norms.append(norm[o])
+    if method == "coact" and progress:
+        log(f"order: runs of read neurons per token {before:.0f} in GGUF order, {after:.0f} in coact order "
+            f"(before read bridging)")
+    tmp = Path(path).with_suffix(".partial.npz")
+    np.savez(tmp, freq=np.stack(freq), absh=np.stack(absh), down_norm=np.stack(norms),
+             **{f"l{il}": o for il, o in enumerate(orders)})
+    tmp.replace(path)

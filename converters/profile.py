@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -95,9 +97,8 @@ class Profiler:
         import llama_cpp as lc
 
         self.lc = lc
-        from llama_cpp._logger import set_verbose
-
-        set_verbose(False)   # llama.cpp's load/graph chatter
+        # llama.cpp's load/graph chatter: llama-cpp-python forwards it to this (public) logger
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
@@ -192,79 +193,102 @@ def generate_sequences(gguf_path, prompts: list[str], *, max_tokens: int, n_ctx:
 
     nt = n_threads or min(os.cpu_count() or 1, 4)
     llm = llama_cpp.Llama(str(gguf_path), n_ctx=512, n_threads=nt, verbose=False, seed=seed)
-    lc = llama_cpp
     rng = np.random.default_rng(seed)
+    sample = partial(_sample, rng=rng, temperature=temperature, top_p=top_p)   # logits [n_vocab] -> token
     out = []
     try:
         prefixes = [llm.tokenize(render_chat(llm, [{"role": "user", "content": p}], add_generation_prompt=True)
                                  .encode(), add_bos=False, special=True)[: n_ctx // 2]
                     for p in prompts]
-        vocab = lc.llama_model_get_vocab(llm.model)
-        n_vocab = lc.llama_vocab_n_tokens(vocab)
         per_seq = min(n_ctx, max(len(t) for t in prefixes) + max_tokens + 8)
         bar = tqdm(total=len(prompts) * max_tokens, desc="generating calibration text", unit="tok",
                    disable=not progress)
         for g0 in range(0, len(prompts), n_parallel):
-            group = list(range(g0, min(len(prompts), g0 + n_parallel)))
-            cp = lc.llama_context_default_params()
-            cp.n_ctx = per_seq * len(group)
-            cp.n_seq_max = len(group)
-            cp.n_batch = cp.n_ubatch = max(512, sum(len(prefixes[i]) for i in group))
-            cp.n_threads = cp.n_threads_batch = nt
-            cp.kv_unified = True
-            ctx = lc.llama_init_from_model(llm.model, cp)
-            if not ctx:
-                raise RuntimeError("llama.cpp could not create a generation context")
-            batch = lc.llama_batch_init(cp.n_batch, 0, 1)
-            try:
-                toks = {i: list(prefixes[i]) for i in group}
-                gen = {i: 0 for i in group}
-                # prefill every prompt; output the last position of each
-                n, last = 0, {}
-                for si, i in enumerate(group):
-                    for pos, t in enumerate(prefixes[i]):
-                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = t, pos, 1
-                        batch.seq_id[n][0] = si
-                        batch.logits[n] = pos == len(prefixes[i]) - 1
-                        if batch.logits[n]:
-                            last[i] = n
-                        n += 1
-                batch.n_tokens = n
-                active = list(group)
-                while active:
-                    if lc.llama_decode(ctx, batch) != 0:
-                        raise RuntimeError("llama_decode failed during calibration generation")
-                    nxt = []
-                    for i in active:
-                        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, last[i]), shape=(n_vocab,))
-                        t = _sample(logits, rng, temperature, top_p)
-                        gen[i] += 1
-                        bar.update(1)
-                        if lc.llama_vocab_is_eog(vocab, t) or gen[i] >= max_tokens or len(toks[i]) + 1 >= per_seq:
-                            continue
-                        toks[i].append(t)
-                        nxt.append(i)
-                    n = 0
-                    for i in nxt:
-                        si = group.index(i)
-                        batch.token[n], batch.pos[n], batch.n_seq_id[n] = toks[i][-1], len(toks[i]) - 1, 1
-                        batch.seq_id[n][0] = si
-                        batch.logits[n] = 1
-                        last[i] = n
-                        n += 1
-                    batch.n_tokens = n
-                    active = nxt
-                bar.update(sum(max_tokens - gen[i] for i in group))
-                for i in group:
-                    if len(toks[i]) > len(prefixes[i]) + 1:
-                        out.append({"tokens": [int(t) for t in toks[i]], "start": len(prefixes[i])})
-            finally:
-                lc.llama_batch_free(batch)
-                lc.llama_free(ctx)
+            out += _answer_group(llm, prefixes[g0:g0 + n_parallel], per_seq=per_seq, n_threads=nt,
+                                 max_tokens=max_tokens, sample=sample, bar=bar)
         bar.close()
     finally:
         llm.close()
     return out
+
+
+def _answer_group(llm, prefixes: list[list[int]], *, per_seq: int, n_threads: int, max_tokens: int,
+                  sample, bar) -> list[dict]:
+    """Answers to a group of chat prefixes in one context (sequence si = prefixes[si]): prefill
+    them all, then one llama_decode per step for every unfinished answer, until each ends (end of
+    generation, max_tokens, or per_seq tokens in all). sample: logits [n_vocab] -> token. Returns
+    the sequences with at least two answer tokens, in order."""
+    import llama_cpp as lc
+
+    vocab = lc.llama_model_get_vocab(llm.model)
+    n_vocab = lc.llama_vocab_n_tokens(vocab)
+    ctx, batch = _group_context(lc, llm.model, prefixes, per_seq, n_threads)
+    try:
+        toks = [list(p) for p in prefixes]
+        gen = [0] * len(prefixes)            # tokens sampled per sequence
+        last = _prefill(batch, prefixes)     # sequence -> its batch row with logits
+        active = list(range(len(prefixes)))
+        while active:
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed during calibration generation")
+            nxt = []
+            for si in active:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, last[si]), shape=(n_vocab,))
+                t = sample(logits)
+                gen[si] += 1
+                bar.update(1)
+                if lc.llama_vocab_is_eog(vocab, t) or gen[si] >= max_tokens or len(toks[si]) + 1 >= per_seq:
+                    continue
+                toks[si].append(t)
+                nxt.append(si)
+            # the next step: each continuing sequence's newest token
+            for n, si in enumerate(nxt):
+                _put(batch, n, toks[si][-1], len(toks[si]) - 1, si, True)
+                last[si] = n
+            batch.n_tokens = len(nxt)
+            active = nxt
+        bar.update(sum(max_tokens - g for g in gen))
+        return [{"tokens": [int(t) for t in toks[si]], "start": len(p)}
+                for si, p in enumerate(prefixes) if len(toks[si]) > len(p) + 1]
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+
+
+def _group_context(lc, model, prefixes: list[list[int]], per_seq: int, n_threads: int):
+    """A llama.cpp context for len(prefixes) sequences of up to per_seq tokens each (one unified
+    KV cache), and a batch that holds all their prompts at once. Returns (ctx, batch)."""
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = per_seq * len(prefixes)
+    cp.n_seq_max = len(prefixes)
+    cp.n_batch = cp.n_ubatch = max(512, sum(len(p) for p in prefixes))
+    cp.n_threads = cp.n_threads_batch = n_threads
+    cp.kv_unified = True
+    ctx = lc.llama_init_from_model(model, cp)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a generation context")
+    return ctx, lc.llama_batch_init(cp.n_batch, 0, 1)
+
+
+def _prefill(batch, prefixes: list[list[int]]) -> dict[int, int]:
+    """Every prefix into the batch (sequence id = its index), with logits at its last position.
+    Returns sequence -> batch row of those logits."""
+    n, last = 0, {}
+    for si, p in enumerate(prefixes):
+        for pos, t in enumerate(p):
+            _put(batch, n, t, pos, si, pos == len(p) - 1)
+            if batch.logits[n]:
+                last[si] = n
+            n += 1
+    batch.n_tokens = n
+    return last
+
+
+def _put(batch, n: int, token: int, pos: int, seq: int, logits: bool) -> None:
+    """Row n of a llama_batch: token at position pos of sequence seq; logits: output them."""
+    batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, pos, 1
+    batch.seq_id[n][0] = seq
+    batch.logits[n] = logits
 
 
 def _sample(logits: np.ndarray, rng, temperature: float, top_p: float) -> int:
@@ -310,43 +334,14 @@ def profile_model(gguf_path, out_dir, *, calibration=None, n_prompts: int | None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    seq_file = out / "sequences.json"
-    if seq_file.exists():
-        seqs = json.loads(seq_file.read_text())
-    else:
-        if calibration is None:
-            prompts = bundled_prompts()
-            if n_prompts is not None:
-                prompts = prompts[:n_prompts]
-            seqs = generate_sequences(gguf_path, prompts, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed,
-                                      n_threads=n_threads, progress=progress)
-        else:
-            with Profiler(gguf_path, n_ctx=n_ctx, n_threads=n_threads) as prof:
-                seqs = text_sequences(prof, calibration, n_ctx=n_ctx)
-        if max_total_tokens is not None:
-            kept, total = [], 0
-            for s in seqs:
-                if total >= max_total_tokens:
-                    break
-                kept.append(s)
-                total += len(s["tokens"]) - s["start"]
-            seqs = kept
-        _write_json(seq_file, seqs)
+    seqs = _calibration_sequences(gguf_path, out / "sequences.json", calibration=calibration, n_prompts=n_prompts,
+                                  max_tokens=max_tokens, n_ctx=n_ctx, max_total_tokens=max_total_tokens, seed=seed,
+                                  n_threads=n_threads, progress=progress)
     t_gen = time.time() - t0
 
     meta_file = out / "meta.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else None
-    # group sequences into chunks of about chunk_tokens kept positions
-    groups, cur, n = [], [], 0
-    for i, s in enumerate(seqs):
-        cur.append(i)
-        n += len(s["tokens"]) - max(1, s["start"])
-        if n >= chunk_tokens:
-            groups.append(cur)
-            cur, n = [], 0
-    if cur:
-        groups.append(cur)
-
+    groups = _chunk_groups(seqs, chunk_tokens)
     with Profiler(gguf_path, n_ctx=n_ctx, n_threads=n_threads) as prof:
         if meta is None or meta.get("groups") != groups:
             meta = {"version": 1, "gguf": str(Path(gguf_path).name), "n_layer": prof.n_layer,
@@ -357,23 +352,7 @@ def profile_model(gguf_path, out_dir, *, calibration=None, n_prompts: int | None
         bar = tqdm(total=sum(len(seqs[i]["tokens"]) for c in todo for i in groups[c]),
                    desc="profiling", unit="tok", disable=not progress)
         for c in todo:
-            parts = {k: [] for k in KINDS.values()}
-            for i in groups[c]:
-                s = seqs[i]
-                got = prof.run(s["tokens"])
-                keep = slice(max(1, s["start"]), len(s["tokens"]))
-                for name, short in KINDS.items():
-                    parts[short].append(np.stack([got[(name, il)][keep] for il in range(prof.n_layer)]))
-                bar.update(len(s["tokens"]))
-            ntok = 0
-            for short, arrs in parts.items():
-                arr = np.concatenate(arrs, axis=1).astype(np.float16)   # [n_layer, T, dim]
-                _save_npy(out / f"chunk_{c:05d}.{short}.npy", arr)
-                ntok = arr.shape[1]
-                if short == "a":
-                    meta["n_ff"] = int(arr.shape[2])
-            meta["chunks"].append(c)
-            meta["tokens"].append(ntok)
+            _profile_chunk(prof, [seqs[i] for i in groups[c]], out, c, meta, bar)
             _write_json(meta_file, meta)
             kill_point("profile-chunk")
         bar.close()
@@ -382,6 +361,70 @@ def profile_model(gguf_path, out_dir, *, calibration=None, n_prompts: int | None
     _write_json(meta_file, meta)
     log(f"profile: {sum(meta['tokens'])} positions x {meta['n_layer']} layers in {time.time() - t0:.0f}s -> {out}")
     return meta
+
+
+def _calibration_sequences(gguf_path, seq_file: Path, *, calibration, n_prompts, max_tokens, n_ctx,
+                           max_total_tokens, seed, n_threads, progress) -> list[dict]:
+    """The sequences to profile, [{"tokens", "start"}]: those of seq_file when a run before made
+    them, else the model's answers to the bundled prompts (or the --calibration text), cut to about
+    max_total_tokens kept positions and written to seq_file."""
+    if seq_file.exists():
+        return json.loads(seq_file.read_text())
+    if calibration is None:
+        prompts = bundled_prompts()
+        if n_prompts is not None:
+            prompts = prompts[:n_prompts]
+        seqs = generate_sequences(gguf_path, prompts, max_tokens=max_tokens, n_ctx=n_ctx, seed=seed,
+                                  n_threads=n_threads, progress=progress)
+    else:
+        with Profiler(gguf_path, n_ctx=n_ctx, n_threads=n_threads) as prof:
+            seqs = text_sequences(prof, calibration, n_ctx=n_ctx)
+    if max_total_tokens is not None:
+        kept, total = [], 0
+        for s in seqs:
+            if total >= max_total_tokens:
+                break
+            kept.append(s)
+            total += len(s["tokens"]) - s["start"]
+        seqs = kept
+    _write_json(seq_file, seqs)
+    return seqs
+
+
+def _chunk_groups(seqs: list[dict], chunk_tokens: int) -> list[list[int]]:
+    """Consecutive sequences grouped into chunks of about chunk_tokens kept positions (indices into seqs)."""
+    groups, cur, n = [], [], 0
+    for i, s in enumerate(seqs):
+        cur.append(i)
+        n += len(s["tokens"]) - max(1, s["start"])
+        if n >= chunk_tokens:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _profile_chunk(prof: Profiler, seqs: list[dict], out: Path, c: int, meta: dict, bar) -> None:
+    """Chunk c: its sequences through the model, the kept positions of each written as
+    chunk_NNNNN.{x,xn,a}.npy (f16 [n_layer, T, dim]); the chunk and its T are added to meta (the
+    caller writes meta.json)."""
+    parts = {k: [] for k in KINDS.values()}
+    for s in seqs:
+        got = prof.run(s["tokens"])
+        keep = slice(max(1, s["start"]), len(s["tokens"]))
+        for name, short in KINDS.items():
+            parts[short].append(np.stack([got[(name, il)][keep] for il in range(prof.n_layer)]))
+        bar.update(len(s["tokens"]))
+    ntok = 0
+    for short, arrs in parts.items():
+        arr = np.concatenate(arrs, axis=1).astype(np.float16)   # [n_layer, T, dim]
+        _save_npy(out / f"chunk_{c:05d}.{short}.npy", arr)
+        ntok = arr.shape[1]
+        if short == "a":
+            meta["n_ff"] = int(arr.shape[2])
+    meta["chunks"].append(c)
+    meta["tokens"].append(ntok)
 
 
 class ProfileData:

@@ -130,7 +130,7 @@ def _codes(w: np.ndarray, d: np.ndarray) -> np.ndarray:
 def quantize_rows_native(w: np.ndarray, n_threads: int = 2) -> np.ndarray:
     """quantize_rows by the native library (ls_sketch_quantize_ls2, on n_threads threads): the same
     rows (tests/native/test_sketch.py holds it to quantize_rows), ~10x faster."""
-    from leanstream_ggml._native import ffi, lib
+    from leanstream_ggml.capi import ffi, lib
 
     w = np.ascontiguousarray(w, np.float32)
     n_rows, n = w.shape
@@ -219,8 +219,6 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
     f32 [n_layer, n_blocks]: those norms in slot order, where the order stage has them."""
     from tqdm import tqdm
 
-    from .convert_gguf import release_source_pages
-
     if type_name not in TYPES:
         raise ValueError(f"sketch type must be one of {', '.join(TYPES)}, got {type_name!r}")
     if weight not in WEIGHTS:
@@ -240,7 +238,7 @@ def write_sketches(source, out: Path, *, type_name: str = DEFAULT_TYPE, weight: 
             data = _layer_sketch(layer, slots, model.n_embd, model.n_ff, source.k, weight, n_threads)
             with atomic_writer(path, durable=False) as f:
                 f.write(data)
-            release_source_pages(model)
+            model.release_pages()
             kill_point("sketch-layer")
         if block_abs_h is not None and source.k == 1:
             if down_norm is not None:      # the order stage's, in slot order

@@ -105,20 +105,22 @@ CHAT_CONTEXTS = (2048, 1024, 512)   # the chat's context without -c: the largest
 
 def _context_that_fits(model_dir, opts: dict) -> int:
     """The chat's n_ctx when -c is not given: 2048, or under --memory-limit the largest of
-    CHAT_CONTEXTS whose memory plan leaves the engine its least cache (said on stderr when it is
-    less than 2048); where none fits, 2048, and Llama refuses with the plan."""
+    CHAT_CONTEXTS whose memory plan leaves the engine its least cache and memplan.FIT_SPARE more
+    (memplan.fit; where none does, the smallest), said on stderr when it is less than 2048; where
+    none fits at all, 2048, and Llama refuses with the plan."""
     if not opts.get("memory_limit"):
         return CHAT_CONTEXTS[0]
     from .llama import memory_plan
+    from .memplan import fit
 
     kw = {k: v for k, v in opts.items() if k != "memory_limit"}
-    for n in CHAT_CONTEXTS:
-        plan = memory_plan(model_dir, opts["memory_limit"], n_ctx=n, **kw)
-        if plan.cache >= plan.min_cache:
-            if n < CHAT_CONTEXTS[0]:
-                print(f"context {n} tokens: {CHAT_CONTEXTS[0]} does not fit the memory limit (-c to choose)", file=sys.stderr)
-            return n
-    return CHAT_CONTEXTS[0]
+    plan = fit(lambda s: memory_plan(model_dir, opts["memory_limit"], n_ctx=s.get("n_ctx", CHAT_CONTEXTS[0]), **kw),
+               [{"n_ctx": n} for n in CHAT_CONTEXTS[1:]])
+    if not plan.fits:
+        return CHAT_CONTEXTS[0]
+    if plan.n_ctx < CHAT_CONTEXTS[0]:
+        print(f"context {plan.n_ctx} tokens: {CHAT_CONTEXTS[0]} does not fit the memory limit (-c to choose)", file=sys.stderr)
+    return plan.n_ctx
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

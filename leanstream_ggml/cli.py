@@ -1,14 +1,13 @@
 """The `leanstream` command. Each subcommand lives in a module that exposes
 ``register(subparsers)`` adding argparse parsers whose ``func(args) -> int`` runs them.
 
-Only the module of the command being run is imported: the converter's commands (convert,
-profile, train-predictor) are named here by module path and loaded when asked for, so running
-`chat`, `bench` or `perplexity` never imports the converter (or torch, scikit-learn, gguf).
-
-The tools (bench, perplexity, compare, eval, tune: the package leanstream_tools) sit on top of
-the library, which never names them: each is an entry point of the group ``leanstream.commands``
-(pyproject.toml), an object with ``register(subparsers)`` and a one-line ``help``, loaded only
-when `leanstream --help` lists it or its command runs.
+The runtime's own commands (info, verify, chat, serve) are listed in COMMANDS. Everything else
+sits on top of the library, which never names it: the converter (convert, profile,
+train-predictor: the package leanstream_convert) and the tools (bench, perplexity, compare, eval,
+tune: leanstream_tools) each declare their commands as entry points of the group
+``leanstream.commands`` (pyproject.toml), objects with ``register(subparsers)`` and a one-line
+``help`` (``Command`` below), loaded only when `leanstream --help` lists them or one runs. So
+running `chat`, `bench` or `perplexity` never imports the converter (or torch, scikit-learn, gguf).
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from dataclasses import dataclass
+
 
 def version_string() -> str:
     """This package's version and the llama-cpp-python it runs on (read from the installed
@@ -30,16 +31,32 @@ def version_string() -> str:
         llama = "not installed"
     return f"leanstream-ggml {__version__} (llama-cpp-python {llama})"
 
-# command -> (module that registers it, one-line help), in the order `leanstream --help` lists them
+# the runtime's commands: name -> (its module here, one-line help), in the order `leanstream --help`
+# lists them (the entry points' commands follow)
 COMMANDS = {
-    "convert": ("converters.cli", "convert a GGUF model into a LeanStream model directory"),
-    "info": ("converters.cli", "describe a converted model directory"),
+    "info": ("leanstream_ggml.info", "describe a converted model directory"),
     "verify": ("leanstream_ggml.verify", "check every checksum of a model directory"),
     "chat": ("leanstream_ggml.chat", "chat with a converted model (streams tokens, keeps history)"),
     "serve": ("leanstream_ggml.server", "llama-cpp-python's OpenAI-compatible server on a converted model"),
-    "profile": ("converters.train.cli", "record FFN activations of a GGUF on calibration text"),
-    "train-predictor": ("converters.train.cli", "train and export the hashing predictors from a profile"),
 }
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command a package on top of the library adds: its entry point names one of these."""
+
+    module: str      # the module (of the package that declares it) whose register(subparsers) adds its parser
+    help: str        # the line `leanstream --help` lists it with
+
+    def register(self, subparsers) -> None:
+        importlib.import_module(self.module).register(subparsers)
+
+
+def command_line() -> list[str]:
+    """The argv that runs `leanstream` in a child process with this interpreter (what a tool runs
+    another command with, e.g. a conversion, whose imports must stay out of its own process)."""
+    return [sys.executable, "-m", __name__]
+
 
 PLUGIN_GROUP = "leanstream.commands"   # the entry points of the commands installed packages add
 

@@ -9,23 +9,17 @@ per-context hook ``llama_set_ffn_builder``.
 from __future__ import annotations
 
 import difflib
+import gc
 import inspect
 import warnings
 from pathlib import Path
 
 import llama_cpp
 
-from . import _llama_cpp, context, memplan, modes, options, params, stock
+from . import _llama_cpp, context, memplan, models, modes, moe_model, options, params, stock
 from . import manifest as manifest_mod
 from .engine import EXACT_ROWS, FFNEngine
-
-
-def _is_gguf_file(p: Path) -> bool:
-    try:
-        with open(p, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
+from .moe import MoEEngine
 
 
 def _load_array(path: Path, valid, expected: str):
@@ -72,12 +66,22 @@ def _refuse_unknown_keywords(kwargs: dict) -> None:
 _GENERATE = inspect.signature(llama_cpp.Llama.generate)
 
 
-def _plan(path: Path, m, o: dict, kwargs: dict) -> memplan.MemoryPlan:
+def _plan(path: Path, m, o: dict, kwargs: dict, *, base=None, process=None,
+          pass_: dict | None = None) -> memplan.MemoryPlan:
     """The memory plan of a Llama of these options (o: params.llama_options) and llama_cpp.Llama
-    arguments under o["memory_limit"]."""
-    return memplan.plan(path, m, o["memory_limit"], mode=o["mode"], n_ctx=int(kwargs.get("n_ctx", 512)),
-                        n_ubatch=min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512))),
-                        n_outputs=Llama._verify_rows_max(o) if o["speculative"] != "off" else 1)
+    arguments under o["memory_limit"]: the logits of a verify pass's rows, or with logits_all of a
+    batch's and n_ctx rows more; ``pass_``: Llama.converting's memory_pass."""
+    n_ctx, n_batch = int(kwargs.get("n_ctx", 512)), int(kwargs.get("n_batch", 512))
+    rows, of = (Llama._verify_rows_max(o), None) if o["speculative"] != "off" else (1, None)
+    scores = 0
+    if kwargs.get("logits_all"):
+        scores = n_ctx if n_ctx > 0 else (base.n_ctx_train if base is not None and base.n_ctx_train else 0)
+        rows, of = max(rows, min(n_batch, scores or n_batch)), "logits_all: every row of a batch"
+    if pass_:
+        rows, of = max(rows, pass_["rows"]), "a converter pass keeping every row's"
+    return memplan.plan(path, m, o["memory_limit"], mode=o["mode"], n_ctx=n_ctx,
+                        n_ubatch=min(n_batch, int(kwargs.get("n_ubatch", 512))), base=base, process=process,
+                        n_outputs=rows, outputs_of=of, scores=scores, captures=(pass_ or {}).get("captures", 0))
 
 
 # what gives way, in this order, where a limit leaves the engine less than its least cache and the
@@ -91,44 +95,43 @@ _FIT_BATCHES = (256, 128, 64)
 STREAM_BATCH = 128
 
 
-def _fit(path: Path, m, o: dict, given: dict, kwargs: dict) -> memplan.MemoryPlan:
+def _fit(path: Path, m, o: dict, given: dict, kwargs: dict, pass_: dict | None = None) -> memplan.MemoryPlan:
     """The plan under o["memory_limit"], with the defaults the caller did not set given way until it
-    fits (or nothing is left to give: then ``check`` refuses it); a model that streams under the
-    limit takes STREAM_BATCH as its default batch. Changes kwargs (n_batch) and o
+    leaves the engine its least cache and memplan.FIT_SPARE more (memplan.fit), or nothing is left
+    to give (``check`` refuses a plan short of the least); a model that streams under the limit
+    takes STREAM_BATCH as its default batch. Changes kwargs (n_batch) and o
     (draft_width, speculative) in place; the plan's ``fitted`` says what changed."""
-    steps = []
-    batch_default = "n_batch" not in kwargs and "n_ubatch" not in kwargs
-    if batch_default:
-        steps += [("n_batch", n) for n in _FIT_BATCHES]
+    base, process = memplan.read_base(m.resolve(path, m.base.file)), memplan.process_bytes()
+
+    def plan_for(settings: dict) -> memplan.MemoryPlan:
+        batch = {k: v for k, v in settings.items() if k == "n_batch"}
+        return _plan(path, m, {**o, **{k: v for k, v in settings.items() if k not in batch}}, {**kwargs, **batch},
+                     base=base, process=process, pass_=pass_)
+
+    steps, start = [], {}
+    if "n_batch" not in kwargs and "n_ubatch" not in kwargs:
+        if plan_for({}).streams:
+            start = {"n_batch": STREAM_BATCH}
+        steps += [{"n_batch": n} for n in _FIT_BATCHES if n < start.get("n_batch", 512)]
     if o["speculative"] != "off" and "speculative" not in given and "draft_width" not in given:
-        steps += [("draft_width", 1), ("speculative", "off")]
-    plan, fitted = _plan(path, m, o, kwargs), {}
-    if batch_default and plan.streams:
-        kwargs["n_batch"] = fitted["n_batch"] = STREAM_BATCH
-        plan = _plan(path, m, o, kwargs)
-        steps = [(k, v) for k, v in steps if k != "n_batch" or v < STREAM_BATCH]
-    for key, value in steps:
-        if plan.cache >= plan.min_cache:
-            break
-        if key == "n_batch":
-            kwargs["n_batch"] = value
-        else:
-            o[key] = value
-        fitted[key] = value
-        plan = _plan(path, m, o, kwargs)
-    plan.fitted = fitted
+        steps += [{"draft_width": 1}, {"speculative": "off"}]
+    plan = memplan.fit(plan_for, steps, start)
+    for k, v in plan.fitted.items():
+        (kwargs if k == "n_batch" else o)[k] = v
     return plan
 
 
 def memory_plan(model_path, memory_limit, **kwargs) -> memplan.MemoryPlan:
     """The memory plan ``Llama(model_path, memory_limit=memory_limit, **kwargs)`` would make (the
     same defaults: dense mode, speculation on, fitted to the limit the same way), without loading
-    the model; ``.check()`` raises what that Llama would raise."""
+    the model; ``.check()`` raises what that Llama would raise. ``manifest`` and ``memory_pass``
+    as Llama.converting takes them (the converter's passes)."""
+    m, pass_ = kwargs.pop("manifest", None), kwargs.pop("memory_pass", None)
     given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
     given["memory_limit"] = memory_limit
     o = params.llama_options(given)
     path = Path(model_path)
-    return _fit(path, manifest_mod.load(path), o, given, kwargs)
+    return _fit(path, m if m is not None else manifest_mod.load(path), o, given, kwargs, pass_)
 
 
 class ClosedError(ValueError):
@@ -154,29 +157,11 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, **kwargs):
         self._engine = self._drafter = None
         self._closed = False
-        # _manifest: the converter's calibration runs the model before its manifest is written
-        _manifest = kwargs.pop("_manifest", None)
-        given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
-        _refuse_unknown_keywords(kwargs)
-        if kwargs.get("draft_model") is not None:
-            given["speculative"] = "off"     # llama-cpp-python's own draft model proposes instead
-        # every option checked before anything is opened (ParameterError names the bad one)
-        o = params.llama_options(given)
-        mode, spec, quality = o["mode"], o["speculative"], o["quality"]
-        stock_kwargs = dict(kwargs)   # llama_cpp.Llama's arguments as given (stock.py: in RAM)
-        # a verify pass decodes several rows at once; llama.cpp's CPU backend computes a row of a
-        # batch as that token alone (llama_set_exact_rows) with flash attention only, and plain
-        # decoding must use the same attention for speculation to change no answer: flash
-        # attention unless told otherwise (docs/design.md §21)
-        kwargs.setdefault("flash_attn", True)
+        # _manifest, _pass: Llama.converting's
+        _manifest, _pass = kwargs.pop("_manifest", None), kwargs.pop("_pass", None)
+        o, given, stock_kwargs = self._options(kwargs)
         self.memory_plan = None
-        path = Path(model_path)
-        if path.is_file() and _is_gguf_file(path):
-            raise ValueError(f"{model_path} is a plain GGUF file; convert it first:\n"
-                             f"    leanstream convert {model_path} {path.with_suffix('.lsm')}\n"
-                             f"then load the directory {path.with_suffix('.lsm')}")
-        if not path.is_dir():
-            raise ValueError(f"model directory does not exist: {model_path}")
+        path = models.converted_model_dir(str(model_path))
         self.manifest = _manifest if _manifest is not None else manifest_mod.load(path)
         self.model_dir = path
         m = self.manifest
@@ -186,13 +171,48 @@ class Llama(llama_cpp.Llama):
         if _manifest is None:
             self.source_path, self.stock_reason = stock.choose(path, m, o, given)
         if self.source_path is not None:
-            self.backend, self.mode, self.sparsity, self.speculative = "stock", mode, 0.0, "off"
+            self.backend, self.mode, self.sparsity, self.speculative = "stock", o["mode"], 0.0, "off"
             self.controller_policy, self.hot_blocks = None, 0
             super().__init__(str(self.source_path), **stock_kwargs)
             return
         # every file the model is made of: inside the directory, regular, intact (block files
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
+        if m.moe is not None:
+            moe_model.moe_options(o, given)     # (a mixture-of-experts model: docs/design.md §24)
+        files = self._mode_files(path, o, model_path) if m.moe is None else None
+        if o["memory_limit"]:
+            self.memory_plan = _fit(path, m, o, given, kwargs, _pass)
+            self.memory_plan.check()
+            o["memory_budget"] = self.memory_plan.budget
+        if m.moe is not None:
+            self._engine, self.mode, self.sparsity, self.controller_policy, self.hot_blocks = \
+                moe_model.open_engine(m, path, o), "dense", 0.0, None, 0
+        else:
+            self._open_engine(o, *files)
+        self._open_context(path, kwargs, o)
+
+    @staticmethod
+    def _options(kwargs: dict) -> tuple[dict, dict, dict]:
+        """(options, the options given, llama_cpp.Llama's arguments as given), every option checked
+        before anything is opened (ParameterError names the bad one); kwargs keeps llama_cpp.Llama's."""
+        given = {o.name: kwargs.pop(o.name) for o in options.LLAMA if o.name in kwargs}
+        _refuse_unknown_keywords(kwargs)
+        if kwargs.get("draft_model") is not None:
+            given["speculative"] = "off"     # llama-cpp-python's own draft model proposes instead
+        o = params.llama_options(given)
+        stock_kwargs = dict(kwargs)   # llama_cpp.Llama's arguments as given (stock.py: in RAM)
+        # a verify pass decodes several rows at once; llama.cpp's CPU backend computes a row of a
+        # batch as that token alone (llama_set_exact_rows) with flash attention only, and plain
+        # decoding must use the same attention for speculation to change no answer: flash
+        # attention unless told otherwise (docs/design.md §21)
+        kwargs.setdefault("flash_attn", True)
+        return o, given, stock_kwargs
+
+    def _mode_files(self, path: Path, o: dict, model_path) -> tuple:
+        """(predictor paths, block ranking, sketch paths) the mode reads (None: none); a quality=
+        target chosen as its sparsity (o["sparsity"])."""
+        m, mode, quality = self.manifest, o["mode"], o["quality"]
         predictor_paths = block_rank = sketch_paths = None
         if modes.is_sparse(mode):
             # the files the mode reads, as the engine's mode table says (ManifestError/ValueError
@@ -208,7 +228,7 @@ class Llama(llama_cpp.Llama):
                                      f"(convert again with --calibrate), or give sparsity=")
                 if not all(q.get("domains") for q in m.sketch.quality):
                     warnings.warn(f"{model_path}: quality= was calibrated on prose only (an older converter); on code "
-                                  f"and chat it can cost more: convert again to calibrate every domain", stacklevel=2)
+                                  f"and chat it can cost more: convert again to calibrate every domain", stacklevel=3)
                 o["sparsity"] = params.sparsity_for_quality(m.sketch.quality, params.quality(quality))
         elif m.block_importance_file() or m.block_freq_file():
             # dense mode pins each layer's most important blocks (not a prefix of the scan): the
@@ -217,11 +237,11 @@ class Llama(llama_cpp.Llama):
             # layers to stream, too large to prefetch); by mean |h| x ||down|| where the converter
             # measured it, else by frequency. The same set with speculation on or off.
             block_rank = self._block_rank(path, m.block_importance_file())
-        if o["memory_limit"]:
-            self.memory_plan = _fit(path, m, o, given, kwargs)
-            self.memory_plan.check()
-            o["memory_budget"] = self.memory_plan.budget
-            spec = o["speculative"]
+        return predictor_paths, block_rank, sketch_paths
+
+    def _open_engine(self, o: dict, predictor_paths, block_rank, sketch_paths) -> None:
+        """The FFN engine over the block files, checked against the manifest, its controller set."""
+        m, path, mode = self.manifest, self.model_dir, o["mode"]
         self._engine = FFNEngine([m.resolve(path, e.file) for e in m.layers], activation=m.activation,
                                  predictor_paths=predictor_paths, block_rank=block_rank, sketch_paths=sketch_paths,
                                  **{name: o[name] for name in options.ENGINE})
@@ -230,6 +250,10 @@ class Llama(llama_cpp.Llama):
         self.controller_policy = self._install_controller(o["controller"])
         # the calibration-hot blocks the engine keeps resident (powerinfer2, leanstream)
         self.hot_blocks = self._engine.stats()["hot_blocks"] if modes.is_sparse(mode) else 0
+
+    def _open_context(self, path: Path, kwargs: dict, o: dict) -> None:
+        """llama_cpp.Llama over base.gguf with the engine's hooks set, and the speculative drafter."""
+        m, spec = self.manifest, o["speculative"]
         # one KV cache for the sequences of a token tree (speculative.py), in every mode, so that
         # plain decoding runs on the same context
         # (as many as a verify pass has rows, one without speculation: llama.cpp reserves and
@@ -238,12 +262,15 @@ class Llama(llama_cpp.Llama):
         self._n_seq = self._seq_max(kwargs, self._verify_rows_max(o) if spec != "off" else 1)
         with _llama_cpp.context_params(n_seq_max=self._n_seq, kv_unified=True):
             super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
-        _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
+        if m.moe is not None:   # the routed experts (the router stays llama.cpp's)
+            _llama_cpp.set_moe_builder(self, MoEEngine.builder_address(), self._engine.address)
+        else:
+            _llama_cpp.set_ffn_builder(self, FFNEngine.builder_address(), self._engine.address)
+            # the output projection too (the same arithmetic; the draft computes its vocabulary's rows)
+            _llama_cpp.set_output_builder(self, FFNEngine.output_builder_address(), self._engine.address)
         # a row of a batch of up to EXACT_ROWS tokens rounds as that token alone, in plain decoding
         # too: a verify pass then agrees with plain decoding bit for bit (docs/design.md §21)
         _llama_cpp.set_exact_rows(self, EXACT_ROWS)
-        # the output projection too (the same arithmetic; the draft computes its vocabulary's rows)
-        _llama_cpp.set_output_builder(self, FFNEngine.output_builder_address(), self._engine.address)
         # the op's I/O errors surface as a Python exception right after the decode that hit them
         _llama_cpp.wrap_decode(self, self._engine.raise_pending)
         self.speculative = spec
@@ -253,7 +280,14 @@ class Llama(llama_cpp.Llama):
             self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
                                     width=o["draft_width"], max_rows=min(self._verify_rows_max(o), self._n_seq),
                                     vocab=self._draft_vocab(),
-                                    resident=self._resident_share())
+                                    resident=self._resident_share() if m.moe is None else 1.0)
+
+    @classmethod
+    def converting(cls, model_path, manifest, memory_pass: dict | None = None, **kwargs) -> Llama:
+        """A Llama over a directory the converter is still writing (its ``manifest`` as it stands),
+        on the op; ``memory_pass`` ({"rows", "captures"}): what a converter pass holds besides,
+        which the memory plan counts (``_plan``)."""
+        return cls(model_path, _manifest=manifest, _pass=memory_pass, **kwargs)
 
     # the keywords, their types, defaults and help come from options.py (help(Llama) shows them)
     __init__.__signature__ = inspect.Signature(
@@ -273,6 +307,10 @@ class Llama(llama_cpp.Llama):
         """llama_cpp.Llama.generate; with speculative decoding, its loop verifying a draft tree
         every pass (speculative.generate: the same prompt cache, sampler, stopping criteria and
         answers). With logits_all (logprobs) it decodes one token at a time."""
+        # the sampler chains generations replaced (n_vocab x 12 bytes of candidates each) sit in a
+        # reference cycle until a full collection: freed now (~10 ms), or the heap grows by one an
+        # answer (Qwen: 1.7 MiB) for as long as Python's cyclic GC leaves them
+        gc.collect()
         if self._drafter is None or _llama_cpp.logits_all(self):
             return super().generate(tokens, *args, **kwargs)
         from .speculative import generate
@@ -382,7 +420,8 @@ class Llama(llama_cpp.Llama):
         return pol
 
     @property
-    def engine(self) -> FFNEngine:
+    def engine(self) -> FFNEngine | MoEEngine:
+        """The FFN engine (a mixture-of-experts model's: its routed experts' engine)."""
         return self._engine
 
     def stats(self, layer: int | None = None) -> dict:
@@ -432,7 +471,7 @@ class Llama(llama_cpp.Llama):
         self.n_tokens = n_tokens
         _llama_cpp.kv_cache_trim(self, n_tokens)
 
-    def _live_engine(self) -> FFNEngine:
+    def _live_engine(self) -> FFNEngine | MoEEngine:
         if self._engine is None:
             raise ClosedError("this Llama is closed")
         return self._engine

@@ -68,10 +68,10 @@ from typing import Any
 from .formats import HEADER_BYTES, MIN_ALIGN   # a block file's header (data_offset a multiple); block.align
 # the sections, the files on disk and the modes' files, each in its module; every name is also
 # this module's (the converter, the tests and the tools import them from here)
-from .manifest_sections import (PREDICTOR_FORMAT, SKETCH_TYPES, SKETCH_WEIGHTS, BaseInfo,  # noqa: F401
+from .manifest_sections import (PREDICTOR_FORMAT, SKETCH_TYPES, SKETCH_WEIGHTS, BaseInfo, ExpertLayer, MoEInfo,  # noqa: F401
                                 BlockGeometry, LayerEntry, ManifestError, PredictorInfo, SketchInfo, SourceInfo,
                                 Totals, _dc, _get)
-from .mode_files import DENSE_ONLY_ARCHS, ModeFiles, ModeFilesError  # noqa: F401
+from .mode_files import DENSE_ONLY_ARCHS, PREDICTOR_ARCHS, ModeFiles, ModeFilesError  # noqa: F401
 from .model_files import check_size, file_checksum, open_regular, resolve_inside, write_atomic  # noqa: F401
 
 FORMAT = "leanstream-model"
@@ -84,6 +84,9 @@ MANIFEST_NAME = "manifest.json"
 BASE_NAME = "base.gguf"
 FFN_DIR = "ffn"
 SKETCH_DIR = "sketch"
+EXPERT_DIR = "experts"
+EXPERT_FILE = EXPERT_DIR + "/blk.{il}.bin"
+ROUTING_FREQ = EXPERT_DIR + "/routing_freq.npy"
 PREDICTOR_DIR = "predictor"
 BLOCK_FILE = FFN_DIR + "/blk.{il}.bin"
 SKETCH_FILE = SKETCH_DIR + "/blk.{il}.lssk"
@@ -124,7 +127,10 @@ ACTIVATIONS = ("silu", "gelu")
 # the graph itself): granite scales it, olmo2 / gemma2 / gemma3 norm it after, phi3 stores gate
 # and up in one tensor (the converter splits it: converters/convert_gguf.py FUSED_GATE_UP)
 ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "phi3": "silu", "granite": "silu",
-                   "olmo2": "silu", "gemma2": "gelu", "gemma3": "gelu"}
+                   "olmo2": "silu", "gemma2": "gelu", "gemma3": "gelu",
+                   # mixture-of-experts (build_moe_ffn with LLM_FFN_SILU; Mixtral-style files are "llama"
+                   # with an expert count)
+                   "qwen3moe": "silu", "qwen2moe": "silu", "olmoe": "silu"}
 
 
 @dataclass
@@ -141,6 +147,7 @@ class Manifest:
     base: BaseInfo
     predictor: PredictorInfo | None = None    # the sparse modes' predictors, if trained
     sketch: SketchInfo | None = None          # leanstream's exact-input scorer, if written
+    moe: MoEInfo | None = None                # a mixture-of-experts model's routed experts (then no layers)
     checksums: dict[str, str] = field(default_factory=dict)  # relative path -> "crc32:<hex>" (record_checksums)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
@@ -194,6 +201,8 @@ class Manifest:
             out.append(self.controller_file())
         if self.draft_vocab_file():
             out.append(self.draft_vocab_file())
+        if self.moe is not None and self.moe.routing_freq:
+            out.append(self.moe.routing_freq)
         return out
 
     @staticmethod
@@ -236,6 +245,8 @@ class Manifest:
         }
         if self.sketch is not None:
             d["sketch"] = self.sketch.to_dict()
+        if self.moe is not None:
+            d["moe"] = self.moe.to_dict()
         if self.checksums:
             d["checksums"] = dict(self.checksums)
         d.update(self.extra)
@@ -275,6 +286,7 @@ class Manifest:
             predictor=None if d.get("predictor") is None else
             PredictorInfo.from_dict(d["predictor"], f"{where}: predictor"),
             sketch=None if d.get("sketch") is None else SketchInfo.from_dict(d["sketch"], f"{where}: sketch"),
+            moe=None if d.get("moe") is None else MoEInfo.from_dict(d["moe"], f"{where}: moe"),
             checksums=d.get("checksums", {}),
             format=fmt,
             format_version=ver,
@@ -307,7 +319,13 @@ class Manifest:
             bad("block.k must be positive")
         if align < MIN_ALIGN or align & (align - 1):
             bad(f"block.align {align} must be a power of two >= {MIN_ALIGN}")
-        if len(self.layers) != self.n_layer:
+        if self.moe is not None:
+            self.moe.validate(self.n_layer, align, bad)
+            for i, f in enumerate(self.moe.files):
+                _check_rel(f, f"moe.layers[{i}].file", bad)
+            if self.layers:
+                bad("a mixture-of-experts model lists its experts (moe.files), not dense layers")
+        elif len(self.layers) != self.n_layer:
             bad(f"{len(self.layers)} layer entries for n_layer={self.n_layer}")
         n_blocks = math.ceil(self.n_ff / k)
         for i, e in enumerate(self.layers):
@@ -367,6 +385,8 @@ class Manifest:
         block files and base.gguf have the sizes it records. Raises ManifestError."""
         for e in self.layers:
             check_size(self.resolve(model_dir, e.file), e.file_size)
+        for e in self.moe.layers if self.moe else ():
+            check_size(self.resolve(model_dir, e.file), e.file_size)
         check_size(self.resolve(model_dir, self.base.file), self.base.size)
         for rel in self.checksummed_files()[1:]:
             self.resolve(model_dir, rel)
@@ -391,7 +411,7 @@ class Manifest:
 
 
 _KNOWN_KEYS = {"format", "format_version", "source", "architecture", "n_layer", "n_embd", "n_ff",
-               "activation", "block", "layers", "totals", "base", "predictor", "sketch", "checksums"}
+               "activation", "block", "layers", "totals", "base", "predictor", "sketch", "moe", "checksums"}
 
 
 def _check_rel(rel: Any, what: str, bad) -> None:

@@ -13,12 +13,18 @@ charges anonymous memory and the page cache of the files it reads alike):
 - ``compute``: llama.cpp's compute buffers and the op's scratch for a batch of n_ubatch tokens,
   as measured (docs/design.md §18): a fixed part and a part per token of the batch;
 - ``tables``: the engine's per-block tables;
-- ``logits``: llama.cpp's output buffer, n_seq_max rows of logits (cleared at load: held whole);
+- ``logits``: the rows of logits one decode returns (n_seq_max: cleared at load, held whole), twice:
+  the graph's result tensor and llama.cpp's output buffer;
+- ``scores``: with logits_all, llama-cpp-python's array of every position's logits (n_ctx rows);
+- ``captures``: what a pass of the converter writes the FFN's activations into (activations.py);
 - ``margin``: what the measurements scatter by.
 
 The engine's budget (its cache and what it keeps resident: the sketch, the predictors) is the
 limit minus their sum; a limit that leaves less than the mode's least working set is refused with
-the numbers. ``leanstream info MODEL --memory-limit L`` prints the plan.
+the numbers. ``leanstream info MODEL --memory-limit L`` prints the plan. ``fit`` is the one loop
+that gives way (a smaller batch, a pass's fewer rows, a shorter context) until a plan leaves the
+engine its least cache and FIT_SPARE more: Llama's defaults (llama._fit), the converter's passes
+and chat's context use it.
 """
 
 from __future__ import annotations
@@ -27,17 +33,32 @@ import ctypes
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 MiB = 1 << 20
 
-# measured on Qwen2.5-Coder-1.5B and SmolLM2 in memory cgroups (bench/memory_breakdown.py,
-# docs/design.md §18): anonymous memory after a chat, less what each part is known to hold
-HEAP_FIXED = 16 * MiB
-HEAP_PER_VOCAB = 350           # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
-COMPUTE_FIXED = 8 * MiB
-COMPUTE_PER_UBATCH_VALUE = 64  # bytes per (token of the batch x n_embd): activations of one ubatch
-TABLES_PER_BLOCK = 64          # the engine's per-block tables (states, slots, checksums, plans)
+# measured on Qwen2.5-Coder-1.5B and SmolLM2 (bench/memory_breakdown.py, docs/design.md §18):
+# anonymous memory after a chat, less what each part is known to hold. Re-measured 2026-12-06
+# (dense, n_ubatch 64, in one process, Python's cyclic garbage collected): the glibc heap beyond
+# the interpreter's, 66 MiB on Qwen and 23 on SmolLM2, holds the engine's tables (9 and 2 MiB of
+# it), which ``tables`` counts: 57 and 21 MiB besides them, ~360 B per vocabulary entry + 5 MiB
+HEAP_FIXED = 8 * MiB
+HEAP_PER_VOCAB = 360           # bytes per vocabulary entry: llama.cpp's vocabulary and a token's sampling
+# a prefill's growth (the compute buffer's touched pages, the op's scratch): ~22 B per (token of
+# the ubatch x n_embd) on both models, 5 MiB (Qwen) and 2.5 (SmolLM2) at n_ubatch 64 (it was
+# 8 MiB + 64 B, 14 MiB on Qwen at 64)
+COMPUTE_FIXED = 4 * MiB
+COMPUTE_PER_UBATCH_VALUE = 32  # bytes per (token of the batch x n_embd): activations of one ubatch
+# the engine's tables (states, slots, checksums, plans, the read queue) after its first tokens,
+# dense and leanstream alike: 10.1 MiB for Qwen's 250,880 blocks, 3.2 for SmolLM2's 46,080
+TABLES_FIXED = 2 * MiB
+TABLES_PER_BLOCK = 40
 MARGIN = 16 * MiB
+# what a fit gives way for besides the least cache: defaults that leave the engine at its very least
+# (dense: one layer's blocks, every pass streaming all but a sliver) cost more than they bring
+# (Qwen2.5-Coder-1.5B at 500 MB: speculation then drafts from ~0.2 % of the FFN; a chain accepted
+# 6 of 102 drafted tokens there)
+FIT_SPARE = 16 * MiB
 MIN_CACHE = 32 * MiB           # the least cache a plan gives a sparse mode's engine (dense: one layer)
 
 
@@ -123,15 +144,25 @@ def read_base(path: str | os.PathLike) -> BaseModelInfo:
                          n_ctx_train=n_ctx_train)
 
 
+def proc_field(field: str, path: str = "/proc/self/status") -> int | None:
+    """A ``Field:  N kB`` line of a /proc file in bytes (``/proc/self/status``: VmRSS, VmHWM;
+    ``/proc/meminfo``: MemAvailable), None where the file or the field cannot be read. The one
+    reader of /proc that the plan and the converter's budget (converters/budget.py) use."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def process_bytes() -> int:
     """This process's resident memory now (VmRSS), after the C allocator has handed its free pages
     back to the kernel: heap that was freed but kept (glibc keeps tens of MB after a stage's large
     arrays, more or less from one machine to the next) is not memory the process holds."""
     _trim_heap()
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_field("VmRSS") or 0
 
 
 def _trim_heap() -> None:
@@ -174,6 +205,16 @@ class MemoryPlan:
         return self.cache < self.ffn_bytes
 
     @property
+    def fits(self) -> bool:
+        """Whether the limit leaves the engine its least cache (``check`` passes)."""
+        return self.cache >= self.min_cache
+
+    @property
+    def spare(self) -> int:
+        """The cache beyond the engine's least."""
+        return self.cache - self.min_cache
+
+    @property
     def reserve(self) -> int:
         return sum(self.parts.values())
 
@@ -205,7 +246,7 @@ class MemoryPlan:
 
     def check(self) -> None:
         """Raise MemoryPlanError (with the plan) when the limit leaves the engine too little."""
-        if self.cache < self.min_cache:
+        if not self.fits:
             need = self.reserve + self.resident + self.min_cache
             raise MemoryPlanError(
                 f"memory_limit {self.limit / 1e6:.0f} MB cannot hold this model in {self.mode} mode: it needs at "
@@ -221,30 +262,38 @@ class MemoryPlan:
 
 def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,
          resident: int | None = None, process: int | None = None, base: BaseModelInfo | None = None,
-         n_outputs: int = 1) -> MemoryPlan:
+         n_outputs: int = 1, outputs_of: str | None = None, scores: int = 0, captures: int = 0) -> MemoryPlan:
     """The plan for one model directory (its manifest given) under ``limit`` bytes. ``resident``:
     bytes of the sketch/predictor files the mode loads (default: as the manifest names them);
     ``process``: bytes the process holds before the model (default: this process, now);
-    ``n_outputs``: logit rows one decode returns (speculative decoding's verify pass: its rows)."""
+    ``n_outputs``: logit rows one decode returns (a speculative verify pass's rows, a pass that
+    keeps every row's: its rows; ``outputs_of`` names which); ``scores``: rows of logits the caller
+    keeps besides (llama-cpp-python's logits_all array: n_ctx); ``captures``: bytes of the buffers
+    a converter's pass captures the FFN's activations in."""
     if base is None:
         base = read_base(manifest.resolve(model_dir, manifest.base.file))
     if resident is None:
         resident = resident_bytes(model_dir, manifest, mode)
     if n_ctx <= 0:
         n_ctx = base.n_ctx_train or 4096
+    row = base.n_vocab * 4
     parts = {
         "process": process_bytes() if process is None else process,
         "weights": base.per_token_weights + base.embedding_rows(n_ctx),
         "kv_cache": n_ctx * base.kv_width * 2,
         "heap": HEAP_FIXED + HEAP_PER_VOCAB * base.n_vocab,
         "compute": COMPUTE_FIXED + COMPUTE_PER_UBATCH_VALUE * n_ubatch * base.n_embd,
-        "tables": TABLES_PER_BLOCK * sum(e.n_blocks for e in manifest.layers) if manifest is not None else 0,
+        "tables": TABLES_FIXED + TABLES_PER_BLOCK * _n_blocks(manifest) if manifest is not None else 0,
         # a pass's logits are held twice: the graph's result tensor (the compute buffer) and
         # llama.cpp's output buffer it is copied to
-        "logits": 2 * n_outputs * base.n_vocab * 4,
+        "logits": 2 * n_outputs * row,
+        **({"scores": scores * row} if scores else {}),
+        **({"captures": captures} if captures else {}),
         "margin": MARGIN,
     }
     tied = "output.weight" not in base.tensor_bytes
+    if outputs_of is None and n_outputs > 1:
+        outputs_of = "a speculative verify pass"
     notes = {
         "process": "the interpreter and libraries, before the model",
         "weights": "base.gguf tensors every token reads (attention, norms, "
@@ -254,14 +303,57 @@ def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubat
         "compute": f"activations of a batch of n_ubatch {n_ubatch} tokens",
         "tables": "the engine's per-block tables",
         "logits": f"{n_outputs} row{'s' if n_outputs > 1 else ''} of {base.n_vocab} logits, twice (the graph's and llama.cpp's copy)"
-                  + (" (a speculative verify pass)" if n_outputs > 1 else ""),
+                  + (f" ({outputs_of})" if outputs_of else ""),
+        "scores": f"{scores} rows of {base.n_vocab} logits llama-cpp-python keeps (logits_all: every position's)",
+        "captures": "a pass's capture buffers: f32 [rows, n_ff] per layer (the converter's activations)",
         "margin": "measurement scatter",
     }
-    layers = manifest.layers if manifest is not None else []
+    layer_bytes, ffn_bytes = ffn_geometry(manifest)
     return MemoryPlan(limit=limit, parts=parts, notes=notes, resident=resident, mode=mode, n_ctx=n_ctx,
-                      layer_bytes=max((e.n_blocks * e.block_stride for e in layers), default=0),
-                      ffn_bytes=sum(e.n_blocks * e.block_stride for e in layers))
+                      layer_bytes=layer_bytes, ffn_bytes=ffn_bytes)
 
+
+def ffn_geometry(manifest) -> tuple[int, int]:
+    """(the least the engine holds to compute a layer, every layer's FFN bytes): dense, the
+    largest layer's blocks; a mixture-of-experts model, one token's routed experts of its largest
+    layer (a batch routed to more streams through them: native/src/moe.c)."""
+    if manifest is None:
+        return 0, 0
+    if manifest.moe is not None:
+        moe = manifest.moe
+        return (moe.n_expert_used * max(e.expert_stride for e in moe.layers),
+                sum(moe.n_expert * e.expert_stride for e in moe.layers))
+    layers = manifest.layers
+    return (max((e.n_blocks * e.block_stride for e in layers), default=0),
+            sum(e.n_blocks * e.block_stride for e in layers))
+
+
+def _n_blocks(manifest) -> int:
+    """The engine's table entries: blocks (dense), experts (a mixture-of-experts model)."""
+    if manifest.moe is not None:
+        return manifest.moe.n_expert * manifest.n_layer
+    return sum(e.n_blocks for e in manifest.layers)
+
+
+def fit(plan_for: Callable[[dict], MemoryPlan], steps: Iterable[dict], start: dict | None = None,
+        spare: int = FIT_SPARE) -> MemoryPlan:
+    """The plan of the first settings along ``steps`` that leave the engine its least cache and
+    ``spare`` bytes more, or where none does the last one (the most given way: its ``check``
+    refuses it where it leaves less than the least). ``plan_for(settings)`` plans with
+    ``settings``, {name: value} of what gives way (each caller's own: Llama's n_batch,
+    draft_width and speculative; a converter pass's rows; chat's n_ctx), absent names at the
+    caller's defaults; they start as ``start`` and each step's values are laid over those before
+    it. The plan's ``fitted``: the settings it was made with (over what plan_for's own plan says
+    it fitted)."""
+    settings = dict(start or {})
+    plan = plan_for(settings)
+    for step in steps:
+        if plan.spare >= spare:
+            break
+        settings = {**settings, **step}
+        plan = plan_for(settings)
+    plan.fitted = {**plan.fitted, **settings}
+    return plan
 
 
 def resident_bytes(model_dir, manifest, mode: str) -> int:

@@ -14,6 +14,10 @@ from pathlib import Path
 # architectures the sparse modes cannot run on, and why: their op needs the residual entering the
 # FFN (native/src/graph.c), which the patched build_ffn finds by the name the model's graph gives
 # it (ffn_inp-<il> or sa_out-<il>: patches/0001); dense mode needs none
+# architectures the layer-ahead predictors are trained for (the profile also reads gemma3's graph,
+# sa_out / ffn_geglu, for the order stage; predictors on gemma3, whose FFN output is normed again
+# before the residual add, have not been trained or measured): the others get no predictors
+PREDICTOR_ARCHS = ("llama", "qwen2")
 DENSE_ONLY_ARCHS = {"phi3": "llama.cpp's phi3 graph names no tensor for the residual entering the FFN, "
                             "which the sparse modes need"}
 

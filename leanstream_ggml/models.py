@@ -128,27 +128,43 @@ def lsm_dir(name: str) -> Path:
     return models_dir() / f"{name}.lsm"
 
 
-def converted_model_dir(model: str, command: str) -> Path:
-    """A converted model directory from a path or a known model name; a ValueError whose message
-    is the exact command to run when the argument is a plain GGUF or an unconverted name."""
+def default_lsm_dir(model: str | None, src: Path) -> Path:
+    """Where `leanstream convert` writes when no OUT_DIR is given (and where `leanstream info`
+    looks): ``<model cache>/<name>.lsm`` for a known model, ``<IN without .gguf>.lsm`` for a path."""
+    if model is None or model in RECIPES:
+        return lsm_dir(model or DEFAULT_MODEL)
+    return src.with_suffix(".lsm") if src.suffix == ".gguf" else src.with_name(src.name + ".lsm")
+
+
+def is_gguf_file(p: Path) -> bool:
+    """Whether p is a file that starts as a GGUF does."""
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def converted_model_dir(model: str, command: str | None = None) -> Path:
+    """A converted model directory from a path or (for a command) a known model name; a
+    ValueError whose message is the exact command to run when the argument is a plain GGUF or an
+    unconverted name. command: the `leanstream` command to run after converting (None: Llama's
+    caller, who loads the directory)."""
     from .manifest import MANIFEST_NAME
 
     p = Path(model)
-    if model in RECIPES and not p.exists():
+    if command and model in RECIPES and not p.exists():
         out = lsm_dir(model)
         if (out / MANIFEST_NAME).is_file():
             return out
         raise ValueError(f"{model} is not converted yet; convert it first:\n"
                          f"    leanstream convert {model}\n"
                          f"then: leanstream {command} {model}")
-    if p.is_file():
-        with open(p, "rb") as f:
-            is_gguf = f.read(4) == b"GGUF"
-        if is_gguf:
-            out = p.with_suffix(".lsm") if p.suffix == ".gguf" else p.with_name(p.name + ".lsm")
-            raise ValueError(f"{model} is a plain GGUF file; convert it first:\n"
-                             f"    leanstream convert {shlex.quote(str(p))} {shlex.quote(str(out))}\n"
-                             f"then: leanstream {command} {shlex.quote(str(out))}")
+    if p.is_file() and is_gguf_file(p):
+        out = shlex.quote(str(default_lsm_dir(model, p)))
+        then = f"then: leanstream {command} {out}" if command else f"then load the directory {out}"
+        raise ValueError(f"{model} is a plain GGUF file; convert it first:\n"
+                         f"    leanstream convert {shlex.quote(str(p))} {out}\n" + then)
     if not p.is_dir():
         raise ValueError(f"model directory does not exist: {model}")
     return p

@@ -116,18 +116,10 @@ class _RejectInvalidBodies:
         model = self.models.get(scope.get("path")) if scope["type"] == "http" and scope.get("method") == "POST" else None
         if model is None:
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            more = msg.get("more_body", False)
-        body = b"".join(chunks)
-        error = self._check(model, body, self.n_ctx)
-        if error is None and self.max_waiting and self.in_flight >= self.max_waiting:
-            error = 429, (f"{self.in_flight} requests are already running or waiting for this model "
-                          f"(--max-waiting-requests {self.max_waiting}); retry later")
+        body = await _read_body(receive)
+        if body is None:     # the client went away
+            return
+        error = self._refusal(model, body)
         if error is not None:
             from starlette.responses import JSONResponse
 
@@ -145,66 +137,25 @@ class _RejectInvalidBodies:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        # An event stream's start is held until its first bytes, and its last message (the end of
-        # the body) until the app returns: their streaming routes start the answer only after the
-        # 200 is sent, so a request that fails before its first token (a prompt longer than the
-        # context, a block that cannot be read) is answered 400 / 500 here instead, and one that
-        # breaks off mid-answer ends with an error event, which the OpenAI client raises as
-        # APIError, rather than looking complete.
-        # (keep-alive pings sent while the request waits for the model are held with the start)
-        sse, start, started, end, pings = False, None, False, None, []
-
-        async def tracked_send(msg):
-            nonlocal sse, start, started, end
-            if msg["type"] == "http.response.start":
-                sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                          for k, v in msg.get("headers", ()))
-                if sse:
-                    start = msg
-                    return
-            elif sse and msg["type"] == "http.response.body":
-                if not msg.get("more_body", False):
-                    end = msg
-                    return
-                if not started:
-                    if b"data:" not in msg.get("body", b""):
-                        pings.append(msg)
-                        return
-                    await send(start)
-                    for p in pings:
-                        await send(p)
-                    started = True
-            await send(msg)
-
+        stream = _HeldStream(send)
         self.in_flight += 1
         try:
-            await self.app(scope, replay, tracked_send)
+            await self.app(scope, replay, stream.send)
         except Exception as e:   # noqa: BLE001 — anything that breaks off a stream the client is reading
-            if not sse:
+            if not stream.sse:
                 raise
-            import json
-
-            status, message = _error_status(e)
-            event = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                               "param": None, "code": status}}
-            if not started:   # nothing sent yet: a plain error response
-                from starlette.responses import JSONResponse
-
-                end = None
-                return await JSONResponse(event, status_code=status)(scope, receive, send)
-            if end is not None and end.get("body"):
-                await send({"type": "http.response.body", "body": end["body"], "more_body": True})
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
-                        "more_body": True})
-            end = {"type": "http.response.body", "body": b"", "more_body": False}
+            await stream.fail(e, scope, receive)
         finally:
             self.in_flight -= 1
-            if end is not None:
-                if sse and not started and start is not None:
-                    await send(start)
-                    for p in pings:
-                        await send(p)
-                await send(end)
+            await stream.finish()
+
+    def _refusal(self, model, body: bytes):
+        """(status, message) of a request answered here (not JSON, invalid, too many waiting), or None."""
+        error = self._check(model, body, self.n_ctx)
+        if error is None and self.max_waiting and self.in_flight >= self.max_waiting:
+            error = 429, (f"{self.in_flight} requests are already running or waiting for this model "
+                          f"(--max-waiting-requests {self.max_waiting}); retry later")
+        return error
 
     @staticmethod
     def _check(model, body: bytes, n_ctx: int = 0):
@@ -228,6 +179,83 @@ class _RejectInvalidBodies:
             return 400, (f"max_tokens {max_tokens} exceeds the context window ({n_ctx} tokens, prompt included); "
                          f"ask for at most {n_ctx}")
         return None
+
+
+async def _read_body(receive) -> bytes | None:
+    """A request's whole body (None: the client disconnected first)."""
+    chunks, more = [], True
+    while more:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunks.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(chunks)
+
+
+class _HeldStream:
+    """The ASGI ``send`` of a request, with an event stream's start held until its first bytes, and
+    its last message (the end of the body) until the app returns: their streaming routes start
+    the answer only after the 200 is sent, so a request that fails before its first token (a
+    prompt longer than the context, a block that cannot be read) is answered 400 / 500 instead
+    (``fail``), and one that breaks off mid-answer ends with an error event, which the OpenAI
+    client raises as APIError, rather than looking complete. (Keep-alive pings sent while the
+    request waits for the model are held with the start.)"""
+
+    def __init__(self, send):
+        self._send = send
+        self.sse, self.start, self.started, self.end, self.pings = False, None, False, None, []
+
+    async def send(self, msg) -> None:
+        if msg["type"] == "http.response.start":
+            self.sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                           for k, v in msg.get("headers", ()))
+            if self.sse:
+                self.start = msg
+                return
+        elif self.sse and msg["type"] == "http.response.body":
+            if not msg.get("more_body", False):
+                self.end = msg
+                return
+            if not self.started:
+                if b"data:" not in msg.get("body", b""):
+                    self.pings.append(msg)
+                    return
+                await self._send_start()
+                self.started = True
+        await self._send(msg)
+
+    async def _send_start(self) -> None:
+        await self._send(self.start)
+        for p in self.pings:
+            await self._send(p)
+
+    async def fail(self, e: BaseException, scope, receive) -> None:
+        """The event stream broke off with e: a plain error response where nothing was sent yet,
+        else an error event after what was (the end is sent by ``finish``)."""
+        import json
+
+        status, message = _error_status(e)
+        event = {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                           "param": None, "code": status}}
+        if not self.started:   # nothing sent yet: a plain error response
+            from starlette.responses import JSONResponse
+
+            self.end = None
+            await JSONResponse(event, status_code=status)(scope, receive, self._send)
+            return
+        if self.end is not None and self.end.get("body"):
+            await self._send({"type": "http.response.body", "body": self.end["body"], "more_body": True})
+        await self._send({"type": "http.response.body", "body": f"data: {json.dumps(event)}\n\n".encode(),
+                          "more_body": True})
+        self.end = {"type": "http.response.body", "body": b"", "more_body": False}
+
+    async def finish(self) -> None:
+        """What was held: the start (where no data came) and the end."""
+        if self.end is not None:
+            if self.sse and not self.started and self.start is not None:
+                await self._send_start()
+            await self._send(self.end)
 
 
 def create_app(model_dir: str | Path, *, server_settings=None, model_settings=None, max_waiting_requests: int = 8,

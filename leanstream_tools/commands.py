@@ -6,17 +6,7 @@ registered, i.e. when that command runs.
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Command:
-    module: str      # the module whose register(subparsers) adds the command's parser
-    help: str        # the line `leanstream --help` lists it with
-
-    def register(self, subparsers) -> None:
-        importlib.import_module(self.module).register(subparsers)
+from leanstream_ggml.cli import Command
 
 
 bench = Command("leanstream_tools.cli", "decode/prefill speed, peak memory and disk reads")

@@ -42,6 +42,8 @@ SLOW_TESTS = {
     ("test_fuzz.py", "test_fuzz_model_directory"): "400 fuzz cases x 2 configurations in a child process",
     ("test_stages.py", "test_other_parameters_refuse_to_resume"): "a killed conversion in a child, then three more",
     ("test_stages.py", "test_cli_rerun_after_interruption_resumes"): "a killed conversion in a child, then a resumed one",
+    ("test_packaging.py", "test_every_top_level_name_starts_with_leanstream"): "builds a wheel",
+    ("test_packaging.py", "test_the_wheel_holds_the_data_and_no_repository_folder"): "builds a wheel",
 }
 
 
@@ -68,7 +70,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    from converters import convert
+    from leanstream_convert import convert
 
     out = tmp_path_factory.mktemp("smollm2") / "smollm2.lsm"
     convert(smollm2_gguf, out, progress=False, sketch="none")   # dense mode only: block files, no sketch
@@ -84,7 +86,7 @@ def prose() -> str:
 def smollm2_sketch_dir(smollm2_gguf, tmp_path_factory) -> Path:
     """SmolLM2 converted the default way, and calibrated: block files + the 2-bit sketch
     (leanstream mode) + the quality= table."""
-    from converters.stages import convert_model
+    from leanstream_convert.stages import convert_model
 
     out = tmp_path_factory.mktemp("smollm2-sketch") / "smollm2.lsm"
     convert_model(smollm2_gguf, out, progress=False, calibrate=True)

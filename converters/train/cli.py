@@ -7,7 +7,7 @@ import json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("profile", help="record FFN activations of a GGUF on calibration text (for predictor training)")
+    p = sub.add_parser("profile", help="profile a GGUF with stock llama.cpp (its FFN inputs and outputs on calibration text) for predictor training")
     p.add_argument("model", help="the original GGUF file")
     p.add_argument("out", help="profile directory (restartable)")
     p.add_argument("--calibration", help="plain text or .jsonl chats (default: the model's own answers to bundled prompts)")

@@ -155,7 +155,7 @@ class NativePredictor:
     (or `with`) frees the C handle."""
 
     def __init__(self, source):
-        from leanstream_ggml._native import check, ffi, lib
+        from leanstream_ggml.capi import check, ffi, lib
 
         self._ffi, self._lib = ffi, lib
         out = ffi.new("ls_predictor **")
@@ -173,7 +173,7 @@ class NativePredictor:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [n, n_embd] (or [n_embd]) f32 -> priorities [n, n_blocks] (or [n_blocks]) f32."""
-        from leanstream_ggml._native import check
+        from leanstream_ggml.capi import check
 
         x = np.ascontiguousarray(x, dtype=np.float32)
         one = x.ndim == 1

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leanstream_ggml import modes
+from leanstream_ggml.cli import command_line
 
 from .. import cgroup, measure
 from ..cli import PLAN_REFUSED_EXIT
@@ -159,7 +160,7 @@ def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch:
     except Exception:
         pass
     # `leanstream convert` in a child process: the runtime never imports the converter
-    cmd = [sys.executable, "-m", "leanstream_ggml.cli", "convert", str(gguf), str(out), "--quiet"]
+    cmd = [*command_line(), "convert", str(gguf), str(out), "--quiet"]
     if sketch:
         log(f"converting {gguf} -> {out} (block files, sketch" + (", calibration" if calibrate else "") + ": minutes)")
         if calibrate:

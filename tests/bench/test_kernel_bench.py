@@ -30,7 +30,7 @@ import bench_modules
 
 pytest.importorskip("pytest_benchmark")
 
-from converters import convert  # noqa: E402
+from leanstream_convert import convert  # noqa: E402
 from gguf_synth import write_tiny_model  # noqa: E402
 from leanstream_ggml import manifest as mf  # noqa: E402
 from leanstream_ggml._native import ffi, lib  # noqa: E402

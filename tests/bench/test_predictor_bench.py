@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("pytest_benchmark")
 torch = pytest.importorskip("torch")
 
-from converters.train import export as E  # noqa: E402
-from converters.train import hashing as H  # noqa: E402
+from leanstream_convert.train import export as E  # noqa: E402
+from leanstream_convert.train import hashing as H  # noqa: E402
 
 SHAPES = {"smollm2": (576, 1536), "qwen2.5-1.5b": (1536, 8960)}
 CONFIGS = {"trained": dict(n_hash_layers=3, tau=6, n_bits=256, n_tables=4),
@@ -27,7 +27,7 @@ CONFIGS = {"trained": dict(n_hash_layers=3, tau=6, n_bits=256, n_tables=4),
 def test_predictor_latency(benchmark, model, cfg_name):
     try:
         from leanstream_ggml._native import ffi
-        from converters.train.export import NativePredictor
+        from leanstream_convert.train.export import NativePredictor
     except ImportError as e:
         pytest.skip(f"libleanstream not available: {e}")
     n_embd, n_blocks = SHAPES[model]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import bench_modules
-from converters import convert
+from leanstream_convert import convert
 from gguf_synth import write_tiny_model
 
 resident_speed = bench_modules.load("resident_speed")

@@ -43,7 +43,7 @@ from logits import agreement_and_kl, teacher_forced
 import pytest
 
 import llama_cpp
-from converters import convert
+from leanstream_convert import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml import Llama
 from leanstream_ggml import manifest as mf

@@ -80,7 +80,7 @@ def test_plain_gguf_gets_the_exact_convert_command(tiny_gguf, command):
 
 
 def test_info_shows_predictor_and_sparse_mode_readiness(tiny_gguf, tmp_path):
-    from converters import convert
+    from leanstream_convert import convert
 
     d = tmp_path / "tiny.lsm"
     convert(tiny_gguf, d, progress=False, sketch="none")
@@ -151,7 +151,7 @@ def test_chat_without_c_takes_the_largest_context_the_limit_holds(smollm2_dir, m
 def test_a_memory_limit_too_small_is_one_line_with_the_plan(tiny_gguf, tmp_path, command):
     """--memory-limit below what the process needs besides the engine: refused before the model
     runs, with the plan's numbers, no traceback (chat, serve and bench alike)."""
-    from converters import convert
+    from leanstream_convert import convert
 
     d = tmp_path / "tiny.lsm"
     convert(tiny_gguf, d, progress=False, sketch="none")

@@ -28,7 +28,7 @@ import numpy as np
 from logits import agreement_and_kl, teacher_forced
 import pytest
 
-from converters import convert
+from leanstream_convert import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml.engine import FFNEngine
 from reference import act, ffn_reference, load_layer
@@ -102,7 +102,7 @@ def test_gemma3_converts_with_gelu_and_says_dense_only(gemma3_dir):
     assert m.sketch.block_freq is not None
     freq = np.load(gemma3_dir / m.sketch.block_freq)
     assert freq.shape[0] == m.n_layer and freq.min() >= 0 and freq.max() <= 1 and freq.std() > 0
-    from converters import blockfile
+    from leanstream_convert import blockfile
 
     for e in m.layers:
         path = gemma3_dir / e.file

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import llama_cpp
-from converters import ConvertError, convert
-from converters.convert_gguf import save_manifest
+from leanstream_convert import ConvertError, convert
+from leanstream_convert.convert_gguf import save_manifest
 from gguf_synth import write_tiny_model
 from hostile_model import CTX, HAVE_TORCH, make_model_dir, run_model
 from leanstream_ggml import manifest as mf

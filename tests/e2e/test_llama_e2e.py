@@ -94,7 +94,7 @@ def test_chat_template_streaming_and_tokenizer(plugin, stock):
 
 def test_two_models_in_one_process(tmp_path, plugin, stock, prose):
     """A second converted model (synthetic, different shape) alongside SmolLM2: both exact."""
-    from converters import convert
+    from leanstream_convert import convert
     from gguf_synth import write_tiny_model
 
     src = tmp_path / "tiny.gguf"

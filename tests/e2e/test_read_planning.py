@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converters import order as od
+from leanstream_convert import order as od
 from leanstream_ggml import manifest as mf
 import reference as ref
 from leanstream_ggml.engine import FFNEngine, candidate_blocks

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import engine_hooks
-from converters import blockfile, convert
+from leanstream_convert import blockfile, convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml import params
 from leanstream_ggml.engine import FFNEngine

@@ -29,7 +29,7 @@ def q4_0(smollm2_gguf, tmp_path_factory):
     """(a Q4_0 copy of SmolLM2, the directory converted from it beside it)."""
     import llama_cpp
 
-    from converters import convert
+    from leanstream_convert import convert
 
     root = tmp_path_factory.mktemp("q4_0")
     gguf = root / "smollm2-q4_0.gguf"

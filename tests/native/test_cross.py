@@ -28,7 +28,7 @@ import pytest
 
 from c_tests import build as build_here
 from c_tests import run as _run
-from converters import convert
+from leanstream_convert import convert
 from gguf_synth import write_tiny_model
 from reference import ffn_reference, load_layer
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from converters import blockfile
+from leanstream_convert import blockfile
 from hostile_model import BUDGET, CTX, PROMPT, make_model_dir, run_model
 from leanstream_ggml import manifest as mf
 from leanstream_ggml._native import LeanstreamError, ffi, lib

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converters import convert
+from leanstream_convert import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml._native import ffi, lib
 from leanstream_ggml.engine import FFNEngine
@@ -131,7 +131,7 @@ def test_prefill_tile_covers_widths_not_a_multiple_of_its_block(tmp_path, isa):
 def sketched(request, tmp_path_factory):
     """A Q4_K layer converted with the sketch (leanstream mode), no calibration; its down columns
     in Q8_0 or Q6_K (each added in place by its own kernel)."""
-    from converters.stages import convert_model
+    from leanstream_convert.stages import convert_model
 
     d = tmp_path_factory.mktemp("ks")
     write_tiny_model(d / "m.gguf", arch="llama", n_layer=1, n_embd=N_EMBD, n_ff=N_FF, types=CASES["q4_K"], seed=6)

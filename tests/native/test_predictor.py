@@ -9,14 +9,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
 torch.set_num_threads(2)
 
-from converters.train import export as E  # noqa: E402
-from converters.train import hashing as H  # noqa: E402
-from converters.train import metrics as M  # noqa: E402
+from leanstream_convert.train import export as E  # noqa: E402
+from leanstream_convert.train import hashing as H  # noqa: E402
+from leanstream_convert.train import metrics as M  # noqa: E402
 
 
 def _native():
     try:
-        from converters.train.export import NativePredictor
+        from leanstream_convert.train.export import NativePredictor
         from leanstream_ggml import _native  # noqa: F401
     except ImportError as e:  # library not built
         pytest.skip(f"libleanstream not available: {e}")
@@ -114,7 +114,7 @@ def test_metrics_and_blocks():
 
 
 def test_refined_inputs_eq2():
-    from converters.train.pipeline import refined_inputs
+    from leanstream_convert.train.pipeline import refined_inputs
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5))
@@ -142,7 +142,7 @@ def _tiny(tmp_path):
 
 
 def test_profile_matches_numpy(tmp_path):
-    from converters.profile import ProfileData, Profiler, profile_model
+    from leanstream_convert.profile import ProfileData, Profiler, profile_model
 
     path, w = _tiny(tmp_path)
     with Profiler(path, n_ctx=64, n_threads=1) as prof:
@@ -181,8 +181,8 @@ def test_profile_matches_numpy(tmp_path):
 def test_pipeline_tiny_c_equals_torch_on_real_inputs(tmp_path):
     """Profile -> train -> export on the tiny model; C == torch on its real activations."""
     NativePredictor = _native()
-    from converters.train.pipeline import predictor_path, train_from_profile
-    from converters.profile import ProfileData, profile_model
+    from leanstream_convert.train.pipeline import predictor_path, train_from_profile
+    from leanstream_convert.profile import ProfileData, profile_model
 
     path, _ = _tiny(tmp_path)
     text = tmp_path / "calib.txt"
@@ -201,19 +201,22 @@ def test_pipeline_tiny_c_equals_torch_on_real_inputs(tmp_path):
         assert np.array_equal(c(x).view(np.uint32), ref.view(np.uint32))
 
 
-def test_build_predictors_quick_default_calibration(tmp_path):
-    """The converter's entry point, with the default calibration (the model's own answers)."""
+def test_profile_and_train_stages_quick_default_calibration(tmp_path):
+    """The converter's profile and train stages, with the default calibration (the model's own
+    answers): the profile into the state folder, one predictor file per layer, their summary."""
     _native()
-    from converters.train.pipeline import build_predictors
+    from leanstream_convert.train.pipeline import predictor_info, profile_for_training, train_predictors
 
     path, _ = _tiny(tmp_path)
     cfg = H.HashConfig(n_hash_layers=2, tau=4, n_bits=64, n_tables=2, steps=5, batch=32)
     state = tmp_path / "model" / ".convert"
     state.mkdir(parents=True)
-    entry = build_predictors(path, tmp_path / "model", state_dir=state, quick=True, progress=False, cfg=cfg,
-                             profile_kwargs=dict(n_prompts=2, max_tokens=24), log=lambda *a: None)
+    prof = profile_for_training(path, state / "profile", quick=True, progress=False,
+                                profile_kwargs=dict(n_prompts=2, max_tokens=24), log=lambda *a: None)
+    assert prof["profile"] == str(state / "profile") and prof["seconds"] >= 0
+    res = train_predictors(state / "profile", path, tmp_path / "model", state_dir=state, quick=True, cfg=cfg,
+                           profile_seconds=prof["seconds"], log=lambda *a: None)
+    entry = predictor_info(tmp_path / "model")
     assert entry.format == "lspred" and entry.version == E.FILE_VERSION
-    assert entry.files == ["predictor/blk.0.lspred", "predictor/blk.1.lspred"]
-    assert all((tmp_path / "model" / f).exists() for f in entry.files)
-    assert (state / "profile.done").exists() and (state / "train.done").exists()
-    assert not (state / "profile").exists()   # the profile is removed after training
+    assert res["files"] == entry.files == ["predictor/blk.0.lspred", "predictor/blk.1.lspred"]
+    assert all((tmp_path / "model" / f).exists() for f in entry.files)   # the profile is removed after training

@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from converters.train import export as E
-from converters.train.export import NativePredictor
+from leanstream_convert.train import export as E
+from leanstream_convert.train.export import NativePredictor
 from leanstream_ggml._native import LeanstreamError, ffi, lib
 from reference import reference_eval
 

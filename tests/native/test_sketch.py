@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from converters import sketch as skf
+from leanstream_convert import sketch as skf
 from leanstream_ggml import manifest as mf
 from leanstream_ggml._native import LeanstreamError, lib
 from leanstream_ggml.engine import FFNEngine
@@ -171,7 +171,7 @@ def test_calibration_budget_selects_through_the_sketch(smollm2_sketch_dir):
     """The converter calibrates quality= one block short of the whole FFN, so its table is the
     sketch's candidates (what every budget below the FFN's size gets), not the better exact
     selection of layers resident for good."""
-    from converters.calibrate import _sketch_budget
+    from leanstream_convert.calibrate import _sketch_budget
     from leanstream_ggml import Llama
 
     d = smollm2_sketch_dir

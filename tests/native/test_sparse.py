@@ -10,8 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from converters import convert
-from converters import blockfile
+from leanstream_convert import convert
+from leanstream_convert import blockfile
 from gguf_synth import write_tiny_model
 from leanstream_ggml._native import LeanstreamError
 from leanstream_ggml.engine import FFNEngine

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _RUN = r"""
 import json, sys
-from converters.stages import convert_model
+from leanstream_convert.stages import convert_model
 convert_model(sys.argv[1], sys.argv[2], log=lambda *a: None, **json.loads(sys.argv[3]))
 """
 

@@ -20,8 +20,8 @@ N_GEN = 4
 
 def make_model_dir(root: str | Path, *, predictors: bool = True) -> Path:
     """root/tiny.gguf and its conversion root/model.lsm (with predictors if torch is there)."""
-    from converters import convert
-    from converters.convert_gguf import save_manifest
+    from leanstream_convert import convert
+    from leanstream_convert.convert_gguf import save_manifest
     from gguf_synth import write_tiny_model
     from leanstream_ggml import manifest
 

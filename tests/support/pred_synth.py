@@ -14,9 +14,9 @@ def write_random_predictors(model_dir, *, n_pca: int = 32, seed: int = 0, update
     import torch
 
     from leanstream_ggml import manifest
-    from converters.convert_gguf import save_manifest
-    from converters.train.export import write_predictor
-    from converters.train.hashing import HashConfig, HashingPredictor
+    from leanstream_convert.convert_gguf import save_manifest
+    from leanstream_convert.train.export import write_predictor
+    from leanstream_convert.train.hashing import HashConfig, HashingPredictor
 
     model_dir = Path(model_dir)
     m = manifest.load(model_dir)

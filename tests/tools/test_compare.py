@@ -429,7 +429,7 @@ def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
 
 def _tiny_model(tmp_path) -> tuple[Path, Path]:
     """(a synthetic llama GGUF of 2 layers, its directory converted for dense mode): seconds."""
-    from converters import convert
+    from leanstream_convert import convert
     from gguf_synth import write_tiny_model
 
     src = tmp_path / "tiny.gguf"

@@ -42,10 +42,10 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def smollm2_dir(smollm2, tmp_path_factory):
-    import converters
+    import leanstream_convert
 
     out = tmp_path_factory.mktemp("lsm") / "smollm2.lsm"
-    converters.convert(smollm2, out, progress=False, sketch="none")
+    leanstream_convert.convert(smollm2, out, progress=False, sketch="none")
     return out
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from converters import calibrate
+from leanstream_convert import calibrate
 from leanstream_ggml import manifest as mf, texts
 from leanstream_tools.texts import HELDOUT
 
@@ -187,7 +187,7 @@ def test_the_users_file_is_calibrated_as_its_own_domain(smollm2_sketch_dir, smol
     chats.write_text(json.dumps({"messages": talk}) + "\n")
     monkeypatch.setattr(calibrate, "SPARSITIES", (0.5,))
     m = mf.load(smollm2_sketch_dir)
-    from converters.profile_pass import run_pass
+    from leanstream_convert.activations import run_pass
 
     refs = run_pass(smollm2_sketch_dir, m, [], memory_limit=None, n_threads=2, n_read=None,
                     calibration_windows=calibrate.corpus(chats), progress=False).references

@@ -33,13 +33,13 @@ def test_the_default_conversion_records_its_stages(tiny):
     _, ref = tiny
     m = manifest.load(ref)
     c = m.extra["conversion"]
-    assert set(c["stages"]) == {"read", "write", "activations", "order", "reorder", "sketch"}
+    assert set(c["stages"]) == {"read", "write", "activations", "order", "reorder", "sketch", "vocab"}
     assert all(r["seconds"] >= 0 and r["peak_rss_bytes"] > 0 for r in c["stages"].values())
     assert c["memory_limit"] > 0 and c["memory_limit_source"]
     assert m.sketch.quality == []                 # calibration is opt-in
     assert m.draft_vocab_file() and (ref / m.draft_vocab_file()).is_file()
     # the block files are in the order the importance ranking chose (not the source's)
-    from converters import blockfile
+    from leanstream_convert import blockfile
 
     h = blockfile.read_header(ref / m.layers[0].file)
     perm = blockfile.read_perm(ref / m.layers[0].file, h)
@@ -52,23 +52,101 @@ def test_decode_rows_halve_down_to_the_least_under_a_tight_limit(tiny, monkeypat
     """The pass's tokens per decode: ROWS without a limit; under ever tighter limits halved down to
     MIN_ROWS, never more where less fits (each step frees captures and logits for the cache). The
     process's size is held fixed, so that only the limit moves."""
-    from converters.profile_pass import MIN_ROWS, ROWS, _n_vocab, decode_rows
+    from leanstream_convert.activations import MIN_ROWS, ROWS, decode_rows
     from leanstream_ggml import manifest, memplan
 
     _, ref = tiny
     m = manifest.load(ref)
-    n_vocab = _n_vocab(ref, m)
-    assert decode_rows(ref, m, None, True, n_vocab) == ROWS
+    assert decode_rows(ref, m, None, True) == ROWS
     now = memplan.process_bytes()
     monkeypatch.setattr(memplan, "process_bytes", lambda: now)
-    coarse = [(limit, decode_rows(ref, m, limit, True, n_vocab))
+    coarse = [(limit, decode_rows(ref, m, limit, True))
               for limit in range(now, now + 400 * memplan.MiB, 2 * memplan.MiB)]
     assert coarse[0][1] == MIN_ROWS and coarse[-1][1] == ROWS
     lo = max(limit for limit, r in coarse if r == MIN_ROWS)
     hi = min(limit for limit, r in coarse if r == ROWS)
-    seen = [decode_rows(ref, m, limit, True, n_vocab) for limit in range(lo, hi + 1, 4096)]
+    seen = [decode_rows(ref, m, limit, True) for limit in range(lo, hi + 1, 4096)]
     assert seen == sorted(seen)
     assert {r for r in seen} == {ROWS >> i for i in range(ROWS.bit_length()) if ROWS >> i >= MIN_ROWS}
+
+
+def test_the_pass_plans_its_captures_and_logits_as_parts(tiny, monkeypatch):
+    """The activations pass's plan is the one its Llama makes (llama.memory_plan, one function):
+    its capture buffers and every row's logits (twice: the graph's and llama.cpp's copy) are named
+    parts; decode_rows is memplan.fit over those plans, against a direct computation of the most
+    rows whose plan leaves the engine one layer's blocks and the fit's spare."""
+    from leanstream_convert.activations import MIN_ROWS, ROWS, capture_bytes, decode_rows, pass_plan
+    from leanstream_ggml import manifest, memplan
+
+    _, ref = tiny
+    m = manifest.load(ref)
+    monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * memplan.MiB)
+    base = memplan.read_base(ref / m.base.file)
+    p = pass_plan(ref, m, 10**10, 32, True)
+    n_slots = m.layers[0].n_blocks * m.block.k
+    assert p.parts["captures"] == capture_bytes(m, 32) == m.n_layer * 32 * n_slots * 4
+    assert p.parts["logits"] == 2 * 32 * base.n_vocab * 4
+    assert "captures" in p.to_dict() and any(line.split()[0] == "captures" for line in p.lines())
+    assert "captures" not in pass_plan(ref, m, 10**10, 32, False).parts
+    # the reference: every part by hand at each row count, the first that leaves one layer and the
+    # fit's spare (else the fewest rows)
+    layer = max(e.n_blocks * e.block_stride for e in m.layers)
+    tables = memplan.TABLES_FIXED + memplan.TABLES_PER_BLOCK * sum(e.n_blocks for e in m.layers)
+
+    def reserve(rows):
+        return (50 * memplan.MiB + base.per_token_weights + base.embedding_rows(512) + 512 * base.kv_width * 2
+                + memplan.HEAP_FIXED + memplan.HEAP_PER_VOCAB * base.n_vocab
+                + memplan.COMPUTE_FIXED + memplan.COMPUTE_PER_UBATCH_VALUE * rows * base.n_embd + tables
+                + 2 * rows * base.n_vocab * 4 + m.n_layer * rows * n_slots * 4 + memplan.MARGIN)
+
+    assert pass_plan(ref, m, 10**10, 32, True).reserve == reserve(32)
+    candidates = [ROWS >> i for i in range(ROWS.bit_length()) if ROWS >> i >= MIN_ROWS]
+    for limit in np.linspace(reserve(MIN_ROWS), reserve(ROWS) + 2 * layer + memplan.FIT_SPARE, 40).astype(int):
+        want = next((r for r in candidates if int(limit) - reserve(r) >= layer + memplan.FIT_SPARE), MIN_ROWS)
+        assert decode_rows(ref, m, int(limit), True) == want, limit
+
+
+def test_the_pass_and_llama_plan_through_one_function(tiny, monkeypatch):
+    """The activations pass's rows, its Llama's plan and a plain Llama's all come from
+    llama.memory_plan's function (llama._fit: memplan.fit over memplan.plan): the pass's plan is
+    its Llama's part by part (the process measured apart), and the converter's budget reads /proc
+    through memplan's reader."""
+    from leanstream_convert import budget
+    from leanstream_convert.activations import decode_rows, pass_keywords, pass_plan
+    from leanstream_ggml import Llama, llama, manifest, memplan
+
+    _, ref = tiny
+    m = manifest.load(ref)
+    calls = []
+    real_plan, real_fit = memplan.plan, memplan.fit
+
+    def plan(*a, **k):
+        calls.append(("plan", k.get("n_outputs"), k.get("captures")))
+        return real_plan(*a, **k)
+
+    def fit(*a, **k):
+        calls.append(("fit",))
+        return real_fit(*a, **k)
+
+    monkeypatch.setattr(memplan, "plan", plan)
+    monkeypatch.setattr(memplan, "fit", fit)
+    rows = decode_rows(ref, m, 10**10, True)
+    assert calls[:2] == [("fit",), ("fit",)] and calls[2][0] == "plan"    # decode_rows' fit, then Llama's
+    calls.clear()
+    got = pass_plan(ref, m, 10**10, rows, True)
+    llm = Llama.converting(str(ref), memory_limit=10**10, n_threads=1, verbose=False, **pass_keywords(m, rows, True))
+    try:
+        want = llm.memory_plan
+    finally:
+        llm.close()
+    assert calls[0] == ("fit",) and calls[1][1:] == (rows, got.parts["captures"]) and calls.count(calls[1]) == 2
+    assert {k: v for k, v in got.parts.items() if k != "process"} == \
+           {k: v for k, v in want.parts.items() if k != "process"}
+    assert got.notes["logits"] == want.notes["logits"] and "converter pass" in want.notes["logits"]
+    plain = llama.memory_plan(ref, 10**10, speculative="off", n_ctx=512, n_batch=rows, n_ubatch=rows)
+    assert {k: v for k, v in plain.parts.items() if k not in ("process", "logits")} == \
+           {k: v for k, v in got.parts.items() if k not in ("process", "logits", "captures")}
+    assert budget.proc_field is memplan.proc_field
 
 
 def test_process_bytes_does_not_count_heap_the_allocator_kept():
@@ -105,8 +183,8 @@ def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at):
 
 
 def test_a_limit_too_small_for_one_layer_is_refused_with_the_numbers(tiny, tmp_path):
-    from converters.convert_gguf import ConvertError
-    from converters.stages import convert_model
+    from leanstream_convert.convert_gguf import ConvertError
+    from leanstream_convert.stages import convert_model
 
     src, _ = tiny
     out = tmp_path / "m.lsm"
@@ -116,9 +194,9 @@ def test_a_limit_too_small_for_one_layer_is_refused_with_the_numbers(tiny, tmp_p
 
 
 def test_not_enough_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
-    from converters import budget
-    from converters.convert_gguf import ConvertError
-    from converters.stages import convert_model
+    from leanstream_convert import budget
+    from leanstream_convert.convert_gguf import ConvertError
+    from leanstream_convert.stages import convert_model
 
     src, _ = tiny
     out = tmp_path / "m.lsm"
@@ -131,7 +209,7 @@ def test_not_enough_disk_is_refused_before_writing(tiny, tmp_path, monkeypatch):
 def test_cgroup_limits_are_read_up_the_hierarchy(tmp_path):
     """v1 (memory.limit_in_bytes) and v2 (memory.max): every limit set on our cgroup or above it;
     "no limit" (v1's page-rounded 2^63 - 1, v2's "max") is none."""
-    from converters.budget import cgroup_limits
+    from leanstream_convert.budget import cgroup_limits
 
     v1 = tmp_path / "memory" / "a" / "b"
     v1.mkdir(parents=True)
@@ -162,7 +240,7 @@ def test_a_model_larger_than_the_limit_converts_within_it(tmp_path):
     FFN streamed from the block files it just wrote) and finishes; every file verifies, each layer
     is a permutation of its neurons, most important first."""
     _cgroup_or_skip()
-    from converters import blockfile
+    from leanstream_convert import blockfile
     from leanstream_ggml import manifest
     from leanstream_tools.cgroup import run_command
 
@@ -202,7 +280,7 @@ def test_smollm2_converts_in_a_300MB_cgroup(smollm2_gguf, smollm2_sketch_dir, tm
     places, and with them the order of dense mode's float sums: greedy answers of the two
     directories can part at a near-tie, each matching stock llama.cpp within its rounding.)"""
     _cgroup_or_skip()
-    from converters import blockfile
+    from leanstream_convert import blockfile
     from leanstream_ggml import manifest
     from leanstream_tools.cgroup import run_command
 

@@ -30,14 +30,14 @@ def test_formats_match_the_native_readers():
 
 
 def test_the_converter_and_the_runtime_share_one_definition():
-    from converters import blockfile as conv_blockfile
-    from converters import sketch
+    from leanstream_convert import blockfile as conv_blockfile
+    from leanstream_convert import sketch
 
     assert sketch.HEADER_BYTES is formats.HEADER_BYTES and sketch.MAGIC is formats.SKETCH_MAGIC
     assert sketch.VERSION is formats.SKETCH_VERSION and sketch.LS2 is formats.SKETCH_LS2
     assert conv_blockfile.MAGIC is blockfile.MAGIC is formats.BLOCK_MAGIC
     assert blockfile.PERM_OFFSET == blockfile.HEADER_BYTES == formats.HEADER_BYTES
-    from converters.train import export
+    from leanstream_convert.train import export
 
     assert export.MAGIC is formats.PREDICTOR_MAGIC and export.FILE_VERSION is formats.PREDICTOR_VERSION
     assert export.HEADER_SIZE is formats.PREDICTOR_HEADER_BYTES

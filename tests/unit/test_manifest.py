@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from converters.convert_gguf import save_manifest
+from leanstream_convert.convert_gguf import save_manifest
 from leanstream_ggml import manifest as mf
 
 

@@ -176,13 +176,14 @@ def test_the_memory_breakdown_reports_every_stage(smollm2_sketch_dir, capsys):
 
 def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     """A model that streams under its limit takes a batch of 128 (its activations' memory goes to
-    the cache); where the defaults leave the engine less than its least cache, what the caller left
-    to its default gives way: then the batch (to 64), the draft tree's width, speculation; what the
-    caller set never does, and the plan says what changed."""
+    the cache); where the defaults leave the engine less than its least cache and FIT_SPARE more,
+    what the caller left to its default gives way: then the batch (to 64), the draft tree's width,
+    speculation; what the caller set never does, and the plan says what changed."""
     from leanstream_ggml.llama import memory_plan
 
     monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * MB)   # the test session's size aside
     d = str(smollm2_sketch_dir)
+    spare = memplan.FIT_SPARE
     roomy = memory_plan(d, 8000 * MB)
     # as many rows as a verify pass has (1 + 8 steps x 3 wide, VERIFY_ROWS at most), in the graph
     # and in llama.cpp's output buffer
@@ -195,18 +196,21 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
     p = memory_plan(d, whole - MB)
     assert p.fitted == {"n_batch": 128} and p.parts["compute"] < roomy.parts["compute"] and p.cache > roomy.ffn_bytes - MB
     assert "fitted to the limit: n_batch=128" in "\n".join(p.lines())
-    fits = memory_plan(d, 8000 * MB, n_batch=128).reserve + least   # the least limit the streaming default fits in
-    p = memory_plan(d, fits - MB)
-    assert p.fitted == {"n_batch": 64} and p.cache >= least
+    at128 = memory_plan(d, 8000 * MB, n_batch=128).reserve + least   # the least limit the streaming default fits in
+    p = memory_plan(d, at128 + spare - MB)
+    assert p.fitted == {"n_batch": 64} and p.spare >= spare
     at64 = memory_plan(d, 8000 * MB, n_batch=64)
-    p = memory_plan(d, at64.reserve + least - MB)
-    assert p.fitted == {"n_batch": 64, "draft_width": 1} and p.cache >= least
+    p = memory_plan(d, at64.reserve + least + spare - MB)
+    assert p.fitted == {"n_batch": 64, "draft_width": 1} and p.spare >= spare
     off = memory_plan(d, 8000 * MB, n_batch=64, speculative="off")
+    p = memory_plan(d, off.reserve + least + spare)
+    assert p.fitted["speculative"] == "off" and p.mode == "dense" and p.spare == spare
+    # short of the spare with everything given way: the plan that gives the most, which still fits
     p = memory_plan(d, off.reserve + least)
-    assert p.fitted["speculative"] == "off" and p.mode == "dense"
+    assert p.fitted == {"n_batch": 64, "draft_width": 1, "speculative": "off"} and p.spare == 0
     p.check()
     # set by the caller: kept, and the plan refuses
-    p = memory_plan(d, fits - 8 * MB, n_batch=512, speculative="auto")
+    p = memory_plan(d, at128 - 8 * MB, n_batch=512, speculative="auto")
     assert p.fitted == {}
     with pytest.raises(memplan.MemoryPlanError):
         p.check()
@@ -221,3 +225,82 @@ def test_a_refusal_says_what_a_smaller_context_frees():
     kv = 2048 * 11520 * 2
     assert f"n_ctx 2048 holds {kv / 2**20:.0f} MiB of KV cache" in str(e.value) and "-c 512" in str(e.value)
     assert f"would free {kv * 0.75 / 2**20:.0f})" in str(e.value)
+
+
+def _small_base():
+    return memplan.BaseModelInfo(arch="llama", n_layer=30, n_embd=576, n_vocab=49152, kv_width=11520,
+                                 tensor_bytes={"token_embd.weight": 40 * MB, "blk.0.attn_q.weight": 4 * MB})
+
+
+def test_a_passes_logits_scores_and_captures_are_parts_of_the_plan():
+    """What a pass holds besides a Llama's own is counted as named parts (lines, to_dict, budget):
+    every row's logits twice (the graph's and llama.cpp's copy), llama-cpp-python's logits_all
+    rows, a converter pass's capture buffers; a plain plan has neither of the last two."""
+    p = memplan.plan(None, None, 2000 * MB, mode="dense", n_ctx=256, n_ubatch=128, resident=0, process=50 * MB,
+                     base=_small_base(), n_outputs=128, outputs_of="a converter pass keeping every row's",
+                     scores=256, captures=7 * MB)
+    assert p.parts["logits"] == 2 * 128 * 49152 * 4
+    assert p.parts["scores"] == 256 * 49152 * 4 and p.parts["captures"] == 7 * MB
+    assert p.budget == 2000 * MB - sum(p.parts.values())
+    d = p.to_dict()
+    assert all(d[k] == p.parts[k] for k in ("logits", "scores", "captures"))
+    text = "\n".join(p.lines())
+    assert "  captures " in text and "  scores " in text and "a converter pass keeping every row's" in text
+    plain = memplan.plan(None, None, 2000 * MB, mode="dense", resident=0, process=50 * MB, base=_small_base())
+    assert "scores" not in plain.parts and "captures" not in plain.parts
+    assert plain.parts["logits"] == 2 * 49152 * 4 and "verify pass" not in plain.notes["logits"]
+
+
+@pytest.mark.parametrize("spare", [memplan.FIT_SPARE, 0])
+def test_fit_takes_the_first_step_whose_plan_leaves_the_least_cache_and_spare(spare):
+    """memplan.fit against a direct computation: the cache each n_ubatch leaves (numpy, part by
+    part) and the first that holds MIN_CACHE + spare; where none does, the last (refused by check
+    where it leaves less than MIN_CACHE)."""
+    base = _small_base()
+    ubatches = np.array([512, 256, 128, 64, 32])
+    fixed = (50 * MB + 44 * MB + 512 * 11520 * 2 + memplan.HEAP_FIXED + memplan.HEAP_PER_VOCAB * 49152
+             + memplan.COMPUTE_FIXED + 2 * 49152 * 4 + memplan.MARGIN)
+    cache_at = lambda limit: limit - fixed - memplan.COMPUTE_PER_UBATCH_VALUE * ubatches * 576 - 20 * MB  # noqa: E731
+    calls = []
+
+    def plan_for(s):
+        calls.append(dict(s))
+        return memplan.plan(None, None, limit, mode="leanstream", n_ubatch=s.get("n_ubatch", 512), resident=20 * MB,
+                            process=50 * MB, base=base)
+
+    lo = int(fixed + 20 * MB + memplan.MIN_CACHE)
+    for limit in np.linspace(lo - 4 * MB, lo + spare + 40 * MB, 57).astype(int).tolist():
+        calls.clear()
+        p = memplan.fit(plan_for, [{"n_ubatch": int(u)} for u in ubatches[1:]], spare=spare)
+        ok = np.flatnonzero(cache_at(limit) >= memplan.MIN_CACHE + spare)
+        want = int(ubatches[ok[0]] if len(ok) else ubatches[-1])
+        assert p.fitted.get("n_ubatch", 512) == want, limit
+        assert p.cache == cache_at(limit)[list(ubatches).index(want)] and p.spare == p.cache - memplan.MIN_CACHE
+        assert p.fits == (p.cache >= memplan.MIN_CACHE)
+        assert len(calls) == list(ubatches).index(want) + 1          # stops at the first that has its spare
+        if not p.fits:
+            with pytest.raises(memplan.MemoryPlanError):
+                p.check()
+
+def test_fit_lays_its_steps_over_each_other():
+    """Steps are laid over each other, from ``start``; the plan's own fitted is kept."""
+    base = _small_base()
+    seen = []
+
+    def never(s):
+        seen.append(dict(s))
+        q = memplan.plan(None, None, 0, mode="dense", resident=0, process=0, base=base)
+        q.fitted = {"inner": 1}
+        return q
+
+    p = memplan.fit(never, [{"a": 1}, {"b": 2}, {"a": 3}], start={"c": 0})
+    assert seen == [{"c": 0}, {"c": 0, "a": 1}, {"c": 0, "a": 1, "b": 2}, {"c": 0, "a": 3, "b": 2}]
+    assert p.fitted == {"inner": 1, "c": 0, "a": 3, "b": 2} and not p.fits
+
+
+def test_proc_field_reads_kb_lines(tmp_path):
+    f = tmp_path / "status"
+    f.write_text("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\n")
+    assert memplan.proc_field("VmRSS", str(f)) == 1024 * 1024 and memplan.proc_field("VmHWM", str(f)) == 2 << 20
+    assert memplan.proc_field("VmSwap", str(f)) is None and memplan.proc_field("VmRSS", str(tmp_path / "no")) is None
+    assert memplan.proc_field("VmRSS") > 0 and memplan.proc_field("MemAvailable", "/proc/meminfo") > 0

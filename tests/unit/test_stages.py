@@ -65,8 +65,8 @@ def test_killed_conversion_resumes_to_the_same_files(tiny, tmp_path, kill_at, st
 
 
 def test_other_parameters_refuse_to_resume(tiny, tmp_path):
-    from converters.convert_gguf import ConvertError
-    from converters.stages import convert_model
+    from leanstream_convert.convert_gguf import ConvertError
+    from leanstream_convert.stages import convert_model
 
     src, _ = tiny
     out = tmp_path / "model.lsm"
@@ -85,7 +85,7 @@ def test_cli_rerun_after_interruption_resumes(tiny, tmp_path):
     src, _ = tiny
     out = tmp_path / "model.lsm"
     assert _convert(src, out, "train-layer:0").returncode == -9
-    from converters.stages import convert_model
+    from leanstream_convert.stages import convert_model
 
     m = convert_model(src, out, log=lambda *a: None, **SETTINGS)
     assert m.predictor is not None and len(m.predictor.files) == 3

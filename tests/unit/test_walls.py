@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "sklearn", "gguf", "converters")
+HEAVY = ("torch", "sklearn", "gguf", "leanstream_convert")
 TOOLS = ("leanstream_tools", "bench")
 MAX_LINES = 500
 
@@ -71,14 +71,31 @@ def test_no_module_of_the_library_is_over_500_lines():
     assert not long, f"modules of leanstream_ggml/ over {MAX_LINES} lines (split them by concern): {long}"
 
 
-# ---- no import circle in the library ----------------------------------------------------------------
+# ---- no import circle, no string import across floors, in any shipped package ----------------------
 
-def _library_imports(root: Path, package: str = "leanstream_ggml") -> dict[str, set[str]]:
-    """{module: the modules of the package it imports}, at any depth of its code (an import inside
-    a function closes a circle as surely as one at the top, only later). ``from . import x``
+# every package a wheel installs: import name -> its folder in the repository (pyproject.toml maps
+# the converter's folder converters/ to leanstream_convert)
+SHIPPED = {"leanstream_ggml": "leanstream_ggml", "leanstream_tools": "leanstream_tools",
+           "leanstream_convert": "converters"}
+
+
+def _shipped_modules(root: Path, packages: dict = SHIPPED) -> dict[str, Path]:
+    """{module's import name: its file} for every module of the shipped packages under root."""
+    mods = {}
+    for name, folder in packages.items():
+        for path in sorted((root / folder).rglob("*.py")) if (root / folder).is_dir() else ():
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join([name] + parts)] = path
+    return mods
+
+
+def _shipped_imports(root: Path, packages: dict = SHIPPED) -> dict[str, set[str]]:
+    """{module: the shipped modules it imports}, at any depth of its code (an import inside a
+    function closes a circle as surely as one at the top, only later). ``from . import x``
     imports the submodule x; ``from . import name`` (not a module) the package's __init__."""
-    pkg = root / package
-    mods = {_module_name(p, root): p for p in sorted(pkg.rglob("*.py"))}
+    mods = _shipped_modules(root, packages)
     graph = {}
     for module, path in mods.items():
         is_package, out = path.name == "__init__.py", set()
@@ -92,10 +109,10 @@ def _library_imports(root: Path, package: str = "leanstream_ggml") -> dict[str, 
     return graph
 
 
-def import_cycles(root: Path = ROOT, package: str = "leanstream_ggml") -> list[list[str]]:
-    """Every import circle among the package's modules: the strongly connected components of
-    more than one module (Tarjan), each sorted."""
-    graph = _library_imports(root, package)
+def import_cycles(root: Path = ROOT, packages: dict = SHIPPED) -> list[list[str]]:
+    """Every import circle among the shipped packages' modules (within one package or across
+    them): the strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = _shipped_imports(root, packages)
     index, low, stack, on_stack, out = {}, {}, [], set(), []
 
     def visit(v):
@@ -125,39 +142,95 @@ def import_cycles(root: Path = ROOT, package: str = "leanstream_ggml") -> list[l
     return sorted(out)
 
 
-def test_no_import_circle_in_the_library():
+def test_no_import_circle_in_any_shipped_package():
     cycles = import_cycles()
-    assert not cycles, ("modules of leanstream_ggml/ that import each other, directly or around a loop (one "
-                        f"owns what the other asks for; move it, or pass it in): {cycles}")
+    assert not cycles, ("modules that import each other, directly or around a loop (one owns what the other "
+                        f"asks for; move it, or pass it in): {cycles}")
 
 
-def test_the_circle_check_sees_one(tmp_path):
-    """The check above is not vacuous: a circle through function-level imports (a -> b -> c -> a)
-    is found; the package's __init__ and a plain ``from . import sibling`` close none."""
-    pkg = tmp_path / "leanstream_ggml"
+@pytest.mark.parametrize("package", sorted(SHIPPED))
+def test_the_circle_check_sees_one(tmp_path, package):
+    """The check above is not vacuous, in any shipped package: a circle through function-level
+    imports (a -> b -> c -> a) is found; the package's __init__ and a plain ``from . import
+    sibling`` close none."""
+    pkg = tmp_path / SHIPPED[package]
     pkg.mkdir()
     (pkg / "__init__.py").write_text("def __getattr__(name):\n    from .a import A\n    return A\n")
     (pkg / "a.py").write_text("from . import b\nA = 1\n")
     (pkg / "b.py").write_text("def f():\n    from .c import g\n    return g()\n")
-    (pkg / "c.py").write_text("def g():\n    from leanstream_ggml.a import A\n    return A\n")
+    (pkg / "c.py").write_text(f"def g():\n    from {package}.a import A\n    return A\n")
     (pkg / "d.py").write_text("from . import a, __version__\n")
-    assert import_cycles(tmp_path) == [["leanstream_ggml.a", "leanstream_ggml.b", "leanstream_ggml.c"]]
+    assert import_cycles(tmp_path) == [[f"{package}.a", f"{package}.b", f"{package}.c"]]
     (pkg / "c.py").write_text("def g():\n    return 1\n")
     assert import_cycles(tmp_path) == []
 
 
-# ---- the tools use the library's public API only ---------------------------------------------------
+def test_the_circle_check_sees_one_across_packages(tmp_path):
+    """The runtime importing the converter that imports the runtime is a circle too."""
+    for name, folder in SHIPPED.items():
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "leanstream_ggml" / "x.py").write_text("def f():\n    import leanstream_convert.y\n")
+    (tmp_path / "converters" / "y.py").write_text("from leanstream_ggml import x\n")
+    assert import_cycles(tmp_path) == [["leanstream_convert.y", "leanstream_ggml.x"]]
 
-LIBRARIES = ("leanstream_ggml", "llama_cpp")   # the packages whose private names a tool must not use
+
+def string_imports(root: Path = ROOT, packages: dict = SHIPPED) -> list[str]:
+    """"path:line: name" for every string in a shipped package that names a module of another
+    shipped package (an importlib.import_module argument, a registry's module path, an entry
+    point): the floors meet through imports a reader and this test can follow, or through the
+    entry points pyproject.toml declares, never through a name in a string."""
+    out = []
+    for module, path in _shipped_modules(root, packages).items():
+        own = module.split(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            name = node.value.split(":", 1)[0]
+            top = name.split(".")[0]
+            if top in packages and top != own and all(p.isidentifier() for p in name.split(".")):
+                out.append(f"{path.relative_to(root)}:{node.lineno}: {node.value}")
+    return out
+
+
+def test_no_string_import_across_floors():
+    bad = string_imports()
+    assert not bad, "a shipped package names another's module in a string:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("package", sorted(SHIPPED))
+def test_the_string_import_check_sees_one(tmp_path, package):
+    """Not vacuous: in any shipped package, a module path of another package in a string (an
+    importlib call, a registry entry) is reported; its own package's paths and prose are not."""
+    for name, folder in SHIPPED.items():
+        (tmp_path / folder).mkdir()
+    other = next(n for n in sorted(SHIPPED) if n != package)
+    (tmp_path / SHIPPED[package] / "reg.py").write_text(
+        "import importlib\n"
+        f"COMMANDS = {{'x': ('{package}.own', 'help')}}\n"
+        f"TEXT = 'see {other}.cli for more'\n"
+        f"def load():\n    return importlib.import_module('{other}.cli')\n")
+    assert string_imports(tmp_path) == [f"{SHIPPED[package]}/reg.py:5: {other}.cli"]
+
+
+# ---- the tools and the converter use the library's public API only --------------------------------
+
+LIBRARIES = ("leanstream_ggml", "llama_cpp", "leanstream_convert", "leanstream_tools")  # whose private names others must not use
+# the packages on top of the library, each checked against the others' private names: its own
+# package name, its folders
+ON_TOP = {"leanstream_tools": ("leanstream_tools", "bench"), "leanstream_convert": ("converters",)}
 
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _tool_files(root: Path) -> list[Path]:
-    files = sorted((root / "leanstream_tools").rglob("*.py")) if (root / "leanstream_tools").is_dir() else []
-    return files + (sorted((root / "bench").glob("*.py")) if (root / "bench").is_dir() else [])
+def _tool_files(root: Path, folders=("leanstream_tools", "bench")) -> list[Path]:
+    out = []
+    for folder in folders:
+        if (root / folder).is_dir():
+            out += sorted((root / folder).rglob("*.py")) if folder != "bench" else sorted((root / folder).glob("*.py"))
+    return out
 
 
 def _own_private_names(files: list[Path]) -> set[str]:
@@ -173,15 +246,15 @@ def _own_private_names(files: list[Path]) -> set[str]:
                 out.add(node.attr)     # self._x = ...: a tool class's own (not llm._x = ...)
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
                 out.add(node.id)
+            elif isinstance(node, ast.arg) and _private(node.arg):
+                out.add(node.arg)      # a keyword of its own function
     return out
 
 
-def private_uses(root: Path = ROOT) -> list[str]:
-    """"path:line: what" for every use of a library's private name by a tool: a private module
-    or name imported from leanstream_ggml / llama_cpp, or an ``x._name`` attribute that no tool
-    defines itself (on a Llama, a llama_cpp object, a library module)."""
-    files = _tool_files(root)
+def _private_uses_in(root: Path, own_package: str, folders) -> list[str]:
+    files = _tool_files(root, folders)
     own = _own_private_names(files)
+    libraries = tuple(lib for lib in LIBRARIES if lib != own_package)
     out = []
     for path in files:
         where = str(path.relative_to(root))
@@ -189,24 +262,35 @@ def private_uses(root: Path = ROOT) -> list[str]:
             line = getattr(node, "lineno", 0)
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 parts = node.module.split(".")
-                if parts[0] in LIBRARIES:
+                if parts[0] in libraries:
                     if any(_private(p) for p in parts):
                         out.append(f"{where}:{line}: imports {node.module}")
                     out += [f"{where}:{line}: imports {node.module}.{a.name}" for a in node.names if _private(a.name)]
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     parts = a.name.split(".")
-                    if parts[0] in LIBRARIES and any(_private(p) for p in parts):
+                    if parts[0] in libraries and any(_private(p) for p in parts):
                         out.append(f"{where}:{line}: imports {a.name}")
             elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own:
                 out.append(f"{where}:{line}: uses .{node.attr}")
+            elif isinstance(node, ast.keyword) and node.arg and _private(node.arg) and node.arg not in own:
+                out.append(f"{where}:{node.value.lineno}: passes {node.arg}=")
     return out
 
 
-def test_the_tools_use_only_the_public_api():
+def private_uses(root: Path = ROOT) -> list[str]:
+    """"path:line: what" for every use of another package's private name by a package on top of
+    the library (the tools, bench/, the converter): a private module or name imported from
+    leanstream_ggml / llama_cpp / another shipped package, an ``x._name`` attribute or a
+    ``_name=`` keyword that the package does not define itself (on a Llama, a llama_cpp object, a
+    library module)."""
+    return [u for package, folders in ON_TOP.items() for u in _private_uses_in(root, package, folders)]
+
+
+def test_the_tools_and_the_converter_use_only_the_public_api():
     bad = private_uses()
-    assert not bad, ("the tools reach into private names of the library or llama-cpp-python (add a public "
-                     "function or method to the library instead):\n" + "\n".join(bad))
+    assert not bad, ("the tools or the converter reach into private names of the library, of each other or of "
+                     "llama-cpp-python (add a public function or method instead):\n" + "\n".join(bad))
 
 
 def test_the_tool_wall_sees_a_private_use(tmp_path):
@@ -230,6 +314,21 @@ def test_the_tool_wall_sees_a_private_use(tmp_path):
         "leanstream_tools/x.py:1: imports leanstream_ggml._native",
         "leanstream_tools/x.py:2: imports leanstream_ggml.params._default",
         "leanstream_tools/x.py:3: imports llama_cpp._internals"]
+
+
+def test_the_converter_wall_sees_a_private_use(tmp_path):
+    """The converter is held to the same wall: a private module of the runtime, a private keyword
+    of a runtime call and a private attribute of a runtime object are reported; its own are not."""
+    (tmp_path / "converters").mkdir()
+    (tmp_path / "converters" / "p.py").write_text(
+        "from leanstream_ggml._native import lib\n"
+        "from leanstream_ggml import Llama\n"
+        "def run(path, m, _rows=2):\n"
+        "    llm = Llama(path, _manifest=m)\n"
+        "    return llm._engine, _rows, run(path, m, _rows=1)\n")
+    assert sorted(private_uses(tmp_path)) == ["converters/p.py:1: imports leanstream_ggml._native",
+                                              "converters/p.py:4: passes _manifest=",
+                                              "converters/p.py:5: uses ._engine"]
 
 
 # ---- the runtime holds only what it runs ---------------------------------------------------------
