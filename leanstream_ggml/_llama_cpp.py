@@ -4,8 +4,8 @@
 public API (its Llama's methods, the C bindings of ``llama_cpp.llama_cpp``) it does here, and
 nowhere else:
 
-- ``set_ffn_builder``: libllama's one added function (patches/0001-leanstream-external-ffn.patch),
-  bound on llama-cpp-python's own ctypes handle of libllama;
+- ``set_ffn_builder``, ``set_output_builder``, ``set_moe_builder``: libllama's added functions
+  (patches/0001, 0004, 0005), bound on llama-cpp-python's own ctypes handle of libllama;
 - ``wrap_decode``: the context's decode followed by a check, so that an error of the FFN op's
   I/O workers raises right after the decode that hit it;
 - ``decode``: the one batch decoder outside ``Llama.eval``: rows with a position and sequence ids
@@ -81,9 +81,10 @@ def set_ffn_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
 
 
 @functools.cache
-def _output_builder_fn():
+def _builder_setter(name: str):
+    """One of the patched build's ``llama_set_*_builder(ctx, builder, user_data)``."""
     _ffn_builder_fn()   # (the same patched build)
-    f = _lib.llama_set_output_builder
+    f = getattr(_lib, name)
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     f.restype = None
     return f
@@ -92,7 +93,14 @@ def _output_builder_fn():
 def set_output_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
     """``llama_set_output_builder(ctx, builder, user_data)`` (patches/0004): the output projection
     of llm's graphs is built by ``builder``."""
-    _output_builder_fn()(llm.ctx, builder, user_data)
+    _builder_setter("llama_set_output_builder")(llm.ctx, builder, user_data)
+
+
+def set_moe_builder(llm: llama_cpp.Llama, builder: int, user_data: int) -> None:
+    """``llama_set_moe_builder(ctx, builder, user_data)`` (patches/0005): the routed experts of
+    every mixture-of-experts layer of llm's graphs are built by ``builder`` (the router stays
+    llama.cpp's)."""
+    _builder_setter("llama_set_moe_builder")(llm.ctx, builder, user_data)
 
 
 @functools.cache

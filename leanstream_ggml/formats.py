@@ -24,3 +24,17 @@ SKETCH_LS2 = 1         # LS_SKETCH_LS2: the row format (2-bit codes, one f16 sca
 PREDICTOR_MAGIC = b"LSPREDv\0"
 PREDICTOR_VERSION = 2  # LS_PREDICTOR_FILE_VERSION (version 1 files are read too)
 PREDICTOR_HEADER_BYTES = 256
+
+# experts/blk.<il>.bin: one MoE layer's routed experts, one per slot (docs/formats.md "Expert file")
+EXPERT_MAGIC = b"LSEXPRTS"
+EXPERT_VERSION = 1     # LS_EXPERT_FILE_VERSION
+# the header's fields in order (struct codes, little-endian), zero-padded to HEADER_BYTES; the
+# expert_of_slot table starts at HEADER_BYTES; meta_crc is the CRC-32C of [0, data_offset) with
+# its own field read as zero
+EXPERT_HEADER_FIELDS = (
+    ("magic", "8s"), ("version", "I"), ("il", "I"), ("n_embd", "Q"), ("n_ff_exp", "Q"), ("n_expert", "I"),
+    ("align", "I"), ("gate_type", "i"), ("up_type", "i"), ("down_type", "i"), ("reserved", "I"),
+    ("gate_bytes", "Q"), ("up_bytes", "Q"), ("down_bytes", "Q"), ("expert_stride", "Q"), ("table_offset", "Q"),
+    ("data_offset", "Q"), ("file_size", "Q"), ("meta_crc", "I"),
+)
+EXPERT_META_CRC_OFFSET = 112

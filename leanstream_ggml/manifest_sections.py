@@ -1,5 +1,5 @@
 """The manifest's sections (``manifest.json``'s objects: source, block, layers, totals, base,
-predictor, sketch) as dataclasses, and the typed reading of JSON fields they share with
+predictor, sketch, moe) as dataclasses, and the typed reading of JSON fields they share with
 ``Manifest.from_dict`` (manifest.py, where the contract is described). Standard library only.
 """
 
@@ -60,8 +60,22 @@ class BaseInfo:
     size: int
 
 
+class _FileSection:
+    """A section that names one file per layer (predictor, sketch, moe): its JSON object."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def _files(d: Any, where: str) -> list[str]:
+        """The object's ``files`` (checked to be an object first)."""
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: expected an object or null")
+        return _paths(d, "files", where)
+
+
 @dataclass
-class PredictorInfo:
+class PredictorInfo(_FileSection):
     """The sparse modes' predictors (written by the converter's train stage)."""
     files: list[str]            # one per layer, in layer order: "predictor/blk.<il>.lspred"
     version: int                # predictor file format version (docs/formats.md)
@@ -72,14 +86,9 @@ class PredictorInfo:
     config: dict[str, Any] = field(default_factory=dict)  # the hashing configuration (informational)
     format: str = PREDICTOR_FORMAT
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, d: Any, where: str) -> PredictorInfo:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: expected an object or null")
-        files = _paths(d, "files", where)
+        files = cls._files(d, where)
         opt = {}
         for key in ("block_freq", "summary"):
             v = d.get(key)
@@ -97,7 +106,7 @@ class PredictorInfo:
 
 
 @dataclass
-class SketchInfo:
+class SketchInfo(_FileSection):
     """leanstream mode's exact-input scorer: a low-bit copy of every gate/up row (converter's
     sketch stage; file format in docs/formats.md), and the quality calibration of the sparse
     decode on the converter's corpus (``quality``: [{"sparsity", "ppl_ratio", "agreement",
@@ -115,14 +124,9 @@ class SketchInfo:
                                          # ||down column|| on the calibration text (dense mode's pinned set:
                                          # the draft FFN of speculative decoding)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
     def from_dict(cls, d: Any, where: str) -> SketchInfo:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: expected an object or null")
-        files = _paths(d, "files", where)
+        files = cls._files(d, where)
         weight = _get(d, "weight", str, where)
         if weight not in SKETCH_WEIGHTS:
             raise ManifestError(f"{where}: weight must be one of {', '.join(SKETCH_WEIGHTS)}, got {weight!r}")
@@ -147,6 +151,68 @@ class SketchInfo:
 
 
 # ---- typed JSON fields -------------------------------------------------------------------------
+
+@dataclass
+class ExpertLayer:
+    """One layer's expert file (docs/formats.md): its types may differ from another layer's (a
+    Q4_K_M file holds some layers' down experts in Q6_K, the others' in Q4_K)."""
+    file: str                   # relative to the model directory, "experts/blk.<il>.bin"
+    gate_type: int              # enum ggml_type of the experts' gate rows
+    up_type: int
+    down_type: int
+    expert_stride: int          # bytes of one expert on disk (multiple of the block alignment)
+    data_offset: int            # first slot's offset in the file, multiple of 4096
+    file_size: int              # data_offset + n_expert * expert_stride
+
+
+@dataclass
+class MoEInfo:
+    """A mixture-of-experts model's routed experts (docs/formats.md, expert file): one expert file
+    per layer, each expert's gate, up and down in the GGUF's own types, in one slot; the router,
+    a shared expert and its gate stay in base.gguf and run as stock llama.cpp runs them."""
+    layers: list[ExpertLayer]   # one per layer, in layer order
+    n_expert: int               # routed experts per layer
+    n_expert_used: int          # experts each token is routed to (the GGUF's expert_used_count)
+    n_ff_exp: int               # neurons of one expert
+    gating: str = "softmax"     # the router's function (informational: llama.cpp computes it)
+    shared_expert: bool = False  # a shared expert (in base.gguf) beside the routed ones
+    routing_freq: str | None = None  # "experts/routing_freq.npy": f32 [n_layer, n_expert], how often each
+                                     # expert was routed to on the calibration text (the hot set's ranking)
+
+    @property
+    def files(self) -> list[str]:
+        return [e.file for e in self.layers]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> MoEInfo:
+        if not isinstance(d, dict):
+            raise ManifestError(f"{where}: expected an object or null")
+        layers = [_dc(ExpertLayer, e, f"{where}: layers[{i}]") for i, e in enumerate(_get(d, "layers", list, where))]
+        ints = {k: _get(d, k, int, where) for k in ("n_expert", "n_expert_used", "n_ff_exp")}
+        freq = d.get("routing_freq")
+        if freq is not None and not isinstance(freq, str):
+            raise ManifestError(f"{where}: routing_freq must be a path or null")
+        return cls(layers=layers, gating=str(d.get("gating", "softmax")), shared_expert=bool(d.get("shared_expert", False)),
+                   routing_freq=freq, **ints)
+
+    def validate(self, n_layer: int, align: int, bad) -> None:
+        if len(self.layers) != n_layer or len(set(self.files)) != n_layer:
+            bad(f"moe.layers must list one expert file per layer ({n_layer}), each once")
+        if not 0 < self.n_expert_used <= self.n_expert or self.n_ff_exp <= 0:
+            bad(f"moe: n_expert {self.n_expert}, n_expert_used {self.n_expert_used}, n_ff_exp {self.n_ff_exp} "
+                f"must be positive with n_expert_used <= n_expert")
+        for i, e in enumerate(self.layers):
+            w = f"moe.layers[{i}]"
+            if e.expert_stride <= 0 or e.expert_stride % align:
+                bad(f"{w}.expert_stride {e.expert_stride} must be a positive multiple of align {align}")
+            if e.data_offset % 4096 or e.data_offset < 4096 + 8 * self.n_expert:
+                bad(f"{w}.data_offset {e.data_offset} must be a multiple of 4096 past the slot tables")
+            if e.file_size != e.data_offset + self.n_expert * e.expert_stride:
+                bad(f"{w}.file_size {e.file_size} != data_offset + n_expert * expert_stride")
+
 
 def _paths(d: dict, key: str, where: str) -> list[str]:
     files = _get(d, key, list, where)

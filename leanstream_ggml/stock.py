@@ -139,6 +139,8 @@ def choose(model_dir: Path, manifest, o: dict, given: dict) -> tuple[Path | None
         return None, f"mode={o['mode']!r} decodes sparse"
     if given.get("speculative") not in (None, "auto", "off"):
         return None, f"speculative={given['speculative']!r} asks for the op's drafts"
+    if manifest.moe is not None:   # llama.cpp's own mul_mat_id over every expert, as stock runs it
+        return find_source(model_dir, manifest, o["source"])
     from .manifest import GGML_TYPE_IDS
 
     gate = manifest.layers[0].gate_type

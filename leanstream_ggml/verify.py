@@ -5,9 +5,10 @@
 Checks, in order: the manifest (parsed, validated, every path a regular file inside the
 directory, sizes); the CRC-32 of base.gguf and of the predictor files against the manifest; for
 each block file its header against the manifest, the CRC-32C of its tables (meta_crc) and of
-every block. The runtime makes the same checks lazily (blocks as they are read); this command
+every block; for each expert file (a mixture-of-experts model) its header against the manifest,
+meta_crc and every expert's CRC-32C. The runtime makes the same checks lazily (blocks as they are read); this command
 reads everything once, e.g. after copying a model or when a read reported corruption.
-Standard library and numpy only: it does not load llama.cpp or the native engine.
+Standard library and numpy only: it does not load llama.cpp or run the native engine.
 """
 
 from __future__ import annotations
@@ -64,7 +65,42 @@ def verify_dir(model_dir: str | os.PathLike, progress=None) -> tuple[list[str], 
             os.close(fd)
         if progress:
             progress(e.il, m.n_layer)
+    for il, e in enumerate(m.moe.layers if m.moe else ()):
+        problems += _verify_experts(m.resolve(d, e.file), il, e, m, crc32c_rows, counts)
     return problems, counts
+
+
+def _verify_experts(path: Path, il: int, e, m, crc32c_rows, counts) -> list[str]:
+    """A mixture-of-experts layer's expert file: its header and tables (blockfile.read_expert_header)
+    against the manifest, then every slot's CRC-32C."""
+    from .blockfile import read_expert_header
+
+    try:
+        h = read_expert_header(path)
+    except (OSError, ValueError) as err:
+        return [str(err)]
+    counts["files"] += 1
+    got = (h["il"], h["n_expert"], h["n_ff_exp"], h["n_embd"], h["gate_type"], h["up_type"], h["down_type"],
+           h["expert_stride"], h["data_offset"], h["file_size"])
+    want = (il, m.moe.n_expert, m.moe.n_ff_exp, m.n_embd, e.gate_type, e.up_type, e.down_type, e.expert_stride,
+            e.data_offset, e.file_size)
+    if got != want:
+        return [f"{path}: header (il, n_expert, n_ff_exp, n_embd, types, stride, data_offset, file_size) = {got}, "
+                f"the manifest says {want}"]
+    out, stride = [], h["expert_stride"]
+    with open(path, "rb") as f:
+        for s0 in range(0, h["n_expert"], max(1, CHUNK_BYTES // stride)):
+            n = min(max(1, CHUNK_BYTES // stride), h["n_expert"] - s0)
+            raw = os.pread(f.fileno(), n * stride, h["data_offset"] + s0 * stride)
+            if len(raw) != n * stride:
+                return out + [f"{path}: short read at slot {s0} (file truncated?)"]
+            have = crc32c_rows(np.frombuffer(raw, np.uint8).reshape(n, stride))
+            for s in np.flatnonzero(have != h["slot_crc"][s0:s0 + n]):
+                out.append(f"{path}: layer {il} slot {s0 + int(s)} (expert {int(h['expert_of_slot'][s0 + s])}) is "
+                           f"corrupt (CRC-32C {int(have[s]):08x}, stored {int(h['slot_crc'][s0 + s]):08x})")
+            counts["blocks"] += n
+            counts["bytes"] += len(raw)
+    return out
 
 
 def _verify_layer(fd, path, e, m, blockfile, crc32c_rows, counts) -> list[str]:

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 13
+#define LS_ABI_VERSION 14
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -468,6 +468,96 @@ LS_API ls_status   ls_predictor_eval(ls_predictor * p, const float * x, float * 
 // Same for n rows: x [n_embd, n] (rows contiguous), prio [n_blocks, n].
 LS_API ls_status   ls_predictor_eval_batch(ls_predictor * p, const float * x, float * prio,
                                            int32_t n_blocks, int64_t n);
+
+// ---- mixture of experts: routed experts streamed from expert files ------------------------------
+// One engine object of its own (ls_moe), beside the dense ls_engine: a layer's routed experts
+// (ffn_{gate,up,down}_exps) live in `experts/blk.<il>.bin` (docs/formats.md, "Expert file"); the
+// router, a shared expert and the norms stay in llama.cpp's graph. The op computes, exactly as
+// llama.cpp's build_moe_ffn with separate gate and up experts does,
+//     y[t] = ((p_0 + p_1) + p_2) + ...,   p_k = w[k,t] * down_e . act_q(gate_e . x~_t, up_e . x~_t),
+//     e = selected[k,t]
+// with ggml's CPU type traits (x~: x quantized once per token to the weight type's vec_dot_type
+// by from_float, every row dotted by vec_dot; act's output quantized likewise for down), so any
+// type ggml's CPU backend has a vec_dot for works, and the output does not depend on the thread
+// count or on I/O timing. Experts are read whole (one expert = one slot of the file) into a cache
+// of slots shared by all layers: a pinned hot set, the rest least recently used. A batch's missing
+// experts are read with O_DIRECT by the I/O workers in the order they are computed (adjacent file
+// slots in one read), once per batch however many tokens route to them; when the cache cannot hold
+// them all they stream through it in waves (2 slots free of the hot set suffice).
+#define LS_EXPERT_FILE_VERSION 1
+
+typedef struct ls_moe ls_moe;
+
+typedef struct ls_moe_params {
+    int32_t  n_layer;          // layers of the model ([n_layer] paths; a NULL path: no experts there)
+    uint64_t cache_bytes;      // expert slots kept in RAM, all layers together; 0 (default): every expert
+    int32_t  n_io_threads;     // I/O workers, 1..LS_MAX_IO_THREADS, default 8
+    uint32_t max_read_bytes;   // adjacent missing experts merge into one read up to this, default 1 MiB
+                               // (an expert larger than this is one read of its own)
+    int32_t  verify_checksums; // 1 (default): every expert's CRC-32C after each read, before use
+    int32_t  activation;       // LS_ACT_SILU (default) or LS_ACT_GELU
+    const struct ls_test_hooks * test_hooks; // tests only: io_delay_us, buffered_io, fault, fault_read
+                               // (counted over this engine's reads); NULL (default): none
+} ls_moe_params;
+
+typedef struct ls_moe_info {
+    int64_t  n_embd;
+    int64_t  n_ff_exp;         // neurons of one expert
+    int32_t  n_expert;
+    int32_t  gate_type, up_type, down_type;   // enum ggml_type, as in the GGUF
+    uint64_t expert_stride;    // bytes of one expert on disk and in a cache slot (aligned)
+} ls_moe_info;
+
+// Counters of one layer (ls_moe_stats; il = -1: summed over layers).
+typedef struct ls_moe_counters {
+    uint64_t op_calls;         // MoE op executions
+    uint64_t tokens;           // token rows processed
+    uint64_t routed;           // token-expert pairs computed (tokens x n_used)
+    uint64_t experts;          // distinct experts computed (each once per op)
+    uint64_t hits;             // ... of them resident when the op began
+    uint64_t misses;           // ... read from disk by the op
+    uint64_t pin_loads;        // experts read by ls_moe_pin
+    uint64_t bytes_read;       // (misses + pin_loads) x expert_stride
+    uint64_t reads;            // read calls (adjacent experts merged)
+    uint64_t stall_ns;         // thread 0 waiting for experts to arrive
+    uint64_t compute_ns;       // thread 0 in the op, not waiting
+    uint64_t checksum_ns;      // I/O workers checking experts' CRC-32C
+    uint64_t resident;         // experts in the cache now
+    uint64_t pinned;           // ... of them pinned (the hot set)
+    uint64_t cache_slots;      // slots of the whole cache (the same in every layer's counters)
+    uint64_t direct_io;        // 1: reads bypass the page cache (O_DIRECT)
+} ls_moe_counters;
+
+LS_API void        ls_moe_params_init(ls_moe_params * p);   // the only source of defaults
+// Opens and checks every layer's expert file (LS_ERR_FORMAT / LS_ERR_CORRUPT / LS_ERR_IO naming
+// the file and layer), sizes the cache (LS_ERR_BUDGET when it holds fewer than 2 experts of the
+// largest layer) and starts the I/O workers. paths [n_layer].
+LS_API ls_status   ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_moe ** out);
+LS_API void        ls_moe_free(ls_moe * m);   // after the llama context whose graph uses it
+// LS_ERR_ARG when layer il has no expert file.
+LS_API ls_status   ls_moe_layer_info(const ls_moe * m, int32_t il, ls_moe_info * out);
+// The hot set of layer il: experts [n] (router indices) read now if absent and kept resident for
+// good, replacing the layer's previous hot set (n = 0: none). LS_ERR_BUDGET when the hot sets of
+// all layers would leave fewer than 2 slots to stream through. Between ops.
+LS_API ls_status   ls_moe_pin(ls_moe * m, int32_t il, const int32_t * experts, int32_t n);
+// The last error of an op or an I/O worker (then cleared); LS_OK if none.
+LS_API ls_status   ls_moe_take_error(ls_moe * m, char * msg, size_t msg_size);
+
+// A ggml_custom_4d node, f32 [n_embd, n_tokens]: layer il's routed experts of cur (f32 [n_embd,
+// n_tokens], rows may be strided). selected: i32 [n_used, n_tokens] router indices (a view is fine:
+// strides are used); weights: f32 [1, n_used, n_tokens] or [n_used, n_tokens] (strides used). NULL
+// (the error kept for ls_moe_take_error) when the shapes do not fit the expert file. The node
+// keeps a pointer to moe: free the context's graph before the ls_moe.
+LS_API struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml_tensor * cur,
+                                         struct ggml_tensor * selected, struct ggml_tensor * weights,
+                                         int32_t il, void * moe);
+// The same op outside a graph, on n_threads threads of its own: x [n_tokens, n_embd], ids and
+// weights [n_tokens, n_used], y [n_tokens, n_embd] (all contiguous). Returns the op's error, if any.
+LS_API ls_status   ls_moe_eval(ls_moe * m, int32_t il, const float * x, int64_t n_tokens, const int32_t * ids,
+                               const float * weights, int32_t n_used, float * y, int32_t n_threads);
+
+LS_API ls_status   ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out);
+LS_API void        ls_moe_reset_stats(ls_moe * m);
 
 // ---- testing -----------------------------------------------------------------------------
 // Test hooks of one engine (ls_engine_params.test_hooks; the library holds no test state of its

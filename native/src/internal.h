@@ -472,4 +472,137 @@ static inline const uint8_t * ls_block_dn(const ls_layer * L, const uint8_t * bl
 // recorded) on a mismatch.
 bool        ls_block_verify(ls_engine * e, ls_layer * L, int32_t b, const uint8_t * blk);
 
+
+// ---- mixture of experts (moe.c, moe_io.c; the ABI: ls_moe_* in leanstream.h) -------------------
+// A separate engine object from ls_engine: expert files, a cache of expert slots shared by all
+// layers, its own I/O workers and error slot. Files in the layering of the list above:
+//   moe.c     ls_moe_create/free, the expert cache (hot set + LRU), the op, its ggml node, eval,
+//             counters                                   -> moe_io.c kernels.c cpu.c util.c
+//   moe_io.c  expert files (header checked as hostile), the O_DIRECT read workers, the CRC check
+//             after each read, the error slot            -> checksum.c cpu.c util.c
+
+// Per-layer counters of the MoE op: each a field of ls_moe_counters of the same name.
+#define LS_MOE_COUNTERS(X) \
+    X(op_calls) X(tokens) X(routed) X(experts) X(hits) X(misses) X(pin_loads) X(bytes_read) X(reads) \
+    X(stall_ns) X(compute_ns) X(checksum_ns)
+typedef struct ls_moe_layer_counters { LS_MOE_COUNTERS(LS_COUNTER_FIELD) } ls_moe_layer_counters;
+
+struct ls_moe;
+
+typedef struct ls_moe_layer {
+    struct ls_moe *    m;
+    int32_t            il;
+    int                fd;               // -1: this layer has no expert file
+    char *             path;
+    ls_moe_info        info;
+    uint64_t           gate_bytes, up_bytes, down_bytes;   // of one expert's rows
+    uint64_t           data_offset;      // file offset of slot 0
+    uint32_t           align;
+    int32_t *          expert_of_slot;   // [n_expert] the file's table: the router index in file slot s
+    int32_t *          slot_of_expert;   // [n_expert] its inverse
+    uint32_t *         slot_crc;         // [n_expert] CRC-32C of file slot s's expert_stride bytes
+    int32_t *          cslot;            // [n_expert] cache slot holding expert e, -1: none
+    _Atomic int32_t *  state;            // [n_expert] LS_BLK_* of expert e (LOADING only inside an op or a pin)
+    uint8_t *          hot;              // [n_expert] 1: pinned for good (ls_moe_pin)
+    ls_moe_layer_counters    stats;
+} ls_moe_layer;
+
+// One read: experts in adjacent file slots into their cache slots. Each expert's CRC is checked
+// by the worker, then its state and its flag (the op's entry, or the pin's) set with a release
+// store and the sleepers woken.
+#define LS_MOE_MAX_IOV 64
+typedef struct ls_moe_read {
+    ls_moe_layer *    L;
+    uint64_t          offset;
+    int32_t           n;
+    int32_t           expert[LS_MOE_MAX_IOV];
+    _Atomic int32_t * flag[LS_MOE_MAX_IOV];   // set to LS_BLK_READY / LS_BLK_FAILED when done
+    struct iovec      iov[LS_MOE_MAX_IOV];
+} ls_moe_read;
+
+typedef struct ls_moe_io {
+    pthread_t *      threads;
+    int              n_threads;
+    pthread_mutex_t  mu;
+    pthread_cond_t   cv;
+    ls_moe_read *    queue;              // ring of cap reads
+    int32_t          cap, max_cap, head, count;
+    bool             stop;
+    _Atomic int64_t  fault_countdown;    // test hooks: the read that fails
+} ls_moe_io;
+
+// The op's state (moe.c): thread 0 writes it before the barriers, every thread reads it.
+// Entry i = the i-th distinct expert of the batch in compute order (resident ones first, then the
+// missing ones by file slot: the order their reads are queued in).
+typedef struct ls_moe_plan {
+    ls_moe_layer *    L;
+    int64_t           n_tokens;
+    int32_t           n_used;
+    int               nth;
+    const float *     x;                 // [n_tokens] rows of x_stride bytes
+    size_t            x_stride;
+    int32_t           n_entries, n_hits; // entries [0, n_hits) were resident
+    int32_t *         entry_expert;      // [n_expert]
+    int32_t *         entry_pair0;       // [n_expert + 1] entry i's pairs: pairs[entry_pair0[i], entry_pair0[i + 1])
+    int32_t *         pairs;             // [n_tokens * n_used] pair index t * n_used + k, by entry, t ascending
+    int32_t *         pair_entry;        // [n_tokens * n_used] entry of pair (t, k), -1: no valid expert
+    float *           pair_w;            // [n_tokens * n_used] the router weight of pair (t, k)
+    _Atomic int32_t * entry_state;       // [n_expert] 0 while pending, then LS_BLK_READY / LS_BLK_FAILED
+    _Atomic int32_t ** entry_flag;       // [n_expert] &entry_state[i]: the flag each read sets
+    int32_t *         entry_of;          // [n_expert] scratch (planning): expert -> entry
+    int32_t           next_read;         // thread 0: entries [0, next_read) have a slot
+    bool              starved;           // no slot could be had: the entries after next_read failed
+    int32_t           max_pairs;         // the most pairs of one entry
+    uint8_t *         xq;                // [n_tokens] x rows in gate's vec_dot_type, then [n_tokens] in up's
+    size_t            xq_gate_row, xq_up_row;   // bytes of one quantized x row (xq_up_row 0: up shares gate's)
+    float *           h;                 // [max_pairs][n_ff_exp] act(gate . x) * (up . x)
+    uint8_t *         hq[2];             // [max_pairs][hq_row] h in down's vec_dot_type, by entry parity
+    size_t            hq_row;
+    float *           out;               // [n_tokens * n_used][n_embd] p_k of pair (t, k)
+    int64_t           ff_blk;            // threads split an expert's n_ff_exp rows in multiples of this
+    size_t            xq_cap, h_cap, hq_cap[2], out_cap;   // elements grown (ls_grow)
+    size_t            pair_cap, entry_cap;
+    uint64_t          stall_ns;          // thread 0's wait this op
+} ls_moe_plan;
+
+struct ls_moe {
+    ls_moe_params    params;             // defaults resolved; test_hooks copied into hooks
+    ls_test_hooks    hooks;
+    int32_t          n_layer;
+    ls_moe_layer *   layers;
+    bool             direct_io;
+    // the cache: n_slots slots of stride bytes in one pool; slot s holds (slot_layer, slot_expert)
+    uint8_t *        pool;               // [n_slots][stride], aligned for O_DIRECT inside pool_map
+    void *           pool_map;
+    size_t           pool_map_bytes;
+    uint64_t         stride;
+    int32_t          n_slots, n_free, n_hot;
+    int32_t *        slot_layer, * slot_expert, * slot_pins;   // [n_slots]; layer -1: free
+    int32_t *        free_list;          // [n_slots] stack of free slots
+    int32_t *        lru_prev, * lru_next; // [n_slots] evictable slots (resident, unpinned, not hot), head = LRU
+    int32_t          lru_head, lru_tail;
+    ls_moe_io        io;
+    ls_moe_plan      plan;
+    ls_barrier       barrier;
+    _Atomic int32_t  sleepers;           // threads asleep on an expert's flag
+    pthread_mutex_t  op_mu;              // one op (or pin, or stats reset) at a time
+    pthread_mutex_t  err_mu;
+    ls_status        err_status;
+    char             err_msg[LS_MAX_ERRMSG];
+};
+
+// moe_io.c
+// The first error since the last ls_moe_take_error is kept (later ones are usually consequences).
+void        ls_moe_record_error(struct ls_moe * m, ls_status st, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
+// Layer il's expert file opened and checked into L (info, tables, the data descriptor); *direct_io
+// cleared when the file system refuses O_DIRECT.
+ls_status   ls_moe_file_open(ls_moe_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io);
+void        ls_moe_file_close(ls_moe_layer * L);
+ls_status   ls_moe_io_start(struct ls_moe * m, int n_threads);
+void        ls_moe_io_stop(struct ls_moe * m);
+// Queue the reads of experts [n] of layer L (cache slots assigned, states LOADING; flags[i]: set
+// when expert i is done), merging adjacent file slots up to max_read_bytes; in the order given.
+void        ls_moe_io_submit(struct ls_moe * m, ls_moe_layer * L, const int32_t * experts, _Atomic int32_t * const * flags,
+                             int32_t n);
+
 #endif // LS_INTERNAL_H

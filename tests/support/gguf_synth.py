@@ -1,4 +1,4 @@
-"""Tiny synthetic GGUFs of the dense architectures leanstream converts, for tests, written with gguf-py.
+"""Tiny synthetic GGUFs of the architectures leanstream converts, for tests, written with gguf-py.
 
     from gguf_synth import write_tiny_model     # from any test (tests/conftest.py puts tests/support/ on sys.path)
     w = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", n_layer=2, n_embd=64, n_ff=96,
@@ -17,12 +17,34 @@ loads (src/models/<arch>.cpp, load_arch_tensors / load_arch_hparams):
     gemma2    llama + post_attention_norm, post_ffw_norm, output tied to token_embd, attention
               and final logit soft-capping, a sliding window
     gemma3    gemma2 + attn_q_norm/attn_k_norm per head, no soft-capping, a sliding window of 512
-    qwen2moe, qwen3moe: qwen2 / qwen3 with ``moe_experts`` experts (refusal tests)
+
+Mixture-of-experts layouts (``moe_experts=E`` experts of ``n_ff`` neurons each, ``moe_used``
+routed per token, default min(2, E)), each as llama.cpp's loader and graph take it
+(src/models/{qwen3moe,qwen2moe,olmoe,llama}.cpp: build_moe_ffn, softmax gating):
+
+    qwen3moe  qwen3's attention; ffn_norm, ffn_gate_inp [E, n_embd] (F32, as llama-quantize
+              leaves it), ffn_{gate,up,down}_exps [E, n_ff, n_embd] / [E, n_embd, n_ff];
+              qwen3moe.expert_feed_forward_length; the chosen experts' weights normalized
+    qwen2moe  qwen2's attention (biases); the routed experts as qwen3moe's, unnormalized, plus a
+              shared expert ffn_{gate,up,down}_shexp of ``n_ff_shexp`` neurons (default n_ff) and
+              its sigmoid gate ffn_gate_inp_shexp [n_embd]; expert_shared_feed_forward_length
+    olmoe     attn_q_norm / attn_k_norm over the whole projection ([n_embd]; no grouped-query
+              attention: n_head_kv is n_head), the routed experts unnormalized
+    llama     with ``moe_experts``: Mixtral's layout (llama.expert_count; feed_forward_length is
+              one expert's size), normalized
+    qwen2     with ``moe_experts``: the same layout under "qwen2" (a converter case only: stock
+              llama.cpp's qwen2 graph has no experts and does not load it)
+
+The router's rows are normal with standard deviation ``scales["router"]`` (default 2 / sqrt(n_embd):
+router logits of spread ~2 on the normed FFN input) times a factor per expert from 0.5 to 1.5, so
+that routing is neither uniform nor always the same experts, and some experts are chosen more
+often than others.
 
 The files load in llama.cpp (checked with llama-cpp-python 0.3.36, the project's patched build:
 each architecture loads, tokenizes and decodes; the files are plain GGUFs, nothing patch-specific;
 tests/unit/test_converter.py::test_llama_cpp_loads_source_and_base and tests/e2e/test_archs.py
-keep it so). Each carries a byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
+keep it so; for the MoE layouts tests/unit/test_moe_convert.py, which also checks that their
+experts decide the next token and that routing spreads). Each carries a byte-level "gpt2" BPE vocabulary (256 byte tokens, a few merges and
 the control tokens <|endoftext|>, <|im_start|>, <|im_end|>) and the hyperparameters llama.cpp
 requires. Weights are random (a model that says nothing sensible, deterministically per seed):
 normal with the standard deviation ``scales`` gives per role ("embd", "attn", "ffn", "output";
@@ -33,14 +55,16 @@ the tokens): the tests that compare logits use it.
 
 Types: ``types`` maps a role to a ggml type name (or gguf.GGMLQuantizationType):
 "ffn" (gate, up, down together) or "gate" / "up" / "down" one at a time, each either a type or a
-list with one type per layer; "attn" (q, k, v, output), "embd" (token_embd), "output" (norms and biases are F32).
+list with one type per layer (an MoE layer's experts and shared expert take them too); "attn" (q, k,
+v, output), "embd" (token_embd), "output" (norms, biases and the router are F32).
 Types gguf-py can quantize (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quantized from random
 normal weights; K-quants (Q2_K .. Q6_K) are random bytes with sane f16 super-block scales.
 K-quants need rows that are multiples of 256 values (n_embd, and n_ff for ffn_down).
 
-Variants for malformed-input tests: ``moe_experts=E`` writes a mixture-of-experts FFN
-(ffn_gate_inp, ffn_{gate,up,down}_exps) instead of the dense one; ``gated=False`` leaves out
-ffn_gate (a non-gated FFN). ``alignment`` sets general.alignment (tensor data alignment, default 32).
+Variants for malformed-input tests: ``gated=False`` leaves out ffn_gate (a non-gated FFN);
+``fused_gate_up_exps=True`` writes an MoE layer's gate and up experts as one ffn_gate_up_exps
+(stock llama.cpp loads that only for a few families). ``alignment`` sets general.alignment
+(tensor data alignment, default 32).
 Variants of the llama architecture as other models ship it: ``tied_output=True`` writes no
 output.weight (the output is token_embd: Llama 3.2 1B / 3B), ``rope_freqs=True`` a top-level
 rope_freqs.weight (Llama 3.1's rope scaling factors, [head_dim / 2]), ``head_dim`` heads of
@@ -61,6 +85,7 @@ DEFAULT_TYPES = {"ffn": "Q4_0", "attn": "F16", "embd": "F16", "output": "F16"}
 # the post-norms (olmo2, gemma2, gemma3), i.e. the size of what the attention and the FFN add to
 # the residual
 DEFAULT_SCALES = {"embd": 0.5, "attn": 0.05, "ffn": 0.05, "output": 0.05, "post_norm": 1.0}
+# (and "router": the MoE router's rows, 2 / sqrt(n_embd) unless given)
 # scales="peaked": the largest logit some units above the rest, the FFN's output as large as the
 # residual stream's (a wrong FFN shows in the logits); granite divides its logits by 8, multiplies
 # the embeddings by 12 and the FFN's output by 0.22; gemma's output matrix is its (tied) embedding,
@@ -69,7 +94,8 @@ PEAKED = {"ffn": 0.15, "output": 0.6, "post_norm": 4.0}
 PEAKED_ARCH = {"granite": {"embd": 0.05, "ffn": 0.25, "output": 4.8}, "gemma2": {"post_norm": 12.0},
                "gemma3": {"post_norm": 12.0}}
 
-ARCHS = ("llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
+MOE_ARCHS = ("qwen2moe", "qwen3moe", "olmoe")          # (llama and qwen2 take moe_experts too: Mixtral's layout)
 # granite's multipliers as Granite 3 ships them (granite.*; llama.cpp's granite graph applies them)
 GRANITE_SCALES = {"embedding_scale": 12.0, "residual_scale": 0.22, "logit_scale": 8.0}
 
@@ -136,21 +162,32 @@ def _weights(rng: np.random.Generator, qtype: T, rows: int, cols: int, scale: fl
 def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int = 2, n_embd: int = 64,
                      n_ff: int = 96, types: dict[str, Any] | None = None, seed: int = 0, *,
                      n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_ctx: int = 256,
-                     moe_experts: int = 0, gated: bool = True, extra_kv: dict[str, Any] | None = None,
+                     moe_experts: int = 0, moe_used: int | None = None, n_ff_shexp: int | None = None,
+                     fused_gate_up_exps: bool = False, gated: bool = True, extra_kv: dict[str, Any] | None = None,
                      alignment: int | None = None, scales: dict[str, float] | str | None = None,
                      tied_output: bool = False, rope_freqs: bool = False) -> dict[str, np.ndarray]:
     """Write a tiny random model GGUF at ``path``; returns {tensor name: float32 values as stored},
-    each shaped [ne1, ne0] (numpy order: rows, row length) or [ne0] for vectors. ``head_dim``:
-    the attention heads' size (default n_embd // n_head; qwen3 and gemma2 models often differ)."""
+    each shaped [ne1, ne0] (numpy order: rows, row length) or [ne0] for vectors, an expert tensor
+    [n_expert, ne1, ne0]. ``head_dim``: the attention heads' size (default n_embd // n_head; qwen3
+    and gemma2 models often differ)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-    if arch.endswith("moe") and not moe_experts:
+    if arch in MOE_ARCHS and not moe_experts:
         raise ValueError(f"{arch} needs moe_experts")
+    if moe_experts and arch not in MOE_ARCHS + ("llama", "qwen2"):
+        raise ValueError(f"moe_experts: {arch} has no mixture-of-experts layout here")
+    moe_used = min(2, moe_experts) if moe_used is None else moe_used
+    if moe_experts and not 0 < moe_used <= moe_experts:
+        raise ValueError(f"moe_used must be in 1..{moe_experts}, got {moe_used}")
+    if arch == "olmoe":
+        n_head_kv = n_head     # its k norm has n_embd weights: one per value of every head
+    if arch == "qwen2moe":
+        n_ff_shexp = n_ff_shexp or n_ff
     ty = dict(DEFAULT_TYPES)
     ty.update(types or {})
     for role in ("gate", "up", "down"):
         ty.setdefault(role, ty["ffn"])
-    layout = {"qwen2moe": "qwen2", "qwen3moe": "qwen3"}.get(arch, arch)
+    layout = {"qwen2moe": "qwen2", "qwen3moe": "qwen3"}.get(arch, arch)    # the attention's layout
     sc = dict(DEFAULT_SCALES)
     if scales == "peaked":
         sc.update({**PEAKED, **PEAKED_ARCH.get(layout, {})})
@@ -160,6 +197,7 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
             sc["embd"] = sc["output"]
     else:
         sc.update(scales or {})
+    sc.setdefault("router", 2.0 / n_embd ** 0.5)
 
     def ffn_type(role: str, il: int) -> T:
         t = ty[role]
@@ -194,7 +232,11 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
     w.add_file_type(1)  # mostly F16; informational
     if moe_experts:
         w.add_expert_count(moe_experts)
-        w.add_expert_used_count(min(2, moe_experts))
+        w.add_expert_used_count(moe_used)
+        if arch in ("qwen2moe", "qwen3moe"):      # (olmoe and Mixtral: feed_forward_length is an expert's)
+            w.add_expert_feed_forward_length(n_ff)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(n_ff_shexp)
     if layout == "granite":
         w.add_embedding_scale(GRANITE_SCALES["embedding_scale"])
         w.add_residual_scale(GRANITE_SCALES["residual_scale"])
@@ -233,10 +275,33 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
         w.add_tensor(name, stored, raw_dtype=_qtype(qtype))
         out[name] = values
 
-    def add_vec(name: str, n: int, value: float | None = None) -> None:
-        v = np.full(n, value, np.float32) if value is not None else (rng.standard_normal(n) * 0.02).astype(np.float32)
+    def add_vec(name: str, n: int, value: float | None = None, std: float = 0.02) -> None:
+        v = np.full(n, value, np.float32) if value is not None else (rng.standard_normal(n) * std).astype(np.float32)
         w.add_tensor(name, v)
         out[name] = v
+
+    def add_experts(name: str, qtype: T, rows: int, cols: int) -> None:
+        """[moe_experts, rows, cols]: one matrix per expert, expert e's bytes the e-th slice."""
+        stored, values = _weights(rng, qtype, moe_experts * rows, cols, sc["ffn"])
+        w.add_tensor(name, stored.reshape(moe_experts, rows, -1), raw_dtype=qtype)
+        out[name] = values.reshape(moe_experts, rows, cols)
+
+    def add_moe(p: str, il: int) -> None:
+        spread = np.linspace(0.5, 1.5, moe_experts, dtype=np.float32)[rng.permutation(moe_experts)]
+        router = (rng.standard_normal((moe_experts, n_embd)) * sc["router"]).astype(np.float32) * spread[:, None]
+        w.add_tensor(p + "ffn_gate_inp.weight", router)        # F32, as llama-quantize leaves it
+        out[p + "ffn_gate_inp.weight"] = router
+        if fused_gate_up_exps:
+            add_experts(p + "ffn_gate_up_exps.weight", ffn_type("gate", il), 2 * n_ff, n_embd)
+        else:
+            add_experts(p + "ffn_gate_exps.weight", ffn_type("gate", il), n_ff, n_embd)
+            add_experts(p + "ffn_up_exps.weight", ffn_type("up", il), n_ff, n_embd)
+        add_experts(p + "ffn_down_exps.weight", ffn_type("down", il), n_embd, n_ff)
+        if arch == "qwen2moe":      # the shared expert and its gate (sigmoid of one dot product)
+            add_vec(p + "ffn_gate_inp_shexp.weight", n_embd, std=sc["router"])
+            add(p + "ffn_gate_shexp.weight", ffn_type("gate", il), n_ff_shexp, n_embd, sc["ffn"])
+            add(p + "ffn_up_shexp.weight", ffn_type("up", il), n_ff_shexp, n_embd, sc["ffn"])
+            add(p + "ffn_down_shexp.weight", ffn_type("down", il), n_embd, n_ff_shexp, sc["ffn"])
 
     post_norms = layout in ("olmo2", "gemma2", "gemma3")   # norms of the attention's and the FFN's outputs
     pre_norms = layout != "olmo2"                    # olmo2 feeds the residual stream itself
@@ -260,19 +325,16 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
             add_vec(p + "attn_k.bias", n_kv)
             add_vec(p + "attn_v.bias", n_kv)
         add(p + "attn_output.weight", ty["attn"], n_embd, n_q, sc["attn"])
-        if layout in ("qwen3", "gemma3", "olmo2"):   # each head's q / k normed; olmo2: the whole projection
-            add_vec(p + "attn_q_norm.weight", n_q if layout == "olmo2" else head_dim, 1.0)
-            add_vec(p + "attn_k_norm.weight", n_kv if layout == "olmo2" else head_dim, 1.0)
+        if layout in ("qwen3", "gemma3", "olmo2", "olmoe"):   # each head's q / k normed; olmo2 / olmoe: all heads
+            whole = layout in ("olmo2", "olmoe")
+            add_vec(p + "attn_q_norm.weight", n_q if whole else head_dim, 1.0)
+            add_vec(p + "attn_k_norm.weight", n_kv if whole else head_dim, 1.0)
         if post_norms:
             add_vec(p + "post_attention_norm.weight", n_embd, sc["post_norm"])
         if pre_norms:
             add_vec(p + "ffn_norm.weight", n_embd, 1.0)
         if moe_experts:
-            add(p + "ffn_gate_inp.weight", "F32", moe_experts, n_embd, sc["ffn"])
-            for role, rows, cols in (("gate", n_ff, n_embd), ("up", n_ff, n_embd), ("down", n_embd, n_ff)):
-                e = (rng.standard_normal((moe_experts, rows, cols)) * sc["ffn"]).astype(np.float16)
-                w.add_tensor(p + f"ffn_{role}_exps.weight", e)
-                out[p + f"ffn_{role}_exps.weight"] = e.astype(np.float32)
+            add_moe(p, il)
             continue
         if layout == "phi3":   # one matrix: gate rows, then up rows (ggml_swiglu's halves)
             add(p + "ffn_up.weight", ffn_type("up", il), 2 * n_ff, n_embd, sc["ffn"])

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from converters import blockfile
-from converters.train.export import unpack_signs
+from leanstream_convert import blockfile
+from leanstream_convert.train.export import unpack_signs
 
 
 @dataclass
@@ -229,3 +229,48 @@ def reference_eval(params: dict, x: np.ndarray, *, tau: int, n_tables: int) -> n
         y = np.where(acc >= 0, 1.0, -1.0)
     dot = (y @ unpack_signs(params["head_w"], n_bits).T).astype(f32)
     return (dot * params["head_a"]) + params["head_c"]
+
+
+# ---- the MoE op (native/src/moe.c) ------------------------------------------------------------------
+
+def load_expert(path, h: dict, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Router expert e of an expert file (h: its read_expert_header) dequantized with gguf-py:
+    gate [n_ff_exp, n_embd], up [n_ff_exp, n_embd], down [n_embd, n_ff_exp] (ggml's row layout), f64."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    s = int(np.flatnonzero(h["expert_of_slot"] == e)[0])
+    raw = np.fromfile(path, dtype=np.uint8, count=h["expert_stride"], offset=h["data_offset"] + s * h["expert_stride"])
+    g, u, d = h["gate_bytes"], h["up_bytes"], h["down_bytes"]
+    n_embd, n_ff = h["n_embd"], h["n_ff_exp"]
+    gate = dequantize(raw[:g].reshape(n_ff, -1), Q(h["gate_type"])).reshape(n_ff, n_embd)
+    up = dequantize(raw[g:g + u].reshape(n_ff, -1), Q(h["up_type"])).reshape(n_ff, n_embd)
+    down = dequantize(raw[g + u:g + u + d].reshape(n_embd, -1), Q(h["down_type"])).reshape(n_embd, n_ff)
+    return gate.astype(np.float64), up.astype(np.float64), down.astype(np.float64)
+
+
+def moe_reference(path, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, *, activation: str = "silu") -> np.ndarray:
+    """y [n_tokens, n_embd] of llama.cpp's build_moe_ffn (separate gate and up experts) over an
+    expert file: for each token t and k, e = ids[t, k]: h = act(gate_e . x~) * (up_e . x~),
+    p_k = weights[t, k] * down_e . h~, y_t = sum_k p_k; x~ and h~ rounded as ggml rounds a matmul's
+    activations (round_like_ggml: the weight type's vec_dot_type), in float64."""
+    from leanstream_ggml.blockfile import read_expert_header
+
+    h = read_expert_header(path)
+    x = np.atleast_2d(np.asarray(x, np.float32))
+    ids = np.asarray(ids).reshape(x.shape[0], -1)
+    weights = np.asarray(weights, np.float64).reshape(ids.shape)
+    xg = round_like_ggml(x, h["gate_type"]).astype(np.float64)
+    xu = round_like_ggml(x, h["up_type"]).astype(np.float64)
+    y = np.zeros((x.shape[0], h["n_embd"]))
+    cache = {}
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e not in cache:
+                cache[e] = load_expert(path, h, e)
+            gate, up, down = cache[e]
+            hv = act(gate @ xg[t], activation) * (up @ xu[t])
+            hq = round_like_ggml(hv.astype(np.float32), h["down_type"]).astype(np.float64)
+            y[t] += weights[t, k] * (down @ hq)
+    return y

@@ -1,8 +1,10 @@
-"""What the converter refuses, by architecture, and says so naming it: mixture-of-experts models
-(qwen2moe, qwen3moe, a llama with experts), architectures whose FFN is not gated (gpt2,
-starcoder, phi2: not in the activation table), a gated architecture's file without ffn_gate, and
-a phi3 whose ffn_up is not the fused [2 n_ff, n_embd] its llama.cpp graph splits. The dense
-architectures it converts are run against stock llama.cpp in tests/e2e/test_archs.py."""
+"""What the converter refuses, by architecture, and says so naming it: mixture-of-experts families
+it does not convert yet (deepseek2, gpt-oss, glm4moe, llama4; qwen3moe, qwen2moe, olmoe and
+Mixtral-style llama / qwen2 convert: tests/unit/test_moe_convert.py), architectures whose FFN is
+not gated (gpt2, starcoder, phi2: not in the activation table), a gated architecture's file
+without ffn_gate, and a phi3 whose ffn_up is not the fused [2 n_ff, n_embd] its llama.cpp graph
+splits. The dense architectures it converts are run against stock llama.cpp in
+tests/e2e/test_archs.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import pytest
 from gguf_synth import write_tiny_model
 from reference import load_layer
 
-from converters import ConvertError, convert
-from converters.convert_gguf import FUSED_GATE_UP
+from leanstream_convert import ConvertError, convert
+from leanstream_convert.convert_gguf import FUSED_GATE_UP
 from leanstream_ggml import manifest as mf
 
 
@@ -21,24 +23,38 @@ def _convert(src, tmp_path):
     return convert(src, tmp_path / "o", progress=False, sketch="none")
 
 
-@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
-def test_moe_refused_naming_the_architecture(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["deepseek2", "gpt-oss", "glm4moe", "llama4"])
+def test_moe_families_not_done_yet_are_refused_naming_them(tmp_path, arch):
     src = tmp_path / f"{arch}.gguf"
-    write_tiny_model(src, arch=arch, moe_experts=4)
-    with pytest.raises(ConvertError, match=rf"a mixture-of-experts model \({arch}\); leanstream convert supports "
-                                           r"dense gated-FFN models only \(llama, qwen2, qwen3, phi3"):
+    _header(src, arch, {"blk.0.ffn_gate_inp.weight": (4, 32), "blk.0.ffn_gate_exps.weight": (4, 64, 32),
+                        "blk.0.ffn_up_exps.weight": (4, 64, 32), "blk.0.ffn_down_exps.weight": (4, 32, 64)},
+            n_expert=4)
+    with pytest.raises(ConvertError, match=rf"a mixture-of-experts model \({arch}\) that leanstream does not convert "
+                                           r"yet; supported: qwen3moe, qwen2moe, olmoe, Mixtral-style llama/qwen2"):
         _convert(src, tmp_path)
     assert not (tmp_path / "o" / mf.MANIFEST_NAME).exists()
 
 
-def _header(path, arch: str, tensors: dict[str, tuple[int, int]], n_ff: int | None = None) -> None:
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe", "olmoe", "llama"])
+def test_the_moe_families_it_converts(tmp_path, arch):
+    src = tmp_path / f"{arch}.gguf"
+    write_tiny_model(src, arch=arch, moe_experts=4)
+    m = _convert(src, tmp_path)
+    assert (m.architecture, m.layers, m.moe.n_expert, m.moe.shared_expert) == (arch, [], 4, arch == "qwen2moe")
+
+
+def _header(path, arch: str, tensors: dict[str, tuple[int, ...]], n_ff: int | None = None,
+            n_expert: int = 0) -> None:
     """A minimal GGUF of architecture ``arch``: one layer of n_embd 32, the given FFN tensors
-    (name -> rows, row length) in F32."""
+    (name -> numpy shape: [experts,] rows, row length) in F32; ``n_expert``: an expert count."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(1)
     w.add_embedding_length(32)
     if n_ff is not None:
         w.add_feed_forward_length(n_ff)
+    if n_expert:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(2)
     for name, shape in tensors.items():
         w.add_tensor(name, np.zeros(shape, np.float32))
     w.write_header_to_file()

@@ -1,0 +1,801 @@
+// moe.c — the mixture-of-experts op: a layer's routed experts computed from expert files
+// (docs/formats.md "Expert file"), exactly as llama.cpp's build_moe_ffn computes them with
+// separate gate and up experts:
+//
+//   for token t, k < n_used, e = selected[k, t], w = weights[k, t]:
+//     x~    = x_t quantized to gate's (and up's) vec_dot_type     (from_float, once per token)
+//     h     = act(gate_e . x~) * (up_e . x~)                       [n_ff_exp] f32 (vec_dot per row)
+//     h~    = h quantized to down's vec_dot_type
+//     p_k   = (down_e . h~) * w                                     [n_embd]   (vec_dot per row)
+//   y_t = ((p_0 + p_1) + p_2) + ...                                 in k order, as llama.cpp adds them
+//
+// Every product p_k is kept until all are done and the sum is taken in k order at the end, so the
+// output depends neither on the thread count nor on when reads land.
+//
+// Work: the batch's distinct experts ("entries") are computed one after another by all threads
+// together: each thread its part of (block of down's vec_dot_type of n_ff_exp) x (pair) items of
+// gate/up rows, quantizing its own items' h~ (no second barrier; gate_up_part cuts finer, with
+// one, when there are fewer items than threads), one barrier, then its part of the n_embd down
+// rows. h~ alternates between two buffers by entry parity: a thread writing entry i + 1's h~ has
+// passed the barrier that every thread reaches only after finishing entry i - 1's down rows.
+//
+// Cache: slots of one stride (the largest layer's expert) in one pool for all layers. A layer's
+// hot set (ls_moe_pin) stays resident; every other resident expert is evictable, least recently
+// used first (pick_victim: the whole policy). An op pins the batch's resident experts (hits) and
+// computes them first while the missing ones (misses) are read, in file-slot order (adjacent
+// slots merge into one read; co-activation placement makes that common). Misses take slots while
+// there are any to take; after each entry's barrier thread 0 lets the previous entry go and gives
+// slots to the next misses, so a batch larger than the cache streams through it in waves: 2 slots
+// free of the hot set suffice (one computed while the next one loads).
+
+#include "internal.h"
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+void ls_moe_params_init(ls_moe_params * p) {
+    memset(p, 0, sizeof(*p));
+    p->n_io_threads = 8;
+    p->max_read_bytes = 1u << 20;
+    p->verify_checksums = 1;
+    p->activation = LS_ACT_SILU;
+}
+
+// ---- the cache -------------------------------------------------------------------------------------
+// A slot is free (slot_layer -1), or holds an expert: pinned (slot_pins > 0: an op computes it or a
+// read fills it), hot, or in the LRU list (lru_prev == -2 marks a slot outside the list).
+
+static bool slot_hot(const ls_moe * m, int32_t s) { return m->layers[m->slot_layer[s]].hot[m->slot_expert[s]] != 0; }
+
+static void lru_remove(ls_moe * m, int32_t s) {
+    if (m->lru_prev[s] == -2) return;
+    const int32_t p = m->lru_prev[s], n = m->lru_next[s];
+    if (p >= 0) m->lru_next[p] = n; else m->lru_head = n;
+    if (n >= 0) m->lru_prev[n] = p; else m->lru_tail = p;
+    m->lru_prev[s] = -2;
+    m->lru_next[s] = -1;
+}
+
+static void lru_push(ls_moe * m, int32_t s) {   // as the most recently used
+    m->lru_prev[s] = m->lru_tail;
+    m->lru_next[s] = -1;
+    if (m->lru_tail >= 0) m->lru_next[m->lru_tail] = s; else m->lru_head = s;
+    m->lru_tail = s;
+}
+
+// The eviction policy, all of it: which evictable slot gives way (-1: none). LRU now; a
+// frequency-based rule would replace this function and where lru_push ranks a released slot.
+static int32_t pick_victim(const ls_moe * m) { return m->lru_head; }
+
+static bool slot_available(const ls_moe * m) { return m->n_free > 0 || pick_victim(m) >= 0; }
+
+// A slot for expert e of L, pinned once, its state LOADING: a free one, else the victim's (-1: none)
+static int32_t slot_take(ls_moe * m, ls_moe_layer * L, int32_t e) {
+    int32_t s;
+    if (m->n_free > 0) {
+        s = m->free_list[--m->n_free];
+    } else {
+        s = pick_victim(m);
+        if (s < 0) return -1;
+        lru_remove(m, s);
+        ls_moe_layer * V = &m->layers[m->slot_layer[s]];
+        V->cslot[m->slot_expert[s]] = -1;
+        atomic_store_explicit(&V->state[m->slot_expert[s]], LS_BLK_ABSENT, memory_order_relaxed);
+    }
+    m->slot_layer[s] = L->il;
+    m->slot_expert[s] = e;
+    m->slot_pins[s] = 1;
+    L->cslot[e] = s;
+    atomic_store_explicit(&L->state[e], LS_BLK_LOADING, memory_order_relaxed);
+    return s;
+}
+
+static void slot_pin(ls_moe * m, int32_t s) {
+    if (m->slot_pins[s]++ == 0) lru_remove(m, s);
+}
+
+// One pin let go: a failed expert's slot is freed (it is read again next time), an intact one
+// that nobody pins and is not hot becomes the most recently used.
+static void slot_unpin(ls_moe * m, int32_t s) {
+    ls_moe_layer * L = &m->layers[m->slot_layer[s]];
+    const int32_t e = m->slot_expert[s];
+    if (--m->slot_pins[s] > 0) return;
+    if (atomic_load_explicit(&L->state[e], memory_order_acquire) != LS_BLK_READY) {
+        L->cslot[e] = -1;
+        atomic_store_explicit(&L->state[e], LS_BLK_ABSENT, memory_order_relaxed);
+        m->slot_layer[s] = m->slot_expert[s] = -1;
+        m->free_list[m->n_free++] = s;
+        return;
+    }
+    if (!slot_hot(m, s)) lru_push(m, s);
+}
+
+static uint8_t * slot_ptr(const ls_moe * m, int32_t s) { return m->pool + (size_t) s * m->stride; }
+
+// ---- lifetime --------------------------------------------------------------------------------------
+
+static ls_status check_params(const ls_moe_params * p, const char * const * paths) {
+    if (p->n_layer <= 0 || !paths) { ls_set_error("ls_moe_create: n_layer must be > 0 and paths given"); return LS_ERR_ARG; }
+    if (p->n_io_threads < 1 || p->n_io_threads > LS_MAX_IO_THREADS) {
+        ls_set_error("ls_moe_create: n_io_threads %d outside [1, %d]", p->n_io_threads, LS_MAX_IO_THREADS);
+        return LS_ERR_ARG;
+    }
+    if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("ls_moe_create: unknown activation %d", p->activation); return LS_ERR_ARG; }
+    if (p->max_read_bytes == 0) { ls_set_error("ls_moe_create: max_read_bytes must be > 0"); return LS_ERR_ARG; }
+    return LS_OK;
+}
+
+// The pool: n_slots slots of m->stride bytes, aligned for O_DIRECT (reserved, not committed: an
+// unlimited cache of a large model is the model's size in address space, filled as experts arrive).
+static ls_status make_cache(ls_moe * m, uint64_t total, uint64_t align) {
+    const uint64_t budget_slots = m->params.cache_bytes ? m->params.cache_bytes / m->stride : total;
+    m->n_slots = (int32_t) (budget_slots < total ? budget_slots : total);
+    if (m->n_slots < 2 && total >= 2) {
+        ls_set_error("cache_bytes %llu holds %d expert slot(s) of %llu bytes (the largest layer's expert, aligned); "
+                     "the MoE op needs at least 2 (%llu bytes): one expert computed while the next one loads",
+                     (unsigned long long) m->params.cache_bytes, m->n_slots, (unsigned long long) m->stride,
+                     (unsigned long long) (2 * m->stride));
+        return LS_ERR_BUDGET;
+    }
+    const size_t bytes = (size_t) m->n_slots * m->stride + align;
+    void * p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) { ls_set_error("cannot reserve %zu bytes for the expert cache", bytes); return LS_ERR_NOMEM; }
+    m->pool_map = p;
+    m->pool_map_bytes = bytes;
+    m->pool = (uint8_t *) (((uintptr_t) p + align - 1) & ~(uintptr_t) (align - 1));
+    const size_t n = (size_t) m->n_slots;
+    m->slot_layer = malloc(n * sizeof(int32_t));
+    m->slot_expert = malloc(n * sizeof(int32_t));
+    m->slot_pins = calloc(n, sizeof(int32_t));
+    m->free_list = malloc(n * sizeof(int32_t));
+    m->lru_prev = malloc(n * sizeof(int32_t));
+    m->lru_next = malloc(n * sizeof(int32_t));
+    if (!m->slot_layer || !m->slot_expert || !m->slot_pins || !m->free_list || !m->lru_prev || !m->lru_next) {
+        ls_set_error("out of memory");
+        return LS_ERR_NOMEM;
+    }
+    for (int32_t s = 0; s < m->n_slots; s++) {
+        m->slot_layer[s] = m->slot_expert[s] = -1;
+        m->free_list[s] = m->n_slots - 1 - s;   // slot 0 first
+        m->lru_prev[s] = -2;
+        m->lru_next[s] = -1;
+    }
+    m->n_free = m->n_slots;
+    m->lru_head = m->lru_tail = -1;
+    return LS_OK;
+}
+
+static ls_status open_layers(ls_moe * m, const char * const * paths, uint64_t * total, uint64_t * align) {
+    *total = 0;
+    *align = 4096;
+    for (int32_t il = 0; il < m->n_layer; il++) {
+        ls_moe_layer * L = &m->layers[il];
+        L->m = m;
+        L->il = il;
+        L->fd = -1;
+        if (!paths[il]) continue;
+        ls_status st = ls_moe_file_open(L, il, paths[il], !m->hooks.buffered_io, &m->direct_io);
+        if (st != LS_OK) return st;
+        *total += (uint64_t) L->info.n_expert;
+        if (L->info.expert_stride > m->stride) m->stride = L->info.expert_stride;
+        if (L->align > *align) *align = L->align;
+    }
+    if (*total == 0) { ls_set_error("ls_moe_create: no layer has an expert file"); return LS_ERR_ARG; }
+    m->stride = (m->stride + *align - 1) / *align * *align;   // every slot aligned for every layer's reads
+    return LS_OK;
+}
+
+ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_moe ** out) {
+    if (!p || !out) { ls_set_error("ls_moe_create: null argument"); return LS_ERR_ARG; }
+    *out = NULL;
+    ls_status st = check_params(p, paths);
+    if (st != LS_OK) return st;
+    ls_moe * m = calloc(1, sizeof(*m));
+    if (!m) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    m->params = *p;
+    m->params.test_hooks = NULL;
+    if (p->test_hooks) m->hooks = *p->test_hooks;
+    m->n_layer = p->n_layer;
+    m->direct_io = !m->hooks.buffered_io;
+    pthread_mutex_init(&m->op_mu, NULL);
+    pthread_mutex_init(&m->err_mu, NULL);
+    m->layers = calloc((size_t) m->n_layer, sizeof(ls_moe_layer));
+    if (!m->layers) { ls_set_error("out of memory"); free(m); return LS_ERR_NOMEM; }
+    uint64_t total = 0, align = 4096;
+    st = open_layers(m, paths, &total, &align);
+    if (st == LS_OK) st = make_cache(m, total, align);
+    if (st == LS_OK) st = ls_moe_io_start(m, m->params.n_io_threads);
+    if (st != LS_OK) {
+        char msg[LS_MAX_ERRMSG];
+        snprintf(msg, sizeof(msg), "%s", ls_errmsg());
+        ls_moe_free(m);
+        ls_set_error("%s", msg);
+        return st;
+    }
+    *out = m;
+    return LS_OK;
+}
+
+static void plan_free(ls_moe_plan * P) {
+    free(P->entry_expert); free(P->entry_pair0); free(P->pairs); free(P->pair_entry); free(P->pair_w);
+    free((void *) P->entry_state); free(P->entry_flag); free(P->entry_of); free(P->xq); free(P->h);
+    free(P->hq[0]); free(P->hq[1]); free(P->out);
+}
+
+void ls_moe_free(ls_moe * m) {
+    if (!m) return;
+    ls_moe_io_stop(m);
+    for (int32_t il = 0; il < m->n_layer && m->layers; il++) ls_moe_file_close(&m->layers[il]);
+    free(m->layers);
+    if (m->pool_map) munmap(m->pool_map, m->pool_map_bytes);
+    free(m->slot_layer); free(m->slot_expert); free(m->slot_pins); free(m->free_list); free(m->lru_prev); free(m->lru_next);
+    plan_free(&m->plan);
+    pthread_mutex_destroy(&m->op_mu);
+    pthread_mutex_destroy(&m->err_mu);
+    free(m);
+}
+
+static ls_moe_layer * layer_of(const ls_moe * m, int32_t il) {
+    if (!m || il < 0 || il >= m->n_layer || m->layers[il].fd < 0) return NULL;
+    return &m->layers[il];
+}
+
+ls_status ls_moe_layer_info(const ls_moe * m, int32_t il, ls_moe_info * out) {
+    const ls_moe_layer * L = layer_of(m, il);
+    if (!L || !out) { ls_set_error("ls_moe_layer_info: layer %d has no expert file", il); return LS_ERR_ARG; }
+    *out = L->info;
+    return LS_OK;
+}
+
+ls_status ls_moe_take_error(ls_moe * m, char * msg, size_t msg_size) {
+    if (!m) return LS_ERR_ARG;
+    pthread_mutex_lock(&m->err_mu);
+    const ls_status st = m->err_status;
+    if (msg && msg_size) snprintf(msg, msg_size, "%s", st == LS_OK ? "" : m->err_msg);
+    m->err_status = LS_OK;
+    m->err_msg[0] = 0;
+    pthread_mutex_unlock(&m->err_mu);
+    return st;
+}
+
+// ---- the hot set -------------------------------------------------------------------------------
+
+// Wait for flags[0, n) to leave 0 (reads in flight); returns how many failed.
+static int32_t wait_flags(ls_moe * m, _Atomic int32_t * flags, int32_t n) {
+    int32_t failed = 0;
+    for (int32_t i = 0; i < n; i++) {
+        ls_wait_while(&flags[i], 0, &m->sleepers);
+        failed += atomic_load_explicit(&flags[i], memory_order_acquire) != LS_BLK_READY;
+    }
+    return failed;
+}
+
+// the experts of `want` (n_want, 1 = keep) absent from the cache, each given a slot, by file slot
+static int32_t take_slots_for_pin(ls_moe * m, ls_moe_layer * L, const uint8_t * want, int32_t * load) {
+    int32_t n = 0;
+    for (int32_t s = 0; s < L->info.n_expert; s++) {
+        const int32_t e = L->expert_of_slot[s];
+        if (want[e] && L->cslot[e] < 0 && slot_take(m, L, e) >= 0) load[n++] = e;
+    }
+    return n;
+}
+
+static ls_status pin_locked(ls_moe * m, ls_moe_layer * L, const int32_t * experts, int32_t n) {
+    const int32_t ne = L->info.n_expert;
+    uint8_t * want = calloc((size_t) ne, 1);
+    int32_t * load = malloc((size_t) ne * sizeof(int32_t));
+    _Atomic int32_t * flags = calloc((size_t) ne, sizeof(*flags));
+    _Atomic int32_t ** flagp = malloc((size_t) ne * sizeof(*flagp));
+    ls_status st = LS_OK;
+    if (!want || !load || !flags || !flagp) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; goto done; }
+    int32_t n_new = 0, n_old = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] < 0 || experts[i] >= ne) { ls_set_error("ls_moe_pin: layer %d has no expert %d (it has %d)", L->il, experts[i], ne); st = LS_ERR_ARG; goto done; }
+        n_new += !want[experts[i]];
+        want[experts[i]] = 1;
+    }
+    for (int32_t e = 0; e < ne; e++) n_old += L->hot[e];
+    if (n_new > 0 && m->n_hot - n_old + n_new > m->n_slots - 2) {
+        ls_set_error("ls_moe_pin: layer %d: %d hot experts (%d in all layers) leave fewer than 2 of the cache's %d slots "
+                     "to stream the others through", L->il, n_new, m->n_hot - n_old + n_new, m->n_slots);
+        st = LS_ERR_BUDGET;
+        goto done;
+    }
+    // the old hot set let go (evictable from now on), the new one marked and taken out of the LRU
+    for (int32_t e = 0; e < ne; e++) {
+        const int32_t s = L->cslot[e];
+        if (L->hot[e] && !want[e] && s >= 0 && m->slot_pins[s] == 0) { L->hot[e] = 0; lru_push(m, s); }
+        L->hot[e] = want[e];
+        if (want[e] && s >= 0) lru_remove(m, s);
+    }
+    m->n_hot += n_new - n_old;
+    const int32_t n_load = take_slots_for_pin(m, L, want, load);
+    for (int32_t i = 0; i < n_load; i++) flagp[i] = &flags[i];
+    ls_moe_io_submit(m, L, load, flagp, n_load);
+    const int32_t failed = wait_flags(m, flags, n_load);
+    atomic_fetch_add(&L->stats.pin_loads, (uint64_t) (n_load - failed));
+    for (int32_t i = 0; i < n_load; i++) {
+        if (atomic_load(&flags[i]) != LS_BLK_READY) { L->hot[load[i]] = 0; m->n_hot--; }
+        slot_unpin(m, L->cslot[load[i]]);
+    }
+    if (failed) {
+        char msg[LS_MAX_ERRMSG];
+        st = ls_moe_take_error(m, msg, sizeof(msg));
+        if (st == LS_OK) st = LS_ERR_IO;
+        ls_set_error("ls_moe_pin: %d of layer %d's hot experts could not be loaded: %s", failed, L->il, msg);
+    }
+done:
+    free(want); free(load); free((void *) flags); free(flagp);
+    return st;
+}
+
+ls_status ls_moe_pin(ls_moe * m, int32_t il, const int32_t * experts, int32_t n) {
+    ls_moe_layer * L = layer_of(m, il);
+    if (!L || n < 0 || (n > 0 && !experts)) { ls_set_error("ls_moe_pin: bad arguments (layer %d)", il); return LS_ERR_ARG; }
+    pthread_mutex_lock(&m->op_mu);
+    const ls_status st = pin_locked(m, L, experts, n);
+    pthread_mutex_unlock(&m->op_mu);
+    return st;
+}
+
+// ---- the op: planning (thread 0) ---------------------------------------------------------------
+
+// Where the op finds its inputs: x rows, the router's choices and weights by (k, t) byte strides.
+typedef struct moe_args {
+    ls_moe_layer * L;
+    const float *  x;
+    size_t         x_stride;
+    const uint8_t * ids;
+    size_t         ids_k, ids_t;
+    const uint8_t * w;
+    size_t         w_k, w_t;
+    int32_t        n_used;
+    int64_t        n_tokens;
+    float *        y;
+    size_t         y_stride;
+} moe_args;
+
+static bool grow_plan(ls_moe_plan * P, const ls_moe_layer * L, int64_t n_pairs) {
+    const size_t ne = (size_t) L->info.n_expert + 1, np = (size_t) n_pairs;
+    size_t cap = P->entry_cap;   // the entry arrays share one capacity (each grown from it)
+    bool ok = true;
+#define GROW_E(f) do { size_t c = cap; ok = ok && ls_grow((void **) &P->f, &c, ne, sizeof(*P->f)); } while (0)
+    if (ne > P->entry_cap) { GROW_E(entry_expert); GROW_E(entry_pair0); GROW_E(entry_state); GROW_E(entry_flag); GROW_E(entry_of); }
+    if (ok && ne > P->entry_cap) P->entry_cap = ne;
+#undef GROW_E
+    cap = P->pair_cap;
+#define GROW_P(f) do { size_t c = cap; ok = ok && ls_grow((void **) &P->f, &c, np, sizeof(*P->f)); } while (0)
+    if (np > P->pair_cap) { GROW_P(pairs); GROW_P(pair_entry); GROW_P(pair_w); }
+    if (ok && np > P->pair_cap) P->pair_cap = np;
+#undef GROW_P
+    return ok;
+}
+
+// compute scratch for this batch: x~ rows, h, h~ (two), the products p
+static bool grow_compute(ls_moe_plan * P, const ls_moe_layer * L) {
+    const ls_moe_info * in = &L->info;
+    const enum ggml_type vg = ls_cpu_traits(in->gate_type)->vec_dot_type, vu = ls_cpu_traits(in->up_type)->vec_dot_type;
+    const enum ggml_type vd = ls_cpu_traits(in->down_type)->vec_dot_type;
+    P->xq_gate_row = ggml_row_size(vg, in->n_embd);
+    P->xq_up_row = vu == vg ? 0 : ggml_row_size(vu, in->n_embd);
+    P->hq_row = ggml_row_size(vd, in->n_ff_exp);
+    P->ff_blk = ggml_blck_size(vd);
+    const size_t T = (size_t) P->n_tokens, mp = (size_t) P->max_pairs;
+    return ls_grow((void **) &P->xq, &P->xq_cap, T * (P->xq_gate_row + P->xq_up_row), 1) &&
+           ls_grow((void **) &P->h, &P->h_cap, mp * (size_t) in->n_ff_exp, sizeof(float)) &&
+           ls_grow((void **) &P->hq[0], &P->hq_cap[0], mp * P->hq_row, 1) &&
+           ls_grow((void **) &P->hq[1], &P->hq_cap[1], mp * P->hq_row, 1) &&
+           ls_grow((void **) &P->out, &P->out_cap, T * (size_t) P->n_used * (size_t) in->n_embd, sizeof(float));
+}
+
+// The router's choices read into pair_entry / pair_w, the distinct experts made entries (resident
+// ones first, then the missing ones, each group by file slot) and each entry's pairs listed.
+static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
+    ls_moe_layer * L = P->L;
+    const int32_t ne = L->info.n_expert;
+    const int64_t n_pairs = a->n_tokens * a->n_used;
+    for (int32_t e = 0; e < ne; e++) P->entry_of[e] = -1;
+    int64_t bad = -1;
+    for (int64_t t = 0; t < a->n_tokens; t++) {
+        for (int32_t k = 0; k < a->n_used; k++) {
+            const int64_t p = t * a->n_used + k;
+            int32_t e;
+            float w;
+            memcpy(&e, a->ids + (size_t) t * a->ids_t + (size_t) k * a->ids_k, 4);
+            memcpy(&w, a->w + (size_t) t * a->w_t + (size_t) k * a->w_k, 4);
+            P->pair_w[p] = w;
+            if (e < 0 || e >= ne) { P->pair_entry[p] = -1; if (bad < 0) bad = p; continue; }
+            P->pair_entry[p] = e;       // the expert for now; its entry below
+            P->entry_of[e] = 0;         // used
+        }
+    }
+    if (bad >= 0) {
+        int32_t e;
+        memcpy(&e, a->ids + (size_t) (bad / a->n_used) * a->ids_t + (size_t) (bad % a->n_used) * a->ids_k, 4);
+        ls_moe_record_error(m, LS_ERR_ARG, "%s: layer %d: token %lld routes to expert %d, the layer has %d (its product is left out)",
+                            L->path, L->il, (long long) (bad / a->n_used), e, ne);
+    }
+    P->n_entries = 0;
+    for (int pass = 0; pass < 2; pass++) {          // resident first, then missing
+        for (int32_t s = 0; s < ne; s++) {
+            const int32_t e = L->expert_of_slot[s];
+            if (P->entry_of[e] != 0) continue;
+            const bool resident = L->cslot[e] >= 0 && atomic_load_explicit(&L->state[e], memory_order_acquire) == LS_BLK_READY;
+            if (resident != (pass == 0)) continue;
+            P->entry_of[e] = P->n_entries + 1;      // (1-based while marking)
+            P->entry_expert[P->n_entries++] = e;
+        }
+        if (pass == 0) P->n_hits = P->n_entries;
+    }
+    for (int32_t i = 0; i <= P->n_entries; i++) P->entry_pair0[i] = 0;
+    for (int64_t p = 0; p < n_pairs; p++) {
+        if (P->pair_entry[p] < 0) continue;
+        P->pair_entry[p] = P->entry_of[P->pair_entry[p]] - 1;
+        P->entry_pair0[P->pair_entry[p] + 1]++;
+    }
+    P->max_pairs = 1;
+    for (int32_t i = 0; i < P->n_entries; i++) {
+        const int32_t c = P->entry_pair0[i + 1];
+        if (c > P->max_pairs) P->max_pairs = c;
+        P->entry_pair0[i + 1] += P->entry_pair0[i];
+    }
+    int32_t * fill = P->entry_of;                   // reused: next free position of each entry
+    for (int32_t i = 0; i < P->n_entries; i++) fill[i] = P->entry_pair0[i];
+    for (int64_t p = 0; p < n_pairs; p++)
+        if (P->pair_entry[p] >= 0) P->pairs[fill[P->pair_entry[p]]++] = (int32_t) p;
+}
+
+// Slots for the next missing entries while any can be had, their reads queued in compute order.
+static void top_up(ls_moe * m, ls_moe_plan * P) {
+    const int32_t i0 = P->next_read;
+    while (!P->starved && P->next_read < P->n_entries && slot_available(m)) {
+        slot_take(m, P->L, P->entry_expert[P->next_read]);
+        P->next_read++;
+    }
+    if (P->next_read > i0) {
+        ls_moe_io_submit(m, P->L, P->entry_expert + i0, P->entry_flag + i0, P->next_read - i0);
+        atomic_fetch_add(&P->L->stats.misses, (uint64_t) (P->next_read - i0));
+    }
+}
+
+// After entry i's barrier (thread 0): entry i - 1 let go, slots for the next misses. Entry i + 1
+// always gets one (2 slots free of the hot set: at most entry i holds one); should it not, the
+// rest of the batch fails rather than wait for ever.
+static void next_wave(ls_moe * m, ls_moe_plan * P, int32_t i) {
+    if (i > 0 && i - 1 < P->next_read) slot_unpin(m, P->L->cslot[P->entry_expert[i - 1]]);
+    top_up(m, P);
+    if (!P->starved && i + 1 < P->n_entries && P->next_read <= i + 1) {
+        ls_moe_record_error(m, LS_ERR_BUDGET, "%s: layer %d: no cache slot for expert %d (%d slots, %d hot)",
+                            P->L->path, P->L->il, P->entry_expert[i + 1], m->n_slots, m->n_hot);
+        P->starved = true;
+        for (int32_t j = P->next_read; j < P->n_entries; j++) {
+            atomic_store_explicit(&P->entry_state[j], LS_BLK_FAILED, memory_order_seq_cst);
+            ls_wake(&P->entry_state[j], &m->sleepers);
+        }
+    }
+}
+
+static void plan_op(ls_moe * m, const moe_args * a, int nth) {
+    ls_moe_plan * P = &m->plan;
+    ls_moe_layer * L = a->L;
+    P->L = L;
+    P->n_tokens = a->n_tokens;
+    P->n_used = a->n_used;
+    P->nth = nth;
+    P->x = a->x;
+    P->x_stride = a->x_stride;
+    P->n_entries = P->n_hits = P->next_read = 0;
+    P->starved = false;
+    P->stall_ns = 0;
+    if (!grow_plan(P, L, a->n_tokens * a->n_used)) {
+        ls_moe_record_error(m, LS_ERR_NOMEM, "layer %d: out of memory planning the MoE op", L->il);
+        P->n_tokens = 0;   // nothing computed, y zeroed
+        return;
+    }
+    group_pairs(m, P, a);
+    if (!grow_compute(P, L)) {
+        ls_moe_record_error(m, LS_ERR_NOMEM, "layer %d: out of memory for the MoE op's scratch (%lld tokens)", L->il, (long long) a->n_tokens);
+        for (int64_t p = 0; p < a->n_tokens * a->n_used; p++) P->pair_entry[p] = -1;
+        P->n_entries = 0;
+        return;
+    }
+    for (int32_t i = 0; i < P->n_entries; i++) {
+        P->entry_flag[i] = &P->entry_state[i];
+        atomic_store_explicit(&P->entry_state[i], i < P->n_hits ? LS_BLK_READY : 0, memory_order_relaxed);
+        if (i < P->n_hits) slot_pin(m, L->cslot[P->entry_expert[i]]);
+    }
+    P->next_read = P->n_hits;
+    top_up(m, P);
+    atomic_fetch_add(&L->stats.hits, (uint64_t) P->n_hits);
+    atomic_fetch_add(&L->stats.experts, (uint64_t) P->n_entries);
+    atomic_fetch_add(&L->stats.routed, (uint64_t) P->entry_pair0[P->n_entries]);
+}
+
+// ---- the op: computing (every thread) ----------------------------------------------------------
+
+static void quantize_x(const ls_moe_plan * P, int ith, int nth) {
+    const ls_moe_info * in = &P->L->info;
+    const struct ggml_type_traits_cpu * vg = ls_cpu_traits(ls_cpu_traits(in->gate_type)->vec_dot_type);
+    const struct ggml_type_traits_cpu * vu = ls_cpu_traits(ls_cpu_traits(in->up_type)->vec_dot_type);
+    for (int64_t t = ith; t < P->n_tokens; t += nth) {
+        const float * xt = (const float *) ((const uint8_t *) P->x + (size_t) t * P->x_stride);
+        vg->from_float(xt, P->xq + (size_t) t * P->xq_gate_row, in->n_embd);
+        if (P->xq_up_row) vu->from_float(xt, P->xq + (size_t) P->n_tokens * P->xq_gate_row + (size_t) t * P->xq_up_row, in->n_embd);
+    }
+}
+
+// h[j][r] = act(gate_r . x~) * (up_r . x~) of entry i's pair j, rows [r0, r1)
+static void gate_up_rows(ls_moe * m, const ls_moe_plan * P, int32_t i, int32_t j0, int32_t j1, int64_t r0, int64_t r1) {
+    const ls_moe_layer * L = P->L;
+    const ls_moe_info * in = &L->info;
+    const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type), * tu = ls_cpu_traits(in->up_type);
+    const uint8_t * blk = slot_ptr(m, L->cslot[P->entry_expert[i]]);
+    const size_t rg = ggml_row_size(in->gate_type, in->n_embd), ru = ggml_row_size(in->up_type, in->n_embd);
+    const int32_t p0 = P->entry_pair0[i];
+    const uint8_t * xu0 = P->xq_up_row ? P->xq + (size_t) P->n_tokens * P->xq_gate_row : P->xq;
+    const size_t xu_row = P->xq_up_row ? P->xq_up_row : P->xq_gate_row;
+    for (int64_t r = r0; r < r1; r++) {   // a row's bytes stay in cache across the pairs
+        const uint8_t * grow = blk + (size_t) r * rg, * urow = blk + L->gate_bytes + (size_t) r * ru;
+        for (int32_t j = j0; j < j1; j++) {
+            const int64_t t = P->pairs[p0 + j] / P->n_used;
+            float g, u;
+            tg->vec_dot((int) in->n_embd, &g, 0, grow, 0, P->xq + (size_t) t * P->xq_gate_row, 0, 1);
+            tu->vec_dot((int) in->n_embd, &u, 0, urow, 0, xu0 + (size_t) t * xu_row, 0, 1);
+            P->h[(size_t) j * (size_t) in->n_ff_exp + (size_t) r] = ls_act(m->params.activation, g) * u;
+        }
+    }
+}
+
+// h~ of pair j, values [r0, r1) (whole blocks of down's vec_dot_type: the bytes a whole-row
+// from_float gives, so any cut gives the same h~)
+static void quantize_h(const ls_moe_plan * P, uint8_t * hq, int32_t j, int64_t r0, int64_t r1) {
+    const ls_moe_info * in = &P->L->info;
+    const enum ggml_type vd = ls_cpu_traits(in->down_type)->vec_dot_type;
+    ls_cpu_traits(vd)->from_float(P->h + (size_t) j * (size_t) in->n_ff_exp + (size_t) r0,
+                                  hq + (size_t) j * P->hq_row + ggml_row_size(vd, r0), r1 - r0);
+}
+
+// h and h~ of entry i's pairs (h~ into hq). The work is cut into items (a block of ff_blk neurons
+// for one pair: its h~ bytes are that item's alone), each thread a contiguous run of them, chunk
+// by chunk so that a chunk's rows are reused across pairs. When the items do not share out evenly
+// (decode of a K-quant expert: n_ff_exp / 256 items, 3 for 768 neurons) the rows are cut finer
+// instead and h~ made after a barrier: a decision every thread takes alike (shapes only).
+static void gate_up_part(ls_moe * m, const ls_moe_plan * P, int32_t i, uint8_t * hq, int ith, int nth) {
+    const int64_t n_ff = P->L->info.n_ff_exp, n_chunks = n_ff / P->ff_blk;
+    const int32_t np = P->entry_pair0[i + 1] - P->entry_pair0[i];
+    const int64_t n_items = n_chunks * np;
+    if (n_items % nth == 0 || n_items >= 4 * nth) {   // items share out evenly enough
+        const int64_t lo = n_items * ith / nth, hi = n_items * (ith + 1) / nth;
+        for (int64_t c = lo / np; c * np < hi; c++) {   // the run's pairs of chunk c together
+            const int32_t j0 = (int32_t) (lo > c * np ? lo - c * np : 0);
+            const int32_t j1 = (int32_t) (hi < (c + 1) * np ? hi - c * np : np);
+            gate_up_rows(m, P, i, j0, j1, c * P->ff_blk, (c + 1) * P->ff_blk);
+            for (int32_t j = j0; j < j1; j++) quantize_h(P, hq, j, c * P->ff_blk, (c + 1) * P->ff_blk);
+        }
+        return;
+    }
+    gate_up_rows(m, P, i, 0, np, n_ff * ith / nth, n_ff * (ith + 1) / nth);
+    ls_barrier_wait(&m->barrier, nth);
+    for (int64_t it = ith; it < n_items; it += nth)
+        quantize_h(P, hq, (int32_t) (it % np), it / np * P->ff_blk, (it / np + 1) * P->ff_blk);
+}
+
+// p of entry i's pairs for this thread's output rows
+static void down_part(ls_moe * m, const ls_moe_plan * P, int32_t i, const uint8_t * hq, int ith, int nth) {
+    const ls_moe_layer * L = P->L;
+    const ls_moe_info * in = &L->info;
+    const struct ggml_type_traits_cpu * td = ls_cpu_traits(in->down_type);
+    const uint8_t * dn = slot_ptr(m, L->cslot[P->entry_expert[i]]) + L->gate_bytes + L->up_bytes;
+    const size_t rd = ggml_row_size(in->down_type, in->n_ff_exp);
+    const int32_t p0 = P->entry_pair0[i], np = P->entry_pair0[i + 1] - p0;
+    const int64_t c0 = in->n_embd * ith / nth, c1 = in->n_embd * (ith + 1) / nth;
+    for (int64_t c = c0; c < c1; c++) {
+        for (int32_t j = 0; j < np; j++) {
+            const int32_t p = P->pairs[p0 + j];
+            float v;
+            td->vec_dot((int) in->n_ff_exp, &v, 0, dn + (size_t) c * rd, 0, hq + (size_t) j * P->hq_row, 0, 1);
+            P->out[(size_t) p * (size_t) in->n_embd + (size_t) c] = v * P->pair_w[p];
+        }
+    }
+}
+
+// y_t = ((p_0 + p_1) + p_2) + ... over the pairs whose expert was computed; this thread's share of
+// the output values
+static void reduce(const ls_moe_plan * P, float * y, size_t y_stride, int ith, int nth) {
+    const int64_t n_embd = P->L->info.n_embd, total = P->n_tokens * n_embd;
+    const int64_t lo = total * ith / nth, hi = total * (ith + 1) / nth;
+    for (int64_t idx = lo; idx < hi; idx++) {
+        const int64_t t = idx / n_embd, c = idx % n_embd;
+        float acc = 0.0f;
+        for (int32_t k = 0; k < P->n_used; k++) {
+            const int64_t p = t * P->n_used + k;
+            const int32_t i = P->pair_entry[p];
+            if (i < 0 || atomic_load_explicit(&P->entry_state[i], memory_order_relaxed) != LS_BLK_READY) continue;
+            const float v = P->out[(size_t) p * (size_t) n_embd + (size_t) c];
+            acc = k == 0 ? v : acc + v;
+        }
+        ((float *) ((uint8_t *) y + (size_t) t * y_stride))[c] = acc;
+    }
+}
+
+static void op_entries(ls_moe * m, ls_moe_plan * P, int ith, int nth) {
+    for (int32_t i = 0; i < P->n_entries; i++) {
+        if (atomic_load_explicit(&P->entry_state[i], memory_order_acquire) == 0) {
+            const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
+            ls_wait_while(&P->entry_state[i], 0, &m->sleepers);
+            if (ith == 0) P->stall_ns += ls_now_ns() - t0;
+        }
+        const bool ok = atomic_load_explicit(&P->entry_state[i], memory_order_acquire) == LS_BLK_READY;
+        if (ok) gate_up_part(m, P, i, P->hq[i & 1], ith, nth);
+        ls_barrier_wait(&m->barrier, nth);
+        if (ith == 0) next_wave(m, P, i);
+        if (ok) down_part(m, P, i, P->hq[i & 1], ith, nth);
+    }
+}
+
+// thread 0 at the end: the last entry let go, the counters
+static void op_end(ls_moe * m, ls_moe_plan * P, uint64_t t0) {
+    ls_moe_layer * L = P->L;
+    if (P->n_entries > 0 && P->n_entries - 1 < P->next_read) slot_unpin(m, L->cslot[P->entry_expert[P->n_entries - 1]]);
+    const uint64_t ns = ls_now_ns() - t0;
+    atomic_fetch_add(&L->stats.op_calls, 1);
+    atomic_fetch_add(&L->stats.tokens, (uint64_t) P->n_tokens);
+    atomic_fetch_add(&L->stats.stall_ns, P->stall_ns);
+    atomic_fetch_add(&L->stats.compute_ns, ns > P->stall_ns ? ns - P->stall_ns : 0);
+}
+
+static void moe_run(ls_moe * m, const moe_args * a, int ith, int nth) {
+    ls_moe_plan * P = &m->plan;
+    uint64_t t0 = 0;
+    if (ith == 0) {
+        t0 = ls_now_ns();
+        pthread_mutex_lock(&m->op_mu);
+        plan_op(m, a, nth);
+    }
+    ls_barrier_wait(&m->barrier, nth);
+    if (P->n_tokens == 0) {   // planning failed: zeros (the error is recorded)
+        for (int64_t t = ith; t < a->n_tokens; t += nth) memset((uint8_t *) a->y + (size_t) t * a->y_stride, 0, sizeof(float) * (size_t) a->L->info.n_embd);
+    } else {
+        quantize_x(P, ith, nth);
+        ls_barrier_wait(&m->barrier, nth);
+        op_entries(m, P, ith, nth);
+        ls_barrier_wait(&m->barrier, nth);
+        reduce(P, a->y, a->y_stride, ith, nth);
+    }
+    ls_barrier_wait(&m->barrier, nth);
+    if (ith == 0) {
+        op_end(m, P, t0);
+        pthread_mutex_unlock(&m->op_mu);
+    }
+}
+
+// ---- the ggml node -----------------------------------------------------------------------------
+
+static void moe_compute(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    ls_moe_layer * L = userdata;
+    const struct ggml_tensor * cur = dst->src[0], * sel = dst->src[1], * w = dst->src[2];
+    const bool w3 = w->ne[0] == 1 && w->ne[1] == sel->ne[0] && w->ne[2] == sel->ne[1];   // [1, n_used, n_tokens]
+    const moe_args a = {
+        .L = L, .x = cur->data, .x_stride = cur->nb[1],
+        .ids = sel->data, .ids_k = sel->nb[0], .ids_t = sel->nb[1],
+        .w = w->data, .w_k = w3 ? w->nb[1] : w->nb[0], .w_t = w3 ? w->nb[2] : w->nb[1],
+        .n_used = (int32_t) sel->ne[0], .n_tokens = cur->ne[1], .y = dst->data, .y_stride = dst->nb[1],
+    };
+    moe_run(L->m, &a, ith, nth);
+}
+
+struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml_tensor * cur, struct ggml_tensor * selected,
+                                  struct ggml_tensor * weights, int32_t il, void * moe) {
+    ls_moe * m = moe;
+    if (!m || !ctx0 || !cur || !selected || !weights) return NULL;
+    ls_moe_layer * L = layer_of(m, il);
+    if (!L) {
+        ls_moe_record_error(m, LS_ERR_ARG, "llama.cpp asked for the experts of layer %d, which has no expert file", il);
+        return NULL;
+    }
+    const int64_t T = cur->ne[1], U = selected->ne[0];
+    const bool w_ok = weights->type == GGML_TYPE_F32 && weights->ne[3] == 1 &&
+                      ((weights->ne[0] == 1 && weights->ne[1] == U && weights->ne[2] == T) ||
+                       (weights->ne[0] == U && weights->ne[1] == T && weights->ne[2] == 1));
+    if (cur->type != GGML_TYPE_F32 || cur->ne[0] != L->info.n_embd || cur->ne[2] * cur->ne[3] != 1 || cur->nb[0] != sizeof(float) ||
+        selected->type != GGML_TYPE_I32 || selected->ne[1] != T || selected->ne[2] * selected->ne[3] != 1 ||
+        U < 1 || U > L->info.n_expert || !w_ok) {
+        ls_moe_record_error(m, LS_ERR_UNSUPPORTED, "layer %d: MoE input [%lld, %lld] %s, selected [%lld, %lld] %s, weights [%lld, %lld, %lld] %s "
+                            "do not fit the expert file (n_embd %lld, %d experts)", il,
+                            (long long) cur->ne[0], (long long) cur->ne[1], ggml_type_name(cur->type),
+                            (long long) selected->ne[0], (long long) selected->ne[1], ggml_type_name(selected->type),
+                            (long long) weights->ne[0], (long long) weights->ne[1], (long long) weights->ne[2],
+                            ggml_type_name(weights->type), (long long) L->info.n_embd, L->info.n_expert);
+        return NULL;
+    }
+    struct ggml_tensor * args[3] = { cur, selected, weights };
+    return ggml_custom_4d(ctx0, GGML_TYPE_F32, cur->ne[0], T, 1, 1, args, 3, moe_compute, GGML_N_TASKS_MAX, L);
+}
+
+// ---- the op outside a graph ----------------------------------------------------------------------
+
+typedef struct eval_thread_arg {
+    ls_moe *          m;
+    const moe_args *  a;
+    int               ith, nth;
+    _Atomic int32_t * go;          // 0: wait, 1: run, -1: abandon
+    _Atomic int32_t * sleepers;
+} eval_thread_arg;
+
+static void * eval_thread(void * p) {
+    eval_thread_arg * t = p;
+    ls_wait_while(t->go, 0, t->sleepers);
+    if (atomic_load_explicit(t->go, memory_order_acquire) > 0) moe_run(t->m, t->a, t->ith, t->nth);
+    return NULL;
+}
+
+ls_status ls_moe_eval(ls_moe * m, int32_t il, const float * x, int64_t n_tokens, const int32_t * ids, const float * weights,
+                      int32_t n_used, float * y, int32_t n_threads) {
+    ls_moe_layer * L = layer_of(m, il);
+    if (!L || !x || !ids || !weights || !y || n_tokens <= 0 || n_used < 1 || n_used > L->info.n_expert) {
+        ls_set_error("ls_moe_eval: bad arguments (layer %d%s)", il, L ? "" : ": no expert file");
+        return LS_ERR_ARG;
+    }
+    if (n_threads <= 0) n_threads = 1;
+    if (n_threads > 64) n_threads = 64;
+    const size_t row = sizeof(float) * (size_t) L->info.n_embd;
+    const moe_args a = { .L = L, .x = x, .x_stride = row, .ids = (const uint8_t *) ids, .ids_k = 4, .ids_t = 4 * (size_t) n_used,
+                         .w = (const uint8_t *) weights, .w_k = 4, .w_t = 4 * (size_t) n_used, .n_used = n_used,
+                         .n_tokens = n_tokens, .y = y, .y_stride = row };
+    eval_thread_arg args[64];
+    pthread_t th[64];
+    _Atomic int32_t go = 0, sleepers = 0;
+    for (int i = 0; i < n_threads; i++) args[i] = (eval_thread_arg) { m, &a, i, n_threads, &go, &sleepers };
+    int started = 1;
+    for (int i = 1; i < n_threads; i++, started++)
+        if (pthread_create(&th[i], NULL, eval_thread, &args[i]) != 0) break;
+    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_seq_cst);
+    ls_wake(&go, &sleepers);
+    if (started == n_threads) eval_thread(&args[0]);
+    for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
+    if (started < n_threads) { ls_set_error("ls_moe_eval: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
+    char msg[LS_MAX_ERRMSG];
+    const ls_status st = ls_moe_take_error(m, msg, sizeof(msg));
+    if (st != LS_OK) ls_set_error("%s", msg);
+    return st;
+}
+
+// ---- counters ----------------------------------------------------------------------------------
+
+static void add_layer(const ls_moe * m, const ls_moe_layer * L, ls_moe_counters * out) {
+#define LS_MOE_ADD(name) out->name += atomic_load(&L->stats.name);
+    LS_MOE_COUNTERS(LS_MOE_ADD)
+#undef LS_MOE_ADD
+    if (L->fd < 0) return;
+    for (int32_t e = 0; e < L->info.n_expert; e++) {
+        if (L->cslot[e] < 0 || atomic_load(&L->state[e]) != LS_BLK_READY) continue;
+        out->resident++;
+        out->pinned += L->hot[e] != 0;
+    }
+}
+
+ls_status ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out) {
+    if (!m || !out || il < -1 || il >= m->n_layer) { ls_set_error("ls_moe_stats: bad arguments (layer %d)", il); return LS_ERR_ARG; }
+    memset(out, 0, sizeof(*out));
+    ls_moe * mm = (ls_moe *) m;   // the lock only: the cache is read between ops
+    pthread_mutex_lock(&mm->op_mu);
+    for (int32_t l = 0; l < m->n_layer; l++)
+        if (il < 0 || l == il) add_layer(m, &m->layers[l], out);
+    pthread_mutex_unlock(&mm->op_mu);
+    out->cache_slots = (uint64_t) m->n_slots;
+    out->direct_io = m->direct_io ? 1 : 0;
+    return LS_OK;
+}
+
+void ls_moe_reset_stats(ls_moe * m) {
+    if (!m) return;
+    for (int32_t il = 0; il < m->n_layer; il++) {
+#define LS_MOE_ZERO(name) atomic_store(&m->layers[il].stats.name, 0);
+        LS_MOE_COUNTERS(LS_MOE_ZERO)
+#undef LS_MOE_ZERO
+    }
+}

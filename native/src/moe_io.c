@@ -1,0 +1,398 @@
+// moe_io.c — expert files and their reads: a layer's expert file opened with its header checked
+// field by field (docs/formats.md "Expert file"; every file is treated as hostile, as blockfile.c
+// treats block files), the O_DIRECT read workers that bring experts into cache slots, each
+// expert's CRC-32C checked by the worker that read it, and the MoE engine's error slot.
+//
+// The op (moe.c) queues a batch's missing experts in the order it computes them; the workers pop
+// reads FIFO, so the first-needed experts land first. An expert's state and its op's entry flag
+// flip with a release store once its bytes are in and checked: the compute threads' acquire load
+// of that flag is the only synchronisation between the two sides, as with the dense blocks (io.c).
+
+#include "internal.h"
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void ls_moe_record_error(ls_moe * m, ls_status st, const char * fmt, ...) {
+    pthread_mutex_lock(&m->err_mu);
+    if (m->err_status == LS_OK) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(m->err_msg, sizeof(m->err_msg), fmt, ap);
+        va_end(ap);
+        m->err_status = st;
+    }
+    pthread_mutex_unlock(&m->err_mu);
+}
+
+// ---- the header ----------------------------------------------------------------------------------
+
+#define EXPERT_MAGIC "LSEXPRTS"
+#define EXPERT_HEADER 4096
+#define EXPERT_META_CRC 112          // offset of meta_crc in the header
+#define EXPERT_MAX 65536             // experts per layer (llama.cpp's LLAMA_MAX_EXPERTS is 512)
+
+static uint32_t rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static uint64_t round_up(uint64_t x, uint64_t n) { return (x + n - 1) / n * n; }
+
+// a type whose rows ggml's CPU backend dots (vec_dot) against an activation it can quantize
+static bool type_ok_for_rows(int32_t t) {
+    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
+    const struct ggml_type_traits_cpu * tc = ls_cpu_traits((enum ggml_type) t);
+    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ls_cpu_traits(tc->vec_dot_type) : NULL;
+    return tc && tc->vec_dot && vt && vt->from_float && ggml_blck_size((enum ggml_type) t) > 0;
+}
+
+// n values make whole blocks of type t and of its vec_dot_type (what ggml_mul_mat requires)
+static bool fits_blocks(int32_t t, int64_t n) {
+    const enum ggml_type vt = ls_cpu_traits((enum ggml_type) t)->vec_dot_type;
+    return n % ggml_blck_size((enum ggml_type) t) == 0 && n % ggml_blck_size(vt) == 0;
+}
+
+typedef struct {
+    uint32_t il, align, meta_crc;
+    uint64_t table_offset, file_size;
+} expert_header;
+
+static ls_status read_header(int fd, const char * path, const struct stat * st, ls_moe_layer * L, expert_header * hd) {
+    uint8_t h[EXPERT_HEADER];
+    if (pread(fd, h, sizeof(h), 0) != (ssize_t) sizeof(h)) {
+        ls_set_error("%s: truncated expert file (%lld bytes, header needs %d)", path, (long long) st->st_size, EXPERT_HEADER);
+        return LS_ERR_FORMAT;
+    }
+    if (memcmp(h, EXPERT_MAGIC, 8) != 0) {
+        ls_set_error("%s: not a leanstream expert file (bad magic)", path);
+        return LS_ERR_FORMAT;
+    }
+    const uint32_t version = rd_u32(h + 8);
+    if (version != LS_EXPERT_FILE_VERSION) {
+        ls_set_error("%s: expert file version %u, this build reads version %d (re-run `leanstream convert` "
+                     "with --force to rewrite the model directory)", path, version, LS_EXPERT_FILE_VERSION);
+        return LS_ERR_FORMAT;
+    }
+    ls_moe_info * in = &L->info;
+    hd->il            = rd_u32(h + 12);
+    in->n_embd        = (int64_t) rd_u64(h + 16);
+    in->n_ff_exp      = (int64_t) rd_u64(h + 24);
+    in->n_expert      = (int32_t) rd_u32(h + 32);
+    hd->align         = rd_u32(h + 36);
+    in->gate_type     = (int32_t) rd_u32(h + 40);
+    in->up_type       = (int32_t) rd_u32(h + 44);
+    in->down_type     = (int32_t) rd_u32(h + 48);
+    L->gate_bytes     = rd_u64(h + 56);
+    L->up_bytes       = rd_u64(h + 64);
+    L->down_bytes     = rd_u64(h + 72);
+    in->expert_stride = rd_u64(h + 80);
+    hd->table_offset  = rd_u64(h + 88);
+    L->data_offset    = rd_u64(h + 96);
+    hd->file_size     = rd_u64(h + 104);
+    hd->meta_crc      = rd_u32(h + EXPERT_META_CRC);
+    L->align          = hd->align;
+    return LS_OK;
+}
+
+// what is wrong with the header's geometry (NULL: nothing). The bounds come first, so that the
+// sizes computed from them cannot overflow.
+static const char * header_flaw(const ls_moe_layer * L, int32_t il, const expert_header * hd) {
+    const ls_moe_info * in = &L->info;
+    if (hd->il != (uint32_t) il) return "layer index does not match its position";
+    if (in->n_embd <= 0 || in->n_ff_exp <= 0 || in->n_expert <= 0) return "zero dimension";
+    if (in->n_embd > (1 << 20) || in->n_ff_exp > (1 << 20) || in->n_expert > EXPERT_MAX) return "implausibly large dimension";
+    if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type) || !type_ok_for_rows(in->down_type))
+        return "a type ggml's CPU backend has no vec_dot for";
+    if (!fits_blocks(in->gate_type, in->n_embd) || !fits_blocks(in->up_type, in->n_embd) ||
+        !fits_blocks(in->down_type, in->n_ff_exp)) return "dimensions are not whole blocks of the types";
+    if (L->gate_bytes != (uint64_t) in->n_ff_exp * ggml_row_size(in->gate_type, in->n_embd) ||
+        L->up_bytes   != (uint64_t) in->n_ff_exp * ggml_row_size(in->up_type, in->n_embd) ||
+        L->down_bytes != (uint64_t) in->n_embd * ggml_row_size(in->down_type, in->n_ff_exp)) return "sizes do not match the types";
+    if (hd->align < 512 || hd->align > (1u << 20) || (hd->align & (hd->align - 1)) != 0)
+        return "alignment is not a power of two in [512, 1 MiB]";
+    if (in->expert_stride != round_up(L->gate_bytes + L->up_bytes + L->down_bytes, hd->align)) return "bad expert stride";
+    if (hd->table_offset != EXPERT_HEADER ||
+        L->data_offset != round_up(hd->table_offset + 8ull * (uint64_t) in->n_expert, hd->align > 4096 ? hd->align : 4096))
+        return "bad offsets";
+    if (hd->file_size != L->data_offset + (uint64_t) in->n_expert * in->expert_stride) return "file_size field inconsistent";
+    return NULL;
+}
+
+// the tables (expert_of_slot, slot_crc) read with the header and checked against meta_crc, and
+// expert_of_slot a permutation; L's per-expert arrays allocated
+static ls_status read_tables(int fd, const char * path, ls_moe_layer * L, const expert_header * hd) {
+    const int32_t n = L->info.n_expert;
+    L->expert_of_slot = malloc((size_t) n * sizeof(int32_t));
+    L->slot_of_expert = malloc((size_t) n * sizeof(int32_t));
+    L->slot_crc = malloc((size_t) n * sizeof(uint32_t));
+    L->cslot = malloc((size_t) n * sizeof(int32_t));
+    L->state = calloc((size_t) n, sizeof(*L->state));
+    L->hot = calloc((size_t) n, 1);
+    uint8_t * meta = malloc((size_t) L->data_offset);
+    if (!L->expert_of_slot || !L->slot_of_expert || !L->slot_crc || !L->cslot || !L->state || !L->hot || !meta) {
+        free(meta); ls_set_error("out of memory"); return LS_ERR_NOMEM;
+    }
+    if (pread(fd, meta, (size_t) L->data_offset, 0) != (ssize_t) L->data_offset) {
+        ls_set_error("%s: cannot read the expert file's tables (%llu bytes)", path, (unsigned long long) L->data_offset);
+        free(meta);
+        return LS_ERR_FORMAT;
+    }
+    memset(meta + EXPERT_META_CRC, 0, 4);
+    const uint32_t have = ls_crc32c(0, meta, (size_t) L->data_offset);
+    if (have != hd->meta_crc) {
+        ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); `leanstream verify` "
+                     "checks the whole model directory, re-run `leanstream convert` to repair it",
+                     path, L->il, have, hd->meta_crc);
+        free(meta);
+        return LS_ERR_CORRUPT;
+    }
+    memcpy(L->expert_of_slot, meta + hd->table_offset, (size_t) n * 4);
+    memcpy(L->slot_crc, meta + hd->table_offset + 4ull * (uint64_t) n, (size_t) n * 4);
+    free(meta);
+    for (int32_t e = 0; e < n; e++) { L->slot_of_expert[e] = -1; L->cslot[e] = -1; }
+    for (int32_t s = 0; s < n; s++) {
+        const int32_t e = L->expert_of_slot[s];
+        if (e < 0 || e >= n || L->slot_of_expert[e] >= 0) {
+            ls_set_error("%s: layer %d: expert_of_slot is not a permutation of the %d experts (slot %d: %d)",
+                         path, L->il, n, s, e);
+            return LS_ERR_FORMAT;
+        }
+        L->slot_of_expert[e] = s;
+    }
+    return LS_OK;
+}
+
+// L->fd: the data's descriptor (O_DIRECT unless the file system refuses it), the same file as st
+static ls_status open_data(ls_moe_layer * L, const char * path, const struct stat * st, bool use_direct_io, bool * direct_io) {
+    if (use_direct_io) {
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
+        if (L->fd < 0 && errno == EINVAL) *direct_io = false;   // tmpfs and the like: page cache it is
+        else if (L->fd < 0) { ls_set_error("%s: cannot open with O_DIRECT: %s", path, strerror(errno)); return LS_ERR_IO; }
+    }
+    if (L->fd < 0) {
+        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+        if (!use_direct_io) *direct_io = false;
+    }
+    struct stat st2;
+    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st->st_dev || st2.st_ino != st->st_ino) {
+        ls_set_error("%s: the file changed while it was being opened", path);
+        return LS_ERR_IO;
+    }
+    return LS_OK;
+}
+
+ls_status ls_moe_file_open(ls_moe_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
+    L->il = il;
+    L->fd = -1;
+    L->path = strdup(path);
+    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    if (!ls_cpu_ready()) { ls_set_error("%s: ggml's CPU backend is not loaded (its type traits compute the experts)", path); return LS_ERR_UNSUPPORTED; }
+    int fd = -1;
+    struct stat st;
+    ls_status s = ls_open_regular(path, &fd, &st);
+    if (s != LS_OK) return s;
+    expert_header hd;
+    s = read_header(fd, path, &st, L, &hd);
+    if (s == LS_OK) {
+        const char * bad = header_flaw(L, il, &hd);
+        if (bad) { ls_set_error("%s: layer %d: malformed expert file header: %s", path, il, bad); s = LS_ERR_FORMAT; }
+    }
+    if (s == LS_OK && (uint64_t) st.st_size < hd.file_size) {
+        ls_set_error("%s: layer %d: truncated expert file: %lld bytes, header says %llu", path, il,
+                     (long long) st.st_size, (unsigned long long) hd.file_size);
+        s = LS_ERR_FORMAT;
+    }
+    if (s == LS_OK) s = read_tables(fd, path, L, &hd);
+    close(fd);
+    if (s != LS_OK) return s;
+    return open_data(L, path, &st, use_direct_io, direct_io);
+}
+
+void ls_moe_file_close(ls_moe_layer * L) {
+    if (L->fd >= 0) close(L->fd);
+    L->fd = -1;
+    free(L->path); free(L->expert_of_slot); free(L->slot_of_expert); free(L->slot_crc);
+    free(L->cslot); free((void *) L->state); free(L->hot);
+    L->path = NULL; L->expert_of_slot = L->slot_of_expert = L->cslot = NULL; L->slot_crc = NULL;
+    L->state = NULL; L->hot = NULL;
+}
+
+// ---- the read workers ----------------------------------------------------------------------------
+
+// the expert's bytes against its slot's CRC-32C (the file slot it came from)
+static bool expert_intact(ls_moe * m, ls_moe_layer * L, int32_t e, const uint8_t * p) {
+    if (!m->params.verify_checksums) return true;
+    const uint64_t t0 = ls_now_ns();
+    const int32_t s = L->slot_of_expert[e];
+    const uint32_t have = ls_crc32c(0, p, L->info.expert_stride);
+    atomic_fetch_add_explicit(&L->stats.checksum_ns, ls_now_ns() - t0, memory_order_relaxed);
+    if (have == L->slot_crc[s]) return true;
+    ls_moe_record_error(m, LS_ERR_CORRUPT,
+                        "%s: layer %d slot %d (expert %d) is corrupt (CRC-32C %08x, stored %08x, file offset %llu); "
+                        "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
+                        L->path, L->il, s, e, have, L->slot_crc[s],
+                        (unsigned long long) (L->data_offset + (uint64_t) s * L->info.expert_stride));
+    return false;
+}
+
+// every expert of the read checked (or all failed), its state and flag set, the sleepers woken
+static void finish_read(ls_moe * m, ls_moe_read * r, ls_status st, const char * why, int err) {
+    ls_moe_layer * L = r->L;
+    if (st != LS_OK) {
+        ls_moe_record_error(m, st, "%s: layer %d: read of %d expert(s) at offset %llu (slot %d, expert %d first) failed: %s%s%s",
+                            L->path, L->il, r->n, (unsigned long long) r->offset, L->slot_of_expert[r->expert[0]],
+                            r->expert[0], why, err ? ": " : "", err ? strerror(err) : "");
+    } else {
+        atomic_fetch_add(&L->stats.bytes_read, (uint64_t) r->n * L->info.expert_stride);
+        atomic_fetch_add(&L->stats.reads, 1);
+    }
+    for (int32_t i = 0; i < r->n; i++) {
+        const bool ok = st == LS_OK && expert_intact(m, L, r->expert[i], r->iov[i].iov_base);
+        const int32_t v = ok ? LS_BLK_READY : LS_BLK_FAILED;
+        atomic_store_explicit(&L->state[r->expert[i]], v, memory_order_release);
+        atomic_store_explicit(r->flag[i], v, memory_order_seq_cst);
+        ls_wake(r->flag[i], &m->sleepers);
+    }
+}
+
+// Test hook (m->hooks): the one read that fails, if this is it.
+static int32_t injected_fault(ls_moe * m) {
+    if (m->hooks.fault == LS_FAULT_NONE || m->hooks.fault_read == 0) return LS_FAULT_NONE;
+    return atomic_fetch_sub_explicit(&m->io.fault_countdown, 1, memory_order_relaxed) == 1 ? m->hooks.fault : LS_FAULT_NONE;
+}
+
+static void do_read(ls_moe * m, ls_moe_read * r) {
+    ls_moe_layer * L = r->L;
+    if (m->hooks.io_delay_us) usleep((useconds_t) (rand() % m->hooks.io_delay_us));   // test hook: jittered I/O
+    const int32_t fault = injected_fault(m);
+    if (fault == LS_FAULT_EIO) { finish_read(m, r, LS_ERR_IO, "I/O error (injected)", EIO); return; }
+    if (fault == LS_FAULT_SHORT) { finish_read(m, r, LS_ERR_IO, "short read (injected)", 0); return; }
+    struct iovec iov[LS_MOE_MAX_IOV];
+    memcpy(iov, r->iov, sizeof(struct iovec) * (size_t) r->n);
+    struct iovec * cur = iov;
+    int n_iov = r->n;
+    size_t want = 0, done = 0;
+    for (int32_t i = 0; i < r->n; i++) want += r->iov[i].iov_len;
+    while (done < want) {
+        const ssize_t got = preadv(L->fd, cur, n_iov, (off_t) (r->offset + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { finish_read(m, r, LS_ERR_IO, "I/O error", errno); return; }
+        if (got == 0) { finish_read(m, r, LS_ERR_IO, "short read (file truncated?)", 0); return; }
+        done += (size_t) got;
+        size_t adv = (size_t) got;   // the iovecs past what arrived (O_DIRECT short reads stay aligned)
+        while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
+        if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
+    }
+    if (fault == LS_FAULT_CORRUPT) ((uint8_t *) r->iov[0].iov_base)[r->iov[0].iov_len / 2] ^= 0x10;   // one bit flipped
+    finish_read(m, r, LS_OK, NULL, 0);
+}
+
+static void * io_worker(void * arg) {
+    ls_moe * m = arg;
+    ls_moe_io * io = &m->io;
+    for (;;) {
+        pthread_mutex_lock(&io->mu);
+        while (!io->stop && io->count == 0) pthread_cond_wait(&io->cv, &io->mu);
+        if (io->stop && io->count == 0) { pthread_mutex_unlock(&io->mu); return NULL; }
+        ls_moe_read r = io->queue[io->head];
+        io->head = (io->head + 1) % io->cap;
+        io->count--;
+        pthread_mutex_unlock(&io->mu);
+        do_read(m, &r);
+    }
+}
+
+ls_status ls_moe_io_start(ls_moe * m, int n_threads) {
+    ls_moe_io * io = &m->io;
+    pthread_mutex_init(&io->mu, NULL);
+    pthread_cond_init(&io->cv, NULL);
+    atomic_store(&io->fault_countdown, (int64_t) m->hooks.fault_read);
+    // at most one read per cache slot is ever queued (a slot is read into once, then computed):
+    // the ring starts small and grows towards that as reads wait
+    io->max_cap = m->n_slots + 1;
+    io->cap = io->max_cap < 64 ? io->max_cap : 64;
+    io->queue = malloc(sizeof(ls_moe_read) * (size_t) io->cap);
+    io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
+    if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    for (int i = 0; i < n_threads; i++) {
+        if (pthread_create(&io->threads[i], NULL, io_worker, m) != 0) { ls_set_error("cannot start I/O thread %d", i); return LS_ERR_NOMEM; }
+        io->n_threads++;
+    }
+    return LS_OK;
+}
+
+void ls_moe_io_stop(ls_moe * m) {
+    ls_moe_io * io = &m->io;
+    if (!io->queue && !io->threads) return;
+    pthread_mutex_lock(&io->mu);
+    io->stop = true;
+    pthread_cond_broadcast(&io->cv);
+    pthread_mutex_unlock(&io->mu);
+    for (int i = 0; i < io->n_threads; i++) pthread_join(io->threads[i], NULL);
+    free(io->threads);
+    free(io->queue);
+    pthread_mutex_destroy(&io->mu);
+    pthread_cond_destroy(&io->cv);
+    memset(io, 0, sizeof(*io));
+}
+
+// Called with io->mu held: the read queued, the ring doubled first when full; should that fail
+// (out of memory), the submitting thread reads it itself.
+static void push(ls_moe * m, const ls_moe_read * r) {
+    ls_moe_io * io = &m->io;
+    if (io->count == io->cap && io->cap < io->max_cap) {
+        const int32_t cap = io->cap * 2 < io->max_cap ? io->cap * 2 : io->max_cap;
+        ls_moe_read * q = malloc(sizeof(ls_moe_read) * (size_t) cap);
+        if (q) {
+            for (int32_t i = 0; i < io->count; i++) q[i] = io->queue[(io->head + i) % io->cap];
+            free(io->queue);
+            io->queue = q;
+            io->head = 0;
+            io->cap = cap;
+        }
+    }
+    if (io->count == io->cap) {
+        ls_moe_read copy = *r;
+        pthread_mutex_unlock(&io->mu);
+        do_read(m, &copy);
+        pthread_mutex_lock(&io->mu);
+        return;
+    }
+    io->queue[(io->head + io->count) % io->cap] = *r;
+    io->count++;
+    pthread_cond_signal(&io->cv);
+}
+
+void ls_moe_io_submit(ls_moe * m, ls_moe_layer * L, const int32_t * experts, _Atomic int32_t * const * flags, int32_t n) {
+    ls_moe_io * io = &m->io;
+    const uint64_t stride = L->info.expert_stride;
+    pthread_mutex_lock(&io->mu);
+    ls_moe_read r = { .L = L, .n = 0 };
+    int32_t next_slot = -1;   // the file slot after the read's last one
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t e = experts[i], s = L->slot_of_expert[e];
+        const bool extends = r.n > 0 && s == next_slot && r.n < LS_MOE_MAX_IOV &&
+                             (uint64_t) (r.n + 1) * stride <= m->params.max_read_bytes;
+        if (!extends) {
+            if (r.n > 0) push(m, &r);
+            r.n = 0;
+            r.offset = L->data_offset + (uint64_t) s * stride;
+        }
+        r.expert[r.n] = e;
+        r.flag[r.n] = flags[i];
+        r.iov[r.n].iov_base = m->pool + (size_t) L->cslot[e] * m->stride;
+        r.iov[r.n].iov_len = stride;
+        r.n++;
+        next_slot = s + 1;
+    }
+    if (r.n > 0) push(m, &r);
+    pthread_mutex_unlock(&io->mu);
+}

@@ -1,0 +1,169 @@
+"""Mixture-of-experts models end to end (docs/design.md §24): the four layouts written by
+gguf_synth, converted with the default `leanstream convert`, run by Llama with the routed experts
+streamed from their expert files (patches/0005's hook, native/src/moe.c), against stock
+llama-cpp-python on the source GGUF, teacher-forced over 96 tokens; in RAM and under a budget
+whose cache holds a fraction of the experts (every pass reads the rest). Greedy answers with
+speculation (prompt lookup) equal plain decoding's. `leanstream verify` checks every expert."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+from gguf_synth import write_tiny_model  # noqa: E402
+
+LAYOUTS = {"qwen3moe": {}, "qwen2moe": {"n_ff_shexp": 64}, "olmoe": {}, "mixtral": {}}
+N_TOKENS = 96
+
+
+def _arch(layout: str) -> str:
+    return "llama" if layout == "mixtral" else layout
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """{layout: (source GGUF, model directory)}, converted through the command line's defaults."""
+    from leanstream_ggml.cli import main
+
+    d = tmp_path_factory.mktemp("moe")
+    out = {}
+    for layout, extra in LAYOUTS.items():
+        src = d / f"{layout}.gguf"
+        write_tiny_model(src, arch=_arch(layout), n_layer=2, moe_experts=8, moe_used=2, seed=3, scales="peaked",
+                         **extra)
+        assert main(["convert", str(src), str(d / f"{layout}.lsm"), "--quiet"]) == 0
+        out[layout] = (src, d / f"{layout}.lsm")
+    return out
+
+
+def _small_cache(model) -> int:
+    """A budget of 5 experts' bytes: fewer than one layer's 8 (and than a batch's 16 over 2 layers)."""
+    from leanstream_ggml import manifest
+
+    return 5 * manifest.load(model).moe.layers[0].expert_stride
+
+
+def _tokens(seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, N_TOKENS)]
+
+
+def _scores(llm, toks) -> np.ndarray:
+    llm.eval(toks)
+    return np.array(llm.scores[:len(toks)], dtype=np.float64)
+
+
+def _log_softmax(a):
+    a = a - a.max(-1, keepdims=True)
+    return a - np.log(np.exp(a).sum(-1, keepdims=True))
+
+
+def _agreement_kl(ref, got) -> tuple[float, float]:
+    lp, lq = _log_softmax(ref), _log_softmax(got)
+    return float((ref.argmax(-1) == got.argmax(-1)).mean()), float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("where", ["in_ram", "streamed"])
+def test_logits_match_stock(converted, layout, where):
+    from leanstream_ggml import Llama
+
+    src, model = converted[layout]
+    toks = _tokens(7)
+    # stock with flash attention, as Llama runs by default (docs/design.md §21): the comparison is
+    # then of the routed experts alone
+    ref = llama_cpp.Llama(str(src), n_ctx=128, logits_all=True, verbose=False, n_threads=2, flash_attn=True)
+    want = _scores(ref, toks)
+    ref.close()
+    kw = {"in_ram": "stream"} if where == "in_ram" else {"memory_budget": _small_cache(model)}
+    llm = Llama(str(model), n_ctx=128, logits_all=True, verbose=False, n_threads=2, **kw)
+    assert llm.backend == "stream" and llm.manifest.moe is not None
+    got = _scores(llm, toks)
+    s = llm.stats()
+    llm.close()
+    agree, kl = _agreement_kl(want, got)
+    assert agree >= 0.95 and kl <= 0.01, (layout, where, agree, kl)
+    assert s["routed"] == 2 * 2 * N_TOKENS           # layers x experts a token is routed to x tokens
+    stride = llm.manifest.moe.layers[0].expert_stride
+    assert s["bytes_read"] == s["misses"] * stride
+    if where == "streamed":
+        # the cache holds fewer experts than a layer has: the batch (every expert of both layers
+        # routed to) streams through it in waves, each expert read once
+        assert 2 <= s["cache_slots"] < 8 and s["misses"] == 2 * 8
+
+
+def test_a_decode_reads_only_its_routed_misses(converted):
+    """Token by token under a small cache: each decode reads at most its routed experts, every
+    read is a miss of the cache (bytes = misses x stride), and what stays cached hits."""
+    from leanstream_ggml import Llama
+
+    _, model = converted["qwen3moe"]
+    llm = Llama(str(model), n_ctx=128, verbose=False, n_threads=2, memory_budget=_small_cache(model), speculative="off")
+    for t in _tokens(11)[:24]:
+        before = llm.stats()
+        llm.eval([t])
+        s = llm.stats()
+        assert s["routed"] - before["routed"] == 2 * 2
+        assert s["misses"] - before["misses"] <= 2 * 2
+    s = llm.stats()
+    assert s["hits"] > 0 and s["bytes_read"] == s["misses"] * llm.manifest.moe.layers[0].expert_stride
+    llm.close()
+
+
+@pytest.mark.parametrize("layout", ["qwen3moe", "qwen2moe"])
+def test_speculation_equals_plain_greedy(converted, layout):
+    from leanstream_ggml import Llama
+
+    _, model = converted[layout]
+    prompt = "abc abc abc def abc abc"
+    answers = {}
+    for spec in ("off", "auto"):
+        llm = Llama(str(model), n_ctx=256, verbose=False, n_threads=2, memory_budget=_small_cache(model), speculative=spec)
+        assert llm.speculative == ("off" if spec == "off" else "ngram")
+        answers[spec] = llm.create_completion(prompt, max_tokens=48, temperature=0.0)["choices"][0]["text"]
+        if spec != "off":
+            assert llm.stats()["speculative"]["passes"] > 0
+        llm.close()
+    assert answers["auto"] == answers["off"]
+
+
+def test_sparse_modes_and_the_self_draft_are_refused_with_why(converted):
+    from leanstream_ggml import Llama
+
+    _, model = converted["olmoe"]
+    with pytest.raises(ValueError, match="mixture-of-experts model runs in dense mode"):
+        Llama(str(model), mode="leanstream", verbose=False)
+    with pytest.raises(ValueError, match="prompt lookup"):
+        Llama(str(model), speculative="self", verbose=False)
+
+
+def test_in_ram_by_default_runs_the_source_on_llama_cpp(converted):
+    """No limit, no budget: the source GGUF beside the directory runs on llama.cpp's own kernels."""
+    from leanstream_ggml import Llama
+
+    src, model = converted["qwen3moe"]
+    llm = Llama(str(model), n_ctx=128, verbose=False, n_threads=2)
+    assert llm.backend == "stock" and llm.source_path == src
+    llm.close()
+
+
+def test_verify_catches_a_corrupt_expert(converted, tmp_path):
+    from leanstream_ggml.cli import main
+    from leanstream_ggml.verify import verify_dir
+
+    _, model = converted["mixtral"]
+    copy = tmp_path / "copy.lsm"
+    shutil.copytree(model, copy)
+    assert verify_dir(copy)[0] == []
+    e = __import__("leanstream_ggml.manifest", fromlist=["load"]).load(copy).moe.layers[1]
+    f = copy / e.file
+    with open(f, "r+b") as fh:
+        fh.seek(e.data_offset + 3 * e.expert_stride + 100)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    problems, _ = verify_dir(copy)
+    assert len(problems) == 1 and "layer 1 slot 3" in problems[0] and "corrupt" in problems[0]
+    assert main(["verify", str(copy)]) == 1
