@@ -45,6 +45,7 @@ class MoEEngine:
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
         self.n_layer = len(expert_paths)
+        self.memory_budget = parse_bytes(cache_bytes)   # bytes of the expert cache (0: every expert)
         self._paths = [ffi.new("char[]", str(p).encode()) if p else ffi.NULL for p in expert_paths]
         self._path_array = ffi.new("const char *[]", self._paths)
         p = ffi.new("ls_moe_params *")

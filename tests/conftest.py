@@ -12,7 +12,8 @@ and the test tiers (pyproject.toml [tool.pytest.ini_options], scripts/test.sh):
     .venv/bin/python -m pytest tests/bench/test_kernel_bench.py --benchmark-only   # benchmarks
 
 `slow` is put on every test that needs a real model (a fixture of SLOW_FIXTURES, directly or
-through another fixture) and on the few tests of SLOW_TESTS, here, at collection: a new test on
+through another fixture), on the few tests of SLOW_TESTS and on the cases of FAST_CASES' tests it
+does not name, here, at collection: a new test on
 SmolLM2 is slow because of the fixture it asks for, with no mark to forget. Tests that use
 pytest-benchmark's `benchmark` fixture are skipped unless --benchmark-only (those alone) or
 --benchmark-enable (those too) is given."""
@@ -44,6 +45,21 @@ SLOW_TESTS = {
     ("test_stages.py", "test_cli_rerun_after_interruption_resumes"): "a killed conversion in a child, then a resumed one",
     ("test_packaging.py", "test_every_top_level_name_starts_with_leanstream"): "builds a wheel",
     ("test_packaging.py", "test_the_wheel_holds_the_data_and_no_repository_folder"): "builds a wheel",
+    # the fast tier's budget (~90 s on 2 cores): these convert or train for 10-40 s each; the
+    # fast tier keeps a cheaper test of the same property (named after the arrow)
+    ("test_convert_budget.py", "test_a_model_larger_than_the_limit_converts_within_it"):
+        "converts under a tight cgroup -> test_convert_budget's killed-conversion resumes",
+    ("test_converter.py", "test_cli_convert_trains_predictors"): "trains predictors -> test_predictor's pipeline tests",
+    ("test_converter.py", "test_interrupted_then_resumed"): "two conversions -> test_convert_budget's kill points",
+    ("test_predictor.py", "test_training_beats_chance"): "trains for seconds -> test_predictor's export round trips",
+    ("test_stages.py", "test_uninterrupted_conversion_is_complete"): "trains predictors -> test_convert_budget",
+    ("test_stages.py", "test_killed_conversion_resumes_to_the_same_files"): "trains predictors, twice",
+}
+# parametrizations the fast tier keeps of a test whose cases each take seconds (the full suite
+# runs every one): one per family of what they cover
+FAST_CASES = {
+    ("test_archs.py", "test_speculative_greedy_equals_plain"): {"llama3-auto", "qwen3-auto", "gemma3-ngram-fixed"},
+    ("test_gemma3.py", "test_gelu_op_matches_reference"): {"1-f16", "5-gemma3-types"},
 }
 
 
@@ -55,7 +71,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         names = getattr(item, "fixturenames", ())     # every fixture it needs, transitively
         test = (item.path.name, getattr(item, "originalname", item.name))
-        if any(f in SLOW_FIXTURES for f in names) or test in SLOW_TESTS:
+        case = getattr(getattr(item, "callspec", None), "id", None)
+        if (any(f in SLOW_FIXTURES for f in names) or test in SLOW_TESTS
+                or (test in FAST_CASES and case not in FAST_CASES[test])):
             item.add_marker(pytest.mark.slow)
         if "benchmark" in names and not with_bench:
             item.add_marker(skip_bench)

@@ -7,8 +7,6 @@
 #include "ggml.h"
 #include "ggml-cpu.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -175,32 +173,6 @@ static ls_status check_permutation(const ls_layer * L, const char * path) {
     return LS_OK;
 }
 
-// L->fd: the data's descriptor, the file st describes (the one whose header was read)
-static ls_status open_data(ls_layer * L, const char * path, const struct stat * st, bool use_direct_io, bool * direct_io) {
-    // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
-    if (use_direct_io) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
-        if (L->fd < 0 && errno == EINVAL) {
-            *direct_io = false; // filesystem without O_DIRECT (tmpfs): fall back, reported in stats
-        } else if (L->fd < 0) {
-            ls_set_error("%s: cannot open with O_DIRECT: %s", path, strerror(errno));
-            return LS_ERR_IO;
-        }
-    }
-    if (L->fd < 0) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-        if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
-        if (!use_direct_io) *direct_io = false;
-    }
-    // the file read above must be the one kept open (not replaced in between)
-    struct stat st2;
-    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st->st_dev || st2.st_ino != st->st_ino) {
-        ls_set_error("%s: the file changed while it was being opened", path);
-        return LS_ERR_IO;
-    }
-    return LS_OK;
-}
-
 // Header, tables and permutation read and checked through one descriptor, closed after; the data
 // then opened again as the I/O reads it.
 ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
@@ -221,5 +193,5 @@ ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool us
     close(fd);
     if (ost != LS_OK) return ost;
     for (int32_t b = 0; b < L->info.n_blocks; b++) L->slot_of_block[b] = -1;
-    return open_data(L, path, &st, use_direct_io, direct_io);
+    return ls_open_data(path, &st, use_direct_io, direct_io, &L->fd);
 }

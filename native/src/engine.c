@@ -13,13 +13,7 @@
 
 ls_status ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size) {
     if (!e) return LS_ERR_ARG;
-    pthread_mutex_lock(&e->err_mu);
-    ls_status st = e->err_status;
-    if (msg && msg_size) snprintf(msg, msg_size, "%s", st == LS_OK ? "" : e->err_msg);
-    e->err_status = LS_OK;
-    e->err_msg[0] = 0;
-    pthread_mutex_unlock(&e->err_mu);
-    return st;
+    return ls_error_slot_take(&e->err, msg, msg_size);
 }
 
 static uint64_t predictor_bytes(const ls_predictor * p) {
@@ -169,7 +163,7 @@ static ls_status new_engine(const ls_engine_params * rp, ls_engine ** out) {
     e->direct_io = true;
     pthread_mutex_init(&e->op_mu, NULL);
     pthread_mutex_init(&e->mu, NULL);
-    pthread_mutex_init(&e->err_mu, NULL);
+    pthread_mutex_init(&e->err.mu, NULL);
     *out = e;
     e->layers = calloc((size_t) rp->n_layers, sizeof(ls_layer));
     if (!e->layers) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
@@ -364,6 +358,8 @@ static ls_status start_io(ls_engine * e) {
     return st;
 }
 
+static void free_engine(void * e) { ls_engine_free(e); }   // a failed create's cleanup
+
 ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (out) *out = NULL;   // on every failure
     if (!p || !out || p->n_layers <= 0 || !p->block_paths) { ls_set_error("ls_engine_create: bad arguments"); return LS_ERR_ARG; }
@@ -383,13 +379,7 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
     if (st == LS_OK) st = alloc_plan(e, &t);
     if (st == LS_OK) st = pick_resident_sets(e, p, &t);
     if (st == LS_OK) st = start_io(e);
-    if (st != LS_OK) {   // the first failure's message outlives the cleanup
-        char saved[LS_MAX_ERRMSG];
-        snprintf(saved, sizeof(saved), "%s", ls_errmsg());
-        ls_engine_free(e);
-        ls_set_error("%s", saved);
-        return st;
-    }
+    if (st != LS_OK) return ls_create_failed(st, free_engine, e);
     *out = e;
     return LS_OK;
 }
@@ -424,7 +414,7 @@ void ls_engine_free(ls_engine * e) {
     ls_head_free(&e->head);
     pthread_mutex_destroy(&e->op_mu);
     pthread_mutex_destroy(&e->mu);
-    pthread_mutex_destroy(&e->err_mu);
+    pthread_mutex_destroy(&e->err.mu);
     free(e);
 }
 

@@ -25,6 +25,7 @@
 #include "leanstream.h"
 
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <sys/uio.h>
@@ -115,6 +116,34 @@ typedef struct ls_layer {
     ls_layer_stats     stats;
 } ls_layer;
 
+// A FIFO of work items (item_size bytes each, at most LS_WORKQ_MAX_ITEM) and the threads that run
+// them (util.c): the I/O workers of the dense engine (io.c) and of the MoE engine (moe_io.c). The
+// ring starts at cap items and doubles as items wait, up to max_cap; an item that still finds it
+// full runs in the thread that submits it rather than overwrite a queued one. Workers leave once
+// stop is set and the ring is empty.
+#define LS_WORKQ_MAX_ITEM 4096
+typedef struct ls_workq {
+    void         (* run)(void * owner, void * item);   // one item, on a worker (or the submitter)
+    void         (* idle)(void * owner);   // a worker finds the ring empty (mu held; NULL: nothing)
+    void *          owner;
+    size_t          item_size;
+    pthread_t *     threads;
+    int             n_threads;
+    pthread_mutex_t mu;                    // held by the submitter around ls_workq_push
+    pthread_cond_t  cv;
+    uint8_t *       ring;                  // [cap][item_size]
+    int32_t         cap, max_cap, head, count;
+    bool            stop;
+} ls_workq;
+
+// The error slot of an engine (ls_engine, ls_moe): the first error an I/O worker or an op
+// recorded since the last take (later ones are usually consequences).
+typedef struct ls_error_slot {
+    pthread_mutex_t mu;
+    ls_status       status;
+    char            msg[LS_MAX_ERRMSG];
+} ls_error_slot;
+
 // One read of a contiguous range of one layer's file: blocks into their (scattered) cache slots,
 // and the unselected blocks between them (a bridged gap: cheaper to read than another I/O, see
 // io.c) into the engine's bridge buffer, where they are dropped.
@@ -130,13 +159,7 @@ typedef struct ls_read {
 } ls_read;
 
 typedef struct ls_io {
-    pthread_t *     threads;
-    int             n_threads;
-    pthread_mutex_t mu;
-    pthread_cond_t  cv;
-    ls_read *       queue;      // ring buffer (grows to max_cap as reads wait)
-    int             cap, max_cap, head, count;
-    bool            stop;
+    ls_workq        q;          // of ls_read (grows to max_cap as reads wait)
     uint32_t        delay_us;   // test hooks (e->hooks): jitter, and one read that fails
     int32_t         fault;
     _Atomic int64_t fault_countdown;
@@ -274,9 +297,7 @@ struct ls_engine {
     // the state other threads read while an op runs (cache metadata, the layers' last plans, the
     // controller's record): thread 0 takes mu where it changes it (planning, the next chunk, the end)
     pthread_mutex_t  mu;
-    pthread_mutex_t  err_mu;
-    ls_status        err_status;
-    char             err_msg[LS_MAX_ERRMSG];
+    ls_error_slot    err;
     bool             direct_io;      // O_DIRECT active on the block files
     int32_t          n_hot;          // blocks marked hot (kept resident once loaded)
     uint64_t         resident_bytes; // sketches + predictors (taken from the memory budget)
@@ -323,10 +344,36 @@ void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1,
 bool        ls_grow(void ** p, size_t * cap, size_t need, size_t elem);
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
                 __attribute__((format(printf, 3, 4)));
+// the error slot: *slot keeps (st, the message) unless it holds an error already; take: the kept
+// status (LS_OK: none) and message into msg, the slot emptied
+void        ls_error_slot_record(ls_error_slot * slot, ls_status st, const char * fmt, va_list ap)
+                __attribute__((format(printf, 3, 0)));
+ls_status   ls_error_slot_take(ls_error_slot * slot, char * msg, size_t msg_size);
+// what an eval call returns: the slot's error (taken) as the thread's message (ls_errmsg), or LS_OK
+ls_status   ls_error_slot_raise(ls_error_slot * slot);
+// A create's failure: obj freed by free_obj (whose cleanup may set messages of its own) and the
+// first failure's message kept; returns st.
+ls_status   ls_create_failed(ls_status st, void (* free_obj)(void *), void * obj);
 uint64_t    ls_now_ns(void);
 struct stat;
 ls_status   ls_open_regular(const char * path, int * fd, struct stat * st);
+// *fd: the data's descriptor of path, the file st describes (the one whose header was read),
+// O_DIRECT unless use_direct_io is false or the file system refuses it (then *direct_io cleared)
+ls_status   ls_open_data(const char * path, const struct stat * st, bool use_direct_io, bool * direct_io, int * fd);
+// iov's n_iov (<= LS_MAX_IOV) pieces read from fd at offset, resumed after short reads and EINTR:
+// NULL when they all arrived, else why not ("I/O error", "short read ..."), *err its errno (0: none)
+const char * ls_preadv_all(int fd, const struct iovec * iov, int n_iov, uint64_t offset, int * err);
+// the queue's mu, cv, ring (cap items, up to max_cap) and n_threads workers; run, idle, owner and
+// item_size set before. stop: every queued item run, the workers joined, all freed (idempotent).
+ls_status   ls_workq_start(ls_workq * q, int n_threads, int32_t cap, int32_t max_cap);
+void        ls_workq_stop(ls_workq * q);
+// called with q->mu held: the item (item_size bytes, copied) queued, or run now if the ring is full
+void        ls_workq_push(ls_workq * q, const void * item);
 void        ls_barrier_wait(ls_barrier * b, int n);
+// fn(ctx, ith, n_threads) on n_threads (<= LS_MAX_TEAM) threads at once, ith 0 on the calling
+// thread: all of them or none (false: not every thread could be started; fn did not run)
+#define LS_MAX_TEAM 64
+bool        ls_run_team(void (* fn)(void * ctx, int ith, int nth), void * ctx, int n_threads);
 // wait while *word == value: spin briefly, then sleep (counted in *sleepers); ls_wake after a change
 void        ls_wait_while(_Atomic int32_t * word, int32_t value, _Atomic int32_t * sleepers);
 void        ls_wake(_Atomic int32_t * word, _Atomic int32_t * sleepers);
@@ -519,15 +566,11 @@ typedef struct ls_moe_read {
     _Atomic int32_t * flag[LS_MOE_MAX_IOV];   // set to LS_BLK_READY / LS_BLK_FAILED when done
     struct iovec      iov[LS_MOE_MAX_IOV];
 } ls_moe_read;
+_Static_assert(sizeof(ls_read) <= LS_WORKQ_MAX_ITEM && sizeof(ls_moe_read) <= LS_WORKQ_MAX_ITEM, "a read is a work item");
+_Static_assert(LS_MOE_MAX_IOV <= LS_MAX_IOV, "ls_preadv_all takes up to LS_MAX_IOV pieces");
 
 typedef struct ls_moe_io {
-    pthread_t *      threads;
-    int              n_threads;
-    pthread_mutex_t  mu;
-    pthread_cond_t   cv;
-    ls_moe_read *    queue;              // ring of cap reads
-    int32_t          cap, max_cap, head, count;
-    bool             stop;
+    ls_workq         q;                  // of ls_moe_read
     _Atomic int64_t  fault_countdown;    // test hooks: the read that fails
 } ls_moe_io;
 
@@ -586,9 +629,7 @@ struct ls_moe {
     ls_barrier       barrier;
     _Atomic int32_t  sleepers;           // threads asleep on an expert's flag
     pthread_mutex_t  op_mu;              // one op (or pin, or stats reset) at a time
-    pthread_mutex_t  err_mu;
-    ls_status        err_status;
-    char             err_msg[LS_MAX_ERRMSG];
+    ls_error_slot    err;
 };
 
 // moe_io.c

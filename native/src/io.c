@@ -66,29 +66,10 @@ static void do_read(ls_engine * e, ls_read * r) {
     if (fault == LS_FAULT_SHORT) { finish_read(e, r, LS_ERR_IO, "short read (injected)", 0); return; }
     size_t want = 0;
     for (int32_t i = 0; i < r->n_iov; i++) want += r->iov[i].iov_len;
-    struct iovec iov[LS_MAX_IOV];
-    memcpy(iov, r->iov, sizeof(struct iovec) * (size_t) r->n_iov);
-    struct iovec * cur = iov;
-    int n_iov = r->n_iov;
-    size_t done = 0;
     const uint64_t t0 = ls_now_ns();
-    while (done < want) {
-        ssize_t got = preadv(L->fd, cur, n_iov, (off_t) (r->offset + done));
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            finish_read(e, r, LS_ERR_IO, "I/O error", errno);
-            return;
-        }
-        if (got == 0) {
-            finish_read(e, r, LS_ERR_IO, "short read (file truncated?)", 0);
-            return;
-        }
-        done += (size_t) got;
-        // advance the iovec past what arrived (O_DIRECT short reads stay block aligned)
-        size_t adv = (size_t) got;
-        while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
-        if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
-    }
+    int err;
+    const char * why = ls_preadv_all(L->fd, r->iov, r->n_iov, r->offset, &err);
+    if (why) { finish_read(e, r, LS_ERR_IO, why, err); return; }
     atomic_fetch_add(&e->io.read_ns, ls_now_ns() - t0);   // the controller's disk state (control.c)
     atomic_fetch_add(&e->io.read_bytes, (uint64_t) want);
     if (fault == LS_FAULT_CORRUPT) {   // the bytes of the read's first block arrive with one bit flipped
@@ -98,33 +79,21 @@ static void do_read(ls_engine * e, ls_read * r) {
     finish_read(e, r, LS_OK, NULL, 0);
 }
 
-static void * io_worker(void * arg) {
-    ls_engine * e = arg;
-    ls_io * io = &e->io;
-    uint64_t cpu0 = thread_cpu_ns();
-    for (;;) {
-        pthread_mutex_lock(&io->mu);
-        if (io->count == 0) {   // going idle: account the CPU this worker spent since it woke
-            const uint64_t cpu = thread_cpu_ns();
-            atomic_fetch_add_explicit(&io->cpu_ns, cpu - cpu0, memory_order_relaxed);
-            cpu0 = cpu;
-        }
-        while (!io->stop && io->count == 0) pthread_cond_wait(&io->cv, &io->mu);
-        if (io->stop && io->count == 0) { pthread_mutex_unlock(&io->mu); return NULL; }
-        ls_read r = io->queue[io->head];
-        io->head = (io->head + 1) % io->cap;
-        io->count--;
-        pthread_mutex_unlock(&io->mu);
-        do_read(e, &r);
-    }
+static void run_read(void * owner, void * item) { do_read(owner, item); }
+
+// A worker going idle: the CPU it spent since it last went idle, accounted
+static _Thread_local uint64_t worker_cpu0;
+static void worker_idle(void * owner) {
+    ls_engine * e = owner;
+    const uint64_t cpu = thread_cpu_ns();
+    atomic_fetch_add_explicit(&e->io.cpu_ns, cpu - worker_cpu0, memory_order_relaxed);
+    worker_cpu0 = cpu;
 }
 
 ls_status ls_io_start(ls_engine * e, int n_threads) {
     ls_io * io = &e->io;
     const ls_test_hooks * hooks = &e->hooks;
     memset(io, 0, sizeof(*io));
-    pthread_mutex_init(&io->mu, NULL);
-    pthread_cond_init(&io->cv, NULL);
     io->delay_us = hooks->io_delay_us;
     io->fault = hooks->fault_read > 0 ? hooks->fault : LS_FAULT_NONE;
     atomic_store(&io->fault_countdown, (int64_t) hooks->fault_read);
@@ -136,68 +105,21 @@ ls_status ls_io_start(ls_engine * e, int n_threads) {
     // room for this op's reads, the next layer's prefetch and let-go prefetches at one block a
     // read; the ring starts small and grows as reads wait (an entry is 1.3 KiB: sized for the worst
     // case at once, Qwen2.5-1.5B's 35 MB of ring became resident as its head went round, memory
-    // the plan gives the FFN cache; dense streaming keeps ~120 reads queued)
-    io->max_cap = 3 * max_blocks + 3;
-    if (queue_cap > 0 && (int32_t) queue_cap < io->max_cap) io->max_cap = (int32_t) queue_cap; // test hook
+    // the plan gives the FFN cache; dense streaming keeps ~120 reads queued). The queue holds one
+    // layer's reads, the next layer's prefetch and reads of prefetched blocks that were let go
+    // before they landed; should it still be full, the submitting thread does the read itself.
+    int32_t max_cap = 3 * max_blocks + 3;
+    if (queue_cap > 0 && (int32_t) queue_cap < max_cap) max_cap = (int32_t) queue_cap; // test hook
     const int32_t start = hooks->io_queue_start > 0 ? (int32_t) hooks->io_queue_start : LS_IO_QUEUE_START; // (test hook)
-    io->cap = io->max_cap < start ? io->max_cap : start;
-    io->queue = malloc(sizeof(ls_read) * (size_t) io->cap);
-    io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
-    if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    for (int i = 0; i < n_threads; i++) {
-        if (pthread_create(&io->threads[i], NULL, io_worker, e) != 0) {
-            ls_set_error("cannot start I/O thread %d", i);
-            return LS_ERR_NOMEM;
-        }
-        io->n_threads++;
-    }
-    return LS_OK;
+    io->q = (ls_workq) { .run = run_read, .idle = worker_idle, .owner = e, .item_size = sizeof(ls_read) };
+    return ls_workq_start(&io->q, n_threads, start, max_cap);
 }
 
 void ls_io_stop(ls_engine * e) {
     ls_io * io = &e->io;
-    if (!io->threads) return;
-    pthread_mutex_lock(&io->mu);
-    io->stop = true;
-    pthread_cond_broadcast(&io->cv);
-    pthread_mutex_unlock(&io->mu);
-    for (int i = 0; i < io->n_threads; i++) pthread_join(io->threads[i], NULL);
-    free(io->threads);
-    free(io->queue);
+    ls_workq_stop(&io->q);
     free(io->bridge);
-    pthread_mutex_destroy(&io->mu);
-    pthread_cond_destroy(&io->cv);
     memset(io, 0, sizeof(*io));
-}
-
-// Called with io->mu held: the ring twice as long (up to max_cap), its reads in order from 0. A
-// failed allocation leaves it as it was (push then reads in the submitting thread).
-static void grow_queue(ls_io * io) {
-    const int32_t cap = io->cap * 2 < io->max_cap ? io->cap * 2 : io->max_cap;
-    ls_read * q = malloc(sizeof(ls_read) * (size_t) cap);
-    if (!q) return;
-    for (int32_t i = 0; i < io->count; i++) q[i] = io->queue[(io->head + i) % io->cap];
-    free(io->queue);
-    io->queue = q;
-    io->head = 0;
-    io->cap = cap;
-}
-
-// Called with io->mu held. The queue holds one layer's reads, the next layer's prefetch and
-// reads of prefetched blocks that were let go before they landed; should it still be full, the
-// submitting thread does the read itself rather than overwrite a queued one.
-static void push(ls_engine * e, ls_read * r) {
-    ls_io * io = &e->io;
-    if (io->count == io->cap && io->cap < io->max_cap) grow_queue(io);
-    if (io->count == io->cap) {
-        pthread_mutex_unlock(&io->mu);
-        do_read(e, r);
-        pthread_mutex_lock(&io->mu);
-        return;
-    }
-    io->queue[(io->head + io->count) % io->cap] = *r;
-    io->count++;
-    pthread_cond_signal(&io->cv);
 }
 
 void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n) {
@@ -205,7 +127,7 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
     const uint64_t stride = L->info.block_stride;
     const uint64_t max_bytes = e->params.max_read_bytes > stride ? e->params.max_read_bytes : stride;
     const int64_t max_gap = (int64_t) (io->op_bridge / stride);   // whole blocks bridged
-    pthread_mutex_lock(&io->mu);
+    pthread_mutex_lock(&io->q.mu);
     ls_read r;
     r.n_iov = 0;
     int32_t end = -1;     // the block after the current read's last one
@@ -217,7 +139,7 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
                              bytes + (uint64_t) (gap + 1) * stride <= max_bytes &&
                              r.n_iov + (gap > 0) + 1 <= LS_MAX_IOV;
         if (!extends) {
-            if (r.n_iov > 0) push(e, &r);
+            if (r.n_iov > 0) ls_workq_push(&io->q, &r);
             r.L = L;
             r.n_iov = r.n_blocks = 0;
             r.bridged = 0;
@@ -239,8 +161,8 @@ void ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n
         bytes += stride;
         end = b + 1;
     }
-    if (r.n_iov > 0) push(e, &r);
-    pthread_mutex_unlock(&io->mu);
+    if (r.n_iov > 0) ls_workq_push(&io->q, &r);
+    pthread_mutex_unlock(&io->q.mu);
 }
 
 // ---- the disk model ----------------------------------------------------------------------------
@@ -274,7 +196,7 @@ static void * probe_worker(void * arg) {
 
 // Wall time of n_reads reads (len bytes each, 0: one block) spread over the I/O thread count.
 static ls_status probe_run(ls_engine * e, uint64_t len, int32_t n_reads, uint64_t seed, uint64_t * ns) {
-    const int nt = e->io.n_threads;
+    const int nt = e->io.q.n_threads;
     probe_job jobs[LS_MAX_IO_THREADS];
     pthread_t th[LS_MAX_IO_THREADS];
     const size_t buf_bytes = e->params.max_read_bytes;
@@ -315,14 +237,14 @@ ls_status ls_io_plan_model(ls_engine * e, bool probe) {
     }
     if (probe && e->n_layers > 0) {
         // small reads at full depth (after a warm-up), then large ones: ~1 K reads and up to 32 MiB
-        const int32_t n_small = 64 * io->n_threads > 1024 ? 64 * io->n_threads : 1024;
+        const int32_t n_small = 64 * io->q.n_threads > 1024 ? 64 * io->q.n_threads : 1024;
         const uint64_t big = e->params.max_read_bytes;
         uint64_t big_total = data < (32u << 20) ? data : (32u << 20);
-        int32_t n_big = (int32_t) (big_total / big) > io->n_threads ? (int32_t) (big_total / big) : io->n_threads;
+        int32_t n_big = (int32_t) (big_total / big) > io->q.n_threads ? (int32_t) (big_total / big) : io->q.n_threads;
         // each phase twice, the faster kept: a one-off stall (the first reads after a file was
         // written measured 20x slower here) must not set the plan for the whole session
         uint64_t t_warm, t_small = UINT64_MAX, t_big = UINT64_MAX, t;
-        ls_status st = probe_run(e, 0, io->n_threads, 1, &t_warm);
+        ls_status st = probe_run(e, 0, io->q.n_threads, 1, &t_warm);
         for (int rep = 0; rep < 2 && st == LS_OK; rep++) {
             st = probe_run(e, 0, n_small, 2 + 2 * (uint64_t) rep, &t);
             if (st == LS_OK && t < t_small) t_small = t;

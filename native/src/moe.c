@@ -189,6 +189,8 @@ static ls_status open_layers(ls_moe * m, const char * const * paths, uint64_t * 
     return LS_OK;
 }
 
+static void free_moe(void * m) { ls_moe_free(m); }   // a failed create's cleanup
+
 ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_moe ** out) {
     if (!p || !out) { ls_set_error("ls_moe_create: null argument"); return LS_ERR_ARG; }
     *out = NULL;
@@ -202,20 +204,14 @@ ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_
     m->n_layer = p->n_layer;
     m->direct_io = !m->hooks.buffered_io;
     pthread_mutex_init(&m->op_mu, NULL);
-    pthread_mutex_init(&m->err_mu, NULL);
+    pthread_mutex_init(&m->err.mu, NULL);
     m->layers = calloc((size_t) m->n_layer, sizeof(ls_moe_layer));
     if (!m->layers) { ls_set_error("out of memory"); free(m); return LS_ERR_NOMEM; }
     uint64_t total = 0, align = 4096;
     st = open_layers(m, paths, &total, &align);
     if (st == LS_OK) st = make_cache(m, total, align);
     if (st == LS_OK) st = ls_moe_io_start(m, m->params.n_io_threads);
-    if (st != LS_OK) {
-        char msg[LS_MAX_ERRMSG];
-        snprintf(msg, sizeof(msg), "%s", ls_errmsg());
-        ls_moe_free(m);
-        ls_set_error("%s", msg);
-        return st;
-    }
+    if (st != LS_OK) return ls_create_failed(st, free_moe, m);
     *out = m;
     return LS_OK;
 }
@@ -235,7 +231,7 @@ void ls_moe_free(ls_moe * m) {
     free(m->slot_layer); free(m->slot_expert); free(m->slot_pins); free(m->free_list); free(m->lru_prev); free(m->lru_next);
     plan_free(&m->plan);
     pthread_mutex_destroy(&m->op_mu);
-    pthread_mutex_destroy(&m->err_mu);
+    pthread_mutex_destroy(&m->err.mu);
     free(m);
 }
 
@@ -253,13 +249,7 @@ ls_status ls_moe_layer_info(const ls_moe * m, int32_t il, ls_moe_info * out) {
 
 ls_status ls_moe_take_error(ls_moe * m, char * msg, size_t msg_size) {
     if (!m) return LS_ERR_ARG;
-    pthread_mutex_lock(&m->err_mu);
-    const ls_status st = m->err_status;
-    if (msg && msg_size) snprintf(msg, msg_size, "%s", st == LS_OK ? "" : m->err_msg);
-    m->err_status = LS_OK;
-    m->err_msg[0] = 0;
-    pthread_mutex_unlock(&m->err_mu);
-    return st;
+    return ls_error_slot_take(&m->err, msg, msg_size);
 }
 
 // ---- the hot set -------------------------------------------------------------------------------
@@ -718,19 +708,9 @@ struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml_tensor
 
 // ---- the op outside a graph ----------------------------------------------------------------------
 
-typedef struct eval_thread_arg {
-    ls_moe *          m;
-    const moe_args *  a;
-    int               ith, nth;
-    _Atomic int32_t * go;          // 0: wait, 1: run, -1: abandon
-    _Atomic int32_t * sleepers;
-} eval_thread_arg;
-
-static void * eval_thread(void * p) {
-    eval_thread_arg * t = p;
-    ls_wait_while(t->go, 0, t->sleepers);
-    if (atomic_load_explicit(t->go, memory_order_acquire) > 0) moe_run(t->m, t->a, t->ith, t->nth);
-    return NULL;
+static void eval_thread(void * p, int ith, int nth) {
+    const moe_args * a = p;
+    moe_run(a->L->m, a, ith, nth);
 }
 
 ls_status ls_moe_eval(ls_moe * m, int32_t il, const float * x, int64_t n_tokens, const int32_t * ids, const float * weights,
@@ -741,27 +721,13 @@ ls_status ls_moe_eval(ls_moe * m, int32_t il, const float * x, int64_t n_tokens,
         return LS_ERR_ARG;
     }
     if (n_threads <= 0) n_threads = 1;
-    if (n_threads > 64) n_threads = 64;
+    if (n_threads > LS_MAX_TEAM) n_threads = LS_MAX_TEAM;
     const size_t row = sizeof(float) * (size_t) L->info.n_embd;
     const moe_args a = { .L = L, .x = x, .x_stride = row, .ids = (const uint8_t *) ids, .ids_k = 4, .ids_t = 4 * (size_t) n_used,
                          .w = (const uint8_t *) weights, .w_k = 4, .w_t = 4 * (size_t) n_used, .n_used = n_used,
                          .n_tokens = n_tokens, .y = y, .y_stride = row };
-    eval_thread_arg args[64];
-    pthread_t th[64];
-    _Atomic int32_t go = 0, sleepers = 0;
-    for (int i = 0; i < n_threads; i++) args[i] = (eval_thread_arg) { m, &a, i, n_threads, &go, &sleepers };
-    int started = 1;
-    for (int i = 1; i < n_threads; i++, started++)
-        if (pthread_create(&th[i], NULL, eval_thread, &args[i]) != 0) break;
-    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_seq_cst);
-    ls_wake(&go, &sleepers);
-    if (started == n_threads) eval_thread(&args[0]);
-    for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
-    if (started < n_threads) { ls_set_error("ls_moe_eval: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
-    char msg[LS_MAX_ERRMSG];
-    const ls_status st = ls_moe_take_error(m, msg, sizeof(msg));
-    if (st != LS_OK) ls_set_error("%s", msg);
-    return st;
+    if (!ls_run_team(eval_thread, (void *) &a, n_threads)) { ls_set_error("ls_moe_eval: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
+    return ls_error_slot_raise(&m->err);
 }
 
 // ---- counters ----------------------------------------------------------------------------------

@@ -14,7 +14,6 @@
 #include "ggml-cpu.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,15 +22,10 @@
 #include <unistd.h>
 
 void ls_moe_record_error(ls_moe * m, ls_status st, const char * fmt, ...) {
-    pthread_mutex_lock(&m->err_mu);
-    if (m->err_status == LS_OK) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(m->err_msg, sizeof(m->err_msg), fmt, ap);
-        va_end(ap);
-        m->err_status = st;
-    }
-    pthread_mutex_unlock(&m->err_mu);
+    va_list ap;
+    va_start(ap, fmt);
+    ls_error_slot_record(&m->err, st, fmt, ap);
+    va_end(ap);
 }
 
 // ---- the header ----------------------------------------------------------------------------------
@@ -169,26 +163,6 @@ static ls_status read_tables(int fd, const char * path, ls_moe_layer * L, const 
     return LS_OK;
 }
 
-// L->fd: the data's descriptor (O_DIRECT unless the file system refuses it), the same file as st
-static ls_status open_data(ls_moe_layer * L, const char * path, const struct stat * st, bool use_direct_io, bool * direct_io) {
-    if (use_direct_io) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
-        if (L->fd < 0 && errno == EINVAL) *direct_io = false;   // tmpfs and the like: page cache it is
-        else if (L->fd < 0) { ls_set_error("%s: cannot open with O_DIRECT: %s", path, strerror(errno)); return LS_ERR_IO; }
-    }
-    if (L->fd < 0) {
-        L->fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-        if (L->fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
-        if (!use_direct_io) *direct_io = false;
-    }
-    struct stat st2;
-    if (fstat(L->fd, &st2) != 0 || st2.st_dev != st->st_dev || st2.st_ino != st->st_ino) {
-        ls_set_error("%s: the file changed while it was being opened", path);
-        return LS_ERR_IO;
-    }
-    return LS_OK;
-}
-
 ls_status ls_moe_file_open(ls_moe_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
     L->il = il;
     L->fd = -1;
@@ -213,7 +187,7 @@ ls_status ls_moe_file_open(ls_moe_layer * L, int32_t il, const char * path, bool
     if (s == LS_OK) s = read_tables(fd, path, L, &hd);
     close(fd);
     if (s != LS_OK) return s;
-    return open_data(L, path, &st, use_direct_io, direct_io);
+    return ls_open_data(path, &st, use_direct_io, direct_io, &L->fd);
 }
 
 void ls_moe_file_close(ls_moe_layer * L) {
@@ -275,106 +249,33 @@ static void do_read(ls_moe * m, ls_moe_read * r) {
     const int32_t fault = injected_fault(m);
     if (fault == LS_FAULT_EIO) { finish_read(m, r, LS_ERR_IO, "I/O error (injected)", EIO); return; }
     if (fault == LS_FAULT_SHORT) { finish_read(m, r, LS_ERR_IO, "short read (injected)", 0); return; }
-    struct iovec iov[LS_MOE_MAX_IOV];
-    memcpy(iov, r->iov, sizeof(struct iovec) * (size_t) r->n);
-    struct iovec * cur = iov;
-    int n_iov = r->n;
-    size_t want = 0, done = 0;
-    for (int32_t i = 0; i < r->n; i++) want += r->iov[i].iov_len;
-    while (done < want) {
-        const ssize_t got = preadv(L->fd, cur, n_iov, (off_t) (r->offset + done));
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) { finish_read(m, r, LS_ERR_IO, "I/O error", errno); return; }
-        if (got == 0) { finish_read(m, r, LS_ERR_IO, "short read (file truncated?)", 0); return; }
-        done += (size_t) got;
-        size_t adv = (size_t) got;   // the iovecs past what arrived (O_DIRECT short reads stay aligned)
-        while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
-        if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
-    }
+    int err;
+    const char * why = ls_preadv_all(L->fd, r->iov, r->n, r->offset, &err);
+    if (why) { finish_read(m, r, LS_ERR_IO, why, err); return; }
     if (fault == LS_FAULT_CORRUPT) ((uint8_t *) r->iov[0].iov_base)[r->iov[0].iov_len / 2] ^= 0x10;   // one bit flipped
     finish_read(m, r, LS_OK, NULL, 0);
 }
 
-static void * io_worker(void * arg) {
-    ls_moe * m = arg;
-    ls_moe_io * io = &m->io;
-    for (;;) {
-        pthread_mutex_lock(&io->mu);
-        while (!io->stop && io->count == 0) pthread_cond_wait(&io->cv, &io->mu);
-        if (io->stop && io->count == 0) { pthread_mutex_unlock(&io->mu); return NULL; }
-        ls_moe_read r = io->queue[io->head];
-        io->head = (io->head + 1) % io->cap;
-        io->count--;
-        pthread_mutex_unlock(&io->mu);
-        do_read(m, &r);
-    }
-}
+static void run_read(void * owner, void * item) { do_read(owner, item); }
 
 ls_status ls_moe_io_start(ls_moe * m, int n_threads) {
     ls_moe_io * io = &m->io;
-    pthread_mutex_init(&io->mu, NULL);
-    pthread_cond_init(&io->cv, NULL);
     atomic_store(&io->fault_countdown, (int64_t) m->hooks.fault_read);
     // at most one read per cache slot is ever queued (a slot is read into once, then computed):
     // the ring starts small and grows towards that as reads wait
-    io->max_cap = m->n_slots + 1;
-    io->cap = io->max_cap < 64 ? io->max_cap : 64;
-    io->queue = malloc(sizeof(ls_moe_read) * (size_t) io->cap);
-    io->threads = calloc((size_t) n_threads, sizeof(pthread_t));
-    if (!io->queue || !io->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-    for (int i = 0; i < n_threads; i++) {
-        if (pthread_create(&io->threads[i], NULL, io_worker, m) != 0) { ls_set_error("cannot start I/O thread %d", i); return LS_ERR_NOMEM; }
-        io->n_threads++;
-    }
-    return LS_OK;
+    io->q = (ls_workq) { .run = run_read, .owner = m, .item_size = sizeof(ls_moe_read) };
+    return ls_workq_start(&io->q, n_threads, 64, m->n_slots + 1);
 }
 
 void ls_moe_io_stop(ls_moe * m) {
-    ls_moe_io * io = &m->io;
-    if (!io->queue && !io->threads) return;
-    pthread_mutex_lock(&io->mu);
-    io->stop = true;
-    pthread_cond_broadcast(&io->cv);
-    pthread_mutex_unlock(&io->mu);
-    for (int i = 0; i < io->n_threads; i++) pthread_join(io->threads[i], NULL);
-    free(io->threads);
-    free(io->queue);
-    pthread_mutex_destroy(&io->mu);
-    pthread_cond_destroy(&io->cv);
-    memset(io, 0, sizeof(*io));
-}
-
-// Called with io->mu held: the read queued, the ring doubled first when full; should that fail
-// (out of memory), the submitting thread reads it itself.
-static void push(ls_moe * m, const ls_moe_read * r) {
-    ls_moe_io * io = &m->io;
-    if (io->count == io->cap && io->cap < io->max_cap) {
-        const int32_t cap = io->cap * 2 < io->max_cap ? io->cap * 2 : io->max_cap;
-        ls_moe_read * q = malloc(sizeof(ls_moe_read) * (size_t) cap);
-        if (q) {
-            for (int32_t i = 0; i < io->count; i++) q[i] = io->queue[(io->head + i) % io->cap];
-            free(io->queue);
-            io->queue = q;
-            io->head = 0;
-            io->cap = cap;
-        }
-    }
-    if (io->count == io->cap) {
-        ls_moe_read copy = *r;
-        pthread_mutex_unlock(&io->mu);
-        do_read(m, &copy);
-        pthread_mutex_lock(&io->mu);
-        return;
-    }
-    io->queue[(io->head + io->count) % io->cap] = *r;
-    io->count++;
-    pthread_cond_signal(&io->cv);
+    ls_workq_stop(&m->io.q);
+    memset(&m->io, 0, sizeof(m->io));
 }
 
 void ls_moe_io_submit(ls_moe * m, ls_moe_layer * L, const int32_t * experts, _Atomic int32_t * const * flags, int32_t n) {
-    ls_moe_io * io = &m->io;
+    ls_workq * q = &m->io.q;
     const uint64_t stride = L->info.expert_stride;
-    pthread_mutex_lock(&io->mu);
+    pthread_mutex_lock(&q->mu);
     ls_moe_read r = { .L = L, .n = 0 };
     int32_t next_slot = -1;   // the file slot after the read's last one
     for (int32_t i = 0; i < n; i++) {
@@ -382,7 +283,7 @@ void ls_moe_io_submit(ls_moe * m, ls_moe_layer * L, const int32_t * experts, _At
         const bool extends = r.n > 0 && s == next_slot && r.n < LS_MOE_MAX_IOV &&
                              (uint64_t) (r.n + 1) * stride <= m->params.max_read_bytes;
         if (!extends) {
-            if (r.n > 0) push(m, &r);
+            if (r.n > 0) ls_workq_push(q, &r);
             r.n = 0;
             r.offset = L->data_offset + (uint64_t) s * stride;
         }
@@ -393,6 +294,6 @@ void ls_moe_io_submit(ls_moe * m, ls_moe_layer * L, const int32_t * experts, _At
         r.n++;
         next_slot = s + 1;
     }
-    if (r.n > 0) push(m, &r);
-    pthread_mutex_unlock(&io->mu);
+    if (r.n > 0) ls_workq_push(q, &r);
+    pthread_mutex_unlock(&q->mu);
 }

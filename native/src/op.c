@@ -611,20 +611,14 @@ typedef struct eval_arg {
     const float * x_res;
     float * y;
     int64_t n_tokens;
-    int ith, nth;
-    _Atomic int32_t * go;        // 0: wait, 1: run, -1: abandon (not every thread could be started)
-    _Atomic int32_t * sleepers;  // threads asleep on go
 } eval_arg;
 
-static void * eval_thread(void * p) {
-    eval_arg * a = p;
-    ls_wait_while(a->go, 0, a->sleepers);
-    if (atomic_load_explicit(a->go, memory_order_acquire) <= 0) return NULL;
+static void eval_thread(void * p, int ith, int nth) {
+    const eval_arg * a = p;
     for (int32_t il = a->il0; il < a->il0 + a->n_layers; il++) {   // one op after another, as in a graph
         ls_layer * L = &a->e->layers[il];
-        ls_op_run(a->e, L, a->x, sizeof(float) * (size_t) L->info.n_embd, a->x_res, a->y, a->n_tokens, a->ith, a->nth);
+        ls_op_run(a->e, L, a->x, sizeof(float) * (size_t) L->info.n_embd, a->x_res, a->y, a->n_tokens, ith, nth);
     }
-    return NULL;
 }
 
 ls_status ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const float * x, const float * x_res,
@@ -637,24 +631,8 @@ ls_status ls_ffn_eval_layers(ls_engine * e, int32_t il0, int32_t n_layers, const
         if (e->layers[il].info.n_embd != e->layers[il0].info.n_embd) { ls_set_error("ls_ffn_eval_layers: layers of different widths"); return LS_ERR_ARG; }
     }
     if (n_threads <= 0) n_threads = 1;
-    if (n_threads > 64) n_threads = 64;
-    eval_arg args[64];
-    pthread_t th[64];
-    _Atomic int32_t go = 0, sleepers = 0;
-    for (int i = 0; i < n_threads; i++) {
-        args[i] = (eval_arg) { e, il0, n_layers, x, x_res, y, n_tokens, i, n_threads, &go, &sleepers };
-    }
-    int started = 1;
-    for (int i = 1; i < n_threads; i++, started++) {
-        if (pthread_create(&th[i], NULL, eval_thread, &args[i]) != 0) break;
-    }
-    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_seq_cst);
-    ls_wake(&go, &sleepers);
-    if (started == n_threads) eval_thread(&args[0]);
-    for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
-    if (started < n_threads) { ls_set_error("ls_ffn_eval_layers: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
-    char msg[LS_MAX_ERRMSG];
-    ls_status st = ls_engine_take_error(e, msg, sizeof(msg));
-    if (st != LS_OK) ls_set_error("%s", msg);
-    return st;
+    if (n_threads > LS_MAX_TEAM) n_threads = LS_MAX_TEAM;
+    eval_arg a = { e, il0, n_layers, x, x_res, y, n_tokens };
+    if (!ls_run_team(eval_thread, &a, n_threads)) { ls_set_error("ls_ffn_eval_layers: cannot start %d threads", n_threads); return LS_ERR_NOMEM; }
+    return ls_error_slot_raise(&e->err);
 }

@@ -1,4 +1,5 @@
-// util.c — errors, clocks, spinning, the barrier, opening model files safely, growing scratch
+// util.c — errors (the thread's message, an engine's error slot), clocks, spinning, the barrier,
+// opening model files safely and reading them whole, the I/O workers' queue, growing scratch
 // buffers: leaf utilities every other file uses (this file calls no other file of the library).
 
 #include "internal.h"
@@ -7,6 +8,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,16 +30,45 @@ void ls_set_error(const char * fmt, ...) {
 const char * ls_errmsg(void) { return ls_tls_errmsg; }
 int32_t ls_abi_version(void) { return LS_ABI_VERSION; }
 
-void ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...) {
-    pthread_mutex_lock(&e->err_mu);
-    if (e->err_status == LS_OK) { // keep the first error: later ones are usually consequences
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(e->err_msg, sizeof(e->err_msg), fmt, ap);
-        va_end(ap);
-        e->err_status = st;
+void ls_error_slot_record(ls_error_slot * slot, ls_status st, const char * fmt, va_list ap) {
+    pthread_mutex_lock(&slot->mu);
+    if (slot->status == LS_OK) { // keep the first error: later ones are usually consequences
+        vsnprintf(slot->msg, sizeof(slot->msg), fmt, ap);
+        slot->status = st;
     }
-    pthread_mutex_unlock(&e->err_mu);
+    pthread_mutex_unlock(&slot->mu);
+}
+
+ls_status ls_error_slot_take(ls_error_slot * slot, char * msg, size_t msg_size) {
+    pthread_mutex_lock(&slot->mu);
+    const ls_status st = slot->status;
+    if (msg && msg_size) snprintf(msg, msg_size, "%s", st == LS_OK ? "" : slot->msg);
+    slot->status = LS_OK;
+    slot->msg[0] = 0;
+    pthread_mutex_unlock(&slot->mu);
+    return st;
+}
+
+ls_status ls_error_slot_raise(ls_error_slot * slot) {
+    char msg[LS_MAX_ERRMSG];
+    const ls_status st = ls_error_slot_take(slot, msg, sizeof(msg));
+    if (st != LS_OK) ls_set_error("%s", msg);
+    return st;
+}
+
+void ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    ls_error_slot_record(&e->err, st, fmt, ap);
+    va_end(ap);
+}
+
+ls_status ls_create_failed(ls_status st, void (* free_obj)(void *), void * obj) {
+    char saved[LS_MAX_ERRMSG];
+    snprintf(saved, sizeof(saved), "%s", ls_errmsg());
+    free_obj(obj);
+    ls_set_error("%s", saved);
+    return st;
 }
 
 uint64_t ls_now_ns(void) {
@@ -97,6 +128,36 @@ void ls_barrier_wait(ls_barrier * b, int n) {
     ls_wait_while(&b->gen, gen, &b->sleepers);
 }
 
+typedef struct team_arg {
+    void           (* fn)(void * ctx, int ith, int nth);
+    void *            ctx;
+    int               ith, nth;
+    _Atomic int32_t * go;          // 0: wait, 1: run, -1: abandon (not every thread could be started)
+    _Atomic int32_t * sleepers;    // threads asleep on go
+} team_arg;
+
+static void * team_thread(void * p) {
+    const team_arg * t = p;
+    ls_wait_while(t->go, 0, t->sleepers);
+    if (atomic_load_explicit(t->go, memory_order_acquire) > 0) t->fn(t->ctx, t->ith, t->nth);
+    return NULL;
+}
+
+bool ls_run_team(void (* fn)(void * ctx, int ith, int nth), void * ctx, int n_threads) {
+    team_arg args[LS_MAX_TEAM];
+    pthread_t th[LS_MAX_TEAM];
+    _Atomic int32_t go = 0, sleepers = 0;
+    for (int i = 0; i < n_threads; i++) args[i] = (team_arg) { fn, ctx, i, n_threads, &go, &sleepers };
+    int started = 1;
+    for (int i = 1; i < n_threads; i++, started++)
+        if (pthread_create(&th[i], NULL, team_thread, &args[i]) != 0) break;
+    atomic_store_explicit(&go, started == n_threads ? 1 : -1, memory_order_seq_cst);
+    ls_wake(&go, &sleepers);
+    if (started == n_threads) team_thread(&args[0]);
+    for (int i = 1; i < started; i++) pthread_join(th[i], NULL);
+    return started == n_threads;
+}
+
 // Open a file of the model directory for reading: the last path component must not be a
 // symlink (the Python side resolves the path inside the model directory first), and it must be
 // a regular file — a FIFO or device would block or stream forever. O_NONBLOCK keeps open() of a
@@ -116,6 +177,135 @@ ls_status ls_open_regular(const char * path, int * fd_out, struct stat * st) {
     }
     *fd_out = fd;
     return LS_OK;
+}
+
+ls_status ls_open_data(const char * path, const struct stat * st, bool use_direct_io, bool * direct_io, int * fd) {
+    // the data is read with O_DIRECT: the page cache would hide the I/O the budget is about
+    if (use_direct_io) {
+        *fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_DIRECT);
+        if (*fd < 0 && errno == EINVAL) {
+            *direct_io = false; // filesystem without O_DIRECT (tmpfs): fall back, reported in stats
+        } else if (*fd < 0) {
+            ls_set_error("%s: cannot open with O_DIRECT: %s", path, strerror(errno));
+            return LS_ERR_IO;
+        }
+    }
+    if (*fd < 0) {
+        *fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (*fd < 0) { ls_set_error("%s: cannot open: %s", path, strerror(errno)); return LS_ERR_IO; }
+        if (!use_direct_io) *direct_io = false;
+    }
+    // the file read before must be the one kept open (not replaced in between)
+    struct stat st2;
+    if (fstat(*fd, &st2) != 0 || st2.st_dev != st->st_dev || st2.st_ino != st->st_ino) {
+        ls_set_error("%s: the file changed while it was being opened", path);
+        return LS_ERR_IO;
+    }
+    return LS_OK;
+}
+
+const char * ls_preadv_all(int fd, const struct iovec * iov, int n_iov, uint64_t offset, int * err) {
+    struct iovec left[LS_MAX_IOV];
+    memcpy(left, iov, sizeof(struct iovec) * (size_t) n_iov);
+    struct iovec * cur = left;
+    size_t want = 0, done = 0;
+    for (int i = 0; i < n_iov; i++) want += iov[i].iov_len;
+    *err = 0;
+    while (done < want) {
+        const ssize_t got = preadv(fd, cur, n_iov, (off_t) (offset + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) { *err = errno; return "I/O error"; }
+        if (got == 0) return "short read (file truncated?)";
+        done += (size_t) got;
+        // advance the iovecs past what arrived (O_DIRECT short reads stay block aligned)
+        size_t adv = (size_t) got;
+        while (n_iov > 0 && adv >= cur->iov_len) { adv -= cur->iov_len; cur++; n_iov--; }
+        if (n_iov > 0 && adv) { cur->iov_base = (uint8_t *) cur->iov_base + adv; cur->iov_len -= adv; }
+    }
+    return NULL;
+}
+
+// ---- the work queue (ls_workq) -------------------------------------------------------------------
+
+static void * workq_worker(void * arg) {
+    ls_workq * q = arg;
+    _Alignas(max_align_t) uint8_t item[LS_WORKQ_MAX_ITEM];
+    for (;;) {
+        pthread_mutex_lock(&q->mu);
+        if (q->count == 0 && q->idle) q->idle(q->owner);
+        while (!q->stop && q->count == 0) pthread_cond_wait(&q->cv, &q->mu);
+        if (q->stop && q->count == 0) { pthread_mutex_unlock(&q->mu); return NULL; }
+        memcpy(item, q->ring + (size_t) q->head * q->item_size, q->item_size);
+        q->head = (q->head + 1) % q->cap;
+        q->count--;
+        pthread_mutex_unlock(&q->mu);
+        q->run(q->owner, item);
+    }
+}
+
+ls_status ls_workq_start(ls_workq * q, int n_threads, int32_t cap, int32_t max_cap) {
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->max_cap = max_cap;
+    q->cap = max_cap < cap ? max_cap : cap;
+    q->ring = malloc(q->item_size * (size_t) q->cap);
+    q->threads = calloc((size_t) n_threads, sizeof(pthread_t));
+    if (!q->ring || !q->threads) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    for (int i = 0; i < n_threads; i++) {
+        if (pthread_create(&q->threads[i], NULL, workq_worker, q) != 0) {
+            ls_set_error("cannot start I/O thread %d", i);
+            return LS_ERR_NOMEM;
+        }
+        q->n_threads++;
+    }
+    return LS_OK;
+}
+
+void ls_workq_stop(ls_workq * q) {
+    if (!q->ring && !q->threads) return;
+    pthread_mutex_lock(&q->mu);
+    q->stop = true;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    for (int i = 0; i < q->n_threads; i++) pthread_join(q->threads[i], NULL);
+    free(q->threads);
+    free(q->ring);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    q->threads = NULL;
+    q->ring = NULL;
+    q->n_threads = 0;
+    q->cap = q->max_cap = q->head = q->count = 0;
+    q->stop = false;
+}
+
+// Called with q->mu held: the ring twice as long (up to max_cap), its items in order from 0. A
+// failed allocation leaves it as it was (push then runs the item in the submitting thread).
+static void workq_grow(ls_workq * q) {
+    const int32_t cap = q->cap * 2 < q->max_cap ? q->cap * 2 : q->max_cap;
+    uint8_t * ring = malloc(q->item_size * (size_t) cap);
+    if (!ring) return;
+    for (int32_t i = 0; i < q->count; i++)
+        memcpy(ring + (size_t) i * q->item_size, q->ring + (size_t) ((q->head + i) % q->cap) * q->item_size, q->item_size);
+    free(q->ring);
+    q->ring = ring;
+    q->head = 0;
+    q->cap = cap;
+}
+
+void ls_workq_push(ls_workq * q, const void * item) {
+    if (q->count == q->cap && q->cap < q->max_cap) workq_grow(q);
+    if (q->count == q->cap) {
+        _Alignas(max_align_t) uint8_t copy[LS_WORKQ_MAX_ITEM];
+        memcpy(copy, item, q->item_size);
+        pthread_mutex_unlock(&q->mu);
+        q->run(q->owner, copy);
+        pthread_mutex_lock(&q->mu);
+        return;
+    }
+    memcpy(q->ring + (size_t) ((q->head + q->count) % q->cap) * q->item_size, item, q->item_size);
+    q->count++;
+    pthread_cond_signal(&q->cv);
 }
 
 void ls_drop_cached(int fd) {

@@ -71,6 +71,44 @@ def test_no_module_of_the_library_is_over_500_lines():
     assert not long, f"modules of leanstream_ggml/ over {MAX_LINES} lines (split them by concern): {long}"
 
 
+# ---- functions a reader can hold ---------------------------------------------------------------------
+
+MAX_PY_FUNCTION, MAX_C_FUNCTION = 80, 90
+
+
+def long_functions(root: Path = ROOT) -> dict[str, int]:
+    """{"path:line name": lines} of every Python function of a shipped package longer than
+    MAX_PY_FUNCTION lines (its def line to its last)."""
+    out = {}
+    for path in sorted(p for folder in SHIPPED.values() if (root / folder).is_dir() for p in (root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_PY_FUNCTION:
+                    out[f"{path.relative_to(root)}:{node.lineno} {node.name}"] = n
+    return out
+
+
+def test_no_python_function_is_over_80_lines():
+    long = long_functions()
+    assert not long, f"functions over {MAX_PY_FUNCTION} lines (split them into named steps): {long}"
+
+
+def test_the_function_length_check_sees_one(tmp_path):
+    (tmp_path / "converters").mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_PY_FUNCTION))
+    (tmp_path / "converters" / "long.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + body)
+    assert long_functions(tmp_path) == {"converters/long.py:5 long": MAX_PY_FUNCTION + 1}
+
+
+def test_no_c_function_in_native_src_is_over_90_lines():
+    lizard = pytest.importorskip("lizard", reason="C function lengths are measured with lizard (pip install lizard)")
+    long = {f"{path.name}:{f.start_line} {f.name}": f.length
+            for path in sorted((ROOT / "native" / "src").glob("*.[ch]"))
+            for f in lizard.analyze_file(str(path)).function_list if f.length > MAX_C_FUNCTION}
+    assert not long, f"C functions over {MAX_C_FUNCTION} lines (split them into named steps): {long}"
+
+
 # ---- no import circle, no string import across floors, in any shipped package ----------------------
 
 # every package a wheel installs: import name -> its folder in the repository (pyproject.toml maps
