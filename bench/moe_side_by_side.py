@@ -216,18 +216,19 @@ def child(a: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # the disk's ceiling
 
-def ceiling(files: list[str], stride: int, depth: int = 8, seconds: float = 4.0) -> list[dict]:
-    """MB/s of random O_DIRECT reads of 1 and 4 experts at ``depth`` threads (disk_iops.c)."""
+def ceiling(files: list[str], stride: int, depths=(8,), seconds: float = 4.0) -> list[dict]:
+    """MB/s of random O_DIRECT reads of 1 and 4 experts at each depth (threads, disk_iops.c)."""
     import disk_iops
 
     size1 = -(-stride // 4096) * 4096
     cells = []
     with tempfile.TemporaryDirectory() as tmp:
         exe = disk_iops.build(Path(tmp))
-        disk_iops.run_cell(exe, files, size1, depth, 64, seed=7)   # warm-up
+        disk_iops.run_cell(exe, files, size1, 8, 64, seed=7)   # warm-up
         for size in (size1, 4 * size1):
-            cells.append(disk_iops.measure(exe, files, size, depth, seconds, seed=len(cells) * 10 + 11))
-            log(f"ceiling: {size} B x {depth} threads: {cells[-1]['mb_s']} MB/s")
+            for depth in depths:
+                cells.append(disk_iops.measure(exe, files, size, depth, seconds, seed=len(cells) * 10 + 11))
+                log(f"ceiling: {size} B x {depth} threads: {cells[-1]['mb_s']} MB/s")
     return cells
 
 
@@ -277,7 +278,8 @@ def one_run(a: dict, system: str, limit: int | None, files: list[str], timeout: 
 
 def summary(rows: list[dict], ceil: list[dict]) -> dict:
     """Medians per system, the plugin's ratios to stock and to the ceiling."""
-    best_ceiling = max((c["mb_s"] for c in ceil if c["size"] == min(x["size"] for x in ceil)), default=None)
+    best_ceiling = max((c["mb_s"] for c in ceil if c["size"] == min(x["size"] for x in ceil) and c["depth"] == 8),
+                       default=None)
     out = {}
     for system in sorted({r["system"] for r in rows}):
         ok = [r["result"] for r in rows if r["system"] == system and r["status"] == "ok"]
@@ -301,8 +303,8 @@ def summary(rows: list[dict], ceil: list[dict]) -> dict:
                 s["proc_read_over_routed_misses"] = med(lambda x: x["proc_read_over_routed_misses"])
                 s["stall_share"] = med(lambda x: x["engine_decode"]["stall_ns"] / 1e9 / x["decode"]["wall_s"])
                 s["cache_slots"] = ok[0]["engine_decode"]["cache_slots"]
-                spec = [x["engine_decode"].get("speculative") for x in ok]
-                if all(spec):
+                spec = [x["engine_decode"].get("speculative") for x in ok if x["speculative"] != "off (forced tokens)"]
+                if spec and all(spec):
                     s["tokens_per_pass"] = [sp.get("tokens_per_pass") for sp in spec]
         out[system] = s
     if "stock" in out and "plugin" in out and out["stock"].get("decode_tok_s_median") and out["plugin"].get("decode_tok_s_median"):
@@ -341,6 +343,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600, help="s per run; past it the run is killed")
     ap.add_argument("--stock-timeout", type=float, default=None, help="s per stock run (default --timeout)")
     ap.add_argument("--ceiling", action="store_true", help="measure the disk's ceiling before and after")
+    ap.add_argument("--ceiling-only", default=None, metavar="DEPTHS",
+                    help="only the disk's ceiling at these depths (e.g. 1,2,4,8), no runs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.child:
@@ -355,6 +359,11 @@ def main() -> int:
     stride = max(e.expert_stride for e in m.moe.layers)
     files = [a.gguf] + [str(f) for f in measure.model_files(model_dir)]
     limit = benchkit.regime_limit(a.limit)
+    if a.ceiling_only:
+        depths = [int(x) for x in a.ceiling_only.split(",")]
+        return benchkit.emit({"benchmark": "moe_side_by_side --ceiling-only", "model_dir": model_dir.name,
+                              "expert_stride": stride, "cells": ceiling(expert_files, stride, depths, 3.0),
+                              "machine": measure.machine_info()}, a.out)
     ok, where = cgroup.availability()
     if not ok:
         raise SystemExit(f"cgroups not writable ({where}): this bench needs real limits")

@@ -35,24 +35,27 @@ TUNABLE_PARAMS = tuple(name for name in _PARAMS if name not in _OWN_PARAMS)
 STAT_FIELDS = [name for name, _ in ffi.typeof("ls_stats").fields]
 
 
+def per(raw: dict, num: str, den: str, empty: float | None = 0.0) -> float | None:
+    """raw[num] / raw[den] of a counter dict; ``empty`` where raw[den] is 0 (nothing counted yet).
+    derived_stats and moe.derived_counters write their ratios with it."""
+    return raw[num] / raw[den] if raw[den] else empty
+
+
 def derived_stats(raw: dict) -> dict:
     """The docs/design.md §5 metrics, defined once: every report uses this."""
     d = dict(raw)
-    d["miss_ratio"] = raw["blocks_read"] / raw["blocks_computed"] if raw["blocks_computed"] else 0.0
-    d["loading_redundancy"] = raw["bytes_unused"] / raw["bytes_computed"] if raw["bytes_computed"] else 0.0
+    d["miss_ratio"] = per(raw, "blocks_read", "blocks_computed")
+    d["loading_redundancy"] = per(raw, "bytes_unused", "bytes_computed")
     # totals: tokens counts each token once (not once per layer), so this is bytes per token
-    d["bytes_read_per_token"] = raw["bytes_read"] / raw["tokens"] if raw["tokens"] else 0.0
-    d["io_stall_s"] = raw["io_stall_ns"] / 1e9
-    d["op_s"] = raw["op_ns"] / 1e9
-    d["predictor_s"] = raw["predictor_ns"] / 1e9
-    d["checksum_s"] = raw["checksum_ns"] / 1e9
-    d["scorer_s"] = raw["scorer_ns"] / 1e9
-    d["bytes_computed_per_token"] = raw["bytes_computed"] / raw["tokens"] if raw["tokens"] else 0.0
+    d["bytes_read_per_token"] = per(raw, "bytes_read", "tokens")
+    for name in ("io_stall", "op", "predictor", "checksum", "scorer"):
+        d[f"{name}_s"] = raw[f"{name}_ns"] / 1e9
+    d["bytes_computed_per_token"] = per(raw, "bytes_computed", "tokens")
     # speculation: share of the kept blocks that the layer-ahead prediction had prefetched
-    d["spec_recall"] = raw["spec_hits"] / raw["spec_selected"] if raw["spec_selected"] else None
+    d["spec_recall"] = per(raw, "spec_hits", "spec_selected", None)
     # read planning: mean bytes per read, reads per token, I/O worker CPU per read
-    d["mean_read_bytes"] = raw["bytes_read"] / raw["reads_issued"] if raw["reads_issued"] else 0.0
-    d["reads_per_token"] = raw["reads_issued"] / raw["tokens"] if raw["tokens"] else 0.0
+    d["mean_read_bytes"] = per(raw, "bytes_read", "reads_issued")
+    d["reads_per_token"] = per(raw, "reads_issued", "tokens")
     d["io_cpu_us_per_read"] = raw["io_cpu_ns"] / 1e3 / raw["reads_issued"] if raw["reads_issued"] else 0.0
     return d
 
@@ -91,7 +94,55 @@ def _test_hooks(hooks: dict | None):
     return h
 
 
-class FFNEngine:
+class NativeOwner:
+    """The one Python owner of a native engine object (FFNEngine: an ls_engine, MoEEngine: an
+    ls_moe): ``handle`` (ValueError once closed), ``address``, close() (also on leaving ``with``
+    and on collection) and raise_pending. A subclass names its object's free and take_error."""
+
+    _handle = None       # set once the native object exists; close() and __del__ rely on it
+    _free = None         # staticmethod(lib.ls_*_free)
+    _take_error = None   # staticmethod(lib.ls_*_take_error)
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._handle
+
+    @property
+    def address(self) -> int:
+        """The native object's pointer as an integer (the user data of its llama.cpp builder)."""
+        return int(ffi.cast("uintptr_t", self.handle))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._free(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _query(self, fn, ctype: str, il: int) -> dict:
+        """fn(handle, il, out) into a new ``ctype`` struct (layer info, counters): its fields."""
+        out = ffi.new(ctype + " *")
+        check(fn(self.handle, il, out))
+        return {f: getattr(out, f) for f, _ in ffi.typeof(ctype).fields}
+
+    def raise_pending(self) -> None:
+        """Raise the error an I/O worker or the op (a graph's) recorded since the last check, if any."""
+        buf = ffi.new("char[]", lib.LS_MAX_ERRMSG)
+        st = self._take_error(self.handle, buf, lib.LS_MAX_ERRMSG)
+        if st != lib.LS_OK:
+            raise LeanstreamError(st, ffi.string(buf).decode(errors="replace"))
+
+
+class FFNEngine(NativeOwner):
     """Streams and computes the FFN layers of one converted model directory.
 
     ``**tunable``: the engine's numeric parameters by their ls_engine_params names
@@ -100,7 +151,8 @@ class FFNEngine:
     table), as do mode and verify_checksums. ``test_hooks``: for tests only (this engine's
     ls_test_hooks; see _test_hooks)."""
 
-    _handle = None   # set once the native engine exists; close() and __del__ rely on it
+    _free = staticmethod(lib.ls_engine_free)
+    _take_error = staticmethod(lib.ls_engine_take_error)
     controller = None  # the installed controller policy (set_controller), None: off
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
@@ -164,18 +216,7 @@ class FFNEngine:
         self._keep_alive += [keep, arr]
         return arr
 
-    # -- ownership -------------------------------------------------------------------------
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("FFNEngine is closed")
-        return self._handle
-
-    @property
-    def address(self) -> int:
-        """The ls_engine* as an integer (user_data of the llama.cpp FFN builder)."""
-        return int(ffi.cast("uintptr_t", self.handle))
-
+    # -- builders (ownership, errors: NativeOwner) -------------------------------------------
     @staticmethod
     def builder_address() -> int:
         """Address of ls_ffn_build, the llama_ffn_builder_t for llama_set_ffn_builder."""
@@ -186,35 +227,11 @@ class FFNEngine:
         """Address of ls_output_build, the llama_output_builder_t for llama_set_output_builder."""
         return int(ffi.cast("uintptr_t", lib.ls_output_build))
 
-    def close(self) -> None:
-        if self._handle is not None:
-            lib.ls_engine_free(self._handle)
-            self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
-
-    # -- errors ----------------------------------------------------------------------------
-    def raise_pending(self) -> None:
-        """Raise the error an I/O worker or the op recorded since the last check, if any."""
-        buf = ffi.new("char[]", lib.LS_MAX_ERRMSG)
-        st = lib.ls_engine_take_error(self.handle, buf, lib.LS_MAX_ERRMSG)
-        if st != lib.LS_OK:
-            raise LeanstreamError(st, ffi.string(buf).decode(errors="replace"))
-
     # -- compute ---------------------------------------------------------------------------
     def layer_info(self, il: int) -> dict:
-        info = ffi.new("ls_layer_info *")
-        check(lib.ls_engine_layer_info(self.handle, il, info))
-        return {f: getattr(info, f) for f in ("n_embd", "n_ff", "neurons_per_block", "n_blocks", "gate_type",
-                                              "up_type", "down_type", "block_stride", "block_payload",
-                                              "data_offset", "split_layout")}
+        """Layer il's geometry (ls_layer_info: n_embd, n_ff, neurons_per_block, n_blocks, the types,
+        block_stride, block_payload, data_offset, split_layout)."""
+        return self._query(lib.ls_engine_layer_info, "ls_layer_info", il)
 
     def eval_layer(self, il: int, x: np.ndarray, n_threads: int = 1, x_res: np.ndarray | None = None) -> np.ndarray:
         """FFN of layer il on x [n_tokens, n_embd] (f32), computed by the native op. x_res
@@ -360,9 +377,7 @@ class FFNEngine:
 
     # -- counters --------------------------------------------------------------------------
     def stats(self, layer: int | None = None) -> dict:
-        s = ffi.new("ls_stats *")
-        check(lib.ls_engine_stats(self.handle, -1 if layer is None else layer, s))
-        d = derived_stats({f: int(getattr(s, f)) for f in STAT_FIELDS})
+        d = derived_stats(self._query(lib.ls_engine_stats, "ls_stats", -1 if layer is None else layer))
         ctrl = getattr(self, "controller", None)
         if ctrl and ctrl["mode"] != "off" and layer is None:
             d["controller"] = {"mode": ctrl["mode"], "actions": ctrl["actions"],

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from . import models
-from .manifest import DENSE_ONLY_ARCHS, PREDICTOR_ARCHS, ManifestError, load
+from .manifest import DENSE_ONLY_ARCHS, GGML_TYPE_IDS, PREDICTOR_ARCHS, ManifestError, load
 
 
 def fmt_bytes(n: float) -> str:
@@ -32,17 +32,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     except ManifestError as e:
         print(f"leanstream info: {e}", file=sys.stderr)
         return 1
-    types = sorted({(e.gate_type, e.up_type, e.down_type) for e in m.layers})
     t = m.totals
     lines = [
         f"model directory  {d}",
         f"source           {m.source.filename} ({fmt_bytes(m.source.size)}), sha256 {m.source.sha256}",
         f"architecture     {m.architecture}, activation {m.activation}",
         f"dims             n_layer {m.n_layer}, n_embd {m.n_embd}, n_ff {m.n_ff}",
-        "FFN types        " + "; ".join(f"gate {g}, up {u}, down {dn} (columns)" for g, u, dn in types),
-        f"blocks           k {m.block.k} neurons/block, align {m.block.align} B, "
-        f"{m.layers[0].n_blocks} blocks/layer of {m.layers[0].block_stride} B "
-        f"(payload {m.layers[0].block_payload} B)",
+        *(_ffn_lines(m) if m.moe is None else _expert_lines(m)),
         f"FFN size         source {fmt_bytes(t.ffn_bytes_source)}, on disk {fmt_bytes(t.ffn_bytes_on_disk)}",
         f"padding          {fmt_bytes(t.padding_bytes)} ({t.padding_waste:.1%} of block bytes)",
         f"base             {m.base.file} ({fmt_bytes(m.base.size)})",
@@ -68,6 +64,27 @@ def cmd_info(args: argparse.Namespace) -> int:
             return 1
     print("\n".join(lines))
     return 0
+
+
+def _ffn_lines(m) -> list[str]:
+    types = sorted({(e.gate_type, e.up_type, e.down_type) for e in m.layers})
+    return ["FFN types        " + "; ".join(f"gate {g}, up {u}, down {dn} (columns)" for g, u, dn in types),
+            f"blocks           k {m.block.k} neurons/block, align {m.block.align} B, "
+            f"{m.layers[0].n_blocks} blocks/layer of {m.layers[0].block_stride} B "
+            f"(payload {m.layers[0].block_payload} B)"]
+
+
+def _expert_lines(m) -> list[str]:
+    """A mixture-of-experts model's routed experts (docs/design.md §24)."""
+    moe = m.moe
+    names = {v: k for k, v in GGML_TYPE_IDS.items()}
+    types = sorted({tuple(names.get(x, str(x)) for x in (e.gate_type, e.up_type, e.down_type)) for e in moe.layers})
+    strides = sorted({e.expert_stride for e in moe.layers})
+    return [f"experts          {moe.n_expert} per layer, {moe.n_expert_used} routed per token, {moe.n_ff_exp} neurons "
+            f"each, {moe.gating} router" + (", a shared expert (in base.gguf)" if moe.shared_expert else ""),
+            "expert types     " + "; ".join(f"gate {g}, up {u}, down {dn}" for g, u, dn in types),
+            f"expert files     one per layer, an expert is one read of {'/'.join(fmt_bytes(s) for s in strides)}, "
+            f"align {m.block.align} B"]
 
 
 def _plan_lines(m, d: Path, args) -> list[str]:
@@ -153,6 +170,8 @@ def dense_only(m) -> str | None:
 
 
 def _sparse_line(m, d: Path) -> str:
+    if m.moe is not None:
+        return "none: a mixture-of-experts model reads only its router's experts (dense mode, exact)"
     ready, why = m.sparse_modes(d)
     if ready:
         return "ready: " + ", ".join(ready) + (f" ({why})" if why else "")

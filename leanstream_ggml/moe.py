@@ -11,25 +11,20 @@ from typing import Sequence
 
 import numpy as np
 
-from ._native import LeanstreamError, check, ffi, lib
-from .engine import ACTIVATIONS, _test_hooks, parse_bytes
+from ._native import check, ffi, lib
+from .engine import ACTIVATIONS, NativeOwner, _test_hooks, parse_bytes, per
 
 COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
-_INFO_FIELDS = [name for name, _ in ffi.typeof("ls_moe_info").fields]
 
 
 def derived_counters(raw: dict) -> dict:
     """The MoE op's counters and what is derived from them (per op's tokens and experts)."""
-    d = dict(raw)
-    d["hit_ratio"] = raw["hits"] / raw["experts"] if raw["experts"] else 0.0
-    d["bytes_read_per_token"] = raw["bytes_read"] / raw["tokens"] if raw["tokens"] else 0.0
-    d["mean_read_bytes"] = raw["bytes_read"] / raw["reads"] if raw["reads"] else 0.0
-    d["stall_s"] = raw["stall_ns"] / 1e9
-    d["compute_s"] = raw["compute_ns"] / 1e9
-    return d
+    return dict(raw, hit_ratio=per(raw, "hits", "experts"), bytes_read_per_token=per(raw, "bytes_read", "tokens"),
+                mean_read_bytes=per(raw, "bytes_read", "reads"), stall_s=raw["stall_ns"] / 1e9,
+                compute_s=raw["compute_ns"] / 1e9)
 
 
-class MoEEngine:
+class MoEEngine(NativeOwner):
     """Streams and computes the routed experts of a model's MoE layers from their expert files.
 
     expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
@@ -37,7 +32,8 @@ class MoEEngine:
     every expert). n_io_threads, max_read_bytes, verify_checksums: None takes the engine's
     default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
 
-    _handle = None   # set once the native engine exists; close() and __del__ rely on it
+    _free = staticmethod(lib.ls_moe_free)
+    _take_error = staticmethod(lib.ls_moe_take_error)
 
     def __init__(self, expert_paths: Sequence[str | Path | None], *, cache_bytes: int | str | None = None,
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
@@ -65,51 +61,16 @@ class MoEEngine:
         check(lib.ls_moe_create(p, self._path_array, out), "cannot open the model's expert files")
         self._handle = out[0]
 
-    # -- ownership -------------------------------------------------------------------------
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("MoEEngine is closed")
-        return self._handle
-
-    @property
-    def address(self) -> int:
-        """The ls_moe* as an integer (user data of the llama.cpp MoE builder)."""
-        return int(ffi.cast("uintptr_t", self.handle))
-
+    # -- the builder (ownership, errors: NativeOwner) ----------------------------------------
     @staticmethod
     def builder_address() -> int:
         """Address of ls_moe_build, the builder llama.cpp's MoE hook calls per layer."""
         return int(ffi.cast("uintptr_t", lib.ls_moe_build))
 
-    def close(self) -> None:
-        if self._handle is not None:
-            lib.ls_moe_free(self._handle)
-            self._handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        self.close()
-
-    # -- errors ----------------------------------------------------------------------------
-    def raise_pending(self) -> None:
-        """Raise the error an I/O worker or the op (a graph's) recorded since the last check, if any."""
-        buf = ffi.new("char[]", lib.LS_MAX_ERRMSG)
-        st = lib.ls_moe_take_error(self.handle, buf, lib.LS_MAX_ERRMSG)
-        if st != lib.LS_OK:
-            raise LeanstreamError(st, ffi.string(buf).decode(errors="replace"))
-
     # -- layers, the hot set, compute ----------------------------------------------------------
     def layer_info(self, il: int) -> dict:
         """Layer il's geometry (n_embd, n_ff_exp, n_expert, the types, expert_stride)."""
-        info = ffi.new("ls_moe_info *")
-        check(lib.ls_moe_layer_info(self.handle, il, info))
-        return {f: getattr(info, f) for f in _INFO_FIELDS}
+        return self._query(lib.ls_moe_layer_info, "ls_moe_info", il)
 
     def pin(self, il: int, experts) -> None:
         """Layer il's hot set: these experts (router indices) read now and kept resident,
@@ -138,9 +99,7 @@ class MoEEngine:
     # -- counters --------------------------------------------------------------------------
     def stats(self, il: int | None = None) -> dict:
         """Counters of layer il (None: summed over layers), with derived_counters' ratios."""
-        s = ffi.new("ls_moe_counters *")
-        check(lib.ls_moe_stats(self.handle, -1 if il is None else il, s))
-        return derived_counters({f: int(getattr(s, f)) for f in COUNTER_FIELDS})
+        return derived_counters(self._query(lib.ls_moe_stats, "ls_moe_counters", -1 if il is None else il))
 
     def reset_stats(self) -> None:
         lib.ls_moe_reset_stats(self.handle)

@@ -54,13 +54,44 @@ SLOW_TESTS = {
     ("test_predictor.py", "test_training_beats_chance"): "trains for seconds -> test_predictor's export round trips",
     ("test_stages.py", "test_uninterrupted_conversion_is_complete"): "trains predictors -> test_convert_budget",
     ("test_stages.py", "test_killed_conversion_resumes_to_the_same_files"): "trains predictors, twice",
+    ("test_compare.py", "test_compare_on_a_tiny_model"): "every setup of compare -> test_compare's typed results",
+    ("test_moe_convert.py", "test_killed_conversion_resumes_to_the_same_files"): "two MoE conversions in children",
+    ("test_moe_convert.py", "test_a_damaged_expert_file_from_an_interrupted_run_is_written_again"):
+        "two MoE conversions -> test_moe_llama's verify of a corrupt expert",
 }
-# parametrizations the fast tier keeps of a test whose cases each take seconds (the full suite
-# runs every one): one per family of what they cover
+# parametrizations the fast tier keeps of a test with many cases (the full suite runs every one):
+# a set of case ids, or a rule on the id; one per family of what the cases cover (every ISA at one
+# row count, every type at one shape, ...)
 FAST_CASES = {
-    ("test_archs.py", "test_speculative_greedy_equals_plain"): {"llama3-auto", "qwen3-auto", "gemma3-ngram-fixed"},
+    ("test_archs.py", "test_speculative_greedy_equals_plain"): {"llama3-auto"},
+    ("test_archs.py", "test_dense_matches_stock"): {"qwen3", "gemma2"},
+    ("test_archs.py", "test_sparse_modes_run_or_refuse_by_architecture"): {"phi3"},
     ("test_gemma3.py", "test_gelu_op_matches_reference"): {"1-f16", "5-gemma3-types"},
+    ("test_op.py", "test_dense_matches_reference"): lambda case: case.endswith("-2-7"),
+    ("test_kernels.py", "test_kernels_match_reference"): lambda case: case.endswith("-9"),
+    ("test_kernels.py", "test_a_verify_pass_row_equals_that_token_alone"): lambda case: case.endswith("-5"),
+    ("test_kernels.py", "test_streamed_cascade_matches_reference"): lambda case: case.startswith("q6_k"),
+    ("test_kernels.py", "test_split_layout_cascade_matches_reference"): lambda case: case.startswith("q8_0"),
+    ("test_cross.py", "test_engine_on_aarch64"): {"q4_K-5"},
+    ("test_cross.py", "test_engine_program_on_this_machine"): {"q4_K-5"},
+    ("test_converter.py", "test_round_trip"): {"qwen2-kquants", "llama-f16"},
+    ("test_converter.py", "test_llama_cpp_loads_source_and_base"): {"qwen2"},
+    ("test_converter.py", "test_k_quant_down_columns"): {"q6_k-6.5625"},
+    ("test_convert_budget.py", "test_killed_conversion_resumes_to_the_same_files"): {"reorder-layer:0"},
+    ("test_converter_archs.py", "test_phi3_halves_of_any_type"): {"q4_K_M"},
+    ("test_converter_archs.py", "test_the_moe_families_it_converts"): {"qwen2moe"},
+    ("test_moe_convert.py", "test_each_layout_converts_into_base_and_expert_files"):
+        {"qwen2moe", "qwen3moe-q4_K-q6_K"},   # (tests/e2e/test_moe_llama.py converts all four layouts)
+    ("test_cli_user.py", "test_a_memory_limit_too_small_is_one_line_with_the_plan"): {"chat"},
+    ("test_hostile.py", "test_bench_and_perplexity_bad_parameters"):
+        {"--memory-budget-lots-memory_budget-bench", "--sparsity-nan-sparsity-bench", "--mode-turbo-mode-perplexity"},
+    ("test_sparse.py", "test_oracle_priorities_select_the_top_blocks"): lambda case: case.startswith("0.5"),
 }
+
+
+def _fast_case(test: tuple[str, str], case: str | None) -> bool:
+    keep = FAST_CASES[test]
+    return keep(case or "") if callable(keep) else case in keep
 
 
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
@@ -73,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
         test = (item.path.name, getattr(item, "originalname", item.name))
         case = getattr(getattr(item, "callspec", None), "id", None)
         if (any(f in SLOW_FIXTURES for f in names) or test in SLOW_TESTS
-                or (test in FAST_CASES and case not in FAST_CASES[test])):
+                or (test in FAST_CASES and not _fast_case(test, case))):
             item.add_marker(pytest.mark.slow)
         if "benchmark" in names and not with_bench:
             item.add_marker(skip_bench)

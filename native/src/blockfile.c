@@ -12,15 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static uint32_t rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint64_t rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
-static bool type_ok_for_rows(int32_t t) {
-    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
-    const struct ggml_type_traits_cpu * tc = ls_cpu_traits((enum ggml_type) t);
-    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ls_cpu_traits(tc->vec_dot_type) : NULL;
-    return tc && tc->vec_dot && vt && vt->from_float;
-}
+#define BLOCK_META_CRC 120           // offset of meta_crc in the header
 
 static bool type_ok_for_cols(int32_t t) {
     if (t < 0 || t >= GGML_TYPE_COUNT) return false;
@@ -35,46 +27,77 @@ typedef struct {
     uint64_t perm_off, crc_off, file_size;      // the permutation, the block checksums; the whole file
 } block_header;
 
-// The 4096-byte header read into L->info, L's row sizes and *hd: magic and version checked, the
-// rest as written (check_header judges it).
-static ls_status read_header(int fd, const char * path, const struct stat * st, ls_layer * L, block_header * hd) {
-    uint8_t h[4096];
-    ssize_t got = pread(fd, h, sizeof(h), 0);
-    if (got != (ssize_t) sizeof(h)) {
-        ls_set_error("%s: truncated block file (%lld bytes, header needs 4096)", path, (long long) st->st_size);
-        return LS_ERR_FORMAT;
+// ---- what block files and expert files (moe_io.c) share ---------------------------------------
+
+ls_status ls_model_file_begin(const char * path, const char * kind, const char * magic, uint32_t version,
+                              const char * v1_note, char ** copy, int * fd, struct stat * st,
+                              uint8_t h[LS_FILE_HEADER]) {
+    *copy = strdup(path);
+    if (!*copy) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    ls_status s = ls_open_regular(path, fd, st);
+    if (s != LS_OK) return s;
+    s = LS_ERR_FORMAT;
+    if (pread(*fd, h, LS_FILE_HEADER, 0) != (ssize_t) LS_FILE_HEADER) {
+        ls_set_error("%s: truncated %s file (%lld bytes, header needs %d)", path, kind, (long long) st->st_size, LS_FILE_HEADER);
+    } else if (memcmp(h, magic, 8) != 0) {
+        ls_set_error("%s: not a leanstream %s file (bad magic)", path, kind);
+    } else if (ls_rd_u32(h + 8) != version) {
+        ls_set_error("%s: %s file version %u, this build reads version %u%s (re-run `leanstream convert` "
+                     "with --force to rewrite the model directory)", path, kind, ls_rd_u32(h + 8), version,
+                     ls_rd_u32(h + 8) == 1 && v1_note ? v1_note : "");
+    } else {
+        s = LS_OK;
     }
-    if (memcmp(h, "LSBLOCKS", 8) != 0) {
-        ls_set_error("%s: not a leanstream block file (bad magic)", path);
-        return LS_ERR_FORMAT;
+    if (s != LS_OK) { close(*fd); *fd = -1; }
+    return s;
+}
+
+ls_status ls_model_file_tables(int fd, const char * path, const char * kind, int32_t il, uint64_t bytes,
+                               size_t crc_at, uint32_t stored, uint8_t ** meta) {
+    *meta = malloc((size_t) bytes);
+    if (!*meta) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    ls_status s = LS_OK;
+    if (pread(fd, *meta, (size_t) bytes, 0) != (ssize_t) bytes) {
+        ls_set_error("%s: cannot read the %s file's tables (%llu bytes)", path, kind, (unsigned long long) bytes);
+        s = LS_ERR_FORMAT;
+    } else {
+        memset(*meta + crc_at, 0, 4);
+        const uint32_t have = ls_crc32c(0, *meta, (size_t) bytes);
+        if (have != stored) {
+            ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); `leanstream verify` "
+                         "checks the whole model directory, re-run `leanstream convert` to repair it",
+                         path, il, have, stored);
+            s = LS_ERR_CORRUPT;
+        }
     }
-    uint32_t version = rd_u32(h + 8);
-    if (version != LS_BLOCK_FILE_VERSION) {
-        ls_set_error("%s: block file version %u, this build reads version %d%s (re-run `leanstream convert` "
-                     "with --force to rewrite the model directory)", path, version, LS_BLOCK_FILE_VERSION,
-                     version == 1 ? ", which adds a checksum to every block" : "");
-        return LS_ERR_FORMAT;
-    }
+    if (s != LS_OK) { free(*meta); *meta = NULL; }
+    return s;
+}
+
+// ---- block files -----------------------------------------------------------------------------
+
+// The 4096-byte header h (magic and version checked) read into L->info, L's row sizes and *hd as
+// written (check_header judges it).
+static void read_header(const uint8_t * h, ls_layer * L, block_header * hd) {
     ls_layer_info * in = &L->info;
-    hd->il              = rd_u32(h + 12);
-    in->n_embd          = (int64_t) rd_u64(h + 16);
-    in->n_ff            = (int64_t) rd_u64(h + 24);
-    in->neurons_per_block = (int32_t) rd_u32(h + 32);
-    in->n_blocks        = (int32_t) rd_u32(h + 36);
-    in->gate_type       = (int32_t) rd_u32(h + 40);
-    in->up_type         = (int32_t) rd_u32(h + 44);
-    in->down_type       = (int32_t) rd_u32(h + 48);
-    hd->align           = rd_u32(h + 52);
-    L->gate_row_bytes   = rd_u64(h + 56);
-    L->up_row_bytes     = rd_u64(h + 64);
-    L->down_col_bytes   = rd_u64(h + 72);
-    in->block_stride    = rd_u64(h + 80);
-    hd->perm_off        = rd_u64(h + 88);
-    in->data_offset     = rd_u64(h + 96);
-    hd->file_size       = rd_u64(h + 104);
-    hd->crc_off         = rd_u64(h + 112);
-    hd->meta_crc        = rd_u32(h + 120);
-    return LS_OK;
+    hd->il              = ls_rd_u32(h + 12);
+    in->n_embd          = (int64_t) ls_rd_u64(h + 16);
+    in->n_ff            = (int64_t) ls_rd_u64(h + 24);
+    in->neurons_per_block = (int32_t) ls_rd_u32(h + 32);
+    in->n_blocks        = (int32_t) ls_rd_u32(h + 36);
+    in->gate_type       = (int32_t) ls_rd_u32(h + 40);
+    in->up_type         = (int32_t) ls_rd_u32(h + 44);
+    in->down_type       = (int32_t) ls_rd_u32(h + 48);
+    hd->align           = ls_rd_u32(h + 52);
+    L->gate_row_bytes   = ls_rd_u64(h + 56);
+    L->up_row_bytes     = ls_rd_u64(h + 64);
+    L->down_col_bytes   = ls_rd_u64(h + 72);
+    in->block_stride    = ls_rd_u64(h + 80);
+    hd->perm_off        = ls_rd_u64(h + 88);
+    in->data_offset     = ls_rd_u64(h + 96);
+    hd->file_size       = ls_rd_u64(h + 104);
+    hd->crc_off         = ls_rd_u64(h + 112);
+    hd->meta_crc        = ls_rd_u32(h + BLOCK_META_CRC);
 }
 
 // what is wrong with the header's geometry (NULL: nothing): dimensions, types, sizes, offsets
@@ -86,7 +109,7 @@ static const char * header_flaw(const ls_layer * L, int32_t il, const block_head
     if (in->n_embd > (1 << 24) || in->n_ff > (1 << 28)) return "implausibly large dimension";
     if (k > 256) return "more than 256 neurons per block";
     if ((int64_t) in->n_blocks != (in->n_ff + k - 1) / k) return "n_blocks != ceil(n_ff / k)";
-    if (!type_ok_for_rows(in->gate_type) || !type_ok_for_rows(in->up_type)) return "unsupported gate/up type";
+    if (!ls_cpu_dots_rows(in->gate_type) || !ls_cpu_dots_rows(in->up_type)) return "unsupported gate/up type";
     if (!type_ok_for_cols(in->down_type)) return "unsupported down column type";
     if (L->gate_row_bytes != ggml_row_size(in->gate_type, in->n_embd) ||
         L->up_row_bytes   != ggml_row_size(in->up_type, in->n_embd) ||
@@ -128,25 +151,14 @@ static ls_status read_tables(int fd, const char * path, ls_layer * L, int32_t il
     L->verified = calloc((size_t) in->n_blocks, sizeof(*L->verified));
     L->slot_of_block = malloc((size_t) in->n_blocks * sizeof(int32_t));
     L->state = calloc((size_t) in->n_blocks, sizeof(*L->state));
-    uint8_t * meta = malloc((size_t) in->data_offset);
-    if (!L->perm || !L->block_crc || !L->verified || !L->slot_of_block || !L->state || !meta) {
-        free(meta); ls_set_error("out of memory"); return LS_ERR_NOMEM;
+    if (!L->perm || !L->block_crc || !L->verified || !L->slot_of_block || !L->state) {
+        ls_set_error("out of memory");
+        return LS_ERR_NOMEM;
     }
     // header, perm and checksum tables: one read, checked against meta_crc before any use
-    if (pread(fd, meta, (size_t) in->data_offset, 0) != (ssize_t) in->data_offset) {
-        ls_set_error("%s: cannot read the block file's tables (%llu bytes)", path, (unsigned long long) in->data_offset);
-        free(meta);
-        return LS_ERR_FORMAT;
-    }
-    memset(meta + 120, 0, 4);
-    const uint32_t have_crc = ls_crc32c(0, meta, (size_t) in->data_offset);
-    if (have_crc != hd->meta_crc) {
-        ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); "
-                     "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
-                     path, il, have_crc, hd->meta_crc);
-        free(meta);
-        return LS_ERR_CORRUPT;
-    }
+    uint8_t * meta;
+    const ls_status s = ls_model_file_tables(fd, path, "block", il, in->data_offset, BLOCK_META_CRC, hd->meta_crc, &meta);
+    if (s != LS_OK) return s;
     memcpy(L->perm, meta + hd->perm_off, n_slots * 4);
     memcpy(L->block_crc, meta + hd->crc_off, (size_t) in->n_blocks * 4);
     free(meta);
@@ -178,16 +190,15 @@ static ls_status check_permutation(const ls_layer * L, const char * path) {
 ls_status ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
     L->il = il;
     L->fd = -1;
-    L->path = strdup(path);
-    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
-
     int fd = -1;
     struct stat st;
-    ls_status ost = ls_open_regular(path, &fd, &st);
+    uint8_t h[LS_FILE_HEADER];
+    ls_status ost = ls_model_file_begin(path, "block", "LSBLOCKS", LS_BLOCK_FILE_VERSION,
+                                        ", which adds a checksum to every block", &L->path, &fd, &st, h);
     if (ost != LS_OK) return ost;
     block_header hd;
-    ost = read_header(fd, path, &st, L, &hd);
-    if (ost == LS_OK) ost = check_header(L, il, path, &st, &hd);
+    read_header(h, L, &hd);
+    ost = check_header(L, il, path, &st, &hd);
     if (ost == LS_OK) ost = read_tables(fd, path, L, il, &hd);
     if (ost == LS_OK) ost = check_permutation(L, path);
     close(fd);

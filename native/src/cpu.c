@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "ggml-backend.h"
+#include "ggml-cpu.h"
 
 typedef const struct ggml_type_traits_cpu * (*traits_fn)(enum ggml_type);
 
@@ -58,6 +59,13 @@ bool ls_cpu_ready(void) {
 
 const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t) {
     return ls_cpu_ready() ? g_traits(t) : NULL;
+}
+
+bool ls_cpu_dots_rows(int32_t t) {
+    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
+    const struct ggml_type_traits_cpu * tc = ls_cpu_traits((enum ggml_type) t);
+    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ls_cpu_traits(tc->vec_dot_type) : NULL;
+    return tc && tc->vec_dot && vt && vt->from_float;
 }
 
 const char * ls_ggml_cpu_variant(void) {

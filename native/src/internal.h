@@ -28,6 +28,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <string.h>
 #include <sys/uio.h>
 
 // Block states (the per-block ready flags of Algorithm 1).
@@ -319,7 +320,7 @@ struct ls_engine {
 //   sketch.c     resident gate/up sketch, exact-input scores   -> dispatch.c kernels.c checksum.c util.c
 //   io.c         O_DIRECT read workers                        -> cache.c util.c
 //   cache.c      budgeted slots, eviction                     -> util.c
-//   blockfile.c  block file header, permutation, descriptor   -> checksum.c util.c
+//   blockfile.c  block file header, permutation, descriptor; what model files share -> checksum.c cpu.c util.c
 //   checksum.c   CRC-32C, a block's check before first use     -> dispatch.c util.c
 //   predictor.c  hashing predictor files and evaluation        -> util.c
 //   dispatch.c   the kernels' variant per CPU, start-up checks, entry points -> kernels_x86.c kernels_neon.c checksum_x86.c checksum_neon.c kernels.c
@@ -327,7 +328,7 @@ struct ls_engine {
 //   checksum_x86.c, checksum_neon.c  the CRC-32C instructions   (leaves)
 //   kernels.c    the kernels in scalar C: activations, gate/up, down projection, head, sketch dot (leaf)
 //   mode.c       mode table, kept-blocks count, defaults, hot set -> util.c
-//   util.c       errors, clock, spin, barrier, safe open       (leaf)
+//   util.c       errors, clock, spin, barrier, thread team, safe open and read, work queue (leaf)
 
 #define LS_DEFAULT_SPARSITY 0.5f
 #define LS_DEFAULT_CANDIDATE_RATIO 1.5f
@@ -401,6 +402,21 @@ ls_status   ls_mode_rank_layer(int32_t n_blocks, const float * rank, int32_t ** 
 ls_status   ls_mode_pick_hot_per_layer(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
                                        uint8_t ** hot);
 
+// blockfile.c, for every kind of model file with a 4096-byte header (block files; expert files,
+// moe_io.c): fields as written (host byte order, as the converter writes them)
+#define LS_FILE_HEADER 4096
+static inline uint32_t ls_rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t ls_rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
+// path copied into *copy, the file opened (ls_open_regular: *fd, *st), its header read into h and
+// its magic and version checked; errors name the file's kind ("block", "expert"), v1_note is added
+// to the version's when the file is version 1 (NULL: nothing). On failure nothing stays open.
+ls_status   ls_model_file_begin(const char * path, const char * kind, const char * magic, uint32_t version,
+                                const char * v1_note, char ** copy, int * fd, struct stat * st,
+                                uint8_t h[LS_FILE_HEADER]);
+// *meta (malloc'd): the file's first bytes (header and tables), read whole and checked against
+// their CRC-32C stored in the header at crc_at (taken as 0 while summed); NULL on failure
+ls_status   ls_model_file_tables(int fd, const char * path, const char * kind, int32_t il, uint64_t bytes,
+                                 size_t crc_at, uint32_t stored, uint8_t ** meta);
 // blockfile.c: open layer il's block file into L (info, perm, fd). *direct_io is cleared when
 // the file system refuses O_DIRECT.
 ls_status   ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io);
@@ -496,6 +512,9 @@ struct ggml_type_traits_cpu;
 enum ggml_type;
 bool        ls_cpu_ready(void);
 const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t);
+// type t (a ggml_type) has rows the CPU backend dots (vec_dot) against an activation it can
+// quantize (from_float of its vec_dot_type)
+bool        ls_cpu_dots_rows(int32_t t);
 
 // op.c: the whole op for one of nth threads (the graph node and ls_ffn_eval_layers both run it).
 // x: FFN input rows [n_tokens, n_embd] (row stride in bytes); x_res: the residual entering the
@@ -526,7 +545,7 @@ bool        ls_block_verify(ls_engine * e, ls_layer * L, int32_t b, const uint8_
 //   moe.c     ls_moe_create/free, the expert cache (hot set + LRU), the op, its ggml node, eval,
 //             counters                                   -> moe_io.c kernels.c cpu.c util.c
 //   moe_io.c  expert files (header checked as hostile), the O_DIRECT read workers, the CRC check
-//             after each read, the error slot            -> checksum.c cpu.c util.c
+//             after each read, the error slot            -> blockfile.c checksum.c cpu.c util.c
 
 // Per-layer counters of the MoE op: each a field of ls_moe_counters of the same name.
 #define LS_MOE_COUNTERS(X) \

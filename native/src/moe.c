@@ -733,9 +733,14 @@ ls_status ls_moe_eval(ls_moe * m, int32_t il, const float * x, int64_t n_tokens,
 // ---- counters ----------------------------------------------------------------------------------
 
 static void add_layer(const ls_moe * m, const ls_moe_layer * L, ls_moe_counters * out) {
+    // every counter sums over layers but tokens: each layer sees the same token rows, so the
+    // model's are the most any layer saw (the dense engine's totals do the same)
+    const uint64_t tokens = out->tokens;
 #define LS_MOE_ADD(name) out->name += atomic_load(&L->stats.name);
     LS_MOE_COUNTERS(LS_MOE_ADD)
 #undef LS_MOE_ADD
+    const uint64_t mine = atomic_load(&L->stats.tokens);
+    out->tokens = tokens > mine ? tokens : mine;
     if (L->fd < 0) return;
     for (int32_t e = 0; e < L->info.n_expert; e++) {
         if (L->cslot[e] < 0 || atomic_load(&L->state[e]) != LS_BLK_READY) continue;

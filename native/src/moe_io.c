@@ -31,20 +31,14 @@ void ls_moe_record_error(ls_moe * m, ls_status st, const char * fmt, ...) {
 // ---- the header ----------------------------------------------------------------------------------
 
 #define EXPERT_MAGIC "LSEXPRTS"
-#define EXPERT_HEADER 4096
 #define EXPERT_META_CRC 112          // offset of meta_crc in the header
 #define EXPERT_MAX 65536             // experts per layer (llama.cpp's LLAMA_MAX_EXPERTS is 512)
 
-static uint32_t rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static uint64_t rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint64_t round_up(uint64_t x, uint64_t n) { return (x + n - 1) / n * n; }
 
 // a type whose rows ggml's CPU backend dots (vec_dot) against an activation it can quantize
 static bool type_ok_for_rows(int32_t t) {
-    if (t < 0 || t >= GGML_TYPE_COUNT) return false;
-    const struct ggml_type_traits_cpu * tc = ls_cpu_traits((enum ggml_type) t);
-    const struct ggml_type_traits_cpu * vt = tc && tc->vec_dot ? ls_cpu_traits(tc->vec_dot_type) : NULL;
-    return tc && tc->vec_dot && vt && vt->from_float && ggml_blck_size((enum ggml_type) t) > 0;
+    return ls_cpu_dots_rows(t) && ggml_blck_size((enum ggml_type) t) > 0;
 }
 
 // n values make whole blocks of type t and of its vec_dot_type (what ggml_mul_mat requires)
@@ -58,41 +52,27 @@ typedef struct {
     uint64_t table_offset, file_size;
 } expert_header;
 
-static ls_status read_header(int fd, const char * path, const struct stat * st, ls_moe_layer * L, expert_header * hd) {
-    uint8_t h[EXPERT_HEADER];
-    if (pread(fd, h, sizeof(h), 0) != (ssize_t) sizeof(h)) {
-        ls_set_error("%s: truncated expert file (%lld bytes, header needs %d)", path, (long long) st->st_size, EXPERT_HEADER);
-        return LS_ERR_FORMAT;
-    }
-    if (memcmp(h, EXPERT_MAGIC, 8) != 0) {
-        ls_set_error("%s: not a leanstream expert file (bad magic)", path);
-        return LS_ERR_FORMAT;
-    }
-    const uint32_t version = rd_u32(h + 8);
-    if (version != LS_EXPERT_FILE_VERSION) {
-        ls_set_error("%s: expert file version %u, this build reads version %d (re-run `leanstream convert` "
-                     "with --force to rewrite the model directory)", path, version, LS_EXPERT_FILE_VERSION);
-        return LS_ERR_FORMAT;
-    }
+// the header h (magic and version checked) read into L->info, L's sizes and *hd as written
+// (header_flaw judges it)
+static void read_header(const uint8_t * h, ls_moe_layer * L, expert_header * hd) {
     ls_moe_info * in = &L->info;
-    hd->il            = rd_u32(h + 12);
-    in->n_embd        = (int64_t) rd_u64(h + 16);
-    in->n_ff_exp      = (int64_t) rd_u64(h + 24);
-    in->n_expert      = (int32_t) rd_u32(h + 32);
-    hd->align         = rd_u32(h + 36);
-    in->gate_type     = (int32_t) rd_u32(h + 40);
-    in->up_type       = (int32_t) rd_u32(h + 44);
-    in->down_type     = (int32_t) rd_u32(h + 48);
-    L->gate_bytes     = rd_u64(h + 56);
-    L->up_bytes       = rd_u64(h + 64);
-    L->down_bytes     = rd_u64(h + 72);
-    in->expert_stride = rd_u64(h + 80);
-    hd->table_offset  = rd_u64(h + 88);
-    L->data_offset    = rd_u64(h + 96);
-    hd->file_size     = rd_u64(h + 104);
-    hd->meta_crc      = rd_u32(h + EXPERT_META_CRC);
+    hd->il            = ls_rd_u32(h + 12);
+    in->n_embd        = (int64_t) ls_rd_u64(h + 16);
+    in->n_ff_exp      = (int64_t) ls_rd_u64(h + 24);
+    in->n_expert      = (int32_t) ls_rd_u32(h + 32);
+    hd->align         = ls_rd_u32(h + 36);
+    in->gate_type     = (int32_t) ls_rd_u32(h + 40);
+    in->up_type       = (int32_t) ls_rd_u32(h + 44);
+    in->down_type     = (int32_t) ls_rd_u32(h + 48);
+    L->gate_bytes     = ls_rd_u64(h + 56);
+    L->up_bytes       = ls_rd_u64(h + 64);
+    L->down_bytes     = ls_rd_u64(h + 72);
+    in->expert_stride = ls_rd_u64(h + 80);
+    hd->table_offset  = ls_rd_u64(h + 88);
+    L->data_offset    = ls_rd_u64(h + 96);
+    hd->file_size     = ls_rd_u64(h + 104);
+    hd->meta_crc      = ls_rd_u32(h + EXPERT_META_CRC);
     L->align          = hd->align;
-    return LS_OK;
 }
 
 // what is wrong with the header's geometry (NULL: nothing). The bounds come first, so that the
@@ -112,7 +92,7 @@ static const char * header_flaw(const ls_moe_layer * L, int32_t il, const expert
     if (hd->align < 512 || hd->align > (1u << 20) || (hd->align & (hd->align - 1)) != 0)
         return "alignment is not a power of two in [512, 1 MiB]";
     if (in->expert_stride != round_up(L->gate_bytes + L->up_bytes + L->down_bytes, hd->align)) return "bad expert stride";
-    if (hd->table_offset != EXPERT_HEADER ||
+    if (hd->table_offset != LS_FILE_HEADER ||
         L->data_offset != round_up(hd->table_offset + 8ull * (uint64_t) in->n_expert, hd->align > 4096 ? hd->align : 4096))
         return "bad offsets";
     if (hd->file_size != L->data_offset + (uint64_t) in->n_expert * in->expert_stride) return "file_size field inconsistent";
@@ -129,24 +109,13 @@ static ls_status read_tables(int fd, const char * path, ls_moe_layer * L, const 
     L->cslot = malloc((size_t) n * sizeof(int32_t));
     L->state = calloc((size_t) n, sizeof(*L->state));
     L->hot = calloc((size_t) n, 1);
-    uint8_t * meta = malloc((size_t) L->data_offset);
-    if (!L->expert_of_slot || !L->slot_of_expert || !L->slot_crc || !L->cslot || !L->state || !L->hot || !meta) {
-        free(meta); ls_set_error("out of memory"); return LS_ERR_NOMEM;
+    if (!L->expert_of_slot || !L->slot_of_expert || !L->slot_crc || !L->cslot || !L->state || !L->hot) {
+        ls_set_error("out of memory");
+        return LS_ERR_NOMEM;
     }
-    if (pread(fd, meta, (size_t) L->data_offset, 0) != (ssize_t) L->data_offset) {
-        ls_set_error("%s: cannot read the expert file's tables (%llu bytes)", path, (unsigned long long) L->data_offset);
-        free(meta);
-        return LS_ERR_FORMAT;
-    }
-    memset(meta + EXPERT_META_CRC, 0, 4);
-    const uint32_t have = ls_crc32c(0, meta, (size_t) L->data_offset);
-    if (have != hd->meta_crc) {
-        ls_set_error("%s: layer %d: header or tables corrupt (CRC-32C %08x, stored %08x); `leanstream verify` "
-                     "checks the whole model directory, re-run `leanstream convert` to repair it",
-                     path, L->il, have, hd->meta_crc);
-        free(meta);
-        return LS_ERR_CORRUPT;
-    }
+    uint8_t * meta;
+    const ls_status s = ls_model_file_tables(fd, path, "expert", L->il, L->data_offset, EXPERT_META_CRC, hd->meta_crc, &meta);
+    if (s != LS_OK) return s;
     memcpy(L->expert_of_slot, meta + hd->table_offset, (size_t) n * 4);
     memcpy(L->slot_crc, meta + hd->table_offset + 4ull * (uint64_t) n, (size_t) n * 4);
     free(meta);
@@ -166,19 +135,16 @@ static ls_status read_tables(int fd, const char * path, ls_moe_layer * L, const 
 ls_status ls_moe_file_open(ls_moe_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io) {
     L->il = il;
     L->fd = -1;
-    L->path = strdup(path);
-    if (!L->path) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     if (!ls_cpu_ready()) { ls_set_error("%s: ggml's CPU backend is not loaded (its type traits compute the experts)", path); return LS_ERR_UNSUPPORTED; }
     int fd = -1;
     struct stat st;
-    ls_status s = ls_open_regular(path, &fd, &st);
+    uint8_t h[LS_FILE_HEADER];
+    ls_status s = ls_model_file_begin(path, "expert", EXPERT_MAGIC, LS_EXPERT_FILE_VERSION, NULL, &L->path, &fd, &st, h);
     if (s != LS_OK) return s;
     expert_header hd;
-    s = read_header(fd, path, &st, L, &hd);
-    if (s == LS_OK) {
-        const char * bad = header_flaw(L, il, &hd);
-        if (bad) { ls_set_error("%s: layer %d: malformed expert file header: %s", path, il, bad); s = LS_ERR_FORMAT; }
-    }
+    read_header(h, L, &hd);
+    const char * bad = header_flaw(L, il, &hd);
+    if (bad) { ls_set_error("%s: layer %d: malformed expert file header: %s", path, il, bad); s = LS_ERR_FORMAT; }
     if (s == LS_OK && (uint64_t) st.st_size < hd.file_size) {
         ls_set_error("%s: layer %d: truncated expert file: %lld bytes, header says %llu", path, il,
                      (long long) st.st_size, (unsigned long long) hd.file_size);

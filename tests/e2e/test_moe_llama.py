@@ -86,6 +86,7 @@ def test_logits_match_stock(converted, layout, where):
     agree, kl = _agreement_kl(want, got)
     assert agree >= 0.95 and kl <= 0.01, (layout, where, agree, kl)
     assert s["routed"] == 2 * 2 * N_TOKENS           # layers x experts a token is routed to x tokens
+    assert s["tokens"] == N_TOKENS                   # token rows the model processed (not summed over layers)
     stride = llm.manifest.moe.layers[0].expert_stride
     assert s["bytes_read"] == s["misses"] * stride
     if where == "streamed":
