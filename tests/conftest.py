@@ -36,6 +36,7 @@ SLOW_FIXTURES = {
     "smollm2": "downloads SmolLM2-135M",                    # test_harness_smollm2
     "gemma3_gguf": "downloads gemma3-270m",                 # test_gemma3
     "gemma3_dir": "converts gemma3-270m through the CLI",   # test_gemma3
+    "cross": "builds the native library for aarch64 and runs it under qemu",   # test_cross (CI installs the tools)
 }
 # slow for what they do in their body, not for a fixture: (file, test function) -> why
 SLOW_TESTS = {
@@ -55,6 +56,15 @@ SLOW_TESTS = {
     ("test_stages.py", "test_uninterrupted_conversion_is_complete"): "trains predictors -> test_convert_budget",
     ("test_stages.py", "test_killed_conversion_resumes_to_the_same_files"): "trains predictors, twice",
     ("test_compare.py", "test_compare_on_a_tiny_model"): "every setup of compare -> test_compare's typed results",
+    ("test_compare.py", "test_a_refused_memory_plan_is_a_typed_result"): "runs compare's children -> test_compare's units",
+    ("test_compare.py", "test_the_reserve_without_a_measured_run_is_the_memory_plan_s"): "runs compare's children",
+    ("test_compare.py", "test_plot_writes_a_png"): "matplotlib's first import",
+    ("test_op.py", "test_counters_answer_while_an_op_waits_for_its_reads"): "waits on injected I/O delays",
+    ("test_sparse.py", "test_streamed_sparse_equals_cached_under_io_delays"): "injected I/O delays",
+    ("test_cli_user.py", "test_info_shows_predictor_and_sparse_mode_readiness"): "trains predictors",
+    ("test_predictor.py", "test_pipeline_tiny_c_equals_torch_on_real_inputs"): "profiles and trains",
+    ("test_converter.py", "test_resume_rewrites_a_corrupt_layer"): "two conversions -> test_convert_budget's kill points",
+    ("test_converter.py", "test_usable_model_dir_check"): "converts, then damages three ways",
     ("test_moe_convert.py", "test_killed_conversion_resumes_to_the_same_files"): "two MoE conversions in children",
     ("test_moe_convert.py", "test_a_damaged_expert_file_from_an_interrupted_run_is_written_again"):
         "two MoE conversions -> test_moe_llama's verify of a corrupt expert",
