@@ -269,24 +269,7 @@ def norepack_child(a: dict) -> dict:
 
 def one_run(a: dict, system: str, limit: int | None, files: list[str], timeout: float) -> dict:
     """msbs.one_run, with stock-norepack run by this script's own child."""
-    if system != NOREPACK:
-        return msbs.one_run(a, system, limit, files, timeout)
-    measure.drop_page_cache(files)
-    resident = sum(measure.resident_bytes(f) or 0 for f in files)
-    load = os.getloadavg()[0]
-    res, r = benchkit.run_child(__file__, {**a, "system": system, "limit": limit}, limit_bytes=limit,
-                                timeout_s=timeout, account=True)
-    row = {"system": system, "limit_bytes": limit, "status": r.status, "wall_s": round(r.wall_s, 2),
-           "cgroup": r.cgroup, "page_cache_resident_at_start_bytes": resident, "loadavg_1min_at_start": load}
-    if r.status == "ok":
-        row["result"] = res
-    else:
-        row["partial"] = msbs.partial_rate(r.stderr)
-        row["stderr_tail"] = "\n".join(x for x in r.stderr.splitlines() if not x.startswith("#progress"))[-1500:]
-    res = row.get("result") or {}
-    log(f"{system} @ {limit}: {r.status} {res.get('decode_tok_s') or 0:.3f} tok/s ({r.wall_s:.0f} s) "
-        f"{row.get('partial') or ''}")
-    return row
+    return msbs.one_run(a, system, limit, files, timeout, script=__file__ if system == NOREPACK else None)
 
 
 def decode(a) -> int:

@@ -254,11 +254,13 @@ def partial_rate(stderr: str) -> dict:
     return out
 
 
-def one_run(a: dict, system: str, limit: int | None, files: list[str], timeout: float) -> dict:
+def one_run(a: dict, system: str, limit: int | None, files: list[str], timeout: float,
+            script: str | None = None) -> dict:
+    """One system at one limit in a fresh process (``script``'s child: this one's by default)."""
     measure.drop_page_cache(files)
     resident = sum(measure.resident_bytes(f) or 0 for f in files)
     load = os.getloadavg()[0]
-    res, r = benchkit.run_child(__file__, {**a, "system": system, "limit": limit}, limit_bytes=limit,
+    res, r = benchkit.run_child(script or __file__, {**a, "system": system, "limit": limit}, limit_bytes=limit,
                                 timeout_s=timeout, account=True)
     row = {"system": system, "limit_bytes": limit, "status": r.status, "wall_s": round(r.wall_s, 2),
            "cgroup": r.cgroup, "page_cache_resident_at_start_bytes": resident, "loadavg_1min_at_start": load}
