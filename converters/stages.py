@@ -88,7 +88,8 @@ class Conversion:
     def orders_neurons(self) -> bool:
         """The order stage runs (the neuron order, and the hot set's ranking for leanstream
         without predictors): one neuron per block, no given order, a sketch."""
-        return self.opts["k"] == 1 and self.opts["permutation"] is None and self.opts["sketch"] != "none"
+        return (not self.moe and self.opts["k"] == 1 and self.opts["permutation"] is None
+                and self.opts["sketch"] != "none")
 
 
 @dataclass(frozen=True)
@@ -292,9 +293,9 @@ STAGES = (
     Stage("activations", _activations, "base.gguf, ffn/, the calibration corpus", ".convert/activations.npz",
           when=_dense),
     Stage("order", _order, ".convert/activations.npz, the source's down columns", ".convert/order.npz",
-          when=lambda c: _dense(c) and c.orders_neurons),
+          when=lambda c: c.orders_neurons),
     Stage("reorder", _reorder, "ffn/, .convert/order.npz", "ffn/ in that order, in place",
-          when=lambda c: _dense(c) and c.orders_neurons),
+          when=lambda c: c.orders_neurons),
     Stage("profile", _profile, "the source (stock llama.cpp), the calibration text",
           ".convert/profile/ (or --profile-dir)", when=_with_predictors),
     Stage("train", _train, "the profile", "predictor/", when=_with_predictors),

@@ -158,7 +158,9 @@ def test_verify_catches_a_corrupt_expert(converted, tmp_path):
     copy = tmp_path / "copy.lsm"
     shutil.copytree(model, copy)
     assert verify_dir(copy)[0] == []
-    e = __import__("leanstream_ggml.manifest", fromlist=["load"]).load(copy).moe.layers[1]
+    from leanstream_ggml import manifest
+
+    e = manifest.load(copy).moe.layers[1]
     f = copy / e.file
     with open(f, "r+b") as fh:
         fh.seek(e.data_offset + 3 * e.expert_stride + 100)
