@@ -18,8 +18,8 @@ from pathlib import Path
 # sa_out / ffn_geglu, for the order stage; predictors on gemma3, whose FFN output is normed again
 # before the residual add, have not been trained or measured): the others get no predictors
 PREDICTOR_ARCHS = ("llama", "qwen2")
-DENSE_ONLY_ARCHS = {"phi3": "llama.cpp's phi3 graph names no tensor for the residual entering the FFN, "
-                            "which the sparse modes need"}
+# (none since patches/0006 names phi3's residual too; an architecture added here runs dense only)
+DENSE_ONLY_ARCHS: dict[str, str] = {}
 
 
 class ModeFilesError(ValueError):
