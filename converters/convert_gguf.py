@@ -65,9 +65,19 @@ def _gguf():
     return gguf
 
 
-def _supported_types():
-    T = _gguf().GGMLQuantizationType
-    return (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.F32)
+def _type_problem(t) -> str | None:
+    """Why an FFN tensor of gguf-py type t cannot be converted, or None: gate and up rows are kept
+    as stored and dotted by ggml's CPU backend (its type traits: every type it runs, the library's
+    own kernels where it has them); down is dequantized by gguf-py (its columns re-encoded)."""
+    from leanstream_ggml import capi
+
+    gguf = _gguf()
+    if t not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and \
+            t not in gguf.quants._type_traits:
+        return "gguf-py cannot dequantize it"
+    if not capi.lib.ls_ggml_type_dots(int(t)):
+        return "ggml's CPU backend has no dot product for its rows"
+    return None
 
 
 def ggml_type_name(t) -> str:
@@ -253,7 +263,6 @@ def _inspect(reader, src: Path) -> _Model:
         if not isinstance(n_ff, int) or n_ff <= 0:
             raise ConvertError(f"{src}: missing or invalid {arch}.feed_forward_length")
 
-    supported = _supported_types()
     layers, ffn_names = [], set()
     for il in range(n_layer):
         names = {r: f"blk.{il}.ffn_{r}.weight" for r in (("up", "down") if fused else ("gate", "up", "down"))}
@@ -282,9 +291,9 @@ def _inspect(reader, src: Path) -> _Model:
             if [int(x) for x in t.shape] != want:
                 raise ConvertError(f"{src}: {t.name} has shape {list(map(int, t.shape))}, expected {want} "
                                    f"(n_embd={n_embd}; every layer must have the same n_ff={n_ff})")
-            if t.tensor_type not in supported:
-                raise ConvertError(f"{src}: {t.name} is {t.tensor_type.name}; supported types: "
-                                   f"{', '.join(x.name for x in supported)}")
+            why = _type_problem(t.tensor_type)
+            if why:
+                raise ConvertError(f"{src}: {t.name} is {t.tensor_type.name}, which cannot be converted: {why}")
         layers.append(_Layer(il, g, u, d))
         ffn_names.update(names.values())
     return _Model(reader, arch, n_layer, n_embd, n_ff, layers, ffn_names)
@@ -828,7 +837,8 @@ def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], total
     model = source.model
     moe = None if model.moe is None else moe_source.moe_info(model.moe, model.n_layer, model.n_embd, source.align)
     return mf.Manifest(
-        source=mf.SourceInfo(filename=source.path.name, sha256=source.sha256, size=source.size),
+        source=mf.SourceInfo(filename=source.path.name, sha256=source.sha256, size=source.size,
+                             path=str(source.path.resolve())),
         architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,   # (MoE: n_ff_exp)
         activation=ACTIVATION_OF_ARCH[model.arch], block=mf.BlockGeometry(k=source.k, align=source.align),
         layers=entries,

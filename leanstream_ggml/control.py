@@ -242,9 +242,10 @@ def bin_states(samples: dict[str, np.ndarray], load_edges, disk_edges) -> dict[s
 
 def conversion_id(manifest) -> str:
     """What a policy is made for: the source model and the conversion's layout (block files and
-    sketches as the manifest records them)."""
+    sketches as the manifest records them); not where the source lay (``source.path``)."""
     d = manifest.to_dict()
-    key = {"source": d["source"], "block": d["block"], "layers": d["layers"], "sketch": d.get("sketch")}
+    source = {k: v for k, v in d["source"].items() if k != "path"}
+    key = {"source": source, "block": d["block"], "layers": d["layers"], "sketch": d.get("sketch")}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -56,6 +56,8 @@ SIGNATURES = {
         # ggml.h: (type, src f32*, dst, start row, n rows, n per row, imatrix) -> bytes written
         # (the converter's K-quant down columns)
         "ggml_quantize_chunk": ([c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p], c_size_t),
+        # ggml.h: a type's name (the manifest's type table is checked against it)
+        "ggml_type_name": ([c_int], c_char_p),
         # ggml.h, ggml-backend.h: a matrix product without data, and whether the CPU device runs it
         # from its repack buffer type (stock.repacks)
         "ggml_init": ([InitParams], c_void_p),

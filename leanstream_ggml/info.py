@@ -35,7 +35,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     t = m.totals
     lines = [
         f"model directory  {d}",
-        f"source           {m.source.filename} ({fmt_bytes(m.source.size)}), sha256 {m.source.sha256}",
+        f"source           {m.source.path or m.source.filename} ({fmt_bytes(m.source.size)}), sha256 {m.source.sha256}",
         f"architecture     {m.architecture}, activation {m.activation}",
         f"dims             n_layer {m.n_layer}, n_embd {m.n_embd}, n_ff {m.n_ff}",
         *(_ffn_lines(m) if m.moe is None else _expert_lines(m)),

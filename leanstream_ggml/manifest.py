@@ -111,10 +111,14 @@ def controller_profile_file(budget: int, sparsity: float) -> str:
     return f"controller.profile-{budget}-{sparsity:g}.npz"
 
 
-# enum ggml_type values of ggml's type names (ggml.h); only what a model directory may hold
+# enum ggml_type values of ggml's type names (ggml.h; ggml_type_name): every type a GGUF's weights
+# may hold (the op dots any whose rows ggml's CPU backend dots: ls_ggml_type_dots)
 GGML_TYPE_IDS = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q8_1": 9,
-    "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13, "q6_K": 14, "q8_K": 15, "bf16": 30,
+    "q2_K": 10, "q3_K": 11, "q4_K": 12, "q5_K": 13, "q6_K": 14, "q8_K": 15,
+    "iq2_xxs": 16, "iq2_xs": 17, "iq3_xxs": 18, "iq1_s": 19, "iq4_nl": 20, "iq3_s": 21, "iq2_s": 22,
+    "iq4_xs": 23, "iq1_m": 29, "bf16": 30, "tq1_0": 34, "tq2_0": 35, "mxfp4": 39, "nvfp4": 40,
+    "q1_0": 41, "q2_0": 42,
 }
 # the formats the converter stores ffn_down columns in (converters/convert_gguf.py down_columns)
 DOWN_COLUMN_TYPES = ("q8_0", "q6_K", "q5_K", "f16", "f32")
@@ -231,7 +235,7 @@ class Manifest:
         d: dict[str, Any] = {
             "format": self.format,
             "format_version": self.format_version,
-            "source": asdict(self.source),
+            "source": {k: v for k, v in asdict(self.source).items() if k != "path" or v},
             "architecture": self.architecture,
             "n_layer": self.n_layer,
             "n_embd": self.n_embd,

@@ -5,7 +5,7 @@ predictor, sketch, moe) as dataclasses, and the typed reading of JSON fields the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -24,6 +24,8 @@ class SourceInfo:
     filename: str   # basename of the source GGUF
     sha256: str     # hex digest of the whole source file
     size: int       # bytes
+    path: str = ""  # its absolute path when converted ("": not recorded; in RAM the file runs on
+                    # llama.cpp's kernels from there if it still holds these bytes, leanstream_ggml/stock.py)
 
 
 @dataclass
@@ -244,6 +246,8 @@ def _dc(cls: type, d: Any, where: str) -> Any:
         raise ManifestError(f"{where}: expected an object")
     kw = {}
     for f in fields(cls):
+        if f.name not in d and f.default is not MISSING:   # (a field added later: older manifests lack it)
+            continue
         typ = {"int": int, "str": str, "float": float}[f.type]
         v = _get(d, f.name, typ, where)
         kw[f.name] = float(v) if typ is float else v

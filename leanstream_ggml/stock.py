@@ -10,8 +10,9 @@ answers, no speculation (a batch of repacked rows does not round as each token a
 could change an answer). Where llama.cpp does not repack them (SmolLM2's Q4_1), the op is the
 faster and stays.
 
-The source is the file the manifest names (``source.filename``), beside the model directory or
-in the model cache (where ``leanstream convert`` of a registry model found it), or ``source=``;
+The source is ``source=``, else the file the manifest names: where it was converted from
+(``source.path``), beside the model directory, or in the model cache (where ``leanstream convert``
+of a registry model found it);
 it must have the manifest's size and sha256 (hashed once per file version, remembered in the
 cache's ``verified-sources.json``). Without it the op runs, and ``stock_reason`` says why.
 """
@@ -108,23 +109,30 @@ def _verified(path: Path, sha256: str) -> bool:
 
 
 def find_source(model_dir: Path, manifest, given: str | None = None) -> tuple[Path | None, str]:
-    """(the source GGUF, "") or (None, why not): ``given``, else the manifest's file name beside the
-    model directory or in the model cache; of the manifest's size and sha256."""
+    """(the source GGUF, "") or (None, why not): ``given``, else the first of the manifest's file as
+    converted (its path), beside the model directory or in the model cache that holds the
+    manifest's size and sha256."""
     from .models import models_dir
 
     src = manifest.source
     if given is not None:
         candidates = [Path(given)]
     else:
-        candidates = [model_dir.resolve().parent / src.filename, models_dir() / src.filename]
+        candidates = [Path(src.path)] if src.path else []
+        candidates += [model_dir.resolve().parent / src.filename, models_dir() / src.filename]
+        candidates = list(dict.fromkeys(candidates))
+    why = None
     for p in candidates:
         if not p.is_file():
             continue
         if p.stat().st_size != src.size:
-            return None, f"{p} is not the file {model_dir} was converted from (size {p.stat().st_size}, not {src.size})"
-        if not _verified(p, src.sha256):
-            return None, f"{p} is not the file {model_dir} was converted from (its sha256 differs)"
-        return p, ""
+            why = why or f"{p} is not the file {model_dir} was converted from (size {p.stat().st_size}, not {src.size})"
+        elif not _verified(p, src.sha256):
+            why = why or f"{p} is not the file {model_dir} was converted from (its sha256 differs)"
+        else:
+            return p, ""
+    if why:
+        return None, why
     where = " or ".join(str(p.parent) for p in candidates)
     return None, f"the source GGUF {src.filename} is not in {where}"
 

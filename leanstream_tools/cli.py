@@ -6,7 +6,7 @@
     leanstream perplexity model.gguf                  # stock perplexity, computed identically
 
 MODEL is a model directory (leanstream), a GGUF file (stock) or a model recipe name
-(`smollm2-135m-instruct`, `qwen2.5-coder-1.5b-instruct`, `gemma3-270m`: the cached GGUF, stock).
+(`smollm2-135m-instruct`, `qwen2.5-coder-1.5b-instruct`, `qwen2.5-coder-0.5b-instruct`, `gemma3-270m`: the cached GGUF, stock).
 """
 
 from __future__ import annotations

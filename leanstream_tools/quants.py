@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 # llama_ftype values (llama.h) of the types offered here
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
-          "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}
+# (the IQ1 / IQ2 types are left out: llama.cpp quantizes them only with an importance matrix)
+FTYPES = {"F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
+          "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ3_XXS": 23,
+          "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ4_XS": 30, "BF16": 32}
 
 
 def source_type(src: Path) -> str:

@@ -165,6 +165,11 @@ LS_API int32_t     ls_kernels_force(const char * isa);
 // the module's path ("" when none).
 LS_API const char * ls_ggml_cpu_variant(void);
 LS_API const char * ls_ggml_cpu_path(void);
+// 1 when ggml's CPU backend dots rows of ggml type t (enum ggml_type) against an input it
+// quantizes: its type traits have a vec_dot and the vec_dot type a from_float. The op computes
+// gate and up rows of every such type (its own kernels where it has them, these traits elsewhere),
+// so a new ggml type needs no code here.
+LS_API int32_t     ls_ggml_type_dots(int32_t t);
 
 // The last error from an I/O worker or the op (then cleared); LS_OK if none.
 LS_API ls_status   ls_engine_take_error(ls_engine * e, char * msg, size_t msg_size);

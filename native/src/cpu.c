@@ -68,6 +68,8 @@ bool ls_cpu_dots_rows(int32_t t) {
     return tc && tc->vec_dot && vt && vt->from_float;
 }
 
+int32_t ls_ggml_type_dots(int32_t t) { return ls_cpu_dots_rows(t) ? 1 : 0; }
+
 const char * ls_ggml_cpu_variant(void) {
     ls_cpu_ready();
     return g_variant;

@@ -10,6 +10,7 @@ greedy and sampled, are stock llama-cpp-python's on the same file with the same 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -137,8 +138,13 @@ def test_the_source_must_be_the_converted_file(q4_0, tmp_path, monkeypatch):
 
     moved = tmp_path / "elsewhere" / model_dir.name
     shutil.copytree(model_dir, moved)
-    src, why = stock.find_source(moved, m)
+    assert m.source.path == str(gguf.resolve())                       # where it was converted from,
+    assert stock.find_source(moved, m)[0].samefile(gguf)              # found from any other folder
+    gone = dataclasses.replace(m, source=dataclasses.replace(m.source, path=str(tmp_path / "gone" / gguf.name)))
+    src, why = stock.find_source(moved, gone)
     assert src is None and gguf.name in why and "is not in" in why
+    stale = dataclasses.replace(m, source=dataclasses.replace(m.source, path=str(changed)))
+    assert stock.find_source(model_dir, stale)[0].samefile(gguf)      # a stale one there: the next that holds it
 
     if stock.repacks(GGML_TYPE_IDS["q4_0"], 576, 1536):
         llm = Llama(str(model_dir), source=str(changed), **CTX)   # given, and not the file: the op
@@ -146,6 +152,27 @@ def test_the_source_must_be_the_converted_file(q4_0, tmp_path, monkeypatch):
             assert llm.backend == "stream" and "sha256 differs" in llm.stock_reason
         finally:
             llm.close()
+
+
+def test_in_ram_a_directory_converted_elsewhere_runs_its_source(q4_0, tmp_path):
+    """``leanstream convert ~/Downloads/m.gguf ~/models/m.lsm``: in RAM the directory runs the GGUF
+    it was converted from (where llama.cpp repacks its weights), named by info."""
+    gguf, _ = q4_0
+    from leanstream_convert import convert
+
+    out = tmp_path / "models" / "m.lsm"
+    convert(gguf, out, progress=False, sketch="none")
+    llm = Llama(str(out), **CTX)
+    try:
+        if stock.repacks(GGML_TYPE_IDS["q4_0"], 576, 1536):
+            assert llm.backend == "stock" and llm.source_path.samefile(gguf)
+        else:
+            assert llm.backend == "stream" and "does not repack" in llm.stock_reason
+    finally:
+        llm.close()
+    r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "info", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and f"source           {gguf.resolve()}" in r.stdout, r.stdout + r.stderr
 
 
 def test_info_says_what_runs_in_ram(q4_0, smollm2_dir):

@@ -376,10 +376,18 @@ def test_unsupported_arch(tmp_path):
         convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
-def test_unsupported_quant_type(tmp_path):
-    p = tmp_path / "q51.gguf"
-    write_tiny_model(p, types={"gate": "Q5_1", "up": "Q4_0", "down": "Q4_0"})
-    with pytest.raises(ConvertError, match="Q5_1; supported types"):
+def test_a_type_nothing_dequantizes_is_refused_by_name(tmp_path):
+    """Every type ggml's CPU backend dots and gguf-py reads converts (tests/e2e/test_quant_types.py);
+    one neither reads (I32 gate rows, written over an F32 gate's type field) is refused, naming it."""
+    p = tmp_path / "i32.gguf"
+    write_tiny_model(p, types={"gate": "F32", "up": "Q4_0", "down": "Q4_0"})
+    data = bytearray(p.read_bytes())
+    name = b"blk.0.ffn_gate.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8          # past n_dims (u32) and two dims (u64)
+    assert int.from_bytes(data[at:at + 4], "little") == int(gguf.GGMLQuantizationType.F32)
+    data[at:at + 4] = int(gguf.GGMLQuantizationType.I32).to_bytes(4, "little")
+    p.write_bytes(bytes(data))
+    with pytest.raises(ConvertError, match="blk.0.ffn_gate.weight is I32, which cannot be converted: gguf-py"):
         convert(p, tmp_path / "o", progress=False, sketch="none")
 
 

@@ -164,3 +164,15 @@ def test_import_is_light():
             "bad = [m for m in ('gguf', 'numpy', 'torch', 'sklearn') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_type_names_are_ggmls_own():
+    """The manifest's type table names each enum ggml_type as the ggml in use does
+    (ggml_type_name), and misses no type whose rows ggml's CPU backend dots."""
+    from leanstream_ggml import capi, ggml_ctypes
+
+    name = ggml_ctypes.base().ggml_type_name
+    for n, t in mf.GGML_TYPE_IDS.items():
+        assert name(t).decode() == n
+    dotted = [t for t in range(max(mf.GGML_TYPE_IDS.values()) + 1) if capi.lib.ls_ggml_type_dots(t)]
+    assert {"q3_K", "q2_K", "bf16", "iq4_xs", "iq2_xxs"} <= {mf.GGML_TYPE_NAMES[t] for t in dotted}
