@@ -157,6 +157,14 @@ def diskstats_rw(name: str) -> dict:
 
 
 def convert(a) -> int:
+    doc, _ = run_convert(a)
+    return benchkit.emit(doc, a.out)
+
+
+def run_convert(a, benchmark: str = "moe_full convert", extra: tuple[str, ...] = (), tag: str = "moe48"):
+    """The conversion of a.gguf into a.model_dir in a cgroup of a.limit's bytes (a.timeout,
+    a.lock, ``tag`` written in it), ``extra`` more arguments to `leanstream convert`: (its
+    document, the cgroup.run_command result, whose stdout and stderr are whole)."""
     gguf, out_dir = Path(a.gguf), Path(a.model_dir)
     limit = benchkit.regime_limit(a.limit)
     ok, where = cgroup.availability()
@@ -164,7 +172,7 @@ def convert(a) -> int:
         raise SystemExit(f"cgroups not writable ({where}): this bench needs real limits")
     own = Path(where)
     cmd = [str(benchkit.REPO / ".venv" / "bin" / "leanstream"), "convert", str(gguf), str(out_dir),
-           "--memory-limit", a.limit, "--force"]
+           "--memory-limit", a.limit, "--force", *extra]
     disk = msbs.disk_of(str(gguf))
     samples: list[dict] = []
     done = threading.Event()
@@ -187,7 +195,7 @@ def convert(a) -> int:
             samples.append({"t": round(time.perf_counter() - t0, 2), "rss": sum(_rss(p) for p in pids), "cg": usage})
             time.sleep(0.5)
 
-    with quiet(a.lock) as waited:
+    with quiet(a.lock, tag) as waited:
         measure.drop_page_cache([gguf])
         resident = measure.resident_bytes(gguf)
         d0, busy0 = diskstats_rw(disk), msbs.machine_busy_s()
@@ -207,7 +215,7 @@ def convert(a) -> int:
     cpu = sum(cpu_by_pid.values())
     disk_d = {k: d1[k] - d0[k] for k in d0}
     lsm_bytes = sum(f.stat().st_size for f in out_dir.rglob("*") if f.is_file()) if out_dir.exists() else None
-    doc = {"benchmark": "moe_full convert", "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size,
+    doc = {"benchmark": benchmark, "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size,
            "model_dir": out_dir.name, "model_dir_bytes": lsm_bytes, "command": cmd,
            "limit": a.limit, "limit_bytes": limit, "status": r.status, "returncode": r.returncode,
            "seconds": round(wall, 1), "within_20_min": r.status == "ok" and wall <= 1200,
@@ -226,7 +234,7 @@ def convert(a) -> int:
            "samples_every_2s": samples[::4], "machine": measure.machine_info()}
     log(f"convert: {r.status} {wall:.0f} s, cgroup peak {doc['cgroup_peak_bytes']}, "
         f"rss peak {doc['peak_rss_sampled_bytes']}")
-    return benchkit.emit(doc, a.out)
+    return doc, r
 
 
 # ---------------------------------------------------------------------------------------------

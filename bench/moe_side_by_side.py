@@ -16,13 +16,15 @@ page cache of the GGUF and of every file of the model directory was dropped. Sys
   plugin   leanstream_ggml.Llama(dir, memory_limit=LIMIT), every other option its default (in RAM:
            no limit, so it runs the source GGUF on llama.cpp, stock.py); decode through generate
            where it speculates (prompt lookup), as `leanstream bench` does
+  plugin-plain  the same with speculative="off": one eval + argmax per token
 
 Per run, over the decode only (the prompt is evaluated, then the counters are taken / reset):
 decode tok/s; the process's disk reads (/proc/self/io read_bytes, O_DIRECT included) and the
 device's (/proc/diskstats sectors read of the disk holding the model); the disk's busy share
 (io_ticks / wall); CPU share (process user+sys / wall / threads); major faults; and for the
 plugin its counters (llm.stats(): hits, misses, bytes_read, stall and compute time) with the
-routed misses' bytes (misses x expert_stride, per layer) to hold the bytes read against.
+routed misses' bytes (misses x expert_stride, per layer) to hold the bytes read against (a dense
+model's directory, bench/dense7b.py: its counters, bytes read and cache bytes, no routing).
 A run past --timeout is killed; its per-token progress (stderr) still gives a rate.
 
 --ceiling: before the runs (and after them), the disk's rate for the reads the plugin makes:
@@ -49,6 +51,8 @@ from leanstream_tools import cgroup, measure
 
 HERE = Path(__file__).resolve().parent
 PROMPT = "The history of the old harbour town begins with"
+# the plugin's systems: leanstream_ggml.Llama with these options besides memory_limit
+PLUGINS = {"plugin": {}, "plugin-plain": {"speculative": "off"}}
 TEXT = benchkit.REPO / "leanstream_tools" / "data" / "heldout-technical.txt"
 
 
@@ -116,7 +120,7 @@ def open_llm(a: dict):
     from leanstream_ggml import Llama
 
     extra = {"memory_limit": a["limit"]} if a["limit"] is not None else {}
-    return Llama(a["model_dir"], **common, **extra)
+    return Llama(a["model_dir"], **common, **extra, **PLUGINS[a["system"]])
 
 
 def routed_miss_bytes(llm) -> tuple[int, int]:
@@ -139,7 +143,7 @@ def child(a: dict) -> dict:
     progress("start")
     llm = open_llm(a)
     load_s = time.perf_counter() - t0
-    plugin = a["system"] == "plugin"
+    plugin = a["system"] in PLUGINS
     backend = getattr(llm, "backend", "stock")
     engine = plugin and backend != "stock"
     progress("loaded", load_s=load_s)
@@ -197,18 +201,20 @@ def child(a: dict) -> dict:
         out["argmax"] = argmax   # the model's top-1 after the prompt and after each forced token
     if engine:
         st = llm.stats()
-        miss_bytes, stride = routed_miss_bytes(llm)
         out["engine_prefill"] = prefill_stats
         out["engine_decode"] = st
-        out["expert_stride"] = stride
-        out["routed_miss_bytes"] = miss_bytes
         out["bytes_read_per_token"] = st["bytes_read"] / n
-        out["bytes_read_over_routed_misses"] = st["bytes_read"] / miss_bytes if miss_bytes else None
-        out["proc_read_over_routed_misses"] = (dec["proc_read_bytes"] / miss_bytes
-                                               if miss_bytes and dec["proc_read_bytes"] is not None else None)
-        out["hit_rate"] = st["hit_ratio"]
+        if llm.manifest.moe is not None:
+            miss_bytes, stride = routed_miss_bytes(llm)
+            out["expert_stride"] = stride
+            out["routed_miss_bytes"] = miss_bytes
+            out["bytes_read_over_routed_misses"] = st["bytes_read"] / miss_bytes if miss_bytes else None
+            out["proc_read_over_routed_misses"] = (dec["proc_read_bytes"] / miss_bytes
+                                                   if miss_bytes and dec["proc_read_bytes"] is not None else None)
+            out["hit_rate"] = st["hit_ratio"]
         out["memory_budget_bytes"] = llm.memory_plan.budget if llm.memory_plan is not None else None
         out["memory_plan"] = llm.memory_plan.to_dict() if llm.memory_plan is not None else None
+        out["memory_plan_fitted"] = llm.memory_plan.fitted if llm.memory_plan is not None else None
     llm.close()
     return out
 
@@ -298,13 +304,18 @@ def summary(rows: list[dict], ceil: list[dict]) -> dict:
             s["disk_mb_s"] = med(lambda x: x["decode"]["disk_read_bytes"] / x["decode"]["wall_s"] / 1e6)
             if best_ceiling:
                 s["disk_mb_s_over_ceiling"] = s["disk_mb_s"] / best_ceiling
-            if all("engine_decode" in x for x in ok):
+            if all("routed_miss_bytes" in x for x in ok):    # a mixture-of-experts model's engine
                 s["hit_rate"] = med(lambda x: x["hit_rate"])
                 s["bytes_read_mb_per_token"] = med(lambda x: x["bytes_read_per_token"] / 1e6)
                 s["bytes_read_over_routed_misses"] = med(lambda x: x["bytes_read_over_routed_misses"])
                 s["proc_read_over_routed_misses"] = med(lambda x: x["proc_read_over_routed_misses"])
                 s["stall_share"] = med(lambda x: x["engine_decode"]["stall_ns"] / 1e9 / x["decode"]["wall_s"])
                 s["cache_slots"] = ok[0]["engine_decode"]["cache_slots"]
+            elif all("engine_decode" in x for x in ok):       # a dense model's (io_stall: summed over threads)
+                s["bytes_read_mb_per_token"] = med(lambda x: x["bytes_read_per_token"] / 1e6)
+                s["io_stall_s_per_token"] = med(lambda x: x["engine_decode"]["io_stall_ns"] / 1e9 / x["n_gen"])
+                s["cache_bytes"] = med(lambda x: x["engine_decode"]["cache_bytes"])
+            if all("engine_decode" in x for x in ok):
                 spec = [x["engine_decode"].get("speculative") for x in ok if x["speculative"] != "off (forced tokens)"]
                 if spec and all(spec):
                     s["tokens_per_pass"] = [sp.get("tokens_per_pass") for sp in spec]

@@ -112,6 +112,19 @@ class Writer:
         w.close()
 
 
+def matrix_chunks(W: Writer, seed: int, sub: int, type_name: str, rows: int, cols: int):
+    """A matrix's bytes in chunks of CHUNK_ROWS rows, from its own random stream ([seed, sub])."""
+    def chunks():
+        r = np.random.default_rng([seed, sub])
+        for first in range(0, rows, CHUNK_ROWS):
+            yield W.quant_rows(r, type_name, min(CHUNK_ROWS, rows - first), cols)
+    return chunks
+
+
+def const_chunks(values: np.ndarray):
+    return lambda: iter([values])
+
+
 def copy_tokenizer(w, src: Path) -> int:
     """Every tokenizer.* key of ``src`` into the writer, byte for byte; returns the vocabulary size."""
     import gguf
@@ -165,11 +178,7 @@ def write_model(path: Path, n_layer: int, tokenizer: Path, seed: int = 0) -> dic
     n_vocab = copy_tokenizer(w, tokenizer)
 
     def quant(type_name, rows, cols, sub):     # a matrix in chunks of CHUNK_ROWS rows, from its own stream
-        def chunks():
-            r = np.random.default_rng([seed, sub])
-            for first in range(0, rows, CHUNK_ROWS):
-                yield W.quant_rows(r, type_name, min(CHUNK_ROWS, rows - first), cols)
-        return chunks
+        return matrix_chunks(W, seed, sub, type_name, rows, cols)
 
     def experts(type_name, rows, cols, sub):   # one expert's matrix at a time
         def chunks():
@@ -178,8 +187,7 @@ def write_model(path: Path, n_layer: int, tokenizer: Path, seed: int = 0) -> dic
                 yield W.quant_rows(r, type_name, rows, cols)
         return chunks
 
-    def const(values: np.ndarray):
-        return lambda: iter([values])
+    const = const_chunks
 
     sub = iter(range(1, 1 << 30))
     W.tensor("token_embd.weight", TYPES["token_embd"], (n_vocab, N_EMBD),
@@ -220,15 +228,23 @@ def expected_bytes(n_layer: int, n_vocab: int = 49152) -> int:
     return int(n_layer * layer + n_vocab * N_EMBD * (q4k + q6k))
 
 
-def check_layout(path: Path, shape: dict) -> None:
-    """gguf-py reads it back: every tensor where its info says, the expert count and types as written."""
+def read_layout(path: Path, n_tensors: int):
+    """gguf-py reads it back: ``n_tensors`` tensors, each after the previous one's bytes, the last
+    inside the file. (the reader, {name: its tensor})"""
     import gguf
 
     r = gguf.GGUFReader(path)
-    assert len(r.tensors) == shape["tensors"], (len(r.tensors), shape["tensors"])
+    assert len(r.tensors) == n_tensors, (len(r.tensors), n_tensors)
+    for prev, x in zip(r.tensors, r.tensors[1:]):
+        assert x.data_offset >= prev.data_offset + prev.n_bytes, (prev.name, x.name)
     last = r.tensors[-1]
     assert last.data_offset + last.n_bytes <= path.stat().st_size
-    t = {x.name: x for x in r.tensors}
+    return r, {x.name: x for x in r.tensors}
+
+
+def check_layout(path: Path, shape: dict) -> None:
+    """gguf-py reads it back: every tensor where its info says, the expert count and types as written."""
+    r, t = read_layout(path, shape["tensors"])
     g = t["blk.0.ffn_gate_exps.weight"]
     assert [int(x) for x in g.shape] == [N_EMBD, N_FF_EXP, N_EXPERT] and g.tensor_type.name == TYPES["ffn_gate_exps"]
     assert t["blk.0.ffn_down_exps.weight"].tensor_type.name == TYPES["ffn_down_exps"]

@@ -161,7 +161,8 @@ def register(subparsers) -> None:
                         "1.5B model)")
     p.add_argument("--profile-tokens", type=int, default=None, metavar="N",
                    help="positions of the calibration text the model runs on to order the neurons and rank the "
-                        "draft vocabulary (default 4096; the conversion's longest stage is proportional to it)")
+                        "draft vocabulary (default 4096 up to a 1.5B model's FFN, fewer in proportion above, at "
+                        "least 1488: the conversion's longest stage is proportional to it)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="your own text (or .jsonl chats, one {\"messages\": [...]} per line): profiled for the "
                         "neuron order and the draft vocabulary, calibrated as one more domain with --calibrate (and "

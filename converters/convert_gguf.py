@@ -68,13 +68,12 @@ def _gguf():
 def _type_problem(t) -> str | None:
     """Why an FFN tensor of gguf-py type t cannot be converted, or None: gate and up rows are kept
     as stored and dotted by ggml's CPU backend (its type traits: every type it runs, the library's
-    own kernels where it has them); down is dequantized by gguf-py (its columns re-encoded)."""
-    from leanstream_ggml import capi
+    own kernels where it has them); rows are dequantized by ggml (down's columns re-encoded, the
+    sketch's rows)."""
+    from leanstream_ggml import capi, ggml_ctypes
 
-    gguf = _gguf()
-    if t not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) and \
-            t not in gguf.quants._type_traits:
-        return "gguf-py cannot dequantize it"
+    if t != _gguf().GGMLQuantizationType.F32 and not ggml_ctypes.base().ggml_get_type_traits(int(t)).contents.to_float:
+        return "ggml cannot dequantize it"
     if not capi.lib.ls_ggml_type_dots(int(t)):
         return "ggml's CPU backend has no dot product for its rows"
     return None
@@ -328,9 +327,13 @@ def resolve_down_type(want: str, down_types, n_embd: int) -> str:
     return "q6_k" if low and n_embd % 256 == 0 else "q8_0"
 
 
-def _ggml_quantize(cols: np.ndarray, type_name: str) -> np.ndarray:
+def _ggml_quantize(cols: np.ndarray, type_name: str, n_threads: int = 2) -> np.ndarray:
     """f32 [n, m] rows quantized by ggml's own quantizer (ggml_quantize_chunk, no importance
-    matrix) -> uint8 [n, row bytes]: gguf-py quantizes no K-quant."""
+    matrix) -> uint8 [n, row bytes], in n_threads parts at once (ctypes lets go of the GIL in the
+    call; each row is quantized alone, so the bytes do not depend on the parts): gguf-py
+    quantizes no K-quant."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from leanstream_ggml import ggml_ctypes
 
     gguf = _gguf()
@@ -340,10 +343,33 @@ def _ggml_quantize(cols: np.ndarray, type_name: str) -> np.ndarray:
     f = ggml_ctypes.base().ggml_quantize_chunk
     src = np.ascontiguousarray(cols, dtype=np.float32)
     out = np.empty((n, m // bs * ts), dtype=np.uint8)
-    done = f(int(qt), src.ctypes.data, out.ctypes.data, 0, n, m, None)
+
+    def part(i: int) -> int:
+        r0, r1 = n * i // n_threads, n * (i + 1) // n_threads
+        return f(int(qt), src.ctypes.data, out.ctypes.data, r0 * m, r1 - r0, m, None) if r1 > r0 else 0
+
+    with ThreadPoolExecutor(max(1, n_threads)) as ex:
+        done = sum(ex.map(part, range(max(1, n_threads))))
     if done != out.nbytes:
         raise ConvertError(f"ggml_quantize_chunk({type_name}) wrote {done} bytes, expected {out.nbytes}")
     return out
+
+
+def dequantize(t, n_rows: int, n_threads: int = 2, order: np.ndarray | None = None) -> np.ndarray:
+    """f32 [n_rows, row length]: a gguf-py tensor's rows dequantized by ggml's own to_float, on
+    n_threads threads (bit for bit gguf-py's dequantize, tests/unit/test_converter.py, and 15-20x
+    faster on Q4_K: the write and sketch stages of a 7B spent minutes in gguf-py's numpy); the rows
+    of index array ``order`` in its order if given."""
+    from leanstream_ggml import ggml_ctypes
+
+    T = _gguf().GGMLQuantizationType
+    if t.tensor_type == T.F32:
+        w = np.asarray(t.data, dtype=np.float32).reshape(n_rows, -1)
+        return w if order is None else w[order]
+    raw = t.data.view(np.uint8).reshape(n_rows, -1)
+    raw = raw if order is None else raw[order]
+    n_per_row = int(np.prod([int(x) for x in t.shape])) // n_rows
+    return ggml_ctypes.dequantize(raw, int(t.tensor_type), n_per_row, n_threads)
 
 
 def down_columns(t, n_embd: int, n_ff: int, want: str = "q8_0"):
@@ -371,7 +397,7 @@ def down_columns(t, n_embd: int, n_ff: int, want: str = "q8_0"):
         cols = np.ascontiguousarray(np.asarray(t.data, dtype=np.float16).reshape(n_embd, n_ff).T)
         return cols.view(np.uint8), T.F16
     # Second quantization: see the docstring (Q8_0 error <= max|block| / 254 per 32 values)
-    w = gguf.quants.dequantize(t.data, src_type).reshape(n_embd, n_ff)   # f32 [n_embd, n_ff]
+    w = dequantize(t, n_embd)                                             # f32 [n_embd, n_ff]
     cols = np.ascontiguousarray(w.T)                                      # f32 [n_ff, n_embd]
     del w
     qt = _down_type(src_type, n_embd, want)

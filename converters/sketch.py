@@ -3,7 +3,7 @@ exact-input scorer), written to ``sketch/blk.<il>.lssk`` in the block files' slo
 sketch file (format version 1) and its LS2 rows, as the converter writes and reads them back.
 The format is specified in docs/formats.md; the engine reads the files itself (native/src/sketch.c).
 
-No training: the rows are dequantized with gguf-py and re-quantized to 2-bit LS2 rows (4
+No training: the rows are dequantized by ggml and re-quantized to 2-bit LS2 rows (4
 symmetric levels, one f16 scale per 32 values, 2.5 bits per value; by the native library,
 ``quantize_rows`` is its numpy reference), so a conversion is ready for
 sparse decode in the time it takes to read the FFN once. Resumable per layer: a complete file
@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 
 from leanstream_ggml import manifest as mf
-from leanstream_ggml.checksum import crc32c
 from leanstream_ggml.formats import HEADER_BYTES
 from leanstream_ggml.formats import SKETCH_LS2 as LS2
 from leanstream_ggml.formats import SKETCH_MAGIC as MAGIC
@@ -43,6 +42,15 @@ META_CRC_OFFSET = 84
 
 class SketchFileError(ValueError):
     pass
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C of data by the native library (the CPU's CRC instruction: a 7B's 27 MB sketch
+    bodies took 3.4 s a layer with the byte-at-a-time reference, leanstream_ggml.checksum.crc32c,
+    which tests/native holds it to)."""
+    from leanstream_ggml.capi import ffi, lib
+
+    return int(lib.ls_crc32c(0, ffi.from_buffer(data), len(data)))
 
 
 @dataclass
@@ -103,7 +111,7 @@ def read(path) -> tuple[SketchHeader, np.ndarray, np.ndarray, np.ndarray]:
     h = SketchHeader.unpack(data, str(path))
     if len(data) != h.file_size or h.norm_offset + 4 * h.n_rows != h.file_size:
         raise SketchFileError(f"{path}: {len(data)} bytes, header says {h.file_size}: truncated or corrupt")
-    if crc32c(data[h.gate_offset:]) != h.data_crc:
+    if crc32c(memoryview(data)[h.gate_offset:]) != h.data_crc:
         raise SketchFileError(f"{path}: data checksum mismatch (corrupt file)")
     rb, n = h.row_bytes, h.n_rows
     gate = np.frombuffer(data, np.uint8, n * rb, h.gate_offset).reshape(n, rb)
@@ -172,10 +180,12 @@ def quantize_rows(w: np.ndarray, chunk: int = 1024) -> np.ndarray:
 
 # ---- the stage -----------------------------------------------------------------------------------
 
-def _dequantized_rows(t, n_rows: int) -> np.ndarray:
-    import gguf
+def _dequantized_rows(t, n_rows: int, order: np.ndarray | None = None) -> np.ndarray:
+    """f32 rows of tensor t (n_rows of them), in ``order`` if given (the stored rows gathered
+    first: a copy of a fraction of the f32 rows' bytes)."""
+    from .convert_gguf import dequantize
 
-    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(n_rows, -1).astype(np.float32, copy=False)
+    return dequantize(t, n_rows, order=order)
 
 
 def down_column_norms(layer, n_embd: int) -> np.ndarray:
@@ -188,7 +198,7 @@ def _layer_sketch(layer, slots: np.ndarray, n_embd: int, n_ff: int, k: int, weig
     idx = np.where(pad, 0, slots)
     parts = []
     for t in (layer.gate, layer.up):
-        rows = _dequantized_rows(t, n_ff)[idx]         # f32 [n_rows, n_embd], slot order
+        rows = _dequantized_rows(t, n_ff, idx)         # f32 [n_rows, n_embd], slot order
         rows[pad] = 0.0
         parts.append(quantize_rows_native(rows, n_threads))
     if weight == "down_norm":

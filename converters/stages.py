@@ -39,7 +39,7 @@ from leanstream_ggml import manifest as mf
 from leanstream_ggml import params as params_mod
 from leanstream_ggml.manifest import PREDICTOR_ARCHS
 
-from .activations import MAX_TOKENS as PROFILE_TOKENS
+from .activations import MAX_TOKENS, default_tokens
 from .budget import StageMeter, machine_limit
 from .convert_gguf import (DEFAULT_DOWN_TYPE, ConvertError, check_fits, check_out_dir_apart, make_manifest,
                            read_source, remove_partials, reorder_layers, save_manifest, write_model)
@@ -345,8 +345,14 @@ def _after_read(c: Conversion) -> None:
 
 
 def _settle_options(c: Conversion) -> None:
-    """What the source allows of the options asked for (said, not refused)."""
+    """What the source allows of the options asked for (said, not refused), and the defaults that
+    depend on the model (the activations pass's positions)."""
     o, model = c.opts, c.source.model
+    if o["profile_tokens"] is None:   # (no activations pass on a MoE source)
+        from .calibrate import corpus
+
+        o["profile_tokens"] = MAX_TOKENS if c.moe else default_tokens(model.n_layer, model.n_embd, model.n_ff,
+                                                                          len(corpus(o["calibration"])))
     if o["predictors"] != "none" and model.arch not in PREDICTOR_ARCHS:
         c.log(f"no predictors: the predictor stage supports {', '.join(PREDICTOR_ARCHS)}, not "
               f"{model.arch}, yet; {c.out} runs in dense mode")
@@ -407,7 +413,7 @@ def _check_options(o: dict) -> None:
     from .sketch import TYPES as SKETCH_TYPES
 
     tokens = o["profile_tokens"]
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+    if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
         raise ConvertError(f"profile_tokens must be a positive integer, got {tokens!r}")
     if o["predictors"] not in PREDICTOR_CHOICES:
         raise ConvertError(f"predictors must be one of {', '.join(PREDICTOR_CHOICES)}, got {o['predictors']!r}")
@@ -424,7 +430,7 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
                   hash_config: dict | None = None, profile_kwargs: dict | None = None, n_threads: int = 2,
                   order: str = DEFAULT_ORDER, log: Callable[..., None] | None = None,
                   down_type: str = DEFAULT_DOWN_TYPE, memory_limit: int | str | None = None,
-                  profile_tokens: int = PROFILE_TOKENS) -> mf.Manifest:
+                  profile_tokens: int | None = None) -> mf.Manifest:
     """Convert GGUF ``src`` into the model directory ``out_dir``; returns its Manifest. The
     defaults are `leanstream convert`'s (converters/cli.py passes only what its user gives).
 
@@ -444,7 +450,8 @@ def convert_model(src: str | os.PathLike, out_dir: str | os.PathLike, *, k: int 
     memory_limit: bytes (or "1GB") the whole conversion holds (default: what the machine or its
     memory cgroup allows this process, converters/budget.py). profile_tokens: positions of the
     calibration corpus the activations stage runs the model on (more: steadier statistics,
-    proportionally longer). profile_dir: keep the predictors' profile there (reused if complete);
+    proportionally longer; default ``activations.default_tokens``: 4096 up to a 1.5B model, fewer
+    in proportion above, at least one chunk of each domain). profile_dir: keep the predictors' profile there (reused if complete);
     by default it lives in OUT/.convert/ and is removed at the end.
     hash_config / profile_kwargs: override the training / profiling settings of the choice.
     order: on-disk neuron order, "importance" (default), "coact", "freq" or "none" (GGUF order;

@@ -303,3 +303,15 @@ def test_smollm2_converts_in_a_300MB_cgroup(smollm2_gguf, smollm2_sketch_dir, tm
         assert len(set(perms[0][:n]) & set(perms[1][:n])) >= 0.98 * n, il
     va, vb = np.load(out / m.draft_vocab_file()), np.load(smollm2_sketch_dir / ref.draft_vocab_file())
     assert len(set(va[:32768]) & set(vb[:32768])) >= 0.99 * 32768
+
+
+def test_the_activations_pass_runs_fewer_positions_on_a_larger_model():
+    """Its default: 4096 positions up to Qwen2.5-1.5B's FFN (SmolLM2, Qwen2.5 0.5B / 1.5B keep
+    them), fewer in proportion above, never fewer than one chunk of each bundled domain."""
+    from leanstream_convert.activations import MAX_TOKENS, N_CTX, SKIP, default_tokens
+
+    assert default_tokens(30, 576, 1536) == default_tokens(28, 1536, 8960) == MAX_TOKENS
+    assert default_tokens(32, 4096, 11008) == 3 * (N_CTX - SKIP)             # a 7B: the floor
+    assert default_tokens(32, 2048, 8192) < MAX_TOKENS                          # ~1.6e9 FFN weights
+    assert default_tokens(32, 2048, 8192) == int(MAX_TOKENS * 1.2e9 / (3 * 32 * 2048 * 8192))
+    assert default_tokens(32, 4096, 11008, n_domains=4) == 4 * (N_CTX - SKIP)  # with --calibration

@@ -376,9 +376,9 @@ def test_unsupported_arch(tmp_path):
         convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
-def test_a_type_nothing_dequantizes_is_refused_by_name(tmp_path):
-    """Every type ggml's CPU backend dots and gguf-py reads converts (tests/e2e/test_quant_types.py);
-    one neither reads (I32 gate rows, written over an F32 gate's type field) is refused, naming it."""
+def test_a_type_ggml_cannot_dequantize_is_refused_by_name(tmp_path):
+    """Every type ggml's CPU backend dots and dequantizes converts (tests/e2e/test_quant_types.py);
+    one it does neither for (I32 gate rows, written over an F32 gate's type field) is refused, naming it."""
     p = tmp_path / "i32.gguf"
     write_tiny_model(p, types={"gate": "F32", "up": "Q4_0", "down": "Q4_0"})
     data = bytearray(p.read_bytes())
@@ -387,7 +387,7 @@ def test_a_type_nothing_dequantizes_is_refused_by_name(tmp_path):
     assert int.from_bytes(data[at:at + 4], "little") == int(gguf.GGMLQuantizationType.F32)
     data[at:at + 4] = int(gguf.GGMLQuantizationType.I32).to_bytes(4, "little")
     p.write_bytes(bytes(data))
-    with pytest.raises(ConvertError, match="blk.0.ffn_gate.weight is I32, which cannot be converted: gguf-py"):
+    with pytest.raises(ConvertError, match="blk.0.ffn_gate.weight is I32, which cannot be converted: ggml cannot dequantize it"):
         convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
@@ -582,3 +582,26 @@ def test_k_quant_down_columns(tmp_path, down_type, bits):
         convert(other, tmp_path / "odd", progress=False, sketch="none", down_type=down_type)
     with pytest.raises(ConvertError, match="down_type must be one of"):
         convert(other, tmp_path / "bad", progress=False, sketch="none", down_type="q4_k")
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+                                   "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "TQ2_0"])
+def test_ggml_dequantizes_as_gguf_py_does(qtype):
+    """The converter dequantizes rows with ggml's to_float (convert_gguf.dequantize): bit for bit
+    gguf-py's dequantize on rows ggml's own quantizer wrote."""
+    from types import SimpleNamespace
+
+    from leanstream_ggml import ggml_ctypes
+    from leanstream_convert.convert_gguf import dequantize
+
+    T = gguf.GGMLQuantizationType
+    qt = T[qtype]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    n_rows, n = 8, 512
+    w = np.random.default_rng(3).standard_normal((n_rows, n)).astype(np.float32)
+    raw = np.empty((n_rows, n // bs * ts), np.uint8)
+    assert ggml_ctypes.base().ggml_quantize_chunk(int(qt), w.ctypes.data, raw.ctypes.data, 0, n_rows, n, None) == raw.nbytes
+    data = raw.view(np.float16) if qt == T.F16 else raw
+    got = dequantize(SimpleNamespace(tensor_type=qt, data=data, shape=[n, n_rows]), n_rows)
+    ref = gguf.quants.dequantize(data, qt).reshape(n_rows, n)
+    assert got.dtype == np.float32 and np.array_equal(got, ref)
