@@ -57,7 +57,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -165,18 +164,11 @@ def check_layout(path: Path, shape: dict, layout: list) -> None:
 
 
 def cmd_write(a) -> int:
-    need = expected_bytes(a.layers)
-    free = shutil.disk_usage(a.path.absolute().parent).free
-    if need > free:
-        print(f"{a.path}: about {need / 1e9:.1f} GB to write, {free / 1e9:.1f} GB free", file=sys.stderr)
-        return 1
-    tokenizer = a.tokenizer
+    tokenizer = moe_synth.room_and_tokenizer(a.path, expected_bytes(a.layers), a.tokenizer)
     if tokenizer is None:
-        from leanstream_ggml import models
-
-        tokenizer = models.fetch("smollm2-135m-instruct", progress=False)
+        return 1
     t0 = time.perf_counter()
-    shape, layout = write_model(a.path, a.layers, Path(tokenizer), a.seed)
+    shape, layout = write_model(a.path, a.layers, tokenizer, a.seed)
     seconds = time.perf_counter() - t0
     check_layout(a.path, shape, layout)
     doc = {"benchmark": "dense7b write", "path": str(a.path), "bytes": a.path.stat().st_size,

@@ -200,22 +200,28 @@ def child(a: dict) -> dict:
     if forced:
         out["argmax"] = argmax   # the model's top-1 after the prompt and after each forced token
     if engine:
-        st = llm.stats()
-        out["engine_prefill"] = prefill_stats
-        out["engine_decode"] = st
-        out["bytes_read_per_token"] = st["bytes_read"] / n
-        if llm.manifest.moe is not None:
-            miss_bytes, stride = routed_miss_bytes(llm)
-            out["expert_stride"] = stride
-            out["routed_miss_bytes"] = miss_bytes
-            out["bytes_read_over_routed_misses"] = st["bytes_read"] / miss_bytes if miss_bytes else None
-            out["proc_read_over_routed_misses"] = (dec["proc_read_bytes"] / miss_bytes
-                                                   if miss_bytes and dec["proc_read_bytes"] is not None else None)
-            out["hit_rate"] = st["hit_ratio"]
-        out["memory_budget_bytes"] = llm.memory_plan.budget if llm.memory_plan is not None else None
-        out["memory_plan"] = llm.memory_plan.to_dict() if llm.memory_plan is not None else None
-        out["memory_plan_fitted"] = llm.memory_plan.fitted if llm.memory_plan is not None else None
+        out |= engine_fields(llm, prefill_stats, dec, n)
     llm.close()
+    return out
+
+
+def engine_fields(llm, prefill_stats: dict, dec: dict, n: int) -> dict:
+    """The plugin's counters over the decode, its memory plan, and for a mixture-of-experts model
+    the routed misses' bytes to hold the bytes read against."""
+    st = llm.stats()
+    plan = llm.memory_plan
+    out = {"engine_prefill": prefill_stats, "engine_decode": st, "bytes_read_per_token": st["bytes_read"] / n,
+           "memory_budget_bytes": plan.budget if plan is not None else None,
+           "memory_plan": plan.to_dict() if plan is not None else None,
+           "memory_plan_fitted": plan.fitted if plan is not None else None}
+    if llm.manifest.moe is not None:
+        miss_bytes, stride = routed_miss_bytes(llm)
+        out["expert_stride"] = stride
+        out["routed_miss_bytes"] = miss_bytes
+        out["bytes_read_over_routed_misses"] = st["bytes_read"] / miss_bytes if miss_bytes else None
+        out["proc_read_over_routed_misses"] = (dec["proc_read_bytes"] / miss_bytes
+                                               if miss_bytes and dec["proc_read_bytes"] is not None else None)
+        out["hit_rate"] = st["hit_ratio"]
     return out
 
 

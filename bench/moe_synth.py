@@ -274,6 +274,20 @@ def decode(path: Path, n_tokens: int = 4) -> dict:
         llm.close()
 
 
+def room_and_tokenizer(out: Path, need: int, tokenizer: Path | None) -> Path | None:
+    """The GGUF whose tokenizer to copy (SmolLM2-135M-Instruct's, fetched once, when None), or None
+    (said on stderr) when the disk holding ``out`` has less than ``need`` bytes free."""
+    free = shutil.disk_usage(out.absolute().parent).free
+    if need > free:
+        print(f"{out}: about {need / 1e9:.1f} GB to write, {free / 1e9:.1f} GB free", file=sys.stderr)
+        return None
+    if tokenizer is None:
+        from leanstream_ggml import models
+
+        tokenizer = models.fetch("smollm2-135m-instruct", progress=False)
+    return Path(tokenizer)
+
+
 def main(argv=None) -> int:
     ap = benchkit.parser(__doc__)
     ap.add_argument("out", type=Path, help="the GGUF to write")
@@ -285,16 +299,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="the GGUF whose tokenizer to copy (default: SmolLM2-135M-Instruct, fetched once)")
     a = ap.parse_args(argv)
-    need = expected_bytes(a.layers)
-    free = shutil.disk_usage(a.out.absolute().parent).free
-    if need > free:
-        print(f"{a.out}: about {need / 1e9:.1f} GB to write, {free / 1e9:.1f} GB free", file=sys.stderr)
-        return 1
-    tokenizer = a.tokenizer
+    tokenizer = room_and_tokenizer(a.out, expected_bytes(a.layers), a.tokenizer)
     if tokenizer is None:
-        from leanstream_ggml import models
-
-        tokenizer = models.fetch("smollm2-135m-instruct", progress=False)
+        return 1
     t0 = time.perf_counter()
     shape = write_model(a.out, a.layers, tokenizer, a.seed)
     seconds = time.perf_counter() - t0

@@ -111,3 +111,15 @@ def test_speculation_equals_plain_decoding(converted):
           f"{st['draft_steps']} self-draft steps")
     assert got["auto"] == got["off"] and all(got["off"])
     assert st["draft_steps"] > 0           # the self draft ran on this type's rows
+
+
+def test_leanstream_mode_runs_on_every_type(converted):
+    """The sketch is made from the dequantized rows, so sparse decode takes every type too."""
+    name, src, out = converted
+    llm = Llama(str(out), mode="leanstream", sparsity=0.3, **CTX)
+    try:
+        text = llm.create_completion(PROMPTS[0], max_tokens=8, temperature=0)["choices"][0]["text"]
+        st = llm.stats()
+    finally:
+        llm.close()
+    assert text and st["blocks_candidates"] > 0 and st["down_skipped"] > 0
