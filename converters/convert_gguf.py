@@ -34,7 +34,7 @@ from leanstream_ggml import manifest as mf
 from leanstream_ggml.checksum import crc32c_rows
 from leanstream_ggml.formats import EXPERT_VERSION, MIN_ALIGN
 
-from . import blockfile, moe_source
+from . import blockfile, ggml_rows, moe_source
 from ._faults import kill_point
 from .fileio import PARTIAL, atomic_write_text, atomic_writer, fsync_dir, sha256_file
 from .validate import check_tensors
@@ -327,51 +327,6 @@ def resolve_down_type(want: str, down_types, n_embd: int) -> str:
     return "q6_k" if low and n_embd % 256 == 0 else "q8_0"
 
 
-def _ggml_quantize(cols: np.ndarray, type_name: str, n_threads: int = 2) -> np.ndarray:
-    """f32 [n, m] rows quantized by ggml's own quantizer (ggml_quantize_chunk, no importance
-    matrix) -> uint8 [n, row bytes], in n_threads parts at once (ctypes lets go of the GIL in the
-    call; each row is quantized alone, so the bytes do not depend on the parts): gguf-py
-    quantizes no K-quant."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from leanstream_ggml import ggml_ctypes
-
-    gguf = _gguf()
-    qt = gguf.GGMLQuantizationType[type_name.upper()]
-    bs, ts = gguf.GGML_QUANT_SIZES[qt]
-    n, m = cols.shape
-    f = ggml_ctypes.base().ggml_quantize_chunk
-    src = np.ascontiguousarray(cols, dtype=np.float32)
-    out = np.empty((n, m // bs * ts), dtype=np.uint8)
-
-    def part(i: int) -> int:
-        r0, r1 = n * i // n_threads, n * (i + 1) // n_threads
-        return f(int(qt), src.ctypes.data, out.ctypes.data, r0 * m, r1 - r0, m, None) if r1 > r0 else 0
-
-    with ThreadPoolExecutor(max(1, n_threads)) as ex:
-        done = sum(ex.map(part, range(max(1, n_threads))))
-    if done != out.nbytes:
-        raise ConvertError(f"ggml_quantize_chunk({type_name}) wrote {done} bytes, expected {out.nbytes}")
-    return out
-
-
-def dequantize(t, n_rows: int, n_threads: int = 2, order: np.ndarray | None = None) -> np.ndarray:
-    """f32 [n_rows, row length]: a gguf-py tensor's rows dequantized by ggml's own to_float, on
-    n_threads threads (bit for bit gguf-py's dequantize, tests/unit/test_converter.py, and 15-20x
-    faster on Q4_K: the write and sketch stages of a 7B spent minutes in gguf-py's numpy); the rows
-    of index array ``order`` in its order if given."""
-    from leanstream_ggml import ggml_ctypes
-
-    T = _gguf().GGMLQuantizationType
-    if t.tensor_type == T.F32:
-        w = np.asarray(t.data, dtype=np.float32).reshape(n_rows, -1)
-        return w if order is None else w[order]
-    raw = t.data.view(np.uint8).reshape(n_rows, -1)
-    raw = raw if order is None else raw[order]
-    n_per_row = int(np.prod([int(x) for x in t.shape])) // n_rows
-    return ggml_ctypes.dequantize(raw, int(t.tensor_type), n_per_row, n_threads)
-
-
 def down_columns(t, n_embd: int, n_ff: int, want: str = "q8_0"):
     """Transposed ffn_down: (uint8 [n_ff, col_bytes], ggml type of the columns).
 
@@ -397,12 +352,12 @@ def down_columns(t, n_embd: int, n_ff: int, want: str = "q8_0"):
         cols = np.ascontiguousarray(np.asarray(t.data, dtype=np.float16).reshape(n_embd, n_ff).T)
         return cols.view(np.uint8), T.F16
     # Second quantization: see the docstring (Q8_0 error <= max|block| / 254 per 32 values)
-    w = dequantize(t, n_embd)                                             # f32 [n_embd, n_ff]
+    w = ggml_rows.dequantize(t, n_embd)                                   # f32 [n_embd, n_ff]
     cols = np.ascontiguousarray(w.T)                                      # f32 [n_ff, n_embd]
     del w
     qt = _down_type(src_type, n_embd, want)
     if qt in (T.Q6_K, T.Q5_K):
-        return _ggml_quantize(cols, qt.name), qt
+        return ggml_rows.quantize(cols, qt.name), qt
     if n_embd % 32 == 0:
         return gguf.quants.quantize(cols, T.Q8_0).reshape(n_ff, -1), T.Q8_0
     return cols.astype(np.float16).view(np.uint8), T.F16

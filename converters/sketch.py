@@ -183,7 +183,7 @@ def quantize_rows(w: np.ndarray, chunk: int = 1024) -> np.ndarray:
 def _dequantized_rows(t, n_rows: int, order: np.ndarray | None = None) -> np.ndarray:
     """f32 rows of tensor t (n_rows of them), in ``order`` if given (the stored rows gathered
     first: a copy of a fraction of the f32 rows' bytes)."""
-    from .convert_gguf import dequantize
+    from .ggml_rows import dequantize
 
     return dequantize(t, n_rows, order=order)
 

@@ -21,8 +21,6 @@ import functools
 from ctypes import c_bool, c_char_p, c_int, c_int64, c_size_t, c_uint32, c_void_p
 from pathlib import Path
 
-import numpy as np
-
 BASE, GGML = "libggml-base.so.0", "libggml.so.0"
 
 
@@ -66,7 +64,7 @@ SIGNATURES = {
         # (the converter's K-quant down columns)
         "ggml_quantize_chunk": ([c_int, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_void_p], c_size_t),
         # ggml.h: a type's name (the manifest's type table is checked against it) and its traits
-        # (the converter dequantizes rows with its to_float: dequantize)
+        # (the converter dequantizes rows with their to_float: converters/ggml_rows.py)
         "ggml_type_name": ([c_int], c_char_p),
         "ggml_get_type_traits": ([c_int], ctypes.POINTER(TypeTraits)),
         # ggml.h, ggml-backend.h: a matrix product without data, and whether the CPU device runs it
@@ -116,34 +114,3 @@ def ggml() -> ctypes.CDLL:
     """libggml (the backend registry libllama uses), its SIGNATURES declared."""
     return _library(GGML)
 
-
-_TO_FLOAT = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_int64)   # ggml_to_float_t
-
-
-def dequantize(rows: np.ndarray, ggml_type: int, n_per_row: int, n_threads: int = 1) -> np.ndarray:
-    """f32 [n_rows, n_per_row]: rows (uint8 [n_rows, row bytes], as stored) of ggml type
-    ``ggml_type`` dequantized by ggml's own to_float (every type ggml has; what llama.cpp's CPU
-    backend computes with), in n_threads parts at once (ctypes lets go of the GIL in the call)."""
-    tr = base().ggml_get_type_traits(int(ggml_type)).contents
-    if not tr.to_float or n_per_row % tr.blck_size:
-        raise ValueError(f"ggml type {ggml_type} ({tr.type_name}): no to_float for rows of {n_per_row} values")
-    src = np.ascontiguousarray(rows, dtype=np.uint8)
-    n_rows = src.shape[0]
-    if src.size != n_rows * (n_per_row // tr.blck_size) * tr.type_size:
-        raise ValueError(f"{src.size} bytes are not {n_rows} rows of {n_per_row} {tr.type_name.decode()} values")
-    out = np.empty((n_rows, n_per_row), dtype=np.float32)
-    fn = _TO_FLOAT(tr.to_float)
-
-    def part(i: int) -> None:
-        r0, r1 = n_rows * i // n_threads, n_rows * (i + 1) // n_threads
-        if r1 > r0:
-            fn(src[r0:r1].ctypes.data, out[r0:r1].ctypes.data, (r1 - r0) * n_per_row)
-
-    if n_threads <= 1:
-        part(0)
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(n_threads) as ex:
-            list(ex.map(part, range(n_threads)))
-    return out

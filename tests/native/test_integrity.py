@@ -228,7 +228,7 @@ def test_corrupt_block_keeps_failing_with_an_unlimited_budget(model):
     path = model / "ffn" / "blk.0.bin"
     h, lo, _ = _payload_range(path)
     _flip(path, [lo + 2 * h.block_stride + 7])
-    llm = Llama(str(model), memory_budget=None, **CTX)
+    llm = Llama(str(model), memory_budget=None, in_ram="stream", **CTX)   # (the op: not the source on llama.cpp)
     toks = llm.tokenize(PROMPT, add_bos=False)
     for _ in range(3):
         llm.reset()

@@ -587,12 +587,12 @@ def test_k_quant_down_columns(tmp_path, down_type, bits):
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
                                    "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "TQ2_0"])
 def test_ggml_dequantizes_as_gguf_py_does(qtype):
-    """The converter dequantizes rows with ggml's to_float (convert_gguf.dequantize): bit for bit
-    gguf-py's dequantize on rows ggml's own quantizer wrote."""
+    """The converter dequantizes rows with ggml's to_float (ggml_rows.dequantize, on 2 threads):
+    bit for bit gguf-py's dequantize on rows ggml's own quantizer wrote; rows in a given order too."""
     from types import SimpleNamespace
 
     from leanstream_ggml import ggml_ctypes
-    from leanstream_convert.convert_gguf import dequantize
+    from leanstream_convert.ggml_rows import dequantize
 
     T = gguf.GGMLQuantizationType
     qt = T[qtype]
@@ -602,6 +602,9 @@ def test_ggml_dequantizes_as_gguf_py_does(qtype):
     raw = np.empty((n_rows, n // bs * ts), np.uint8)
     assert ggml_ctypes.base().ggml_quantize_chunk(int(qt), w.ctypes.data, raw.ctypes.data, 0, n_rows, n, None) == raw.nbytes
     data = raw.view(np.float16) if qt == T.F16 else raw
-    got = dequantize(SimpleNamespace(tensor_type=qt, data=data, shape=[n, n_rows]), n_rows)
+    t = SimpleNamespace(tensor_type=qt, data=data, shape=[n, n_rows])
+    got = dequantize(t, n_rows)
     ref = gguf.quants.dequantize(data, qt).reshape(n_rows, n)
     assert got.dtype == np.float32 and np.array_equal(got, ref)
+    order = np.array([5, 0, 7, 7, 2])
+    assert np.array_equal(dequantize(t, n_rows, n_threads=3, order=order), ref[order])
