@@ -298,7 +298,7 @@ def test_resume_rewrites_a_corrupt_layer(models, tmp_path, monkeypatch):
         "align": leanstream_convert.device_align(out), "permutation_sha256": hashlib.sha256(
             b"".join(np.arange(96, dtype=np.int32).tobytes() for _ in range(2))).hexdigest(),
         "block_file_version": blockfile.VERSION,
-        "activations": {"tokens": stages.PROFILE_TOKENS, "calibration": stages._corpus_id(None)}}))
+        "activations": {"tokens": stages.MAX_TOKENS, "calibration": stages._corpus_id(None)}}))
     with open(out / "ffn" / "blk.1.bin", "r+b") as f:
         f.truncate(5000)
     written = []
