@@ -255,9 +255,21 @@ class MemoryPlan:
                 + f", {self.min_cache / MiB:.0f} MiB of cache).\n" + "\n".join(self.lines())
                 + (f"\n(dense mode keeps nothing resident: it needs {(self.reserve + (self.layer_bytes or MIN_CACHE)) / 1e6:.0f} MB)"
                    if self.resident else "")
-                + (f"\n(n_ctx {self.n_ctx} holds {self.parts['kv_cache'] / MiB:.0f} MiB of KV cache: n_ctx 512, `-c 512` "
-                   f"on the command line, would free {self.parts['kv_cache'] * (1 - 512 / self.n_ctx) / MiB:.0f})"
-                   if self.n_ctx > 512 and "kv_cache" in self.parts else ""), self)
+                + self._n_ctx_hint(), self)
+
+    def _n_ctx_hint(self) -> str:
+        """What a smaller context would do: the largest n_ctx (a multiple of 256, as llama.cpp pads
+        it) whose KV cache leaves the least cache, if one of at least 256 does."""
+        kv = self.parts.get("kv_cache")
+        if not kv or self.n_ctx <= 256:
+            return ""
+        per_token = kv / self.n_ctx
+        fit = int((self.n_ctx - (self.min_cache - self.cache) / per_token) // 256 * 256)
+        if fit < 256:
+            return (f"\n(n_ctx {self.n_ctx} holds {kv / MiB:.0f} MiB of KV cache; even n_ctx 256 would leave "
+                    f"too little)")
+        return (f"\n(n_ctx {self.n_ctx} holds {kv / MiB:.0f} MiB of KV cache: n_ctx {fit}, `-c {fit}` on the "
+                f"command line, would fit, freeing {kv * (1 - fit / self.n_ctx) / MiB:.0f} MiB)")
 
 
 def plan(model_dir, manifest, limit: int, *, mode: str, n_ctx: int = 512, n_ubatch: int = 512,

@@ -216,15 +216,26 @@ def test_a_tight_limit_gives_way_in_order(smollm2_sketch_dir, monkeypatch):
         p.check()
 
 
-def test_a_refusal_says_what_a_smaller_context_frees():
+def test_a_refusal_names_the_largest_context_that_fits():
+    import re
+
     base = memplan.BaseModelInfo(arch="llama", n_layer=30, n_embd=576, n_vocab=49152, kv_width=11520,
                                  tensor_bytes={"token_embd.weight": 40 * MB})
-    p = memplan.plan(None, None, 200 * MB, mode="dense", n_ctx=2048, n_ubatch=512, resident=0, process=50 * MB, base=base)
+
+    def at(limit, n_ctx):
+        return memplan.plan(None, None, limit, mode="dense", n_ctx=n_ctx, n_ubatch=512, resident=0, process=50 * MB,
+                            base=base)
+
+    p = at(200 * MB, 2048)
     with pytest.raises(memplan.MemoryPlanError) as e:
         p.check()
     kv = 2048 * 11520 * 2
-    assert f"n_ctx 2048 holds {kv / 2**20:.0f} MiB of KV cache" in str(e.value) and "-c 512" in str(e.value)
-    assert f"would free {kv * 0.75 / 2**20:.0f})" in str(e.value)
+    assert f"n_ctx 2048 holds {kv / 2**20:.0f} MiB of KV cache" in str(e.value)
+    fit = int(re.search(r"n_ctx (\d+), `-c \1` on the command line, would fit", str(e.value)).group(1))
+    assert fit % 256 == 0 and 256 <= fit < 2048
+    assert at(200 * MB, fit).fits and not at(200 * MB, fit + 256).fits   # the largest that fits
+    with pytest.raises(memplan.MemoryPlanError, match="even n_ctx 256 would leave too little"):
+        at(60 * MB, 2048).check()
 
 
 def _small_base():
