@@ -70,9 +70,9 @@ def _type_problem(t) -> str | None:
     as stored and dotted by ggml's CPU backend (its type traits: every type it runs, the library's
     own kernels where it has them); rows are dequantized by ggml (down's columns re-encoded, the
     sketch's rows)."""
-    from leanstream_ggml import capi, ggml_ctypes
+    from leanstream_ggml import capi
 
-    if t != _gguf().GGMLQuantizationType.F32 and not ggml_ctypes.base().ggml_get_type_traits(int(t)).contents.to_float:
+    if not ggml_rows.dequantizes(t):
         return "ggml cannot dequantize it"
     if not capi.lib.ls_ggml_type_dots(int(t)):
         return "ggml's CPU backend has no dot product for its rows"

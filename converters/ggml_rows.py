@@ -29,6 +29,11 @@ def _in_parts(n_rows: int, n_threads: int, fn) -> list:
         return list(ex.map(lambda p: fn(*p) if p[1] > p[0] else 0, parts))
 
 
+def dequantizes(ggml_type: int) -> bool:
+    """Whether ``dequantize`` takes rows of this ggml type (F32 as they are; others by a to_float)."""
+    return int(ggml_type) == 0 or bool(ggml_ctypes.base().ggml_get_type_traits(int(ggml_type)).contents.to_float)
+
+
 def to_float(rows: np.ndarray, ggml_type: int, n_per_row: int, n_threads: int = 2) -> np.ndarray:
     """f32 [n_rows, n_per_row]: rows (uint8 [n_rows, row bytes], as stored) of ggml type
     ``ggml_type`` dequantized by ggml's to_float."""
