@@ -99,9 +99,9 @@ def main() -> int:
     ap.add_argument("--no-convert", action="store_true", help="leave the conversion out")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
-    gguf = models.resolve(args.model) if not Path(args.model).is_file() else Path(args.model)
+    gguf = registry.resolve(args.model) if not Path(args.model).is_file() else Path(args.model)
     work = Path(tempfile.mkdtemp(prefix="before-after-"))
     model_dir = work / "model.lsm"
     trees = {"before": Path(args.before).resolve(), "after": benchkit.REPO}

@@ -52,7 +52,7 @@ def flags(ap, *names: str, sweep: tuple[str, ...] = (), defaults: dict | None = 
 def regime_limit(regime: str) -> int | None:
     """The bytes of a whole-process limit ("1000MB"), or None for a regime that sets no cgroup:
     "ram" (no limit), "35%" (a share of the FFN as the engine's budget), "budget=415MB"."""
-    from leanstream_ggml import params
+    from leanstream_ggml.native import params
 
     if regime == "ram" or regime.endswith("%") or regime.startswith("budget="):
         return None

@@ -24,7 +24,7 @@ import benchkit
 
 
 def decode(llm, prompt, n):
-    from leanstream_ggml import context
+    from leanstream_ggml.llamacpp import context
 
     llm.reset()
     llm.eval(prompt)

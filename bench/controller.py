@@ -38,7 +38,7 @@ PROMPT = "def merge_sorted(a, b):\n"
 
 
 def llama_kwargs(model_dir: Path, regime: str) -> dict:
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     if regime.endswith("%"):
         m = mf.load(model_dir)
@@ -58,7 +58,7 @@ def engine_kwargs(a: dict) -> dict:
         if not io.isdigit() or int(io) < 1:
             raise SystemExit(f"bad config {a['config']!r}: the suffix is @ioN with N >= 1 I/O threads")
         kw["n_io_threads"] = int(io)
-    from leanstream_ggml import modes
+    from leanstream_ggml.native import modes
 
     if config == modes.DEFAULT:      # "dense": the plugin's dense mode, the reference
         return {**kw, "mode": modes.DEFAULT}

@@ -58,7 +58,7 @@ def main() -> int:
     cg = None
     limit = None
     if a.limit:
-        from leanstream_ggml.params import size_bytes
+        from leanstream_ggml.native.params import size_bytes
         from leanstream_tools.cgroup import CgroupUnavailable, MemoryCgroup
 
         limit = size_bytes(a.limit, "limit")

@@ -13,7 +13,7 @@ The GGUF is the benchmark's own (never committed); delete it and the model direc
 write: Llama-2-7B's shape ("llama": n_embd 4096, n_ff 11008, 32 heads and 32 key/value heads of
 128, rope base 1e4, RMS eps 1e-5, context 4096) in a Q4_K_M layout: ffn_gate/ffn_up Q4_K, ffn_down
 Q6_K, attention q/k/output Q4_K and v Q6_K, token_embd Q4_K, output Q6_K, the norms F32 (ones);
-the tokenizer of SmolLM2-135M-Instruct (49152 tokens, leanstream_ggml.models.fetch) instead of
+the tokenizer of SmolLM2-135M-Instruct (49152 tokens, leanstream_ggml.model.registry.fetch) instead of
 Llama's 32000, so token_embd and output are [4096, 49152]. The weights are bench/moe_synth.py's:
 random K-quant blocks whose f16 scales give values of standard deviation ~0.02, each matrix from
 its own random stream, deterministic per --seed. Written by moe_synth.Writer (header first, then
@@ -24,7 +24,7 @@ then gguf-py's reader checks every tensor's place, type, shape and size and the 
 convert: `leanstream convert GGUF OUT_DIR --memory-limit LIMIT --force [--convert-arg ...]` in a
 memory cgroup of exactly LIMIT's bytes, the GGUF's page cache dropped first: bench/moe_full.py's
 run_convert (wall time, the cgroup's peak, the child tree's sampled RSS, disk bytes, CPU). The
-per-stage seconds and peak RSS are the converter's own records (converters/budget.py StageMeter):
+per-stage seconds and peak RSS are the converter's own records (leanstream_convert/budget.py StageMeter):
 the manifest's "conversion" section when the conversion finished, OUT_DIR/.convert/stages.json
 when it did not; the stage lines it prints on stderr ("write: 30.2 s, peak 439 MiB resident")
 are parsed too, and kept beside them.
@@ -196,7 +196,7 @@ def limit_arg(text: str) -> str:
     return str(int(f))
 
 
-# "write: 30.2 s, peak 439 MiB resident" (converters/budget.py StageMeter.stage)
+# "write: 30.2 s, peak 439 MiB resident" (leanstream_convert/budget.py StageMeter.stage)
 STAGE_LINE = re.compile(r"^(\w+): ([0-9.]+) s, peak ([0-9]+) MiB resident$")
 
 
@@ -280,7 +280,7 @@ def brief(row: dict) -> dict:
 
 
 def cmd_decode(a) -> int:
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     model_dir = Path(a.model_dir)
     m = mf.load(model_dir)

@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds of reads before the first cell")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     a = ap.parse_args()
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
     from leanstream_tools import measure as hm
 
     m = mf.load(a.model)

@@ -59,7 +59,9 @@ def agreement(llm, prompt: list[int], n_tokens: int) -> tuple[int, int, list[int
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import Llama, manifest, memplan, options, params
+    from leanstream_ggml import Llama, memplan, options
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml.native import params
     from speculative import chat_prompt_tokens
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

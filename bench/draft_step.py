@@ -55,7 +55,9 @@ def steps(llm, n: int, fraction: float) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import Llama, manifest, memplan, options, params
+    from leanstream_ggml import Llama, memplan, options
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml.native import params
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")

@@ -33,7 +33,7 @@ DEFAULT_SETUPS = "stock,stock-q3_k_m,stock-q2_k,dense,leanstream,leanstream@ppl+
 
 def setup_args(setup: str, gguf: Path, model_dir: Path, budget: int, threads: int) -> list[str]:
     """`leanstream eval humaneval` arguments of one setup."""
-    from leanstream_ggml import modes
+    from leanstream_ggml.native import modes
     from leanstream_tools import compare, quants
 
     common = ["-t", str(threads)]
@@ -54,7 +54,7 @@ def setup_args(setup: str, gguf: Path, model_dir: Path, budget: int, threads: in
 def main(argv=None) -> int:
     import os
 
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
     ap = benchkit.parser(__doc__)
     ap.add_argument("--model", required=True, help="GGUF path or recipe name (the stock source)")
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="the summary JSON (default: OUT_DIR/summary.json)")
     args = ap.parse_args(argv)
 
-    gguf, model_dir, out_dir = models.resolve(args.model), Path(args.model_dir), Path(args.out_dir)
+    gguf, model_dir, out_dir = registry.resolve(args.model), Path(args.model_dir), Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     budget = args.memory_budget or selecting_budget(model_dir)
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]

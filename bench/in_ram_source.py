@@ -7,7 +7,7 @@ Converts the model (a recipe name or a GGUF path) into a temporary folder apart 
 each system in a fresh process, interleaved for --rounds: stock (llama_cpp.Llama on the GGUF) and
 the plugin (leanstream_ggml.Llama on the directory, every option its default: no limit, so it runs
 the GGUF it was converted from, found where the manifest recorded it, on llama.cpp wherever
-llama.cpp repacks its FFN weights; leanstream_ggml/stock.py). Prints decode tok/s per run, the
+llama.cpp repacks its FFN weights; leanstream_ggml/llamacpp/stock.py). Prints decode tok/s per run, the
 plugin's backend and source, and the plugin/stock ratio of the medians.
 """
 
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.child:
         return benchkit.answer_child(a.child, child)
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
-    gguf = models.resolve(a.model)
+    gguf = registry.resolve(a.model)
     with tempfile.TemporaryDirectory(prefix="leanstream-in-ram-") as tmp:
         out_dir = Path(tmp) / "elsewhere" / "m.lsm"
         t0 = time.perf_counter()

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from leanstream_ggml import Llama
-    from leanstream_ggml import manifest as manifest_mod
+    from leanstream_ggml.model import manifest as manifest_mod
     from leanstream_tools import measure
 
     d = Path(args.model)

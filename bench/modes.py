@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import benchkit
-from leanstream_ggml import modes as engine_modes  # (the engine's modes: what each one does)
+from leanstream_ggml.native import modes as engine_modes  # (the engine's modes: what each one does)
 
 PROMPT = "The main differences between a process and a thread are"
 
@@ -68,7 +68,7 @@ def quality(model_dir, mode, sparsity, ref, args) -> dict:
 
 def run_one(model_dir, mode, budget, sparsity, args, stock_text):
     from leanstream_ggml import Llama
-    from leanstream_ggml.engine import LeanstreamError
+    from leanstream_ggml.native.engine import LeanstreamError
 
     try:
         llm = Llama(str(model_dir), mode=mode, sparsity=sparsity if engine_modes.is_sparse(mode) else None,
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if args.perplexity and not args.stock:
         ap.error("--perplexity needs --stock GGUF")
 
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(args.model_dir)
     ffn = m.totals.ffn_bytes_on_disk

@@ -281,7 +281,7 @@ def one_run(a: dict, system: str, limit: int | None, files: list[str], timeout: 
 
 
 def decode(a) -> int:
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     model_dir = Path(a.model_dir)
     m = mf.load(model_dir)

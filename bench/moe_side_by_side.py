@@ -136,7 +136,7 @@ def routed_miss_bytes(llm) -> tuple[int, int]:
 def child(a: dict) -> dict:
     import numpy as np
 
-    from leanstream_ggml import context
+    from leanstream_ggml.llamacpp import context
 
     disk = disk_of(a["gguf"])
     t0 = time.perf_counter()
@@ -370,7 +370,7 @@ def main() -> int:
         return benchkit.answer_child(a.child, child)
     if not a.gguf or not a.model_dir:
         ap.error("--gguf and --model-dir are required")
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     model_dir = Path(a.model_dir)
     m = mf.load(model_dir)

@@ -9,7 +9,7 @@ per-head q/k norms; 128 experts of 768 neurons, 8 routed per token, softmax-norm
 1e-6, rope base 1e6) in its Q4_K_M layout: the experts' gate and up Q4_K and down Q6_K, attention
 q/k/output Q4_K and v Q6_K, token_embd Q4_K, output Q6_K, the norms and the router (ffn_gate_inp)
 F32; the tokenizer and chat template of SmolLM2-135M-Instruct (49152 tokens, from
-leanstream_ggml.models.fetch) instead of Qwen's 151k, so the output matrix is smaller than the
+leanstream_ggml.model.registry.fetch) instead of Qwen's 151k, so the output matrix is smaller than the
 real model's. The weights are random: quantized blocks of random bytes whose f16 scales give
 values of standard deviation ~0.02, and router rows spread so that some experts are routed to
 more often than others. Deterministic per --seed.
@@ -282,9 +282,9 @@ def room_and_tokenizer(out: Path, need: int, tokenizer: Path | None) -> Path | N
         print(f"{out}: about {need / 1e9:.1f} GB to write, {free / 1e9:.1f} GB free", file=sys.stderr)
         return None
     if tokenizer is None:
-        from leanstream_ggml import models
+        from leanstream_ggml.model import registry
 
-        tokenizer = models.fetch("smollm2-135m-instruct", progress=False)
+        tokenizer = registry.fetch("smollm2-135m-instruct", progress=False)
     return Path(tokenizer)
 
 

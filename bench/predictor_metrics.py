@@ -57,7 +57,7 @@ def check_exact(path) -> bool:
 
 
 def one_model(model_dir: Path) -> dict:
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     s = json.loads((model_dir / mf.PREDICTOR_SUMMARY).read_text())
     files = [model_dir / f for f in s["files"]]

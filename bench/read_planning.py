@@ -31,13 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from leanstream_ggml import modes  # noqa: E402
+from leanstream_ggml.native import modes  # noqa: E402
 
 PROMPT = "The main differences between a process and a thread are"
 
 
 def ffn_bytes(model_dir: Path) -> int:
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     m = mf.load(model_dir)
     return sum((model_dir / e.file).stat().st_size for e in m.layers)
@@ -45,7 +45,7 @@ def ffn_bytes(model_dir: Path) -> int:
 
 def run_one(model_dir: Path, mode: str, bridge, hot, budget: int, args) -> dict:
     from leanstream_ggml import Llama
-    from leanstream_ggml.engine import LeanstreamError
+    from leanstream_ggml.native.engine import LeanstreamError
     from leanstream_tools.bench import DEFAULT_TEXT
 
     try:

@@ -151,7 +151,8 @@ def record(model_dir: str, text: str, n_tokens: int, sparsity: float | None, can
     {"sparsity", "candidate_ratio"}) from a leanstream decode (None: the engine's default)."""
     import gguf
 
-    from leanstream_ggml import Llama, manifest
+    from leanstream_ggml import Llama
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(model_dir)
     ffn = sum(e.n_blocks * e.block_stride for e in m.layers)

@@ -45,7 +45,8 @@ def op_rows(model_dir: str, rows: list[int], rounds: int, threads: int, calls: i
     """ms per op pass over every layer for each T in rows (see the module's docstring)."""
     import numpy as np
 
-    from leanstream_ggml import engine, manifest as mf
+    from leanstream_ggml.native import engine
+    from leanstream_ggml.model import manifest as mf
 
     man = mf.load(model_dir)
     paths = [man.resolve(model_dir, L.file) for L in man.layers]
@@ -97,7 +98,8 @@ def main(argv=None) -> int:
     if not args.gguf:
         ap.error("the source GGUF is needed (or --op-rows)")
 
-    from leanstream_ggml import engine, manifest as mf, modes
+    from leanstream_ggml.native import engine, modes
+    from leanstream_ggml.model import manifest as mf
     from leanstream_tools import bench
 
     man = mf.load(args.model_dir)

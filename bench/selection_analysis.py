@@ -1,6 +1,6 @@
 """Where leanstream's selection loses, per domain and layer (prints JSON lines).
 
-Stock llama.cpp runs each domain's held-out text with the profile capture (converters/profile.py:
+Stock llama.cpp runs each domain's held-out text with the profile capture (leanstream_convert/profile.py:
 every layer's normed FFN input x and its exact activations a = act(gate x) * up x). For every
 token and layer, in numpy, with the model directory's own sketch rows and down-column norms w:
 
@@ -121,8 +121,8 @@ def main() -> int:
     import llama_cpp
 
     from leanstream_convert import sketch
-    from leanstream_ggml import manifest
-    from leanstream_ggml.engine import candidate_blocks, kept_blocks
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml.native.engine import candidate_blocks, kept_blocks
     from tests.support.reference import act as act_fn, load_layer
 
     domains = dict(d.split("=", 1) for d in a.domain) if a.domain else {k: str(v) for k, v in HELDOUT.items()}

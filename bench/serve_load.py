@@ -141,7 +141,7 @@ def run(model_dir: str, *, clients: int = 4, minutes: float = 2.0, memory_limit:
         memory_budget: str | None = "64MiB", n_ctx: int = 1024, seed: int = 0, log_dir: str | None = None) -> dict:
     import openai
 
-    from leanstream_ggml.params import size_bytes
+    from leanstream_ggml.native.params import size_bytes
 
     limit = size_bytes(memory_limit, "memory_limit") or None
     port = _free_port()

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 import benchkit
-from leanstream_ggml import modes
+from leanstream_ggml.native import modes
 from leanstream_ggml.scoring import log_softmax, scored_range, window_logits, windows
 from leanstream_ggml.texts import text_tokens
 from leanstream_tools.bench import DEFAULT_TEXT
@@ -89,7 +89,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     a = ap.parse_args()
 
-    from leanstream_ggml import Llama, manifest
+    from leanstream_ggml import Llama
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(a.model)
     dense_bytes = sum(e.n_blocks * e.block_payload for e in m.layers)   # per token, dense mode

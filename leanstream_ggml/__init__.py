@@ -24,7 +24,7 @@ __all__ = ["Llama", "__version__"]
 def __getattr__(name):
     # lazy: `leanstream convert` and the build script must not load llama.cpp
     if name == "Llama":
-        from .llama import Llama
+        from leanstream_ggml.llama import Llama
 
         return Llama
     raise AttributeError(name)

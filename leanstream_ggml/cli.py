@@ -23,7 +23,7 @@ def version_string() -> str:
     metadata: printing it must not load llama.cpp)."""
     from importlib import metadata
 
-    from . import __version__
+    from leanstream_ggml import __version__
 
     try:
         llama = metadata.version("llama_cpp_python")
@@ -34,10 +34,10 @@ def version_string() -> str:
 # the runtime's commands: name -> (its module here, one-line help), in the order `leanstream --help`
 # lists them (the entry points' commands follow)
 COMMANDS = {
-    "info": ("leanstream_ggml.info", "describe a converted model directory"),
-    "verify": ("leanstream_ggml.verify", "check every checksum of a model directory"),
-    "chat": ("leanstream_ggml.chat", "chat with a converted model (streams tokens, keeps history)"),
-    "serve": ("leanstream_ggml.server", "llama-cpp-python's OpenAI-compatible server on a converted model"),
+    "info": ("leanstream_ggml.commands.info", "describe a converted model directory"),
+    "verify": ("leanstream_ggml.commands.verify", "check every checksum of a model directory"),
+    "chat": ("leanstream_ggml.commands.chat", "chat with a converted model (streams tokens, keeps history)"),
+    "serve": ("leanstream_ggml.commands.server", "llama-cpp-python's OpenAI-compatible server on a converted model"),
 }
 
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from .errors import describe
+        from leanstream_ggml.errors import describe
 
         line = describe(e)      # OS errors, bad model directories, parameters, corrupt files
         if line is None:

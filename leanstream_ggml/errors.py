@@ -29,7 +29,9 @@ _FIX = {
 
 def describe(exc: BaseException) -> str | None:
     """One line for an error the user can act on, or None for an unexpected one (a bug)."""
-    from . import manifest, memplan, params
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
+    from leanstream_ggml.native import params
 
     if isinstance(exc, OSError) and exc.errno is not None:
         where = exc.filename if exc.filename is not None else ""
@@ -39,7 +41,7 @@ def describe(exc: BaseException) -> str | None:
         what = exc.strerror or str(exc)
         line = f"{where}: {what}" if where else what
         return f"{line} ({fix})" if fix and fix.split(":")[0].lower() != what.lower() else line
-    from .models import FetchError
+    from leanstream_ggml.model.registry import FetchError
 
     if isinstance(exc, (manifest.ManifestError, params.ParameterError, memplan.MemoryPlanError, FetchError)):
         return str(exc)

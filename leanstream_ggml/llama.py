@@ -16,10 +16,13 @@ from pathlib import Path
 
 import llama_cpp
 
-from . import _llama_cpp, context, memplan, models, modes, moe_model, options, params, stock
-from . import manifest as manifest_mod
-from .engine import EXACT_ROWS, FFNEngine
-from .moe import MoEEngine
+from leanstream_ggml.llamacpp import _llama_cpp, context, stock
+from leanstream_ggml import memplan, moe_model, options
+from leanstream_ggml.model import registry
+from leanstream_ggml.native import modes, params
+from leanstream_ggml.model import manifest as manifest_mod
+from leanstream_ggml.native.engine import EXACT_ROWS, FFNEngine
+from leanstream_ggml.native.moe import MoEEngine
 
 
 def _load_array(path: Path, valid, expected: str):
@@ -161,7 +164,7 @@ class Llama(llama_cpp.Llama):
         _manifest, _pass = kwargs.pop("_manifest", None), kwargs.pop("_pass", None)
         o, given, stock_kwargs = self._options(kwargs)
         self.memory_plan = None
-        path = models.converted_model_dir(str(model_path))
+        path = registry.converted_model_dir(str(model_path))
         self.manifest = _manifest if _manifest is not None else manifest_mod.load(path)
         self.model_dir = path
         m = self.manifest
@@ -275,7 +278,7 @@ class Llama(llama_cpp.Llama):
         _llama_cpp.wrap_decode(self, self._engine.raise_pending)
         self.speculative = spec
         if spec != "off":
-            from .speculative import Drafter
+            from leanstream_ggml.speculation.speculative import Drafter
 
             self._drafter = Drafter(self, spec, o["draft_max"], o["draft_stop"], o["draft_fraction"],
                                     width=o["draft_width"], max_rows=min(self._verify_rows_max(o), self._n_seq),
@@ -313,7 +316,7 @@ class Llama(llama_cpp.Llama):
         gc.collect()
         if self._drafter is None or _llama_cpp.logits_all(self):
             return super().generate(tokens, *args, **kwargs)
-        from .speculative import generate
+        from leanstream_ggml.speculation.speculative import generate
 
         a = _GENERATE.bind(self, tokens, *args, **kwargs)
         a.apply_defaults()
@@ -383,7 +386,7 @@ class Llama(llama_cpp.Llama):
         ranking (draft/vocab.npy), checked; None where the directory has none (every token)."""
         import numpy as np
 
-        from .speculative import DRAFT_VOCAB
+        from leanstream_ggml.speculation.speculative import DRAFT_VOCAB
 
         rel = self.manifest.draft_vocab_file()
         if not rel:
@@ -400,7 +403,7 @@ class Llama(llama_cpp.Llama):
         """The tuned policy in force (None: off, or fixed on the default actions)."""
         if controller == "off":
             return None
-        from . import control
+        from leanstream_ggml.native import control
 
         policies = control.load_policies(self.model_dir, self.manifest)
         if controller == "table":
@@ -444,7 +447,7 @@ class Llama(llama_cpp.Llama):
             return
         self._live_engine().reset_stats()
         if self._drafter is not None:
-            from .speculative import SpecStats
+            from leanstream_ggml.speculation.speculative import SpecStats
 
             self._drafter.stats = SpecStats()
 

@@ -101,7 +101,7 @@ class BaseModelInfo:
 def read_base(path: str | os.PathLike) -> BaseModelInfo:
     """base.gguf's architecture, sizes and tensor bytes, from its header (nothing else is read),
     by ggml's own gguf reader (the libggml-base libllama loaded)."""
-    from . import ggml_ctypes
+    from leanstream_ggml.llamacpp import ggml_ctypes
 
     g = ggml_ctypes.base()
     ctx = g.gguf_init_from_file(str(path).encode(), ggml_ctypes.GGUFInitParams(True, None))
@@ -147,7 +147,7 @@ def read_base(path: str | os.PathLike) -> BaseModelInfo:
 def proc_field(field: str, path: str = "/proc/self/status") -> int | None:
     """A ``Field:  N kB`` line of a /proc file in bytes (``/proc/self/status``: VmRSS, VmHWM;
     ``/proc/meminfo``: MemAvailable), None where the file or the field cannot be read. The one
-    reader of /proc that the plan and the converter's budget (converters/budget.py) use."""
+    reader of /proc that the plan and the converter's budget (leanstream_convert/budget.py) use."""
     try:
         for line in Path(path).read_text().splitlines():
             if line.startswith(field + ":"):
@@ -195,7 +195,7 @@ class MemoryPlan:
     def min_cache(self) -> int:
         """The least cache the plan gives the engine: one layer's blocks in dense mode (the
         engine's own least working set: it streams the rest), else MIN_CACHE."""
-        from . import modes
+        from leanstream_ggml.native import modes
 
         return self.layer_bytes if self.layer_bytes and not modes.is_sparse(self.mode) else MIN_CACHE
 
@@ -370,7 +370,7 @@ def fit(plan_for: Callable[[dict], MemoryPlan], steps: Iterable[dict], start: di
 
 def resident_bytes(model_dir, manifest, mode: str) -> int:
     """Bytes of the files the mode keeps in memory: its sketch and predictor files (0 in dense)."""
-    from . import modes
+    from leanstream_ggml.native import modes
 
     if not modes.is_sparse(mode):
         return 0

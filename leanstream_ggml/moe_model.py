@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import modes
-from .moe import MoEEngine
+from leanstream_ggml.native import modes
+from leanstream_ggml.native.moe import MoEEngine
 
 # what speculation a MoE model runs: prompt lookup (its drafts cost nothing; the verify pass reads
 # the union of its rows' experts once). The self draft from RAM-resident experts is not built yet.

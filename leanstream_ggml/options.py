@@ -215,7 +215,7 @@ class _Names(dict):
     def __missing__(self, key: str):
         if key in BY_NAME:
             return key if self.style == "doc" else BY_NAME[key].flag
-        from . import _native, modes
+        from leanstream_ggml.native import _native, modes
 
         if "@" in key:                  # a mode's default, as the engine resolves it
             return _mode_default(*key.split("@"))
@@ -230,7 +230,7 @@ class _Names(dict):
 def _mode_default(name: str, which: str) -> str:
     """``{name@mode}`` of a help: the engine's default of parameter ``name`` in a mode ("+predictors":
     with predictors), or in every sparse mode ("sparse": one value where all agree, else each mode's)."""
-    from . import _native, modes
+    from leanstream_ggml.native import _native, modes
 
     mode, _, extra = which.partition("+")
     predictors = extra == "predictors"

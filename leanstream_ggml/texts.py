@@ -50,7 +50,7 @@ def render_chat(llm, messages: list[dict], add_generation_prompt: bool = False) 
     if not tmpl:
         return ("".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
                 + ("Assistant: " if add_generation_prompt else ""))
-    from . import context
+    from leanstream_ggml.llamacpp import context
 
     eos = context.token_text(llm, llm.token_eos()) if llm.token_eos() >= 0 else ""
     bos = context.token_text(llm, llm.token_bos()) if llm.token_bos() >= 0 else ""

@@ -40,7 +40,7 @@ def prompt_tokens(llm, text: str, n: int) -> list[int]:
 
 def last_logits(llm) -> np.ndarray:
     """Logits of the last evaluated token (a view into llama.cpp's buffer; copy to keep)."""
-    from leanstream_ggml import context
+    from leanstream_ggml.llamacpp import context
 
     return context.logits(llm)
 

@@ -26,9 +26,9 @@ PLAN_REFUSED_EXIT = 3
 def resolve(model: str) -> Path:
     import errno
 
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
-    p = models.resolve(model)
+    p = registry.resolve(model)
     if not p.exists():
         raise FileNotFoundError(errno.ENOENT, "no such model directory, GGUF file or model name", str(p))
     return p
@@ -95,7 +95,7 @@ def engine_extra(args, system: str) -> dict:
 
     if system != PLUGIN:
         if getattr(args, "memory_limit", None) is not None:
-            from leanstream_ggml import params
+            from leanstream_ggml.native import params
 
             raise params.ParameterError("memory_limit", "plans the plugin's memory; stock llama.cpp takes no "
                                                         "limit (run it in a memory cgroup: `leanstream compare`)")
@@ -110,7 +110,8 @@ def check_params(args) -> None:
     """The engine options through the one validator (params.llama_options): a bad value is one
     line naming it, before any model is opened. Then --mode is the mode that runs (quality=
     implies leanstream mode's) and --memory-budget / --memory-limit are bytes (None: none)."""
-    from leanstream_ggml import options, params
+    from leanstream_ggml import options
+    from leanstream_ggml.native import params
 
     v = params.llama_options(options.given(args, args.command))
     args.mode = v["mode"]
@@ -171,7 +172,7 @@ def cmd_bench(args) -> int:
 
 @one_line_model_errors
 def cmd_perplexity(args) -> int:
-    from leanstream_ggml import modes
+    from leanstream_ggml.native import modes
 
     from . import perplexity, systems
     from .bench import DEFAULT_TEXT

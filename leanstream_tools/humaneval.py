@@ -90,7 +90,7 @@ def _perf(llm, spec0: dict | None = None):
     llama.cpp's own counters of the model's context, or where the plugin decoded speculatively
     its own (llama.cpp counts a verify pass of several rows as prompt evaluation): the draft
     steps' and passes' seconds and the tokens the passes gave."""
-    from leanstream_ggml import context
+    from leanstream_ggml.llamacpp import context
 
     spec = _spec(llm)
     if spec is not None and spec0 is not None:
@@ -105,7 +105,7 @@ def generate(llm, probs: list[dict], done: dict, *, max_tokens: int, save, progr
     """Greedy answers to the problems not in ``done`` (task_id -> result), each saved as it ends."""
     from tqdm import tqdm
 
-    from leanstream_ggml import context
+    from leanstream_ggml.llamacpp import context
 
     todo = [p for p in probs if p["task_id"] not in done]
     for p in tqdm(todo, desc="HumanEval", unit="problem", disable=not progress):

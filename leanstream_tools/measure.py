@@ -25,7 +25,7 @@ from pathlib import Path
 def parse_size(text: str | int | float | None) -> int | None:
     """Bytes from "900MB" (10^6), "512MiB" (2^20), "1.5G", "123" (bytes) or a number.
     "none", "" and None mean no limit and return None. (params.size_bytes parses.)"""
-    from leanstream_ggml.params import size_bytes
+    from leanstream_ggml.native.params import size_bytes
 
     n = size_bytes(text, "size")
     return n or None
@@ -121,7 +121,7 @@ def drop_page_cache(paths) -> None:
 
 def resident_bytes(path: str | os.PathLike) -> int | None:
     """Bytes of the file now in the page cache (mincore; None where it cannot be told)."""
-    from leanstream_ggml.pagecache import resident_bytes as rb
+    from leanstream_ggml.model.pagecache import resident_bytes as rb
 
     return rb(path)
 
@@ -132,7 +132,7 @@ def resident_bytes(path: str | os.PathLike) -> int | None:
 def _ggml_cpu_variant() -> str | None:
     """The CPU backend variant llama.cpp runs here (haswell, zen4, ...); None if not loadable."""
     try:
-        from leanstream_ggml import engine
+        from leanstream_ggml.native import engine
     except ImportError:
         return None
     return engine.ggml_cpu_variant()

@@ -71,14 +71,14 @@ def requantize(src: str | os.PathLike, qtype: str, *, n_threads: int | None = No
 
 
 def main(argv=None) -> int:
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="GGUF path or model recipe name")
     ap.add_argument("--types", default="Q3_K_M,Q2_K", help="comma list of target types")
     ap.add_argument("-t", "--threads", type=int, default=None)
     args = ap.parse_args(argv)
-    src = models.resolve(args.model)
+    src = registry.resolve(args.model)
     for t in args.types.split(","):
         print(requantize(src, t.strip(), n_threads=args.threads, log=lambda m: print(m, file=sys.stderr)))
     return 0

@@ -16,7 +16,7 @@ from pathlib import Path
 
 # the systems by their names on the command line (--system) and in every report: the plugin's is
 # "leanstream", the project's name, which is also one of the engine's modes: compare a system
-# with these, a mode through leanstream_ggml.modes
+# with these, a mode through leanstream_ggml.native.modes
 STOCK = "stock"
 LOOKUP = "lookup"                  # stock+lookup's speculative kind (a Llama's .speculative)
 STOCK_LOOKUP = f"{STOCK}+{LOOKUP}"
@@ -34,7 +34,7 @@ def stock_description() -> str:
     while its FFN hook is unset, which it is for every plain GGUF."""
     import llama_cpp
 
-    from leanstream_ggml import context
+    from leanstream_ggml.llamacpp import context
 
     patched = context.libllama_patched()
     return (f"llama-cpp-python {llama_cpp.__version__}, "

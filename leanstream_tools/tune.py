@@ -60,7 +60,7 @@ def budget_of(model_dir: Path, manifest, args) -> dict:
     if b.endswith("%"):
         share = float(b[:-1]) / 100.0
         if not 0 < share <= 1:
-            from leanstream_ggml.params import ParameterError
+            from leanstream_ggml.native.params import ParameterError
             raise ParameterError("memory_budget", f"a share must be in (0, 100%], got {b!r}")
         ffn = sum((model_dir / e.file).stat().st_size for e in manifest.layers)
         return {"memory_budget": int(ffn * share)}
@@ -82,7 +82,8 @@ def quality_band(model_dir: Path, actions, sparsity_kw: dict, n_tokens: int, thr
     """Decode-scored perplexity of each candidate ratio and of dense, on prose and code."""
     from tqdm import tqdm
 
-    from leanstream_ggml import Llama, manifest as mf
+    from leanstream_ggml import Llama
+    from leanstream_ggml.model import manifest as mf
     from .bench import DEFAULT_TEXT
     from leanstream_ggml.scoring import window_logits, window_nll
 
@@ -122,8 +123,8 @@ def reused_band(model_dir: Path, m, actions, sparsity: float, args) -> dict | No
     """The quality band another budget's tuning measured with the same settings (measured
     without a hot set, it is every budget's worst case), re-judged against this --quality-target;
     None if there is none."""
-    from leanstream_ggml import control
-    from leanstream_ggml.manifest import controller_quality_file
+    from leanstream_ggml.native import control
+    from leanstream_ggml.model.manifest import controller_quality_file
 
     try:
         policies = control.load_policies(model_dir, m)
@@ -191,7 +192,7 @@ def profile(model_dir: Path, budget_kw: dict, sparsity_kw: dict, actions, n_toke
     from tqdm import tqdm
 
     from leanstream_ggml import Llama
-    from leanstream_ggml.control import SAMPLE_FIELDS
+    from leanstream_ggml.native.control import SAMPLE_FIELDS
     from .bench import DEFAULT_TEXT
 
     got = {f: np.zeros(0, dtype=np.int64) for f in SAMPLE_FIELDS}
@@ -239,7 +240,8 @@ def profile(model_dir: Path, budget_kw: dict, sparsity_kw: dict, actions, n_toke
 
 
 def run(args) -> int:
-    from leanstream_ggml import control, manifest as mf, params
+    from leanstream_ggml.native import control, params
+    from leanstream_ggml.model import manifest as mf
 
     model_dir = Path(args.model)
     m = mf.load(model_dir)

@@ -122,9 +122,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
-    return models.fetch("smollm2-135m-instruct", progress=False)
+    return registry.fetch("smollm2-135m-instruct", progress=False)
 
 
 @pytest.fixture(scope="session")

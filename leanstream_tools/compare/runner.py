@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leanstream_ggml import modes
+from leanstream_ggml.native import modes
 from leanstream_ggml.cli import command_line
 
 from .. import cgroup, measure
@@ -146,12 +146,12 @@ def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch:
     first use: block files alone (dense mode) unless ``sketch`` (a sparse setup), then as
     `leanstream convert` does (block files, the sketch), calibrated for quality= if ``calibrate``
     (a quality preset; minutes more)."""
-    from leanstream_ggml import manifest, models
+    from leanstream_ggml.model import manifest, registry
 
     if model_dir:
         out = Path(model_dir)
-    elif model_arg in models.RECIPES:
-        out = models.lsm_dir(model_arg)
+    elif model_arg in registry.RECIPES:
+        out = registry.lsm_dir(model_arg)
     else:
         out = gguf.with_suffix(".lsm")
     try:
@@ -177,13 +177,13 @@ def resolve_model_dir(gguf: Path, model_arg: str, model_dir: str | None, sketch:
 def prepare_models(model_arg: str, systems: list[str], model_dir: str | None) -> tuple[Path, dict, Path | None]:
     """(source GGUF, {stock setup: its GGUF}, converted directory or None): the smaller
     quantizations made once from the source, the directory converted if a plugin setup needs it."""
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
     from .. import quants
 
-    gguf = models.resolve(model_arg)
+    gguf = registry.resolve(model_arg)
     if gguf.is_dir():
-        from leanstream_ggml import params
+        from leanstream_ggml.native import params
 
         raise params.ParameterError("MODEL", f"{gguf} is a model directory; give the GGUF it was converted "
                                              f"from (stock runs it) and the directory as --model-dir")
@@ -343,7 +343,8 @@ def choose_reserve(fixed: int | None, model_dir: Path, unlimited_run: dict | Non
             held = int(cache) + int(eng.get("resident_bytes") or 0)
             return (max(peak - held, 0) + RESERVE_MARGIN,
                     f"measured: unlimited {what} - (cache_bytes + resident_bytes) + 32 MiB")
-    from leanstream_ggml import manifest, memplan
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
 
     plan = memplan.plan(model_dir, manifest.load(model_dir), 0, mode=modes.DEFAULT, n_ctx=n_ctx)
     return plan.reserve, "the memory plan's: what the process needs besides the FFN engine (memplan.py)"

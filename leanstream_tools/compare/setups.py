@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from leanstream_ggml import modes
+from leanstream_ggml.native import modes
 
 from .. import measure
 from ..systems import LOOKUP
@@ -54,7 +54,7 @@ def speculative_kind(system: str) -> str:
     """How a setup decodes: stock "lookup" or "off"; a plugin setup the kind its Llama's
     ``.speculative`` is (params.speculative, the validator Llama sets it from: its suffix, else
     the library's default; "off" in the sparse modes)."""
-    from leanstream_ggml import params
+    from leanstream_ggml.native import params
 
     kind = split_speculative(system)[1]
     if is_stock(system):
@@ -66,7 +66,7 @@ def check_setups(systems: list[str]) -> list[str]:
     """The setups, each checked: a stock quantization llama.cpp's quantizer makes, an engine
     mode, a quality preset of leanstream mode, a speculative kind that setup decodes with (none
     but "off" and "auto" in a sparse mode). ParameterError naming the bad one."""
-    from leanstream_ggml import params
+    from leanstream_ggml.native import params
 
     from ..quants import FTYPES
 
@@ -103,7 +103,7 @@ def check_setups(systems: list[str]) -> list[str]:
 
 def parse_systems(text: str) -> list[str]:
     """"stock, dense,,stock" -> ["stock", "dense"]: the names of a comma list, once each, in order."""
-    from leanstream_ggml import params
+    from leanstream_ggml.native import params
 
     out = [s.strip() for s in text.split(",") if s.strip()]
     if not out:
@@ -114,8 +114,7 @@ def parse_systems(text: str) -> list[str]:
 def parse_limit(text: str | None) -> int | None:
     """--memory-limit: bytes ("1GB" = 10^9, "600MiB" = 600 * 2^20), None for none; a bad value is
     a ParameterError naming the option."""
-    from leanstream_ggml import params
-
+    from leanstream_ggml.native import params
     from leanstream_ggml.options import BY_NAME
 
     return params.size_bytes(text, BY_NAME["memory_limit"].flag) or None
@@ -129,7 +128,7 @@ def selecting_budget(model_dir: Path) -> int:
     selects through the sketch's candidates, as under any smaller budget (one that holds
     everything makes the layers resident, and they select from the exact scores of every block:
     better than any limited run)."""
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(model_dir)
     ffn = sum(e.n_blocks * e.block_stride for e in m.layers)
@@ -138,7 +137,7 @@ def selecting_budget(model_dir: Path) -> int:
 
 def sketch_bytes(model_dir: Path) -> int:
     """What leanstream mode's resident sketch takes of a budget (0 without one)."""
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(model_dir)
     return m.sketch.bytes if m.sketch else 0
@@ -167,7 +166,8 @@ def stock_fit(file_bytes: int, source_bytes: int, limit: int | None, source: boo
 def plugin_availability(model_dir: Path, system: str) -> tuple[str | None, float | None]:
     """(why the directory cannot run this plugin setup or None, the sparsity a quality preset
     chooses or None): the engine's own checks (the mode's files, the calibration table)."""
-    from leanstream_ggml import manifest, params
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml.native import params
 
     m = manifest.load(model_dir)
     mode, quality = plugin_mode(system)

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from leanstream_ggml import _native, build
+from leanstream_ggml.native import _native
+from leanstream_ggml import build
 
 from logits import agreement_and_kl
 
@@ -87,7 +88,7 @@ def _run(code: str, env_extra: dict[str, str], *args: str) -> subprocess.Complet
 
 
 def test_an_unknown_variant_is_refused_with_the_list():
-    r = _run("import leanstream_ggml._native", {"LEANSTREAM_GGML_CPU": "pentium4"})
+    r = _run("import leanstream_ggml.native._native", {"LEANSTREAM_GGML_CPU": "pentium4"})
     assert r.returncode != 0
     assert "LEANSTREAM_GGML_CPU=pentium4" in r.stderr and "haswell" in r.stderr
 
@@ -97,7 +98,8 @@ _CHILD = r"""
 import json, sys
 import numpy as np
 import llama_cpp
-from leanstream_ggml import Llama, _native
+from leanstream_ggml import Llama
+from leanstream_ggml.native import _native
 sys.path.insert(0, "tests/support")
 from logits import teacher_forced
 model_dir, text, out = sys.argv[1], sys.argv[2], sys.argv[3]

@@ -32,9 +32,9 @@ pytest.importorskip("pytest_benchmark")
 
 from leanstream_convert import convert  # noqa: E402
 from gguf_synth import write_tiny_model  # noqa: E402
-from leanstream_ggml import manifest as mf  # noqa: E402
-from leanstream_ggml._native import ffi, lib  # noqa: E402
-from leanstream_ggml.engine import FFNEngine  # noqa: E402
+from leanstream_ggml.model import manifest as mf  # noqa: E402
+from leanstream_ggml.native._native import ffi, lib  # noqa: E402
+from leanstream_ggml.native.engine import FFNEngine  # noqa: E402
 from reference import ffn_reference, load_layer  # noqa: E402
 
 N_THREADS = 2

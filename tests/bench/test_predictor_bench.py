@@ -26,7 +26,7 @@ CONFIGS = {"trained": dict(n_hash_layers=3, tau=6, n_bits=256, n_tables=4),
 @pytest.mark.parametrize("model", list(SHAPES))
 def test_predictor_latency(benchmark, model, cfg_name):
     try:
-        from leanstream_ggml._native import ffi
+        from leanstream_ggml.native._native import ffi
         from leanstream_convert.train.export import NativePredictor
     except ImportError as e:
         pytest.skip(f"libleanstream not available: {e}")

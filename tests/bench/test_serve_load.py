@@ -204,7 +204,7 @@ def test_stream_failures_become_error_answers(fail_after_data):
     after data, the data and then an error event; never a stream that looks complete."""
     from llama_cpp.server.types import CreateCompletionRequest
 
-    from leanstream_ggml.server import _RejectInvalidBodies
+    from leanstream_ggml.commands.server import _RejectInvalidBodies
 
     async def app(scope, receive, send):
         await receive()

@@ -16,8 +16,8 @@ pytest.importorskip("pytest_benchmark")
 
 
 def test_sketch_scorer_layer(benchmark, smollm2_sketch_dir):
-    from leanstream_ggml import manifest as mf
-    from leanstream_ggml.engine import FFNEngine
+    from leanstream_ggml.model import manifest as mf
+    from leanstream_ggml.native.engine import FFNEngine
 
     d = smollm2_sketch_dir
     m = mf.load(d)
@@ -32,7 +32,7 @@ def test_sketch_scorer_layer(benchmark, smollm2_sketch_dir):
 
 
 def test_memory_read_baseline(benchmark, smollm2_sketch_dir):
-    from leanstream_ggml import manifest as mf
+    from leanstream_ggml.model import manifest as mf
 
     m = mf.load(smollm2_sketch_dir)
     n = int(m.sketch.bytes / m.n_layer) // 8

@@ -17,8 +17,8 @@ far; phi3 with its gate and up halves swapped agrees 0.075). Measured (2 layers,
     qwen3 0.975 / 0.0015   phi3 0.956 / 0.0019    granite 0.994 / 0.0019   olmo2 0.981 / 0.0006
     gemma2 0.994 / 0.0004  gemma3 0.981 / 0.0005  llama3 0.950 / 0.0031    mistral 0.963 / 0.0014
 
-What each needed (leanstream_ggml/manifest.py ARCH_ACTIVATION, converters/convert_gguf.py
-FUSED_GATE_UP, leanstream_ggml/mode_files.py DENSE_ONLY_ARCHS):
+What each needed (leanstream_ggml/model/manifest.py ARCH_ACTIVATION, leanstream_convert/convert_gguf.py
+FUSED_GATE_UP, leanstream_ggml/model/sparse_files.py DENSE_ONLY_ARCHS):
 - qwen3, granite, olmo2, gemma2: an entry in the activation table. Their graphs name the residual
   entering the FFN (ffn_inp-<il>; gemma2 sa_out-<il>); olmo2 hands build_ffn that residual itself
   (it has no pre-norm), granite scales the FFN's output and olmo2 / gemma2 norm it again, all in
@@ -43,7 +43,7 @@ import llama_cpp
 from leanstream_convert import convert
 from gguf_synth import write_tiny_model
 from leanstream_ggml import Llama
-from leanstream_ggml import manifest as mf
+from leanstream_ggml.model import manifest as mf
 from reference import load_layer
 
 CTX = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)

@@ -129,7 +129,8 @@ def test_chat_prints_load_time_and_verbose_per_token_stats(smollm2_dir, tmp_path
 def test_chat_without_c_takes_the_largest_context_the_limit_holds(smollm2_dir, monkeypatch, capsys):
     """Without -c, chat's context is 2048, or under --memory-limit the largest of 2048/1024/512
     that leaves the engine its least cache (said on stderr); with -c it is the user's."""
-    from leanstream_ggml import chat, memplan
+    from leanstream_ggml.commands import chat
+    from leanstream_ggml import memplan
     from leanstream_ggml.llama import memory_plan
 
     monkeypatch.setattr(memplan, "process_bytes", lambda: 50 * 10**6)   # the test session's size aside

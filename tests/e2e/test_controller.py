@@ -11,9 +11,10 @@ import shutil
 import numpy as np
 import pytest
 
-from leanstream_ggml import control, manifest as mf, params
-from leanstream_ggml._native import LeanstreamError, lib
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.native import control, params
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.native._native import LeanstreamError, lib
+from leanstream_ggml.native.engine import FFNEngine
 
 
 def _engine(d, **kw) -> FFNEngine:

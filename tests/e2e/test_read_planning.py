@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from leanstream_convert import order as od
-from leanstream_ggml import manifest as mf
+from leanstream_ggml.model import manifest as mf
 import reference as ref
-from leanstream_ggml.engine import FFNEngine, candidate_blocks
+from leanstream_ggml.native.engine import FFNEngine, candidate_blocks
 
 LS_MAX_IOV = 64
 
@@ -107,7 +107,8 @@ def test_disk_model_measured_at_start(smollm2_sketch_dir):
 
 
 def test_bridge_bytes_is_checked(smollm2_sketch_dir):
-    from leanstream_ggml import Llama, params
+    from leanstream_ggml import Llama
+    from leanstream_ggml.native import params
 
     with pytest.raises(params.ParameterError, match="bridge_bytes"):
         Llama(str(smollm2_sketch_dir), mode="leanstream", bridge_bytes=-5, verbose=False)

@@ -16,10 +16,10 @@ import pytest
 import engine_hooks
 from leanstream_convert import blockfile, convert
 from gguf_synth import write_tiny_model
-from leanstream_ggml import params
-from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.draft_control import N_Q, P_GRID, Costs, LookupMeter, Meter, q_bucket, solve
-from leanstream_ggml.speculative import Drafter, lookup
+from leanstream_ggml.native import params
+from leanstream_ggml.native.engine import FFNEngine
+from leanstream_ggml.speculation.draft_control import N_Q, P_GRID, Costs, LookupMeter, Meter, q_bucket, solve
+from leanstream_ggml.speculation.speculative import Drafter, lookup
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 3
@@ -413,7 +413,7 @@ def test_a_draft_step_reads_only_what_its_own_head_op_kept(monkeypatch):
     adapters or an output scale), draft_top has no row or the last step's: the draft stops
     there instead of drafting from a stale step; with no row at all the head never runs as the
     draft, and the self draft stays off."""
-    from leanstream_ggml import _llama_cpp
+    from leanstream_ggml.llamacpp import _llama_cpp
 
     class _Llm:
         def __init__(self, engine):
@@ -592,7 +592,7 @@ def _zero_lora(path, spec_dir):
     patches/0004's output builder declines) and the model's answers stay the same."""
     import gguf
 
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(spec_dir)
     name = "blk.0.attn_q.weight"
@@ -634,7 +634,7 @@ def test_read_fault_in_a_verify_pass_is_a_clean_error(spec_dir):
     the next request's answer is plain decoding's after the same request. (llama-cpp-python keeps
     the prompt's prefix in the KV cache and evaluates its last token again alone, which rounds
     differently from the prompt's batch: the reference repeats a request too.)"""
-    from leanstream_ggml._native import LeanstreamError
+    from leanstream_ggml.native._native import LeanstreamError
 
     ref = _llama(spec_dir, speculative="off", flash_attn=True)
     try:
@@ -675,7 +675,8 @@ def test_sparse_modes_refuse_self_drafts(spec_dir):
 
 
 def test_memory_plan_counts_the_verify_rows(spec_dir):
-    from leanstream_ggml import manifest, memplan
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
 
     m = manifest.load(spec_dir)
     one = memplan.plan(spec_dir, m, 10**9, mode="dense", process=0)
@@ -686,7 +687,8 @@ def test_memory_plan_counts_the_verify_rows(spec_dir):
 
 
 def one_vocab(d) -> int:
-    from leanstream_ggml import manifest, memplan
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
 
     m = manifest.load(d)
     return memplan.read_base(m.resolve(d, m.base.file)).n_vocab

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
-from leanstream_ggml import Llama, stock
-from leanstream_ggml.manifest import GGML_TYPE_IDS
+from leanstream_ggml import Llama
+from leanstream_ggml.llamacpp import stock
+from leanstream_ggml.model.manifest import GGML_TYPE_IDS
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
 CTX = dict(n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)
@@ -114,7 +115,7 @@ def test_a_model_llama_cpp_does_not_repack_keeps_the_op(smollm2_dir):
 
 def test_the_source_must_be_the_converted_file(q4_0, tmp_path, monkeypatch):
     gguf, model_dir = q4_0
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     monkeypatch.setenv("LEANSTREAM_CACHE", str(tmp_path / "cache"))   # no model cache holds it
     m = manifest.load(model_dir)

@@ -132,7 +132,7 @@ N_PREDICT = 12
 
 
 def _decode_args(model_dir: Path, prompt_tokens: list[int]) -> list:
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(model_dir)
     return [m.resolve(model_dir, m.base.file), m.activation, N_PREDICT, ",".join(map(str, prompt_tokens)),

@@ -15,11 +15,11 @@ import pytest
 
 from leanstream_convert import blockfile
 from hostile_model import BUDGET, CTX, PROMPT, make_model_dir, run_model
-from leanstream_ggml import manifest as mf
-from leanstream_ggml._native import LeanstreamError, ffi, lib
-from leanstream_ggml.checksum import crc32c, crc32c_rows
-from leanstream_ggml.engine import FFNEngine
-from leanstream_ggml.verify import verify_dir
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.native._native import LeanstreamError, ffi, lib
+from leanstream_ggml.model.checksum import crc32c, crc32c_rows
+from leanstream_ggml.native.engine import FFNEngine
+from leanstream_ggml.commands.verify import verify_dir
 
 LEANSTREAM = [sys.executable, "-m", "leanstream_ggml.cli"]
 
@@ -241,7 +241,7 @@ def test_whole_file_checksum_leaves_the_page_cache_as_it_found_it(tmp_path):
     """file_crc32 (base.gguf when a model opens) drops what it read from disk, keeps what was cached."""
     import zlib
 
-    from leanstream_ggml.checksum import file_crc32
+    from leanstream_ggml.model.checksum import file_crc32
     from leanstream_tools.measure import resident_bytes
 
     data = np.random.default_rng(0).integers(0, 256, 24 << 20, dtype=np.uint8).tobytes() + b"tail"

@@ -18,8 +18,8 @@ import pytest
 
 from leanstream_convert import convert
 from gguf_synth import write_tiny_model
-from leanstream_ggml._native import ffi, lib
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.native._native import ffi, lib
+from leanstream_ggml.native.engine import FFNEngine
 from reference import act, ffn_reference, load_layer, round_like_ggml
 
 N_EMBD, N_FF = 512, 768   # down rows are n_ff values long: Q6_K needs multiples of 256

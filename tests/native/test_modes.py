@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from leanstream_ggml import _native, engine, modes, params
-from leanstream_ggml._native import ffi, lib
+from leanstream_ggml.native import _native, engine, modes, params
+from leanstream_ggml.native._native import ffi, lib
 
 
 def test_mode_list_and_uses_come_from_the_engine():
@@ -50,7 +50,7 @@ def test_unknown_engine_parameter_is_an_error_naming_it(tmp_path):
 
 
 def test_mode_files_follow_the_mode_table(smollm2_sketch_dir):
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     m = manifest.load(smollm2_sketch_dir)
     files = m.mode_files(smollm2_sketch_dir, _native.mode_uses("leanstream"), "leanstream")
@@ -69,7 +69,8 @@ def test_serve_passes_only_what_the_user_set(smollm2_sketch_dir):
     pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
     from fastapi.testclient import TestClient
 
-    from leanstream_ggml import Llama, server
+    from leanstream_ggml import Llama
+    from leanstream_ggml.commands import server
 
     ns = server.build_parser().parse_args([str(smollm2_sketch_dir), "--mode", "leanstream"])
     options = server.leanstream_options(ns)

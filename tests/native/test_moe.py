@@ -1,5 +1,5 @@
 """The native MoE op (native/src/moe.c, moe_io.c) over expert files written by the converter
-(converters/experts.py), against the numpy reference (tests/support/reference.py: moe_reference).
+(leanstream_convert/experts.py), against the numpy reference (tests/support/reference.py: moe_reference).
 
 Error bound: the reference rounds x and h the way ggml rounds a matmul's activations (the weight
 type's vec_dot_type, gguf-py's dequantization of the weights) and computes in float64, so what is
@@ -23,11 +23,11 @@ from gguf import GGMLQuantizationType as T
 
 from gguf_synth import _weights
 from leanstream_convert.experts import write_expert_file
-from leanstream_ggml._native import LeanstreamError, lib
-from leanstream_ggml.formats import EXPERT_HEADER_FIELDS, EXPERT_META_CRC_OFFSET
-from leanstream_ggml.checksum import crc32c
-from leanstream_ggml.blockfile import read_expert_header
-from leanstream_ggml.moe import MoEEngine
+from leanstream_ggml.native._native import LeanstreamError, lib
+from leanstream_ggml.model.formats import EXPERT_HEADER_FIELDS, EXPERT_META_CRC_OFFSET
+from leanstream_ggml.model.checksum import crc32c
+from leanstream_ggml.model.blockfile import read_expert_header
+from leanstream_ggml.native.moe import MoEEngine
 from reference import moe_reference
 
 N_EMBD, N_FF, N_EXPERT = 256, 256, 8

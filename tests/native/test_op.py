@@ -19,8 +19,8 @@ import pytest
 from leanstream_convert import convert
 from leanstream_convert import blockfile
 from gguf_synth import write_tiny_model
-from leanstream_ggml._native import LeanstreamError
-from leanstream_ggml.engine import FFNEngine, parse_bytes
+from leanstream_ggml.native._native import LeanstreamError
+from leanstream_ggml.native.engine import FFNEngine, parse_bytes
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 2
@@ -307,7 +307,7 @@ def test_an_engine_runs_with_the_defaults_a_help_shows(shuffled_k3):
     """_native.mode_defaults (ls_engine_params_resolve, what options.py's help texts read) is what
     an engine of that mode, given nothing, runs with (ls_engine_get_params); bad values are refused
     there as at creation."""
-    from leanstream_ggml import _native, modes
+    from leanstream_ggml.native import _native, modes
 
     with FFNEngine(shuffled_k3) as e:
         n_blocks = sum(e.layer_info(il)["n_blocks"] for il in range(N_LAYER))

@@ -17,7 +17,7 @@ from leanstream_convert.train import metrics as M  # noqa: E402
 def _native():
     try:
         from leanstream_convert.train.export import NativePredictor
-        from leanstream_ggml import _native  # noqa: F401
+        from leanstream_ggml.native import _native  # noqa: F401
     except ImportError as e:  # library not built
         pytest.skip(f"libleanstream not available: {e}")
     return NativePredictor

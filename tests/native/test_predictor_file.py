@@ -11,7 +11,7 @@ import pytest
 
 from leanstream_convert.train import export as E
 from leanstream_convert.train.export import NativePredictor
-from leanstream_ggml._native import LeanstreamError, ffi, lib
+from leanstream_ggml.native._native import LeanstreamError, ffi, lib
 from reference import reference_eval
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from leanstream_ggml._native import ffi, lib
+from leanstream_ggml.native._native import ffi, lib
 
 ROW_COUNTS = [1, 2, 3, 5, 8, 17, 64]
 

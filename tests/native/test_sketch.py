@@ -12,9 +12,9 @@ import pytest
 
 import reference as ref
 from leanstream_convert import sketch as skf
-from leanstream_ggml import manifest as mf
-from leanstream_ggml._native import LeanstreamError, lib
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.native._native import LeanstreamError, lib
+from leanstream_ggml.native.engine import FFNEngine
 
 
 def _engine(d, **kw) -> FFNEngine:
@@ -312,7 +312,7 @@ def test_decode_quality_smollm2(smollm2_sketch_dir, smollm2_gguf):
 # ---- quality= ------------------------------------------------------------------------------------
 
 def test_sparsity_for_quality_interpolates_a_monotone_curve():
-    from leanstream_ggml import params
+    from leanstream_ggml.native import params
 
     table = [{"sparsity": 0.3, "ppl_ratio": 1.01}, {"sparsity": 0.5, "ppl_ratio": 1.05},
              {"sparsity": 0.4, "ppl_ratio": 1.03}, {"sparsity": 0.6, "ppl_ratio": 1.04},   # noise: not monotone
@@ -329,7 +329,8 @@ def test_sparsity_for_quality_interpolates_a_monotone_curve():
 
 
 def test_quality_chooses_the_calibrated_sparsity(smollm2_sketch_dir):
-    from leanstream_ggml import Llama, params
+    from leanstream_ggml import Llama
+    from leanstream_ggml.native import params
 
     m = mf.load(smollm2_sketch_dir)
     table = m.sketch.quality

@@ -13,8 +13,8 @@ import pytest
 from leanstream_convert import convert
 from leanstream_convert import blockfile
 from gguf_synth import write_tiny_model
-from leanstream_ggml._native import LeanstreamError
-from leanstream_ggml.engine import FFNEngine
+from leanstream_ggml.native._native import LeanstreamError
+from leanstream_ggml.native.engine import FFNEngine
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER, K = 128, 384, 3, 2

@@ -1,5 +1,5 @@
 """Conversions in a child process (so that a test can SIGKILL one at a fault point,
-converters/_faults.py) and a model directory's files by content, for the resume tests."""
+leanstream_convert/_faults.py) and a model directory's files by content, for the resume tests."""
 
 from __future__ import annotations
 

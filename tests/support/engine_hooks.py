@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve()
 @contextlib.contextmanager
 def given(hooks: dict):
     """Engines created inside the block get ``hooks`` (unless given their own)."""
-    from leanstream_ggml import engine
+    from leanstream_ggml.native import engine
 
     cls = engine.FFNEngine
     init = cls.__init__

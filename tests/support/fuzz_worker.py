@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hostile_model import HAVE_TORCH, run_model  # noqa: E402
 
-from leanstream_ggml._native import LeanstreamError  # noqa: E402
+from leanstream_ggml.native._native import LeanstreamError  # noqa: E402
 
 CONFIGS = [{"mode": "dense"}] + ([{"mode": "leanstream", "sparsity": 0.5}] if HAVE_TORCH else [])
 KINDS = ("flip_one_bit", "flip_bits", "overwrite", "zero_run", "truncate", "append")

@@ -23,7 +23,7 @@ def make_model_dir(root: str | Path, *, predictors: bool = True) -> Path:
     from leanstream_convert import convert
     from leanstream_convert.convert_gguf import save_manifest
     from gguf_synth import write_tiny_model
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ def write_random_predictors(model_dir, *, n_pca: int = 32, seed: int = 0, update
     """predictor/blk.<il>.lspred for every layer of a converted model; returns the torch models."""
     import torch
 
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
     from leanstream_convert.convert_gguf import save_manifest
     from leanstream_convert.train.export import write_predictor
     from leanstream_convert.train.hashing import HashConfig, HashingPredictor

@@ -254,7 +254,7 @@ def moe_reference(path, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, *, 
     expert file: for each token t and k, e = ids[t, k]: h = act(gate_e . x~) * (up_e . x~),
     p_k = weights[t, k] * down_e . h~, y_t = sum_k p_k; x~ and h~ rounded as ggml rounds a matmul's
     activations (round_like_ggml: the weight type's vec_dot_type), in float64."""
-    from leanstream_ggml.blockfile import read_expert_header
+    from leanstream_ggml.model.blockfile import read_expert_header
 
     h = read_expert_header(path)
     x = np.atleast_2d(np.asarray(x, np.float32))

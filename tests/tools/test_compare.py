@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from leanstream_ggml import params
+from leanstream_ggml.native import params
 from leanstream_tools import compare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -416,7 +416,7 @@ def test_a_budget_below_the_sketch_is_skipped_before_running(smollm2_sketch_dir)
 def test_a_missing_directory_is_converted_by_the_cli(smollm2_gguf, tmp_path):
     """Without a converted directory compare converts one, through `leanstream convert` in a
     child process (the runtime never imports the converter); an existing one is used as is."""
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
     from leanstream_tools import compare
 
     out = compare.resolve_model_dir(smollm2_gguf, str(smollm2_gguf), str(tmp_path / "m.lsm"))
@@ -493,7 +493,8 @@ def test_a_refused_memory_plan_is_a_typed_result(tmp_path):
 def test_the_reserve_without_a_measured_run_is_the_memory_plan_s(tmp_path):
     """side_by_side's reserve when no unlimited run measured it: the library's memory plan (what
     the process needs besides the engine), not a second model of memory in the tool."""
-    from leanstream_ggml import manifest, memplan
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
 
     _, d = _tiny_model(tmp_path)
     reserve, how = compare.choose_reserve(None, d, None, n_ctx=256)

@@ -32,10 +32,10 @@ MAX_KL = 0.015
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
     try:
-        return models.fetch("smollm2-135m-instruct", progress=False)
+        return registry.fetch("smollm2-135m-instruct", progress=False)
     except RuntimeError as e:
         pytest.skip(f"SmolLM2 not in the cache and not downloadable here: {e}")
 

@@ -114,7 +114,7 @@ def test_the_table_scripts_setups(smollm2_dir, smollm2_gguf):
     """bench/humaneval_table.py: each setup's arguments, and the sparse setups' budget one block
     short of the FFN + sketch (every op then selects through the sketch)."""
     import bench_modules
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     t = bench_modules.load("humaneval_table")
     m = manifest.load(smollm2_dir)

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from leanstream_convert import calibrate
-from leanstream_ggml import manifest as mf, texts
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml import texts
 from leanstream_tools.texts import HELDOUT
 
 
@@ -155,7 +156,8 @@ def test_quality_warns_on_a_prose_only_table(smollm2_sketch_dir, tmp_path):
     table, and says that code and chat were not measured."""
     import shutil
 
-    from leanstream_ggml import Llama, params
+    from leanstream_ggml import Llama
+    from leanstream_ggml.native import params
 
     d = tmp_path / "old.lsm"
     shutil.copytree(smollm2_sketch_dir, d)

@@ -1,4 +1,4 @@
-"""The conversion within a memory limit (converters/budget.py, converters/stages.py; docs/design.md
+"""The conversion within a memory limit (leanstream_convert/budget.py, leanstream_convert/stages.py; docs/design.md
 §22): a model converted in a memory cgroup smaller than the model itself, resuming after a kill
 in each new stage, the limit read from the cgroup, and the checks made before anything is
 written (disk space, one layer's work)."""
@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 
 def test_the_default_conversion_records_its_stages(tiny):
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     _, ref = tiny
     m = manifest.load(ref)
@@ -53,7 +53,8 @@ def test_decode_rows_halve_down_to_the_least_under_a_tight_limit(tiny, monkeypat
     MIN_ROWS, never more where less fits (each step frees captures and logits for the cache). The
     process's size is held fixed, so that only the limit moves."""
     from leanstream_convert.activations import MIN_ROWS, ROWS, decode_rows
-    from leanstream_ggml import manifest, memplan
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
 
     _, ref = tiny
     m = manifest.load(ref)
@@ -76,7 +77,8 @@ def test_the_pass_plans_its_captures_and_logits_as_parts(tiny, monkeypatch):
     parts; decode_rows is memplan.fit over those plans, against a direct computation of the most
     rows whose plan leaves the engine one layer's blocks and the fit's spare."""
     from leanstream_convert.activations import MIN_ROWS, ROWS, capture_bytes, decode_rows, pass_plan
-    from leanstream_ggml import manifest, memplan
+    from leanstream_ggml.model import manifest
+    from leanstream_ggml import memplan
 
     _, ref = tiny
     m = manifest.load(ref)
@@ -113,7 +115,8 @@ def test_the_pass_and_llama_plan_through_one_function(tiny, monkeypatch):
     through memplan's reader."""
     from leanstream_convert import budget
     from leanstream_convert.activations import decode_rows, pass_keywords, pass_plan
-    from leanstream_ggml import Llama, llama, manifest, memplan
+    from leanstream_ggml import Llama, llama, memplan
+    from leanstream_ggml.model import manifest
 
     _, ref = tiny
     m = manifest.load(ref)
@@ -241,7 +244,7 @@ def test_a_model_larger_than_the_limit_converts_within_it(tmp_path):
     is a permutation of its neurons, most important first."""
     _cgroup_or_skip()
     from leanstream_convert import blockfile
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
     from leanstream_tools.cgroup import run_command
 
     src = tmp_path / "big.gguf"
@@ -281,7 +284,7 @@ def test_smollm2_converts_in_a_300MB_cgroup(smollm2_gguf, smollm2_sketch_dir, tm
     directories can part at a near-tie, each matching stock llama.cpp within its rounding.)"""
     _cgroup_or_skip()
     from leanstream_convert import blockfile
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
     from leanstream_tools.cgroup import run_command
 
     out = tmp_path / "smol.lsm"

@@ -22,8 +22,8 @@ import leanstream_convert
 from leanstream_convert import blockfile, stages
 from leanstream_convert import convert_gguf as cg
 from leanstream_convert import ConvertError, convert
-from leanstream_ggml import manifest as mf
-from leanstream_ggml.checksum import crc32c
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.model.checksum import crc32c
 
 # (arch, n_embd, n_ff, types): every supported gate/up type and several ffn_down source types
 CASES = {
@@ -414,7 +414,7 @@ def test_device_align(tmp_path):
 def run_cli(*argv):
     """`leanstream convert` (the converter's) or `leanstream info` (the runtime's) in this process."""
     from leanstream_convert import cli
-    from leanstream_ggml import info
+    from leanstream_ggml.commands import info
 
     ap = argparse.ArgumentParser(prog="leanstream")
     sub = ap.add_subparsers()
@@ -450,7 +450,7 @@ def test_cli(models, tmp_path, capsys):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_llama_cpp_loads_source_and_base(tmp_path, arch):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed")
-    from leanstream_ggml import _llama_cpp
+    from leanstream_ggml.llamacpp import _llama_cpp
 
     if not _llama_cpp.has_ffn_builder():
         pytest.skip("llama-cpp-python is not the patched build (python -m leanstream_ggml.build)")
@@ -472,12 +472,12 @@ def test_llama_cpp_loads_source_and_base(tmp_path, arch):
 
 @pytest.mark.slow
 def test_smollm2(tmp_path):
-    from leanstream_ggml import models
+    from leanstream_ggml.model import registry
 
-    src = models.fetch("smollm2-135m-instruct", progress=False)
+    src = registry.fetch("smollm2-135m-instruct", progress=False)
     m = convert(src, tmp_path / "smol.lsm", progress=False, sketch="none")
     assert (m.architecture, m.n_layer, m.n_embd, m.n_ff) == ("llama", 30, 576, 1536)
-    assert m.source.sha256 == models.SMOLLM2.sha256
+    assert m.source.sha256 == registry.SMOLLM2.sha256
     assert {(e.gate_type, e.up_type, e.down_type) for e in m.layers} == {("q4_1", "q4_1", "q8_0")}
     assert m.totals.ffn_bytes_source == 30 * 3 * 1536 * 576 // 32 * 20
     assert 0 <= m.totals.padding_waste < 0.25
@@ -591,7 +591,7 @@ def test_ggml_dequantizes_as_gguf_py_does(qtype):
     bit for bit gguf-py's dequantize on rows ggml's own quantizer wrote; rows in a given order too."""
     from types import SimpleNamespace
 
-    from leanstream_ggml import ggml_ctypes
+    from leanstream_ggml.llamacpp import ggml_ctypes
     from leanstream_convert.ggml_rows import dequantize
 
     T = gguf.GGMLQuantizationType

@@ -16,7 +16,7 @@ from reference import load_layer
 
 from leanstream_convert import ConvertError, convert
 from leanstream_convert.convert_gguf import FUSED_GATE_UP
-from leanstream_ggml import manifest as mf
+from leanstream_ggml.model import manifest as mf
 
 
 def _convert(src, tmp_path):

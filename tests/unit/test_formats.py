@@ -1,4 +1,4 @@
-"""The binary formats' constants, written once in leanstream_ggml/formats.py, are the ones the
+"""The binary formats' constants, written once in leanstream_ggml/model/formats.py, are the ones the
 engine's readers check (native/include/leanstream.h, native/src/) and the ones the converter
 writes and the runtime reads with (no second definition)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from leanstream_ggml import blockfile, formats
+from leanstream_ggml.model import blockfile, formats
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,6 @@ def test_the_converter_and_the_runtime_share_one_definition():
     assert export.HEADER_SIZE is formats.PREDICTOR_HEADER_BYTES
     # a literal of these values anywhere else in the Python sources is a second definition
     defined = re.compile(r"^\s*(HEADER_BYTES|MAGIC|VERSION|LS2|PERM_OFFSET)\s*=\s*(4096|b\"LS|\d)", re.M)
-    hits = [str(p.relative_to(ROOT)) for d in ("leanstream_ggml", "converters") for p in sorted((ROOT / d).rglob("*.py"))
+    hits = [str(p.relative_to(ROOT)) for d in ("leanstream_ggml", "leanstream_convert") for p in sorted((ROOT / d).rglob("*.py"))
             if p.name != "formats.py" and defined.search(p.read_text())]
-    assert not hits, f"format constants defined outside leanstream_ggml/formats.py: {hits}"
+    assert not hits, f"format constants defined outside leanstream_ggml/model/formats.py: {hits}"

@@ -1,4 +1,4 @@
-"""The pin of leanstream_ggml/_llama_cpp.py, the one module that uses llama-cpp-python's private
+"""The pin of leanstream_ggml/llamacpp/_llama_cpp.py, the one module that uses llama-cpp-python's private
 names: the installed llama-cpp-python is the version it was written against, and every private
 name it lists is still there. A failure names what to re-check."""
 
@@ -11,9 +11,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from leanstream_ggml import _llama_cpp
+from leanstream_ggml.llamacpp import _llama_cpp
 
-RECHECK = ("leanstream_ggml/_llama_cpp.py is written against llama-cpp-python {pinned}; re-check each of its "
+RECHECK = ("leanstream_ggml/llamacpp/_llama_cpp.py is written against llama-cpp-python {pinned}; re-check each of its "
            "uses (RELIES_ON, LLAMA_ATTRS), then set build.LLAMA_CPP_PYTHON_VERSION")
 
 
@@ -69,7 +69,7 @@ def test_no_other_module_uses_llama_cpp_privates():
                          r"\._logits_all\b|\._requires_eval\b|\._internals\b|llama_cpp\._lib\b|server_model\.|"
                          r"\bLlamaProxy\b")
     hits = []
-    for d in ("leanstream_ggml", "leanstream_tools", "converters", "bench"):
+    for d in ("leanstream_ggml", "leanstream_tools", "leanstream_convert", "bench"):
         for path in sorted((root / d).rglob("*.py")):
             if path.name == "_llama_cpp.py":
                 continue
@@ -77,7 +77,7 @@ def test_no_other_module_uses_llama_cpp_privates():
                 code = line.split("#", 1)[0]
                 if private.search(code) and not code.lstrip().startswith(('"', "'")):
                     hits.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
-    assert not hits, "llama-cpp-python's internals used outside leanstream_ggml/_llama_cpp.py:\n" + "\n".join(hits)
+    assert not hits, "llama-cpp-python's internals used outside leanstream_ggml/llamacpp/_llama_cpp.py:\n" + "\n".join(hits)
 
 
 def test_a_live_llama_has_what_is_relied_on(tmp_path):

@@ -1,4 +1,4 @@
-"""leanstream_ggml.manifest: the model directory contract (parsing, validation, errors)."""
+"""leanstream_ggml.model.manifest: the model directory contract (parsing, validation, errors)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from leanstream_convert.convert_gguf import save_manifest
-from leanstream_ggml import manifest as mf
+from leanstream_ggml.model import manifest as mf
 
 
 def layer(il: int, n_blocks: int = 96, stride: int = 512) -> dict:
@@ -160,7 +160,7 @@ def test_save_validates(tmp_path):
 
 
 def test_import_is_light():
-    code = ("import sys, leanstream_ggml.manifest; "
+    code = ("import sys, leanstream_ggml.model.manifest; "
             "bad = [m for m in ('gguf', 'numpy', 'torch', 'sklearn') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
@@ -169,7 +169,8 @@ def test_import_is_light():
 def test_type_names_are_ggmls_own():
     """The manifest's type table names each enum ggml_type as the ggml in use does
     (ggml_type_name), and misses no type whose rows ggml's CPU backend dots."""
-    from leanstream_ggml import capi, ggml_ctypes
+    from leanstream_ggml.native import capi
+    from leanstream_ggml.llamacpp import ggml_ctypes
 
     name = ggml_ctypes.base().ggml_type_name
     for n, t in mf.GGML_TYPE_IDS.items():

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from gguf_synth import write_tiny_model
-from leanstream_ggml import manifest as manifest_mod
-from leanstream_ggml import memplan, options, params
+from leanstream_ggml.model import manifest as manifest_mod
+from leanstream_ggml import memplan, options
+from leanstream_ggml.native import params
 
 REPO = Path(__file__).resolve().parents[2]
 MB = 10**6

@@ -1,4 +1,4 @@
-"""Mixture-of-experts sources (converters/moe_source.py; docs/formats.md, "Expert file"): the
+"""Mixture-of-experts sources (leanstream_convert/moe_source.py; docs/formats.md, "Expert file"): the
 synthetic layouts load and decode in stock llama.cpp, and each converts into base.gguf without the
 routed experts plus one expert file per layer whose slots are the GGUF's expert bytes; the
 families not done yet are refused by name; a killed conversion resumes to the same files; a
@@ -16,8 +16,8 @@ from convert_runs import convert_in_child, digests
 from gguf_synth import write_tiny_model
 
 from leanstream_convert import ConvertError, convert
-from leanstream_ggml import manifest as mf
-from leanstream_ggml.checksum import crc32c, crc32c_rows
+from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.model.checksum import crc32c, crc32c_rows
 
 T = gguf.GGMLQuantizationType
 

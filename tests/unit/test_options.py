@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from leanstream_ggml import modes, options, params
+from leanstream_ggml.native import modes, params
+from leanstream_ggml import options
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction",
@@ -159,7 +160,7 @@ def test_help_shows_the_spec_and_its_variants():
     assert "whole-process memory limit of every run" in c.format_help()
     s = argparse.ArgumentParser(prog="serve", formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400))
     options.add_flags(s, "serve")
-    from leanstream_ggml import _native
+    from leanstream_ggml.native import _native
 
     assert f"reads in flight, 1..{_native.lib.LS_MAX_IO_THREADS} (default 16)" in s.format_help()
 
@@ -167,7 +168,7 @@ def test_help_shows_the_spec_and_its_variants():
 def test_mode_defaults_in_the_help_come_from_the_engine(monkeypatch):
     """A mode's defaults (sparsity, the hot set's share, the candidate ratio) are the engine's
     (ls_engine_params_resolve), read when the help is shown; no help text writes a default number."""
-    from leanstream_ggml import _native
+    from leanstream_ggml.native import _native
 
     def shown(command: str) -> str:
         p = argparse.ArgumentParser(prog=command, formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400))
@@ -229,7 +230,7 @@ def test_importing_the_options_loads_no_native_library():
     llama.cpp (a help that names the engine's modes reads them only when it is shown)."""
     code = ("import argparse, sys\nfrom leanstream_ggml import options\n"
             "options.add_flags(argparse.ArgumentParser(), 'info')\n"
-            "bad = [m for m in sys.modules if m in ('llama_cpp', 'leanstream_ggml._native', 'cffi')]\n"
+            "bad = [m for m in sys.modules if m in ('llama_cpp', 'leanstream_ggml.native._native', 'cffi')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
@@ -249,7 +250,7 @@ def test_readme_lists_exactly_the_options():
 
 # ---- one declaration: no front end adds an option's flag, none compares a mode's name ----------
 
-FRONT_ENDS = ("leanstream_ggml", "leanstream_tools", "converters")
+FRONT_ENDS = ("leanstream_ggml", "leanstream_tools", "leanstream_convert")
 
 
 def _python_files(*roots: str):
@@ -301,7 +302,7 @@ def test_the_mode_compare_check_sees_one():
 
 def test_server_flags_are_the_spec():
     pytest.importorskip("fastapi", reason="leanstream serve needs the server extra")
-    from leanstream_ggml import server
+    from leanstream_ggml.commands import server
 
     assert server.LEANSTREAM_OPTIONS == tuple(o.name for o in options.for_command("serve"))
     ns = server.build_parser().parse_args(["model.lsm", "--mode", "leanstream", "--n-io-threads", "4",

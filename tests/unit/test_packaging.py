@@ -1,5 +1,5 @@
 """What a wheel built from the checkout installs: every top-level name starts with "leanstream"
-(the converter's folder converters/ installs as leanstream_convert, pyproject.toml), the data
+(each package from the folder of its name), the data
 files the packages read at run time are in it, and nothing of the repository's other folders
 (tests, bench, scripts) is."""
 

@@ -1,4 +1,4 @@
-"""The converter as restartable stages (converters/stages.py): a conversion killed with SIGKILL
+"""The converter as restartable stages (leanstream_convert/stages.py): a conversion killed with SIGKILL
 during profiling or during training resumes when the same command is run again and produces
 the same files as an uninterrupted one; the manifest appears only when everything is done."""
 
@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 
 def test_uninterrupted_conversion_is_complete(tiny):
-    from leanstream_ggml import manifest
+    from leanstream_ggml.model import manifest
 
     src, ref = tiny
     m = manifest.load(ref)

@@ -1,4 +1,4 @@
-"""The token tree of a verify pass (leanstream_ggml/tree.py) and the controller's node selection
+"""The token tree of a verify pass (leanstream_ggml/speculation/tree.py) and the controller's node selection
 (draft_control.select): the batch layout's attention sets against a direct computation of each
 node's ancestors, the walk against plain decoding's sampling, what stays in the KV cache, and
 the selection against brute force over every subtree."""
@@ -10,8 +10,8 @@ import itertools
 import numpy as np
 import pytest
 
-from leanstream_ggml.draft_control import select
-from leanstream_ggml.tree import Tree, kept_prefix, layout, walk
+from leanstream_ggml.speculation.draft_control import select
+from leanstream_ggml.speculation.tree import Tree, kept_prefix, layout, walk
 
 
 def random_tree(seed: int, n: int = 12) -> Tree:

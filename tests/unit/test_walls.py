@@ -4,7 +4,7 @@ The runtime package never imports the converter or a tool, and using it (import,
 decode, `leanstream chat -p`) never loads torch, scikit-learn or gguf; the check runs in a fresh
 interpreter, so the test session's own imports cannot hide a breach. The runtime holds only what
 it or its tools run: nothing in it serves only the converter or the tests (writers and
-quantizers live in converters/, numpy oracles in tests/support/reference.py). The tools (leanstream_tools/,
+quantizers live in leanstream_convert/, numpy oracles in tests/support/reference.py). The tools (leanstream_tools/,
 bench/*.py) use only the library's public API, as llama.cpp's tools use llama.h: no private
 module or name of leanstream_ggml, no ``obj._private`` attribute of a library or llama-cpp-python
 object. No module of the library is over 500 lines."""
@@ -49,7 +49,7 @@ def test_the_converter_imports_no_tool():
     """The converter stands beside the tools, not above them: what its calibration needs (texts as
     the model sees them, the windows perplexity scores) is the library's public API, which the
     tools use too; a change to a tool cannot change a conversion."""
-    offenders = {str(p.relative_to(ROOT)): sorted(bad) for p in sorted((ROOT / "converters").rglob("*.py"))
+    offenders = {str(p.relative_to(ROOT)): sorted(bad) for p in sorted((ROOT / "leanstream_convert").rglob("*.py"))
                  if (bad := _imports(p) & set(TOOLS))}
     assert not offenders, f"the converter imports tools: {offenders}"
 
@@ -63,6 +63,16 @@ def test_the_library_reads_no_test_variable_from_the_environment():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and "LEANSTREAM_TEST" in node.value:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
     assert not found, f"the library names a test's environment variable: {found}"
+
+
+MAX_TOP_MODULES = 12
+
+
+def test_the_runtime_top_level_holds_at_most_12_modules():
+    """The runtime's rooms are its subpackages (the model directory, the native engine's binding,
+    llama.cpp's, speculation, the commands); its top level keeps what a user meets first."""
+    tops = sorted(p.name for p in (ROOT / "leanstream_ggml").glob("*.py"))
+    assert len(tops) <= MAX_TOP_MODULES, f"leanstream_ggml/ has {len(tops)} top-level modules: {tops}"
 
 
 def test_no_module_of_the_library_is_over_500_lines():
@@ -95,10 +105,10 @@ def test_no_python_function_is_over_80_lines():
 
 
 def test_the_function_length_check_sees_one(tmp_path):
-    (tmp_path / "converters").mkdir()
+    (tmp_path / "leanstream_convert").mkdir()
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_PY_FUNCTION))
-    (tmp_path / "converters" / "long.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + body)
-    assert long_functions(tmp_path) == {"converters/long.py:5 long": MAX_PY_FUNCTION + 1}
+    (tmp_path / "leanstream_convert" / "long.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + body)
+    assert long_functions(tmp_path) == {"leanstream_convert/long.py:5 long": MAX_PY_FUNCTION + 1}
 
 
 def test_no_c_function_in_native_src_is_over_90_lines():
@@ -111,10 +121,9 @@ def test_no_c_function_in_native_src_is_over_90_lines():
 
 # ---- no import circle, no string import across floors, in any shipped package ----------------------
 
-# every package a wheel installs: import name -> its folder in the repository (pyproject.toml maps
-# the converter's folder converters/ to leanstream_convert)
+# every package a wheel installs: import name -> its folder in the repository (the same name)
 SHIPPED = {"leanstream_ggml": "leanstream_ggml", "leanstream_tools": "leanstream_tools",
-           "leanstream_convert": "converters"}
+           "leanstream_convert": "leanstream_convert"}
 
 
 def _shipped_modules(root: Path, packages: dict = SHIPPED) -> dict[str, Path]:
@@ -209,7 +218,7 @@ def test_the_circle_check_sees_one_across_packages(tmp_path):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "__init__.py").write_text("")
     (tmp_path / "leanstream_ggml" / "x.py").write_text("def f():\n    import leanstream_convert.y\n")
-    (tmp_path / "converters" / "y.py").write_text("from leanstream_ggml import x\n")
+    (tmp_path / "leanstream_convert" / "y.py").write_text("from leanstream_ggml import x\n")
     assert import_cycles(tmp_path) == [["leanstream_convert.y", "leanstream_ggml.x"]]
 
 
@@ -256,7 +265,7 @@ def test_the_string_import_check_sees_one(tmp_path, package):
 LIBRARIES = ("leanstream_ggml", "llama_cpp", "leanstream_convert", "leanstream_tools")  # whose private names others must not use
 # the packages on top of the library, each checked against the others' private names: its own
 # package name, its folders
-ON_TOP = {"leanstream_tools": ("leanstream_tools", "bench"), "leanstream_convert": ("converters",)}
+ON_TOP = {"leanstream_tools": ("leanstream_tools", "bench"), "leanstream_convert": ("leanstream_convert",)}
 
 
 def _private(name: str) -> bool:
@@ -338,7 +347,7 @@ def test_the_tool_wall_sees_a_private_use(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "leanstream_tools" / "x.py").write_text(
         "from leanstream_ggml import _native\n"
-        "from leanstream_ggml.params import _default, size_bytes\n"
+        "from leanstream_ggml.native.params import _default, size_bytes\n"
         "import llama_cpp._internals\n"
         "class Own:\n"
         "    def __init__(self):\n        self._mine = 1\n"
@@ -349,38 +358,38 @@ def test_the_tool_wall_sees_a_private_use(tmp_path):
     assert sorted(private_uses(tmp_path)) == [
         "bench/y.py:2: uses ._rows",
         "bench/y.py:3: uses ._ctx",
-        "leanstream_tools/x.py:1: imports leanstream_ggml._native",
-        "leanstream_tools/x.py:2: imports leanstream_ggml.params._default",
+        "leanstream_tools/x.py:1: imports leanstream_ggml.native._native",
+        "leanstream_tools/x.py:2: imports leanstream_ggml.native.params._default",
         "leanstream_tools/x.py:3: imports llama_cpp._internals"]
 
 
 def test_the_converter_wall_sees_a_private_use(tmp_path):
     """The converter is held to the same wall: a private module of the runtime, a private keyword
     of a runtime call and a private attribute of a runtime object are reported; its own are not."""
-    (tmp_path / "converters").mkdir()
-    (tmp_path / "converters" / "p.py").write_text(
-        "from leanstream_ggml._native import lib\n"
+    (tmp_path / "leanstream_convert").mkdir()
+    (tmp_path / "leanstream_convert" / "p.py").write_text(
+        "from leanstream_ggml.native._native import lib\n"
         "from leanstream_ggml import Llama\n"
         "def run(path, m, _rows=2):\n"
         "    llm = Llama(path, _manifest=m)\n"
         "    return llm._engine, _rows, run(path, m, _rows=1)\n")
-    assert sorted(private_uses(tmp_path)) == ["converters/p.py:1: imports leanstream_ggml._native",
-                                              "converters/p.py:4: passes _manifest=",
-                                              "converters/p.py:5: uses ._engine"]
+    assert sorted(private_uses(tmp_path)) == ["leanstream_convert/p.py:1: imports leanstream_ggml.native._native",
+                                              "leanstream_convert/p.py:4: passes _manifest=",
+                                              "leanstream_convert/p.py:5: uses ._engine"]
 
 
 # ---- the runtime holds only what it runs ---------------------------------------------------------
 
 # Top-level functions and classes of leanstream_ggml/ that nothing in leanstream_ggml/ or its tools
 # (leanstream_tools/) uses, on purpose (each with why). Everything else the runtime does not use
-# belongs with its user: converters/ (writers, quantizers, reading back what they wrote) or tests/
+# belongs with its user: leanstream_convert/ (writers, quantizers, reading back what they wrote) or tests/
 # (numpy oracles). bench/ scripts are no reason to keep code in the runtime: what they need of it is
 # public API its tools use too, or theirs.
 PUBLIC_API = {
-    "leanstream_ggml.engine.kept_blocks": "the engine's rule for the blocks a sparsity keeps (bench/selection_analysis.py, tests)",
-    "leanstream_ggml.engine.candidate_blocks": "the engine's rule for the candidates a ratio scores (bench/selection_analysis.py, tests)",
-    "leanstream_ggml.engine.kernel_isa": "what the engine's kernels dispatch to here (bench/resident_speed.py reports it)",
-    "leanstream_ggml.params.engine_params": "FFNEngine's keywords validated, for a caller that builds an engine itself (tests)",
+    "leanstream_ggml.native.engine.kept_blocks": "the engine's rule for the blocks a sparsity keeps (bench/selection_analysis.py, tests)",
+    "leanstream_ggml.native.engine.candidate_blocks": "the engine's rule for the candidates a ratio scores (bench/selection_analysis.py, tests)",
+    "leanstream_ggml.native.engine.kernel_isa": "what the engine's kernels dispatch to here (bench/resident_speed.py reports it)",
+    "leanstream_ggml.native.params.engine_params": "FFNEngine's keywords validated, for a caller that builds an engine itself (tests)",
 }
 
 
@@ -485,7 +494,7 @@ def test_the_runtime_holds_only_what_it_runs():
     assert not extra, (
         "defined in the runtime but used only by the converter or the tests (or by nothing): "
         + ", ".join(f"{name} ({where})" for name, where in extra.items())
-        + ". Writers and quantizers belong in converters/, numpy oracles in tests/support/reference.py; "
+        + ". Writers and quantizers belong in leanstream_convert/, numpy oracles in tests/support/reference.py; "
           "public API goes on PUBLIC_API in tests/unit/test_walls.py, with why")
     stale = sorted(set(PUBLIC_API) - set(unused))
     assert not stale, f"PUBLIC_API lists names the runtime now uses, or that no longer exist: {stale}; remove them"
@@ -495,7 +504,7 @@ def test_the_runtime_wall_sees_a_converter_only_helper(tmp_path):
     """The check above is not vacuous: a helper the runtime defines and only the converter and the
     tests use is reported; one the runtime uses is not, nor a function of the runtime's own."""
     (tmp_path / "leanstream_ggml").mkdir()
-    (tmp_path / "converters").mkdir()
+    (tmp_path / "leanstream_convert").mkdir()
     (tmp_path / "tests").mkdir()
     (tmp_path / "leanstream_ggml" / "__init__.py").write_text("from .mod import run\n")
     (tmp_path / "leanstream_ggml" / "mod.py").write_text(
@@ -503,7 +512,7 @@ def test_the_runtime_wall_sees_a_converter_only_helper(tmp_path):
         "def helper(n):\n    return helper(n - 1) if n else used()\n\n"
         "def run():\n    return used()\n\n"
         "class Writer:\n    pass\n")
-    (tmp_path / "converters" / "x.py").write_text("from leanstream_ggml.mod import Writer, helper\n")
+    (tmp_path / "leanstream_convert" / "x.py").write_text("from leanstream_ggml.mod import Writer, helper\n")
     (tmp_path / "tests" / "test_x.py").write_text("from leanstream_ggml import mod\nmod.helper(2)\n")
     assert not_used_by_the_runtime(tmp_path) == {"leanstream_ggml.mod.helper": "leanstream_ggml/mod.py:4",
                                                  "leanstream_ggml.mod.Writer": "leanstream_ggml/mod.py:10"}

@@ -1,0 +1,105 @@
+"""MoEEngine: the Python owner of one native ``ls_moe`` (a model's expert files, the expert
+cache shared by its layers, its I/O workers). The files' format: docs/formats.md "Expert file";
+the writer is the converter's (leanstream_convert/experts.py), the engine reads them itself
+(native/src/moe_io.c), `leanstream verify` through blockfile.read_expert_header.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from leanstream_ggml.native._native import check, ffi, lib
+from leanstream_ggml.native.engine import ACTIVATIONS, NativeOwner, _test_hooks, parse_bytes, per
+
+COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
+
+
+def derived_counters(raw: dict) -> dict:
+    """The MoE op's counters and what is derived from them (per op's tokens and experts)."""
+    return dict(raw, hit_ratio=per(raw, "hits", "experts"), bytes_read_per_token=per(raw, "bytes_read", "tokens"),
+                mean_read_bytes=per(raw, "bytes_read", "reads"), stall_s=raw["stall_ns"] / 1e9,
+                compute_s=raw["compute_ns"] / 1e9)
+
+
+class MoEEngine(NativeOwner):
+    """Streams and computes the routed experts of a model's MoE layers from their expert files.
+
+    expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
+    cache_bytes: the expert cache's budget for all layers together (int or "512MiB"; None/0:
+    every expert). n_io_threads, max_read_bytes, verify_checksums: None takes the engine's
+    default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
+
+    _free = staticmethod(lib.ls_moe_free)
+    _take_error = staticmethod(lib.ls_moe_take_error)
+
+    def __init__(self, expert_paths: Sequence[str | Path | None], *, cache_bytes: int | str | None = None,
+                 activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
+                 verify_checksums: bool | None = None, test_hooks: dict | None = None):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r}")
+        self.n_layer = len(expert_paths)
+        self.memory_budget = parse_bytes(cache_bytes)   # bytes of the expert cache (0: every expert)
+        self._paths = [ffi.new("char[]", str(p).encode()) if p else ffi.NULL for p in expert_paths]
+        self._path_array = ffi.new("const char *[]", self._paths)
+        p = ffi.new("ls_moe_params *")
+        lib.ls_moe_params_init(p)
+        p.n_layer = self.n_layer
+        p.cache_bytes = parse_bytes(cache_bytes)
+        p.activation = ACTIVATIONS[activation]
+        if n_io_threads is not None:
+            p.n_io_threads = n_io_threads
+        if max_read_bytes is not None:
+            p.max_read_bytes = max_read_bytes
+        if verify_checksums is not None:
+            p.verify_checksums = 1 if verify_checksums else 0
+        hooks = _test_hooks(test_hooks)   # (copied by the engine)
+        p.test_hooks = hooks
+        out = ffi.new("ls_moe **")
+        check(lib.ls_moe_create(p, self._path_array, out), "cannot open the model's expert files")
+        self._handle = out[0]
+
+    # -- the builder (ownership, errors: NativeOwner) ----------------------------------------
+    @staticmethod
+    def builder_address() -> int:
+        """Address of ls_moe_build, the builder llama.cpp's MoE hook calls per layer."""
+        return int(ffi.cast("uintptr_t", lib.ls_moe_build))
+
+    # -- layers, the hot set, compute ----------------------------------------------------------
+    def layer_info(self, il: int) -> dict:
+        """Layer il's geometry (n_embd, n_ff_exp, n_expert, the types, expert_stride)."""
+        return self._query(lib.ls_moe_layer_info, "ls_moe_info", il)
+
+    def pin(self, il: int, experts) -> None:
+        """Layer il's hot set: these experts (router indices) read now and kept resident,
+        replacing its previous hot set (empty: none)."""
+        experts = np.ascontiguousarray(np.asarray(experts, dtype=np.int32).reshape(-1))
+        check(lib.ls_moe_pin(self.handle, il, ffi.cast("const int32_t *", experts.ctypes.data), experts.size),
+              f"cannot pin layer {il}'s experts")
+
+    def eval(self, il: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, n_threads: int = 1) -> np.ndarray:
+        """Layer il's routed experts of x [n_tokens, n_embd] f32: ids [n_tokens, n_used] router
+        indices, weights [n_tokens, n_used] f32; returns y [n_tokens, n_embd] (the graph op's math)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 1:
+            x = x[None, :]
+        ids = np.ascontiguousarray(ids, dtype=np.int32).reshape(x.shape[0], -1)
+        weights = np.ascontiguousarray(weights, dtype=np.float32).reshape(ids.shape)
+        n_embd = self.layer_info(il)["n_embd"]
+        if x.shape[1] != n_embd:
+            raise ValueError(f"layer {il}: x has rows of {x.shape[1]} values, the experts take {n_embd}")
+        y = np.empty_like(x)
+        check(lib.ls_moe_eval(self.handle, il, ffi.cast("const float *", x.ctypes.data), x.shape[0],
+                              ffi.cast("const int32_t *", ids.ctypes.data), ffi.cast("const float *", weights.ctypes.data),
+                              ids.shape[1], ffi.cast("float *", y.ctypes.data), n_threads))
+        return y
+
+    # -- counters --------------------------------------------------------------------------
+    def stats(self, il: int | None = None) -> dict:
+        """Counters of layer il (None: summed over layers), with derived_counters' ratios."""
+        return derived_counters(self._query(lib.ls_moe_stats, "ls_moe_counters", -1 if il is None else il))
+
+    def reset_stats(self) -> None:
+        lib.ls_moe_reset_stats(self.handle)
