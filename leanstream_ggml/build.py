@@ -7,12 +7,17 @@
    and AVX-512 hosts at full speed. ggml's AMX variant (sapphirerapids) is left out: its
    path segfaults on the EPYC CPUs we target. No multimodal library. The wheel is cached under
    ``$LEANSTREAM_CACHE/llama-cpp-python/<version>-<key>/`` where ``key`` hashes the sdist
-   version, the patch files and the CMake flags, so a second setup (or CI run) only installs it.
-2. ``native/`` -> ``libleanstream.so``, compiled against the same ggml headers and libraries,
-   copied into ``leanstream_ggml/_lib/``.
+   version, the patch files and the CMake flags, so a second setup (or CI run) only installs it
+   (with its dependencies) into this interpreter's environment.
+2. ``native/`` -> ``libleanstream.so``, compiled against the ggml of a patched llama-cpp-python
+   (``ggml_for_build``), and beside it ``leanstream.h``, the header it was compiled from.
+   ``pip install`` / ``pip wheel`` compile it into the wheel's ``leanstream_ggml/_lib/``
+   (setup.py); in a source tree this script compiles it into ``leanstream_ggml/_lib/`` in place
+   (the editable install).
 
 Runs with the standard library only (it has to work before the package is installed):
-``python -m leanstream_ggml.build``.
+``python -m leanstream_ggml.build`` in a source tree (a checkout, or the sdist unpacked) does both;
+in an installed package, only the first (its wheel carries the patches).
 """
 
 from __future__ import annotations
@@ -27,14 +32,18 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 REPO = Path(__file__).resolve().parent.parent
-PATCH_DIR = REPO / "patches"                    # applied in vendor/llama.cpp
-PACKAGE_PATCH_DIR = PATCH_DIR / "llama-cpp-python"  # applied in the sdist's root
 NATIVE_DIR = REPO / "native"
-LIB_DIR = Path(__file__).resolve().parent / "_lib"
+LIB_DIR = Path(__file__).resolve().parent / "_lib"   # libleanstream.so, leanstream.h (and an installed package's patches)
+# a source tree has native/ and patches/ beside the package; an installed one, the patches its wheel
+# copied into _lib/patches (setup.py), so that it too can build and install the patched llama.cpp
+SOURCE_TREE = (NATIVE_DIR / "CMakeLists.txt").exists()
+PATCH_DIR = (REPO if SOURCE_TREE else LIB_DIR) / "patches"   # applied in vendor/llama.cpp
+PACKAGE_PATCH_DIR = PATCH_DIR / "llama-cpp-python"           # applied in the sdist's root
 
 # ggml's CPU variants that are built, by machine (ggml/src/CMakeLists.txt names their features).
 # x86-64: the project's own kernels dispatch on AVX2/AVX-512 at run time; ggml's are chosen by
@@ -77,8 +86,8 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def _require_tools() -> None:
-    missing = [t for t in ("cmake", "cc", "c++", "patch") if shutil.which(t) is None]
+def _require_tools(tools: tuple[str, ...] = ("cmake", "cc", "c++", "patch")) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         raise BuildError(
             "missing build tools: " + ", ".join(missing)
@@ -122,7 +131,7 @@ def _sdist(cache: Path) -> Path:
     if not (d / name).exists():
         d.mkdir(parents=True, exist_ok=True)
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-              "--no-build-isolation", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(d)])
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(d)])
     return d / name
 
 
@@ -158,8 +167,8 @@ def build_llama_wheel(force: bool = False) -> Path:
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         for w in out.glob("*.whl"):
             w.unlink()
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-              "-w", str(out), str(src)], env=env)
+        # (pip's isolated build environment brings its build requirement, scikit-build-core)
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(out), str(src)], env=env)
         inc = out / "include"
         if inc.exists():
             shutil.rmtree(inc)
@@ -180,13 +189,15 @@ def installed_llama_lib_dir() -> Path | None:
 
 
 def install_llama(force: bool = False) -> Path:
-    """Install the patched wheel into this interpreter unless this exact build is there."""
+    """Install the patched wheel into this interpreter's environment unless this exact build is
+    there (in place of any other llama-cpp-python), with its dependencies."""
     wheel = build_llama_wheel(force=force)
     key = build_key()
     lib = installed_llama_lib_dir()
     stamp = lib / "LEANSTREAM_BUILD_KEY" if lib else None
     if force or not (stamp and stamp.exists() and stamp.read_text().strip() == key):
         _run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)])
+        _run([sys.executable, "-m", "pip", "install", str(wheel)])   # its dependencies (numpy, jinja2, ...)
         lib = installed_llama_lib_dir()
         if lib is None:
             raise BuildError("llama_cpp/lib/libllama.so not found after installing the wheel")
@@ -194,22 +205,72 @@ def install_llama(force: bool = False) -> Path:
     return lib
 
 
-def build_native(llama_lib: Path) -> Path:
-    """Compile native/ against the patched ggml; the result goes to leanstream_ggml/_lib/."""
-    _require_tools()
-    inc = llama_build_dir() / "include"
-    bdir = REPO / "build" / f"native-{build_key()}"  # per checkout (CMake caches its source dir)
+def _is_patched(llama_h: Path) -> bool:
+    return llama_h.exists() and "llama_set_ffn_builder" in llama_h.read_text(errors="replace")
+
+
+def _unpacked_libs(wheel: Path, dest: Path) -> Path:
+    """libggml-base and libggml (what native/ links against) from a llama-cpp-python wheel, in dest."""
+    if (dest / "libggml-base.so").exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for m in zf.namelist():
+            name = m.rsplit("/", 1)[-1]
+            if m.startswith("llama_cpp/lib/") and name.startswith(("libggml-base.so", "libggml.so")):
+                (tmp / name).write_bytes(zf.read(m))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)        # whole or absent
+    return dest
+
+
+def ggml_for_build() -> tuple[Path, Path]:
+    """(the ggml and llama headers, the folder of libggml-base.so and libggml.so) native/ compiles and
+    links against: the patched llama-cpp-python installed in this interpreter's environment (its wheel
+    puts include/ beside llama_cpp/; pip's isolated build runs the interpreter it installs for, so
+    that is the environment the package goes into), else the cached build of this tree's patches (its
+    headers; the libraries unpacked from its wheel). BuildError naming the fix when neither is there."""
+    found = []
+    for site in dict.fromkeys(Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")):
+        inc, lib = site / "include", site / "llama_cpp" / "lib"
+        if (lib / "libggml-base.so").exists():
+            if _is_patched(inc / "llama.h"):
+                return inc, lib
+            found.append(f"the llama-cpp-python in {site} is not the patched build (its include/llama.h "
+                         "has no llama_set_ffn_builder)")
+    cached = llama_build_dir()
+    wheels = sorted(cached.glob("*.whl"))
+    if wheels and _is_patched(cached / "include" / "llama.h"):
+        return cached / "include", _unpacked_libs(wheels[0], cached / "lib")
+    raise BuildError(
+        "; ".join(found or [f"no llama-cpp-python is installed in {sysconfig.get_paths()['purelib']}"])
+        + f", and {cached} holds no patched build: libleanstream compiles against the patched "
+        "llama-cpp-python's ggml. Install that first: `python -m leanstream_ggml.build` in the source tree "
+        f"(a checkout, or this sdist unpacked; builds llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} with "
+        "patches/ once, ~8 minutes on 2 cores, cached, and installs it here), then install leanstream-ggml again")
+
+
+def build_native(out: Path = LIB_DIR, build_dir: Path | None = None, rpath: str | None = None) -> Path:
+    """Compile native/ against ggml_for_build()'s ggml; libleanstream.so and the leanstream.h it was
+    compiled from go to out (default leanstream_ggml/_lib/ of this tree). build_dir: CMake's (default
+    build/native-<key> of this tree, kept between builds); rpath: where the library looks for ggml
+    at run time (default the folder it was linked against; a wheel: beside it in site-packages)."""
+    _require_tools(("cmake", "cc"))
+    inc, lib = ggml_for_build()
+    bdir = build_dir or REPO / "build" / f"native-{build_key()}"  # per tree (CMake caches its source dir)
     bdir.mkdir(parents=True, exist_ok=True)
     _run(["cmake", "-S", str(NATIVE_DIR), "-B", str(bdir), "-DCMAKE_BUILD_TYPE=Release",
-          f"-DLEANSTREAM_GGML_INCLUDE={inc}", f"-DLEANSTREAM_GGML_LIBDIR={llama_lib}"],
-         stdout=subprocess.DEVNULL)
+          f"-DLEANSTREAM_GGML_INCLUDE={inc}", f"-DLEANSTREAM_GGML_LIBDIR={lib}",
+          f"-DLEANSTREAM_RPATH={rpath or lib}"], stdout=subprocess.DEVNULL)
     _run(["cmake", "--build", str(bdir), "-j", str(os.cpu_count() or 2)])
-    LIB_DIR.mkdir(exist_ok=True)
-    dst = LIB_DIR / "libleanstream.so"
-    tmp = dst.with_suffix(".so.tmp")
-    shutil.copy2(bdir / "libleanstream.so", tmp)
-    os.replace(tmp, dst)  # atomic: a running process keeps its mapped copy
-    return dst
+    out.mkdir(parents=True, exist_ok=True)
+    for src in (bdir / "libleanstream.so", NATIVE_DIR / "include" / "leanstream.h"):
+        tmp = out / (src.name + ".tmp")
+        shutil.copy2(src, tmp)
+        os.replace(tmp, out / src.name)  # atomic: a running process keeps its mapped copy
+    return out / "libleanstream.so"
 
 
 # ---- cross builds: the native library and its C tests for another Linux target ---------------------
@@ -314,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         lib = install_llama(force=args.force)
-        out = build_native(lib)
+        out = build_native() if SOURCE_TREE else None   # (an installed package's came in its wheel)
     except BuildError as e:
         print(f"leanstream build: error: {e}", file=sys.stderr)
         return 1
-    print(f"leanstream build: llama.cpp at {lib}, native library {out}")
+    print(f"leanstream build: llama.cpp at {lib}" + (f", native library {out}" if out else ""))
     return 0
 
 

@@ -37,6 +37,7 @@ SLOW_FIXTURES = {
     "gemma3_gguf": "downloads gemma3-270m",                 # test_gemma3
     "gemma3_dir": "converts gemma3-270m through the CLI",   # test_gemma3
     "cross": "builds the native library for aarch64 and runs it under qemu",   # test_cross (CI installs the tools)
+    "built_wheel": "builds a wheel, compiling the native library",          # test_packaging
 }
 # slow for what they do in their body, not for a fixture: (file, test function) -> why
 SLOW_TESTS = {
@@ -44,8 +45,6 @@ SLOW_TESTS = {
     ("test_fuzz.py", "test_fuzz_model_directory"): "400 fuzz cases x 2 configurations in a child process",
     ("test_stages.py", "test_other_parameters_refuse_to_resume"): "a killed conversion in a child, then three more",
     ("test_stages.py", "test_cli_rerun_after_interruption_resumes"): "a killed conversion in a child, then a resumed one",
-    ("test_packaging.py", "test_every_top_level_name_starts_with_leanstream"): "builds a wheel",
-    ("test_packaging.py", "test_the_wheel_holds_the_data_and_no_repository_folder"): "builds a wheel",
     # the fast tier's budget (~90 s on 2 cores): these convert or train for 10-40 s each; the
     # fast tier keeps a cheaper test of the same property (named after the arrow)
     ("test_convert_budget.py", "test_a_model_larger_than_the_limit_converts_within_it"):

@@ -14,11 +14,15 @@ from pathlib import Path
 import cffi
 
 _PKG = Path(__file__).resolve().parents[1]   # leanstream_ggml/
-_HEADER_CANDIDATES = [
-    _PKG.parent / "native" / "include" / "leanstream.h",   # source checkout / editable install
-    _PKG / "_lib" / "leanstream.h",                           # installed copy
-]
+# the library and the header it was compiled from lie side by side in _lib/ (a wheel's, or a source
+# tree's built by `python -m leanstream_ggml.build`); a source tree's own header is the fallback
 _LIB = _PKG / "_lib" / "libleanstream.so"
+_HEADER_CANDIDATES = [
+    _PKG / "_lib" / "leanstream.h",
+    _PKG.parent / "native" / "include" / "leanstream.h",
+]
+_BUILD_IT = ("pip install leanstream-ggml again (its wheel carries it), or in a source tree "
+             "`python -m leanstream_ggml.build`")
 
 
 class LeanstreamError(RuntimeError):
@@ -33,7 +37,7 @@ def _header_text() -> str:
     for h in _HEADER_CANDIDATES:
         if h.exists():
             return h.read_text()
-    raise ImportError("leanstream.h not found; run `python -m leanstream_ggml.build`")
+    raise ImportError(f"{_HEADER_CANDIDATES[0]} not found: {_BUILD_IT}")
 
 
 def _cdef_source(text: str) -> str:
@@ -91,10 +95,19 @@ def _load():
     text = _header_text()
     ffi = cffi.FFI()
     ffi.cdef(_cdef_source(text))
-    if not _LIB.exists():
-        raise ImportError(f"{_LIB} is missing: build it with `python -m leanstream_ggml.build`")
     # libllama/ggml must be loaded first so libleanstream binds to the same ggml instance
-    import llama_cpp  # noqa: F401
+    import llama_cpp
+
+    from leanstream_ggml.build import LLAMA_CPP_PYTHON_VERSION
+    from leanstream_ggml.llamacpp._llama_cpp import has_ffn_builder
+
+    if not has_ffn_builder():
+        raise ImportError(f"the llama-cpp-python in {Path(llama_cpp.__file__).parent} is not the patched build "
+                          "leanstream needs (its libllama has no llama_set_ffn_builder): install the patched one "
+                          "with `python -m leanstream_ggml.build` (it builds llama-cpp-python "
+                          f"{LLAMA_CPP_PYTHON_VERSION} with leanstream's patches once, ~8 minutes on 2 cores, cached)")
+    if not _LIB.exists():
+        raise ImportError(f"{_LIB} is missing: {_BUILD_IT}")
     _load_backends(os.environ.get("LEANSTREAM_GGML_CPU", ""))
 
     lib = ffi.dlopen(str(_LIB))
