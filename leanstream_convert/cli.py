@@ -60,7 +60,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         try:
             import torch  # noqa: F401
         except ImportError:
-            print("leanstream convert: training the predictors needs torch (pip install 'leanstream-ggml[convert]'); "
+            print("leanstream convert: training the predictors needs torch (pip install 'leanstream-ggml[train]'); "
                   "or convert with --predictors none for dense mode only", file=sys.stderr)
             return 1
     # the options given, and for the others convert_model's defaults (the only place they are set)

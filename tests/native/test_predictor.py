@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
+torch = pytest.importorskip("torch", reason="predictor training needs torch (pip install .[train])")
 torch.set_num_threads(2)
 
 from leanstream_convert.train import export as E  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch", reason="predictor training needs torch (pip install .[convert])")
+pytest.importorskip("torch", reason="predictor training needs torch (pip install .[train])")
 gs = pytest.importorskip("gguf_synth")
 from convert_runs import convert_in_child, digests, tiny_source_and_reference  # noqa: E402
 
