@@ -216,12 +216,15 @@ def capture_bytes(manifest, rows: int) -> int:
     return manifest.n_layer * rows * manifest.layers[0].n_blocks * manifest.block.k * 4
 
 
-def pass_keywords(manifest, rows: int, capture: bool) -> dict:
+def pass_keywords(manifest, rows: int, capture: bool, min_rows: int | None = None) -> dict:
     """The keywords of the pass's Llama.converting (and of its memory plan, llama.memory_plan): dense
     mode, no speculation, ``rows`` tokens per decode with every row's logits kept, and the capture
-    buffers (``memory_pass``: memplan.plan's ``logits`` and ``captures`` parts)."""
-    return dict(manifest=manifest, memory_pass={"rows": rows, "captures": capture_bytes(manifest, rows) if capture else 0},
-                mode="dense", speculative="off", n_ctx=N_CTX, n_batch=rows, n_ubatch=rows)
+    buffers (``memory_pass``: memplan.plan's ``logits`` and ``captures`` parts); ``min_rows``: the
+    plan may halve the rows down to it (its fit, ``fitted["rows"]``)."""
+    pass_ = {"rows": rows, "min_rows": min_rows or rows,
+             "captures_per_row": capture_bytes(manifest, 1) if capture else 0}
+    return dict(manifest=manifest, memory_pass=pass_, mode="dense", speculative="off", n_ctx=N_CTX,
+                n_batch=rows, n_ubatch=rows)
 
 
 def pass_plan(model_dir: Path, manifest, memory_limit: int, rows: int, capture: bool):
@@ -235,13 +238,13 @@ def pass_plan(model_dir: Path, manifest, memory_limit: int, rows: int, capture: 
 def decode_rows(model_dir: Path, manifest, memory_limit: int | None, capture: bool) -> int:
     """Tokens per decode: ROWS, or fewer (halved down to MIN_ROWS) where the limit cannot hold ROWS
     rows of captures and logits beside the model while the engine keeps its least cache (dense
-    mode: one layer's blocks) and memplan.FIT_SPARE more: memplan.fit over the pass's plans."""
-    from leanstream_ggml import memplan
+    mode: one layer's blocks) and memplan.FIT_SPARE more: the pass's Llama's own plan, which gives
+    way on its rows (llama.memory_plan)."""
+    from leanstream_ggml.llama import memory_plan
 
     if not memory_limit:
         return ROWS
-    fewer = [{"rows": ROWS >> i} for i in range(1, ROWS.bit_length()) if ROWS >> i >= MIN_ROWS]
-    plan = memplan.fit(lambda s: pass_plan(model_dir, manifest, memory_limit, s.get("rows", ROWS), capture), fewer)
+    plan = memory_plan(model_dir, memory_limit, **pass_keywords(manifest, ROWS, capture, MIN_ROWS))
     return plan.fitted.get("rows", ROWS)
 
 

@@ -20,65 +20,11 @@ from pathlib import Path
 from leanstream_ggml.memplan import proc_field
 
 MiB = 1 << 20
-_UNLIMITED = 1 << 60    # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
 
 def _status(field: str) -> int:
     """A /proc/self/status field in bytes (VmRSS, VmHWM), 0 where unreadable (memplan's reader)."""
     return proc_field(field) or 0
-
-
-def cgroup_limits(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> list[tuple[int, str]]:
-    """(bytes, file) of every memory limit set on this process's cgroup and its ancestors, v1
-    (memory.limit_in_bytes) and v2 (memory.max)."""
-    try:
-        text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        parts = line.strip().split(":", 2)
-        if len(parts) != 3:
-            continue
-        ctrls, rel = parts[1], parts[2]
-        if ctrls == "":
-            base, fname = root, "memory.max"                      # v2 (unified)
-            if (root / "unified").is_dir() and not (root / "memory.max").exists() and not (root / "cgroup.controllers").exists():
-                base = root / "unified"
-        elif "memory" in ctrls.split(","):
-            base, fname = root / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        d = base / rel.lstrip("/")
-        while True:
-            f = d / fname
-            try:
-                v = f.read_text().strip()
-            except OSError:
-                v = ""
-            if v and v != "max":
-                try:
-                    n = int(v)
-                except ValueError:
-                    n = _UNLIMITED
-                if n < _UNLIMITED:
-                    out.append((n, str(f)))
-            if d == base or d.parent == d:
-                break
-            d = d.parent
-    return out
-
-
-def machine_limit() -> tuple[int, str]:
-    """(bytes, where it comes from): what this process may hold, the smallest of its memory
-    cgroups' limits and the memory available now (MemAvailable plus what it holds itself)."""
-    cands = [(n, f"the memory cgroup's limit ({f})") for n, f in cgroup_limits()]
-    avail = proc_field("MemAvailable", "/proc/meminfo")
-    if avail is not None:
-        cands.append((avail + _status("VmRSS"), "the memory available now"))
-    if not cands:
-        return _UNLIMITED, "no limit found"
-    return min(cands)
 
 
 class StageMeter:

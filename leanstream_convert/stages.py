@@ -38,9 +38,10 @@ import numpy as np
 from leanstream_ggml.model import manifest as mf
 from leanstream_ggml.native import params as params_mod
 from leanstream_ggml.model.manifest import PREDICTOR_ARCHS
+from leanstream_ggml.memplan import machine_limit
 
 from .activations import MAX_TOKENS, default_tokens
-from .budget import StageMeter, machine_limit
+from .budget import StageMeter
 from .convert_gguf import (DEFAULT_DOWN_TYPE, ConvertError, check_fits, check_out_dir_apart, make_manifest,
                            read_source, remove_partials, reorder_layers, save_manifest, write_model)
 from .fileio import atomic_writer, fsync_dir, sha256_file

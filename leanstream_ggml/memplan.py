@@ -157,6 +157,62 @@ def proc_field(field: str, path: str = "/proc/self/status") -> int | None:
     return None
 
 
+UNLIMITED = 1 << 60    # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def cgroup_limits(proc_cgroup: str | None = None, root: Path = Path("/sys/fs/cgroup")) -> list[tuple[int, str]]:
+    """(bytes, file) of every memory limit set on this process's cgroup and its ancestors, v1
+    (memory.limit_in_bytes) and v2 (memory.max)."""
+    try:
+        text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        ctrls, rel = parts[1], parts[2]
+        if ctrls == "":
+            base, fname = root, "memory.max"                      # v2 (unified)
+            if (root / "unified").is_dir() and not (root / "memory.max").exists() and not (root / "cgroup.controllers").exists():
+                base = root / "unified"
+        elif "memory" in ctrls.split(","):
+            base, fname = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        d = base / rel.lstrip("/")
+        while True:
+            f = d / fname
+            try:
+                v = f.read_text().strip()
+            except OSError:
+                v = ""
+            if v and v != "max":
+                try:
+                    n = int(v)
+                except ValueError:
+                    n = UNLIMITED
+                if n < UNLIMITED:
+                    out.append((n, str(f)))
+            if d == base or d.parent == d:
+                break
+            d = d.parent
+    return out
+
+
+def machine_limit() -> tuple[int, str]:
+    """(bytes, where it comes from): what this process may hold, the smallest of its memory
+    cgroups' limits and the memory available now (MemAvailable plus what it holds itself)."""
+    cands = [(n, f"the memory cgroup's limit ({f})") for n, f in cgroup_limits()]
+    avail = proc_field("MemAvailable", "/proc/meminfo")
+    if avail is not None:
+        cands.append((avail + (proc_field("VmRSS") or 0), "the memory available now"))
+    if not cands:
+        return UNLIMITED, "no limit found"
+    return min(cands)
+
+
 def process_bytes() -> int:
     """This process's resident memory now (VmRSS), after the C allocator has handed its free pages
     back to the kernel: heap that was freed but kept (glibc keeps tens of MB after a stage's large

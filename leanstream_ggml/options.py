@@ -27,13 +27,13 @@ importing this module loads no native library (`leanstream convert`'s parser tak
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import textwrap
 from dataclasses import dataclass, field
 
-# the most rows a speculative verify pass decodes: llama.cpp holds that many rows of logits twice
-# (9.3 MiB on Qwen2.5-Coder-1.5B's vocabulary at 16 rows), memory a limit takes from the FFN
-# cache; the controller chose at most 13 on held-out prompts at 1000 and 700 MB
+# the most rows a speculative verify pass decodes: llama.cpp holds that many rows of logits twice,
+# memory a limit takes from the FFN cache (bench/results: the rows the controller chose)
 VERIFY_ROWS = 16
 
 # the commands that take options: the library's front ends, then the tools (leanstream_tools/,
@@ -84,7 +84,9 @@ OPTIONS: tuple[Option, ...] = (
            "small machine allows): the memory plan (memplan.py) takes from it what the process needs besides "
            "the FFN engine (the interpreter, the non-FFN weights each token reads, KV cache at n_ctx, "
            "llama.cpp's heap and compute buffers) and gives the rest to the engine, or refuses with its "
-           "numbers (MemoryPlanError, a ValueError; `leanstream info MODEL --memory-limit 1000MB` prints it)",
+           "numbers (MemoryPlanError, a ValueError; `leanstream info MODEL --memory-limit 1000MB` prints it). "
+           "Default, with no {memory_budget} either: what the machine or its memory cgroup allows, where the "
+           "whole model does not fit in it (below it, nothing streams)",
            _RUNS + ("compare", "tune", "serve_load", "info", "convert"),
            variants={"compare": Variant("whole-process memory limit of every run, e.g. 1GB or 900MiB (default: none)"),
                      "convert": Variant("memory the whole conversion holds, e.g. 1GB or 700MiB (default: what the "
@@ -193,6 +195,29 @@ OPTIONS: tuple[Option, ...] = (
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 LLAMA: tuple[Option, ...] = tuple(o for o in OPTIONS if o.llama)       # Llama's keywords, in this order
 ENGINE: tuple[str, ...] = tuple(o.name for o in OPTIONS if o.engine)   # FFNEngine's, by the same names
+
+
+class _SettingsBase:
+    """Read access by name (``s["mode"]``, as the tables name options) and ``replace``; the fields
+    are Llama's options (LLAMA), frozen."""
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+    def replace(self, **changes):
+        """A copy with ``changes``: what a later step (the memory plan, a backend) decided."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Every Llama option's value, once checked (params.llama_options builds it): one immutable object
+# from what the user gave, replaced, never changed, by what the plan and the backend decide.
+Settings = dataclasses.make_dataclass(
+    "Settings", [(o.name, o.type, field(default=o.default)) for o in LLAMA], bases=(_SettingsBase,),
+    frozen=True)
+Settings.__module__ = __name__
 
 
 def for_command(command: str) -> list[Option]:

@@ -1,10 +1,10 @@
 """In RAM, the source GGUF on llama.cpp's own kernels (``in_ram="auto"``, the default).
 
-With no memory limit and no budget every FFN weight stays resident and nothing streams: the op
-then only adds its own arithmetic, and where llama.cpp repacks the FFN weights for this CPU (its
-CPU_REPACK buffer: Q4_0, Q4_K and IQ4_NL rows interleaved for AVX2 and ARM's dot products) its
-kernels read them faster than the op reads neuron blocks (Qwen2.5-Coder-1.5B Q4_K_M on AVX-512:
-35 against 46 ms a token, docs/design.md §23). There ``Llama`` loads the GGUF the model directory
+Where the whole model fits (no memory limit or budget given, and the machine's allows it all)
+every FFN weight stays resident and nothing streams: the op then only adds its own arithmetic,
+and where llama.cpp repacks the FFN weights for this CPU (its CPU_REPACK buffer: Q4_0, Q4_K and
+IQ4_NL rows interleaved for AVX2 and ARM's dot products) its kernels read them faster than the op
+reads neuron blocks (docs/design.md §23; bench/results). There ``Llama`` loads the GGUF the model directory
 was converted from and runs it as ``llama_cpp.Llama`` would with the same arguments: the same
 answers, no speculation (a batch of repacked rows does not round as each token alone, so a draft
 could change an answer). Where llama.cpp does not repack them (SmolLM2's Q4_1), the op is the

@@ -23,6 +23,8 @@ import numbers
 import os
 import re
 
+from leanstream_ggml.options import Settings
+
 MAX_BYTES = (1 << 63) - 1       # the engine's budget is a u64; anything near it is a typo
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -203,12 +205,13 @@ def controller(value) -> str:
     return value.strip()
 
 
-def llama_options(given: dict) -> dict:
+def llama_options(given: dict) -> Settings:
     """Every Llama option (options.LLAMA) from the ones given: each checked (ParameterError naming
     the first bad one), the others at their defaults, then the rules between them: quality= picks
     the sparsity (not both) of the mode it implies, one that runs the sketch cascade; controller=
     steers only that cascade; speculative decoding verifies with the dense pass (a sparse mode:
-    off); memory_limit= or memory_budget=, not both. Nothing is opened."""
+    off); memory_limit= or memory_budget=, not both; sizes as bytes. Nothing is opened. The
+    result is immutable: what a later step decides is a ``replace``d copy."""
     from leanstream_ggml.native import modes
     from leanstream_ggml.options import LLAMA
 
@@ -231,7 +234,7 @@ def llama_options(given: dict) -> dict:
     if v["memory_limit"] and v["memory_budget"] is not None:
         raise ParameterError("memory_limit", "give memory_limit= (the whole process) or memory_budget= "
                                              "(the FFN engine), not both")
-    return v
+    return Settings(**v)
 
 
 def engine_params(**given) -> dict:

@@ -254,8 +254,8 @@ class Meter:
 
     def table(self) -> DraftTable | None:
         """The solved table; solved again after a new observation or when a cost moved more than
-        RTOL (every pass retimes them, by a few per cent: solving the three arms' tables every pass
-        cost 1 ms, a tenth of a token of a small model in RAM)."""
+        RTOL (every pass retimes them, by a few per cent; solving the three arms' tables every pass
+        costs a noticeable share of a small model's token in RAM)."""
         if not self.ready():
             return None
         if self._table is None or self._dirty or self._costs_moved():

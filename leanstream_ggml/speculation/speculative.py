@@ -85,8 +85,8 @@ def lookup(ids: np.ndarray, max_n: int, k: int) -> tuple[int, np.ndarray]:
     n-gram ≤ max_n ending the context that occurs earlier with a token after it; its earliest
     occurrence; the k tokens after it), and the size of that n-gram: what the proposal's
     acceptance depends on, which the library does not return. Vectorized on the positions where
-    the last token occurred (the library's sliding windows cost ~0.1 ms a pass, a hundredth of a
-    small model's token)."""
+    the last token occurred (the library's sliding windows cost a visible share of a small
+    model's token)."""
     n_in = len(ids)
     ends = np.flatnonzero(ids[:-1] == ids[-1]) if n_in > 1 else ids[:0]
     for n in range(min(max_n, n_in - 1), 0, -1):
@@ -140,7 +140,7 @@ class Drafter:
 
     def see(self, tokens) -> None:
         """Tokens of the context: the draft's vocabulary takes those it lacks (the engine's copy
-        before the next draft step: passing the vocabulary costs ~1 ms, and where drafting does
+        before the next draft step: passing the vocabulary has a cost, and where drafting does
         not pay no step comes)."""
         if self._vocab is None:
             return

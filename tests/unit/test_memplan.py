@@ -157,6 +157,45 @@ def test_the_plan_holds_inside_a_memory_cgroup(smollm2_sketch_dir):
     assert doc["decode_tok_s"] > 0 and np.isfinite(doc["decode_tok_s"])
 
 
+_NO_ARGUMENTS = r"""
+import json, sys
+from leanstream_ggml import Llama
+llm = Llama(sys.argv[1], n_ctx=256, n_threads=2, verbose=False)
+out = llm.create_completion("The capital of France is", max_tokens=8, temperature=0)
+print(json.dumps({"backend": llm.backend, "limit": llm.settings.memory_limit, "plan": llm.memory_plan.to_dict()
+                  if llm.memory_plan else None, "budget": llm.engine.memory_budget if llm.engine else None,
+                  "text": out["choices"][0]["text"]}))
+"""
+
+
+def test_with_no_arguments_a_model_streams_inside_a_cgroup_it_does_not_fit(smollm2_dir):
+    """Llama with no memory argument in a memory cgroup smaller than the whole model needs takes
+    the cgroup's limit as its own (memplan.machine_limit, the converter's default) and streams,
+    instead of running everything from a thrashing mmap; in RAM nothing changes."""
+    from leanstream_tools import cgroup
+
+    ok, why = cgroup.availability()
+    if not ok:
+        pytest.skip(f"memory cgroups not writable here: {why}")
+    m = manifest_mod.load(smollm2_dir)
+    least, whole = memplan.ffn_geometry(m)
+    probe = memplan.plan(smollm2_dir, m, 10**12, mode="dense", n_ctx=256, n_ubatch=128, process=60 * MB)
+    limit = probe.reserve + whole // 2
+    cmd = [sys.executable, "-c", _NO_ARGUMENTS, str(smollm2_dir)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = cgroup.run_command(cmd, limit_bytes=limit, timeout_s=600, env=env, cwd=str(REPO))
+    assert res.status == "ok", (res.status, res.stderr[-2000:])
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert doc["backend"] == "stream" and doc["limit"] == limit
+    assert doc["plan"]["limit"] == limit and doc["plan"]["budget"] == doc["budget"]
+    assert least <= doc["budget"] < whole, "the engine holds less than the whole FFN: it streams"
+    assert doc["text"].strip()
+    free = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)   # no cgroup
+    assert free.returncode == 0, free.stderr[-2000:]
+    unlimited = json.loads(free.stdout.strip().splitlines()[-1])
+    assert not unlimited["limit"] and unlimited["plan"] is None and unlimited["text"] == doc["text"]
+
+
 def test_the_memory_breakdown_reports_every_stage(smollm2_sketch_dir, capsys):
     """bench/memory_breakdown.py (where the plan's numbers come from) on SmolLM2: one snapshot per
     stage, the engine's resident sketch seen, the page cache of each model file counted."""

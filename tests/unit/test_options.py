@@ -312,3 +312,19 @@ def test_server_flags_are_the_spec():
     assert server.leanstream_options(server.build_parser().parse_args(["model.lsm"])) == {}
     with pytest.raises(TypeError, match="unknown leanstream options: memory_limt"):
         server.create_app("model.lsm", memory_limt="1GB")
+
+
+def test_the_settings_are_one_immutable_object():
+    """params.llama_options builds every option once, checked and frozen: what a later step decides
+    (the memory plan, a backend) is a replaced copy, never a change in place."""
+    import dataclasses
+
+    s = params.llama_options({"memory_limit": "1GB", "speculative": "auto"})
+    assert isinstance(s, options.Settings) and s.memory_limit == 10**9 and s["memory_limit"] == 10**9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.memory_budget = 1
+    with pytest.raises(TypeError):
+        s["memory_budget"] = 1
+    t = s.replace(memory_budget=5, speculative="ngram")
+    assert (t.memory_budget, t.speculative, s.memory_budget, s.speculative) == (5, "ngram", None, "auto")
+    assert [f.name for f in dataclasses.fields(options.Settings)] == [o.name for o in options.LLAMA]

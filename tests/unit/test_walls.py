@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,33 @@ def test_the_runtime_top_level_holds_at_most_12_modules():
     llama.cpp's, speculation, the commands); its top level keeps what a user meets first."""
     tops = sorted(p.name for p in (ROOT / "leanstream_ggml").glob("*.py"))
     assert len(tops) <= MAX_TOP_MODULES, f"leanstream_ggml/ has {len(tops)} top-level modules: {tops}"
+
+
+FIGURE = re.compile(r"\d[\d.,]*\s*(tok/s|tokens/s|ms\b|µs|GB/s|MB/s)|×\s?\d")
+
+
+def docstring_figures(root: Path = ROOT) -> list[str]:
+    """"path:line: text" of every docstring of the runtime that quotes a measured speed or time:
+    figures go stale in a docstring; they live in bench/results, which a docstring may cite."""
+    out = []
+    for path in sorted((root / "leanstream_ggml").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False) or ""
+                out += [f"{path.relative_to(root)}:{getattr(node, 'lineno', 1)}: {m.group(0)}" for m in FIGURE.finditer(doc)]
+    return out
+
+
+def test_no_docstring_of_the_runtime_quotes_a_measured_figure():
+    bad = docstring_figures()
+    assert not bad, "docstrings quoting measured figures (move them to bench/results):\n" + "\n".join(bad)
+
+
+def test_the_figure_check_sees_one(tmp_path):
+    (tmp_path / "leanstream_ggml").mkdir()
+    (tmp_path / "leanstream_ggml" / "m.py").write_text(
+        '"""Fast: 35 against 46 ms a token."""\n\n\ndef f():\n    """Reads 512MiB at most."""\n')
+    assert docstring_figures(tmp_path) == ["leanstream_ggml/m.py:1: 46 ms"]
 
 
 def test_no_module_of_the_library_is_over_500_lines():
