@@ -149,3 +149,35 @@ def smollm2_sketch_dir(smollm2_gguf, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2-sketch") / "smollm2.lsm"
     convert_model(smollm2_gguf, out, progress=False, calibrate=True)
     return out
+
+
+# Two tiny synthetic models, converted once a session, for the tests that run a command or the
+# server on both kinds of model (seconds each: the fast tier). Each source GGUF lies beside its
+# directory, as `leanstream convert` leaves it (with no budget and no limit Llama runs it in RAM).
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> tuple[Path, Path]:
+    """(source GGUF, model directory) of a qwen3moe-layout model: 2 layers of 8 experts, 2 routed
+    per token, converted by the command line's defaults."""
+    from gguf_synth import write_tiny_model
+
+    from leanstream_ggml.cli import main
+
+    d = tmp_path_factory.mktemp("tiny-moe")
+    write_tiny_model(d / "qwen3moe.gguf", arch="qwen3moe", n_layer=2, moe_experts=8, moe_used=2, seed=3,
+                     scales="peaked")
+    assert main(["convert", str(d / "qwen3moe.gguf"), str(d / "qwen3moe.lsm"), "--quiet"]) == 0
+    return d / "qwen3moe.gguf", d / "qwen3moe.lsm"
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory) -> tuple[Path, Path]:
+    """(source GGUF, model directory) of a dense llama-layout model of the same size: block files,
+    no sketch, the activations pass over a few positions (dense mode is what the tests run)."""
+    from gguf_synth import write_tiny_model
+
+    from leanstream_convert import convert
+
+    d = tmp_path_factory.mktemp("tiny-dense")
+    write_tiny_model(d / "llama.gguf", arch="llama", n_layer=2, n_embd=64, n_ff=96, seed=2)
+    convert(d / "llama.gguf", d / "llama.lsm", progress=False, sketch="none", profile_tokens=128)
+    return d / "llama.gguf", d / "llama.lsm"

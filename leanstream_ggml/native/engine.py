@@ -41,21 +41,39 @@ def per(raw: dict, num: str, den: str, empty: float | None = 0.0) -> float | Non
     return raw[num] / raw[den] if raw[den] else empty
 
 
+# The counters every engine's stats() reports under these names, whatever its blocks are (a dense
+# layer's neuron blocks, a MoE layer's experts: both are blocks read whole into one cache), and
+# the metrics derived from them (common_derived): what a command or a tool that does not know the
+# model's kind reads. Each engine adds its own (OWN_STATS: FFNEngine's sketch, predictors,
+# prefetch, read planning, controller and draft; MoEEngine's router counters).
+COMMON_COUNTERS = ("op_calls", "tokens", "blocks_computed", "blocks_read", "bytes_read", "reads_issued",
+                   "io_stall_ns", "op_ns", "checksum_ns", "cache_bytes", "cache_capacity", "hot_blocks",
+                   "resident_bytes", "direct_io")
+
+
+def common_derived(raw: dict) -> dict:
+    """The docs/design.md §5 metrics of the common counters, defined once (every engine's stats())."""
+    return {"miss_ratio": per(raw, "blocks_read", "blocks_computed"),
+            # totals: tokens counts each token once (not once per layer), so this is bytes per token
+            "bytes_read_per_token": per(raw, "bytes_read", "tokens"),
+            "mean_read_bytes": per(raw, "bytes_read", "reads_issued"),
+            "reads_per_token": per(raw, "reads_issued", "tokens"),
+            **{f"{name}_s": raw[f"{name}_ns"] / 1e9 for name in ("io_stall", "op", "checksum")}}
+
+
+COMMON_STATS = COMMON_COUNTERS + tuple(common_derived(dict.fromkeys(COMMON_COUNTERS, 0)))
+
+
 def derived_stats(raw: dict) -> dict:
     """The docs/design.md §5 metrics, defined once: every report uses this."""
-    d = dict(raw)
-    d["miss_ratio"] = per(raw, "blocks_read", "blocks_computed")
+    d = dict(raw, **common_derived(raw))
     d["loading_redundancy"] = per(raw, "bytes_unused", "bytes_computed")
-    # totals: tokens counts each token once (not once per layer), so this is bytes per token
-    d["bytes_read_per_token"] = per(raw, "bytes_read", "tokens")
-    for name in ("io_stall", "op", "predictor", "checksum", "scorer"):
+    for name in ("predictor", "scorer"):
         d[f"{name}_s"] = raw[f"{name}_ns"] / 1e9
     d["bytes_computed_per_token"] = per(raw, "bytes_computed", "tokens")
     # speculation: share of the kept blocks that the layer-ahead prediction had prefetched
     d["spec_recall"] = per(raw, "spec_hits", "spec_selected", None)
-    # read planning: mean bytes per read, reads per token, I/O worker CPU per read
-    d["mean_read_bytes"] = per(raw, "bytes_read", "reads_issued")
-    d["reads_per_token"] = per(raw, "reads_issued", "tokens")
+    # read planning: I/O worker CPU per read
     d["io_cpu_us_per_read"] = raw["io_cpu_ns"] / 1e3 / raw["reads_issued"] if raw["reads_issued"] else 0.0
     return d
 
@@ -97,8 +115,14 @@ def _test_hooks(hooks: dict | None):
 class NativeOwner:
     """The one Python owner of a native engine object (FFNEngine: an ls_engine, MoEEngine: an
     ls_moe): ``handle`` (ValueError once closed), ``address``, close() (also on leaving ``with``
-    and on collection) and raise_pending. A subclass names its object's free and take_error."""
+    and on collection) and raise_pending. A subclass names its object's free and take_error.
 
+    What every engine answers alike, for callers that do not know the model's kind (the commands,
+    the tools): ``memory_budget`` (bytes it may keep in RAM, 0: no limit), ``params`` (its numeric
+    parameters with the defaults resolved, by their C names), ``stats(layer)`` (COMMON_STATS, then
+    the engine's OWN_STATS) and reset_stats()."""
+
+    OWN_STATS: tuple[str, ...] = ()   # the fields of stats() beyond COMMON_STATS
     _handle = None       # set once the native object exists; close() and __del__ rely on it
     _free = None         # staticmethod(lib.ls_*_free)
     _take_error = None   # staticmethod(lib.ls_*_take_error)
@@ -153,6 +177,10 @@ class FFNEngine(NativeOwner):
 
     _free = staticmethod(lib.ls_engine_free)
     _take_error = staticmethod(lib.ls_engine_take_error)
+    # ls_stats beyond the common counters, what derived_stats adds, and "controller" (a policy
+    # installed: its actions and decisions)
+    OWN_STATS = (*(k for k in derived_stats(dict.fromkeys(STAT_FIELDS, 0)) if k not in COMMON_STATS),
+                 "controller")
     controller = None  # the installed controller policy (set_controller), None: off
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",

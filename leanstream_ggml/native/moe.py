@@ -12,16 +12,32 @@ from typing import Sequence
 import numpy as np
 
 from leanstream_ggml.native._native import check, ffi, lib
-from leanstream_ggml.native.engine import ACTIVATIONS, NativeOwner, _test_hooks, parse_bytes, per
+from leanstream_ggml.native.engine import (ACTIVATIONS, COMMON_STATS, NativeOwner, _test_hooks, common_derived,
+                                           parse_bytes, per)
 
 COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
+# the numbers of ls_moe_params left to the engine's defaults unless given (params); the others are
+# MoEEngine's own arguments
+TUNABLE_PARAMS = tuple(name for name, _ in ffi.typeof("ls_moe_params").fields
+                       if name not in {"n_layer", "cache_bytes", "activation", "verify_checksums", "test_hooks"})
 
 
-def derived_counters(raw: dict) -> dict:
-    """The MoE op's counters and what is derived from them (per op's tokens and experts)."""
-    return dict(raw, hit_ratio=per(raw, "hits", "experts"), bytes_read_per_token=per(raw, "bytes_read", "tokens"),
-                mean_read_bytes=per(raw, "bytes_read", "reads"), stall_s=raw["stall_ns"] / 1e9,
-                compute_s=raw["compute_ns"] / 1e9)
+def derived_counters(raw: dict, slot_bytes: int) -> dict:
+    """The MoE op's counters in the words every engine's stats() shares (engine.COMMON_STATS: an
+    expert is a block; its reads are the misses and the hot set's loads; the op's time is its
+    thread 0's, waiting and computing; nothing is resident besides the cache), then its own
+    (routed, experts, hits, misses, ...) with what is derived from them. slot_bytes: one cache
+    slot's bytes."""
+    common = {"op_calls": raw["op_calls"], "tokens": raw["tokens"], "blocks_computed": raw["experts"],
+              "blocks_read": raw["misses"] + raw["pin_loads"], "bytes_read": raw["bytes_read"],
+              "reads_issued": raw["reads"], "io_stall_ns": raw["stall_ns"],
+              "op_ns": raw["stall_ns"] + raw["compute_ns"], "checksum_ns": raw["checksum_ns"],
+              "cache_bytes": raw["resident"] * slot_bytes,
+              "cache_capacity": raw["cache_slots"] * slot_bytes, "hot_blocks": raw["pinned"], "resident_bytes": 0,
+              "direct_io": raw["direct_io"]}
+    own = {k: v for k, v in raw.items() if k not in common}
+    return {**common, **common_derived(common), **own, "hit_ratio": per(raw, "hits", "experts"),
+            "stall_s": raw["stall_ns"] / 1e9, "compute_s": raw["compute_ns"] / 1e9}
 
 
 class MoEEngine(NativeOwner):
@@ -34,6 +50,7 @@ class MoEEngine(NativeOwner):
 
     _free = staticmethod(lib.ls_moe_free)
     _take_error = staticmethod(lib.ls_moe_take_error)
+    OWN_STATS = tuple(k for k in derived_counters(dict.fromkeys(COUNTER_FIELDS, 0), 0) if k not in COMMON_STATS)
 
     def __init__(self, expert_paths: Sequence[str | Path | None], *, cache_bytes: int | str | None = None,
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
@@ -60,6 +77,12 @@ class MoEEngine(NativeOwner):
         out = ffi.new("ls_moe **")
         check(lib.ls_moe_create(p, self._path_array, out), "cannot open the model's expert files")
         self._handle = out[0]
+        self.params = {name: getattr(p, name) for name in TUNABLE_PARAMS}   # (ls_moe_params_init's defaults)
+        # one cache slot: the largest layer's expert rounded up to 4096 bytes, as moe.c's
+        # open_layers sizes them (every slot aligned for every layer's O_DIRECT reads; the
+        # converter's alignment divides 4096). tests/native/test_moe.py holds it to the slots made.
+        strides = [self.layer_info(il)["expert_stride"] for il, q in enumerate(expert_paths) if q]
+        self.slot_bytes = -(-max(strides, default=0) // 4096) * 4096
 
     # -- the builder (ownership, errors: NativeOwner) ----------------------------------------
     @staticmethod
@@ -98,8 +121,10 @@ class MoEEngine(NativeOwner):
 
     # -- counters --------------------------------------------------------------------------
     def stats(self, il: int | None = None) -> dict:
-        """Counters of layer il (None: summed over layers), with derived_counters' ratios."""
-        return derived_counters(self._query(lib.ls_moe_stats, "ls_moe_counters", -1 if il is None else il))
+        """Counters of layer il (None: summed over layers): engine.COMMON_STATS, then OWN_STATS
+        (derived_counters)."""
+        return derived_counters(self._query(lib.ls_moe_stats, "ls_moe_counters", -1 if il is None else il),
+                                self.slot_bytes)
 
     def reset_stats(self) -> None:
         lib.ls_moe_reset_stats(self.handle)

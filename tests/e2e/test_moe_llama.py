@@ -24,13 +24,16 @@ def _arch(layout: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """{layout: (source GGUF, model directory)}, converted through the command line's defaults."""
+def converted(tmp_path_factory, tiny_moe):
+    """{layout: (source GGUF, model directory)}, converted through the command line's defaults
+    (qwen3moe: the session's tiny_moe, the same model)."""
     from leanstream_ggml.cli import main
 
     d = tmp_path_factory.mktemp("moe")
-    out = {}
+    out = {"qwen3moe": tiny_moe}
     for layout, extra in LAYOUTS.items():
+        if layout in out:
+            continue
         src = d / f"{layout}.gguf"
         write_tiny_model(src, arch=_arch(layout), n_layer=2, moe_experts=8, moe_used=2, seed=3, scales="peaked",
                          **extra)
@@ -39,11 +42,16 @@ def converted(tmp_path_factory):
     return out
 
 
-def _small_cache(model) -> int:
-    """A budget of 5 experts' bytes: fewer than one layer's 8 (and than a batch's 16 over 2 layers)."""
+def _stride(model) -> int:
+    """The bytes of one expert of the model (every layer's the same here)."""
     from leanstream_ggml.model import manifest
 
-    return 5 * manifest.load(model).moe.layers[0].expert_stride
+    return manifest.load(model).moe.layers[0].expert_stride
+
+
+def _small_cache(model) -> int:
+    """A budget of 5 experts' bytes: fewer than one layer's 8 (and than a batch's 16 over 2 layers)."""
+    return 5 * _stride(model)
 
 
 def _tokens(seed: int) -> list[int]:
@@ -170,3 +178,39 @@ def test_verify_catches_a_corrupt_expert(converted, tmp_path):
     problems, _ = verify_dir(copy)
     assert len(problems) == 1 and "layer 1 slot 3" in problems[0] and "corrupt" in problems[0]
     assert main(["verify", str(copy)]) == 1
+
+
+def test_stats_and_the_engine_answer_as_a_dense_model_s(tiny_moe, tiny_dense):
+    """What a command or a tool reads without knowing the model's kind: Llama.stats() has the same
+    top-level fields on a dense and a MoE model (engine.COMMON_STATS, "speculative"), differing only
+    in each engine's documented own fields (OWN_STATS); the engine has memory_budget and params. A
+    MoE model's common counters are its experts' (an expert is a block)."""
+    from leanstream_ggml import Llama
+    from leanstream_ggml.native.engine import COMMON_STATS, FFNEngine
+    from leanstream_ggml.native.moe import MoEEngine
+
+    stats, engines = {}, {}
+    for kind, (_, model) in (("dense", tiny_dense), ("moe", tiny_moe)):
+        llm = Llama(str(model), n_ctx=128, verbose=False, n_threads=2, memory_budget=_small_cache(tiny_moe[1]))
+        llm.eval(_tokens(5)[:16])
+        for t in _tokens(6)[:4]:
+            llm.eval([t])
+        stats[kind] = llm.stats()
+        engines[kind] = (type(llm.engine), llm.engine.memory_budget, llm.engine.params)
+        llm.close()
+    dense, moe = set(stats["dense"]), set(stats["moe"])
+    assert {*COMMON_STATS, "speculative"} <= dense & moe
+    assert dense - moe <= set(FFNEngine.OWN_STATS) and moe - dense <= set(MoEEngine.OWN_STATS)
+    assert not set(FFNEngine.OWN_STATS) & set(MoEEngine.OWN_STATS)
+    assert not (set(FFNEngine.OWN_STATS) | set(MoEEngine.OWN_STATS)) & set(COMMON_STATS)
+    for kind, want in (("dense", FFNEngine), ("moe", MoEEngine)):
+        cls, budget, params = engines[kind]
+        assert cls is want and budget == _small_cache(tiny_moe[1])
+        assert params["n_io_threads"] > 0 and params["max_read_bytes"] > 0
+    s, stride = stats["moe"], _stride(tiny_moe[1])
+    assert s["tokens"] == 20 and s["op_calls"] == 2 * 5      # the prompt's pass and 4 decode passes, 2 layers
+    assert s["blocks_computed"] == s["experts"] and s["blocks_read"] == s["misses"] + s["pin_loads"] > 0
+    assert s["bytes_read"] == s["blocks_read"] * stride and s["reads_issued"] == s["reads"]
+    assert s["miss_ratio"] == s["blocks_read"] / s["blocks_computed"]
+    assert 0 < s["cache_bytes"] <= s["cache_capacity"] <= _small_cache(tiny_moe[1])
+    assert s["op_ns"] >= s["io_stall_ns"] and s["resident_bytes"] == 0 and s["hot_blocks"] == s["pinned"]

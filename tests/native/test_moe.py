@@ -166,6 +166,26 @@ def test_a_cache_smaller_than_the_batch_streams_in_waves(tmp_path):
     close_to_reference(y, moe_reference(path, x, ids, w))
 
 
+def test_the_cache_slot_is_the_engine_s(tmp_path):
+    """MoEEngine.slot_bytes (the unit of the common stats' cache_bytes and cache_capacity) is the
+    slot moe.c makes, for layers of different strides aligned to less than a page: a budget of k
+    slots holds k, one byte less k - 1; the cache holds what it counts."""
+    p0, p2 = tmp_path / "blk.0.bin", tmp_path / "blk.2.bin"
+    h0 = make_layer(p0, ("Q6_K", "Q6_K", "Q6_K"), align=512)     # the larger expert, not a page multiple
+    h2 = make_layer(p2, ("Q4_0", "Q4_0", "Q8_0"), il=2, seed=4, align=512)
+    assert h0["expert_stride"] % 4096 and h0["expert_stride"] > h2["expert_stride"]
+    x, ids, w = routing(3, 2)
+    with MoEEngine([p0, None, p2]) as every:
+        slot = every.slot_bytes
+        assert slot >= max(h0["expert_stride"], h2["expert_stride"]) and every.stats()["cache_slots"] == 2 * N_EXPERT
+    for budget, slots in ((3 * slot, 3), (3 * slot - 1, 2)):
+        with MoEEngine([p0, None, p2], cache_bytes=budget) as m:
+            m.eval(0, x, ids, w)
+            s = m.stats()
+            assert s["cache_slots"] == slots and s["cache_capacity"] == slots * slot <= budget
+            assert s["cache_bytes"] == s["resident"] * slot <= s["cache_capacity"]
+
+
 def test_layers_share_the_cache_and_layers_without_experts(tmp_path):
     p0, p2 = tmp_path / "blk.0.bin", tmp_path / "blk.2.bin"
     make_layer(p0, seed=3)
