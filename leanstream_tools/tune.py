@@ -18,7 +18,8 @@ Four steps, each with a progress bar:
    layers (control.solve).
 4. write: the policy into ``controller.json`` (manifest: named, checksummed).
 
-`Llama(..., controller="table")` / `leanstream chat --controller table` use it.
+`Llama(..., controller="table")` / `leanstream chat --controller table` use it. A mixture-of-experts
+model has no controller to tune (it reads the whole experts its router picks): refused, saying so.
 """
 
 from __future__ import annotations
@@ -239,15 +240,27 @@ def profile(model_dir: Path, budget_kw: dict, sparsity_kw: dict, actions, n_toke
         llm.close()
 
 
+def check_tunable(model_dir: Path, m) -> None:
+    """ControllerError (one line at the command line) where the model has no controller to tune."""
+    from leanstream_ggml.native import control
+
+    if m.moe is not None:
+        raise control.ControllerError(
+            f"{model_dir} is a mixture-of-experts model: the streaming controller steers a dense model's sparse "
+            f"decode (leanstream mode); a mixture-of-experts model reads the whole experts its router picks, so "
+            f"there is nothing to tune")
+    if m.sketch is None:
+        raise control.ControllerError(f"{model_dir}: the controller steers leanstream's cascade, which needs the "
+                                      f"sketch; convert again with the sketch")
+
+
 def run(args) -> int:
     from leanstream_ggml.native import control, params
     from leanstream_ggml.model import manifest as mf
 
     model_dir = Path(args.model)
     m = mf.load(model_dir)
-    if m.sketch is None:
-        raise ValueError(f"{model_dir}: the controller steers leanstream's cascade, which needs the sketch; "
-                         f"convert again with the sketch")
+    check_tunable(model_dir, m)
     budget_kw = budget_of(model_dir, m, args)
     if args.quality is not None and args.sparsity is not None:
         raise params.ParameterError("quality", "give --quality or --sparsity, not both")
