@@ -18,10 +18,10 @@ import time
 
 def _decoded(llm, after_prefill: dict, end: dict) -> tuple[int, int]:
     """(passes, tokens) of the decode between two stats(): with speculation a pass emits one token
-    and its accepted drafts; without it a pass (every layer's op once) is one token."""
+    and its accepted drafts; without it a pass (one token row) is one token."""
     a, b = after_prefill.get("speculative"), end.get("speculative")
     if not (a and b):
-        passes = (end["op_calls"] - after_prefill["op_calls"]) // llm.manifest.n_layer
+        passes = end["tokens"] - after_prefill["tokens"]
         return passes, passes
     passes = (b["passes"] - a["passes"]) + (b["plain_passes"] - a["plain_passes"])
     return passes, passes + b["accepted"] - a["accepted"]
@@ -33,13 +33,16 @@ def _per_token_stats(llm, after_prefill: dict, end: dict) -> str:
     _, tokens = _decoded(llm, after_prefill, end)
     if tokens <= 0:
         return "no decode steps"
-    d = {k: end[k] - after_prefill[k] for k in ("blocks_computed", "blocks_read", "bytes_read",
-                                                 "io_stall_ns", "op_ns", "predictor_ns")}
+    # the counters every engine has (engine.COMMON_STATS: an expert is a block), and the
+    # predictor's time where the engine has one
+    d = {k: end[k] - after_prefill[k] for k in ("blocks_computed", "blocks_read", "bytes_read", "io_stall_ns",
+                                                 "op_ns", "predictor_ns") if k in end}
     miss = d["blocks_read"] / d["blocks_computed"] if d["blocks_computed"] else 0.0
+    predictor = f", predictor {d['predictor_ns'] / tokens / 1e6:.2f} ms" if "predictor_ns" in d else ""
     return (f"per decoded token: {d['blocks_computed'] / tokens:.0f} blocks computed, {d['blocks_read'] / tokens:.0f} "
             f"read from disk (miss ratio {miss:.2f}), {d['bytes_read'] / tokens / 1e6:.1f} MB read, FFN op "
-            f"{d['op_ns'] / tokens / 1e6:.1f} ms (I/O stall {d['io_stall_ns'] / tokens / 1e6:.1f} ms, predictor "
-            f"{d['predictor_ns'] / tokens / 1e6:.2f} ms); FFN cache {end['cache_bytes'] / 1e6:.0f} MB")
+            f"{d['op_ns'] / tokens / 1e6:.1f} ms (I/O stall {d['io_stall_ns'] / tokens / 1e6:.1f} ms{predictor}); "
+            f"FFN cache {end['cache_bytes'] / 1e6:.0f} MB")
 
 
 def _print_answer_stats(llm, t0: float, t_first: float | None, t_end: float, after_prefill: dict | None) -> None:
@@ -145,9 +148,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (in RAM: its source {llm.source_path} on "
               f"llama.cpp's own kernels, the faster here; --in-ram stream for the op)", file=sys.stderr)
     else:
+        from leanstream_ggml.commands.info import fmt_bytes
+
         budget = llm.engine.memory_budget
         print(f"loaded {model_dir} in {time.perf_counter() - t0:.2f} s (mode {llm.mode}{f', sparsity {llm.sparsity:g}' if is_sparse(llm.mode) else ''}, FFN budget "
-              f"{f'{budget / 2**20:.0f} MiB' if budget else 'all'})", file=sys.stderr)
+              f"{fmt_bytes(budget) if budget else 'all'})", file=sys.stderr)
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

@@ -1,6 +1,6 @@
 """What a user sees from the `leanstream` command: --version, `info`'s predictor and sparse-mode
-lines, `chat`'s load time and --verbose per-token stats, and the exact convert command when a
-plain GGUF is given to `chat` or `serve`."""
+lines, `chat`'s load time and --verbose per-token stats, the exact convert command when a plain
+GGUF is given to `chat` or `serve`, and every command on a mixture-of-experts model."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_chat_prints_load_time_and_verbose_per_token_stats(smollm2_dir, tmp_path
     r = _cli("chat", str(smollm2_dir), "-p", "Say hello.", "-n", "12", "--temp", "0", "-t", "2",
              "--memory-budget", "32MiB")
     assert r.returncode == 0, r.stderr
-    assert f"loaded {smollm2_dir} in " in r.stderr and "FFN budget 32 MiB" in r.stderr
+    assert f"loaded {smollm2_dir} in " in r.stderr and "FFN budget 32.0 MiB" in r.stderr
     assert "per decoded token" not in r.stderr
     r = _cli("chat", str(smollm2_dir), "-p", "Say hello.", "-n", "12", "--temp", "0", "-t", "2",
              "--memory-budget", "32MiB", "--verbose")
@@ -168,3 +168,79 @@ def test_a_memory_limit_on_stock_is_refused(tiny_gguf):
     r = _cli("bench", str(tiny_gguf), "--memory-limit", "1GB", "-p", "4", "-n", "2", "-r", "1", timeout=120)
     assert r.returncode == 1 and "memory_limit" in r.stderr and "stock" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- every command on a mixture-of-experts model (in this process: the fast tier) -----------
+
+def _moe_budget(model) -> int:
+    """5 experts' bytes: fewer than a layer's 8, so every command's passes read experts."""
+    from leanstream_ggml.model import manifest
+
+    return 5 * manifest.load(model).moe.layers[0].expert_stride
+
+
+def _moe_args(command: str, src, budget: int) -> list[str]:
+    run = ["-t", "2", "--memory-budget", str(budget)]
+    return {"info": [], "verify": [],
+            "chat": ["-p", "Say hello.", "-n", "6", "--temp", "0", "-v", *run],
+            "bench": ["-p", "16", "-n", "4", "-r", "1", "--json", *run],
+            "perplexity": ["-c", "64", "--chunks", "1", "--reference", str(src), "--json", *run],
+            "tune": ["--memory-budget", "50%"]}[command]
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "chat", "bench", "perplexity", "tune"])
+def test_every_command_runs_on_a_moe_model(tiny_moe, command, capsys):
+    """Each command answers on a MoE model as on a dense one (tune: saying it does not apply)."""
+    import json
+
+    from leanstream_ggml.cli import main
+    from leanstream_ggml.native.engine import COMMON_STATS
+
+    src, model = tiny_moe
+    budget = _moe_budget(model)
+    rc = main([command, str(model), *_moe_args(command, src, budget)])
+    out, err = capsys.readouterr()
+    if command == "tune":
+        assert rc == 1 and "is a mixture-of-experts model" in err and "nothing to tune" in err
+        return
+    assert rc == 0, err
+    if command == "info":
+        assert _field(out, "experts").startswith("8 per layer, 2 routed per token")
+        assert _field(out, "sparse modes").startswith("none: a mixture-of-experts model")
+    elif command == "verify":
+        assert "intact" in out
+    elif command == "chat":
+        assert f"loaded {model} in " in err and f"(mode dense, FFN budget {budget / 1024:.1f} KiB)" in err
+        assert "answer " in err
+    elif command == "bench":
+        doc = json.loads(out.strip().splitlines()[-1])
+        assert doc["decode_tok_s"] > 0 and doc["memory_budget_bytes"] == budget
+        assert set(COMMON_STATS) <= set(doc["engine_decode"]) and doc["engine_decode"]["blocks_computed"] > 0
+    else:
+        doc = json.loads(out.strip().splitlines()[-1])
+        assert doc["mode"] == "dense" and doc["n_scored"] > 0
+        assert doc["top1_agreement"] >= 0.8 and doc["kl_mean"] < 0.05, doc
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_chat_verbose_per_token_stats_on_both_kinds(tiny_dense, tiny_moe, kind):
+    """chat -v's per-token line, from the counters both engines have (a MoE model's experts are
+    its blocks; the predictor's time where the engine has one)."""
+    from leanstream_ggml import Llama
+    from leanstream_ggml.commands import chat
+
+    _, model = tiny_dense if kind == "dense" else tiny_moe
+    llm = Llama(str(model), n_ctx=128, n_threads=2, verbose=False, speculative="off",
+                memory_budget=_moe_budget(tiny_moe[1]))
+    try:
+        llm.eval(llm.tokenize(b"Say hello, say hello."))
+        before = llm.stats()
+        for t in (260, 111, 111, 114):
+            llm.eval([t])
+        after = llm.stats()
+        assert chat._decoded(llm, before, after) == (4, 4)
+        line = chat._per_token_stats(llm, before, after)
+    finally:
+        llm.close()
+    assert line.startswith("per decoded token: ") and "blocks computed" in line and "miss ratio" in line
+    assert ("predictor" in line) == (kind == "dense")
