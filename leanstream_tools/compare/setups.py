@@ -165,17 +165,19 @@ def stock_fit(file_bytes: int, source_bytes: int, limit: int | None, source: boo
 
 def plugin_availability(model_dir: Path, system: str) -> tuple[str | None, float | None]:
     """(why the directory cannot run this plugin setup or None, the sparsity a quality preset
-    chooses or None): the engine's own checks (the mode's files, the calibration table)."""
+    chooses or None): the library's own checks (the mode and speculative kind this kind of model
+    takes, the mode's files, as Llama settles them; the calibration table)."""
+    from leanstream_ggml import backend
     from leanstream_ggml.model import manifest
     from leanstream_ggml.native import params
 
     m = manifest.load(model_dir)
     mode, quality = plugin_mode(system)
-    if modes.is_sparse(mode):
-        try:
-            m.mode_files(model_dir, modes.uses(mode), mode)
-        except manifest.ModeFilesError as e:
-            return str(e), None
+    given = {"mode": mode, "speculative": speculative_kind(system)}
+    try:   # (a mixture-of-experts model: dense mode and prompt lookup only)
+        backend.streamed(model_dir, m).settle(params.llama_options(given), given, model_dir)
+    except ValueError as e:   # ModeFilesError included
+        return str(e), None
     if quality is None:
         return None, None
     if not m.sketch or not m.sketch.quality:

@@ -120,6 +120,21 @@ def test_plan_of_stock_setups(tmp_path):
     assert [plans[s]["speculative"] for s in files] == ["off", "off", "off", "lookup"]
 
 
+def test_plan_of_plugin_setups_on_both_kinds(tiny_moe, tiny_dense):
+    """A mixture-of-experts directory runs dense mode with prompt lookup or plain decoding; its
+    other plugin setups are not run, with the library's reason (not a missing sketch). A dense
+    directory without a sketch runs every speculative kind of dense mode, and not leanstream."""
+    systems = ["dense", "dense+off", "dense+ngram", "dense+self", "leanstream", "leanstream@ppl+5%"]
+    plans = {}
+    for kind, (src, model) in (("moe", tiny_moe), ("dense", tiny_dense)):
+        plans[kind] = compare.plan_setups(systems, {"stock": src}, model, limit=None, enforced=False, sparsity=None)
+    assert [plans["moe"][s]["status"] for s in systems] == ["planned"] * 3 + ["not run"] * 3
+    assert "prompt lookup" in plans["moe"]["dense+self"]["reason"]
+    assert all("mixture-of-experts model runs in dense mode" in plans["moe"][s]["reason"] for s in systems[-2:])
+    assert [plans["dense"][s]["status"] for s in systems] == ["planned"] * 4 + ["not run"] * 2
+    assert all("needs a sketch or predictors" in plans["dense"][s]["reason"] for s in systems[-2:])
+
+
 def test_commands_select_each_setup():
     args = argparse.Namespace(n_prompt=16, n_gen=8, repetitions=1, ctx_size=512, batch_size=512, threads=2,
                               sparsity=0.4, ppl_ctx=512, ppl_chunks=1)
