@@ -149,13 +149,10 @@ def test_chat_without_c_takes_the_largest_context_the_limit_holds(smollm2_dir, m
 
 
 @pytest.mark.parametrize("command", ["chat", "serve", "bench"])
-def test_a_memory_limit_too_small_is_one_line_with_the_plan(tiny_gguf, tmp_path, command):
+def test_a_memory_limit_too_small_is_one_line_with_the_plan(tiny_dense, command):
     """--memory-limit below what the process needs besides the engine: refused before the model
     runs, with the plan's numbers, no traceback (chat, serve and bench alike)."""
-    from leanstream_convert import convert
-
-    d = tmp_path / "tiny.lsm"
-    convert(tiny_gguf, d, progress=False, sketch="none")
+    _, d = tiny_dense
     extra = ["-p", "hi"] if command == "chat" else ["-p", "4", "-n", "2", "-r", "1"] if command == "bench" else []
     r = _cli(command, str(d), "--memory-limit", "20MB", *extra, timeout=120)
     assert r.returncode == 1, (r.stdout, r.stderr)
