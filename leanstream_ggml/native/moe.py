@@ -1,7 +1,8 @@
-"""MoEEngine: the Python owner of one native ``ls_moe`` (a model's expert files, the expert
-cache shared by its layers, its I/O workers). The files' format: docs/formats.md "Expert file";
-the writer is the converter's (leanstream_convert/experts.py), the engine reads them itself
-(native/src/moe_io.c), `leanstream verify` through blockfile.read_expert_header.
+"""MoEEngine: the Python owner of one native ``ls_moe`` (a model's expert files, the cache of
+experts shared by its layers, its reader: the blocks' one cache and reader, native/src/cache.c and
+io.c). The files' format: docs/formats.md "Expert file"; the writer is the converter's
+(leanstream_convert/experts.py), the engine reads them itself (native/src/blockfile.c, the header
+reader of block and expert files), `leanstream verify` through blockfile.read_expert_header.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-// cache.c — the budgeted FFN weight cache.
+// cache.c — the one cache of blocks, whichever engine and kind of block (a dense layer's neuron
+// blocks, a MoE layer's experts): slots of one stride in one pool, keyed by (layer, block).
 //
-// memory_budget bytes are cut into fixed-size slots (one block each, stride = the largest block
-// stride). A block is resident when it owns a slot. Blocks being computed are pinned; unpinned
-// resident blocks sit in an LRU list and the least recently used one is evicted when a slot is
-// needed. All metadata is touched by one thread at a time (the op's planner, under e->mu);
-// I/O workers only fill slot memory and flip the per-block state flags.
+// A budget's bytes become slots here (ls_cache_slots) and nowhere else. A block is resident when
+// it owns a slot. Blocks being computed or read are pinned; the hot set's blocks hold a pin of
+// their own once loaded (resident for good); unpinned resident blocks sit in an LRU list, and the
+// victim when a slot is needed is chosen by one function, pick_victim. All metadata is touched by
+// one thread at a time (an engine's planner, under its lock); the reader (io.c) only fills slot
+// memory and flips the blocks' states.
 
 #include "internal.h"
 
@@ -12,52 +14,75 @@
 #include <string.h>
 #include <sys/mman.h>
 
-ls_status ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t total_blocks) {
+// the largest alignment any file's O_DIRECT reads need (1: no file)
+static uint64_t max_align(ls_blockfile * const * files, int32_t n_files) {
+    uint64_t align = 1;
+    for (int32_t i = 0; i < n_files; i++) if (files[i]->align > align) align = files[i]->align;
+    return align;
+}
+
+uint64_t ls_cache_stride(ls_blockfile * const * files, int32_t n_files) {
+    uint64_t stride = 0;
+    for (int32_t i = 0; i < n_files; i++) if (files[i]->stride > stride) stride = files[i]->stride;
+    const uint64_t align = max_align(files, n_files);
+    return (stride + align - 1) / align * align;   // every slot aligned for every file's reads
+}
+
+int64_t ls_cache_slots(uint64_t bytes, uint64_t reserved, uint64_t stride, int64_t total_blocks) {
+    if (bytes == 0) return total_blocks;   // unlimited: read once, kept
+    if (bytes <= reserved || stride == 0) return 0;
+    const uint64_t n = (bytes - reserved) / stride;
+    return n < (uint64_t) total_blocks ? (int64_t) n : total_blocks;
+}
+
+ls_status ls_cache_init(ls_cache * c, ls_blockfile * const * files, int32_t n_files, int32_t n_slots) {
     memset(c, 0, sizeof(*c));
-    c->stride = stride;
+    c->stride = ls_cache_stride(files, n_files);
     c->n_slots = n_slots;
-    c->pool_bytes = (size_t) stride * (size_t) n_slots;
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_files; i++) total += files[i]->n_blocks;
+    const size_t align = max_align(files, n_files) > 4096 ? (size_t) max_align(files, n_files) : 4096;
     // anonymous mapping: pages count against RSS only once a block lands in them
-    void * p = mmap(NULL, c->pool_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    c->pool_map_bytes = (size_t) c->stride * (size_t) n_slots + align;
+    void * p = mmap(NULL, c->pool_map_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
-        ls_set_error("cannot reserve %zu bytes for the weight cache", c->pool_bytes);
-        c->pool = NULL;
+        ls_set_error("cannot reserve %zu bytes for the weight cache", c->pool_map_bytes);
         return LS_ERR_NOMEM;
     }
-    c->pool = p;
-    c->slot_layer    = malloc((size_t) n_slots * sizeof(int32_t));
-    c->slot_block    = malloc((size_t) n_slots * sizeof(int32_t));
-    c->slot_pins     = calloc((size_t) n_slots, sizeof(int32_t));
-    c->slot_computed = calloc((size_t) n_slots, 1);
-    c->lru_prev      = malloc((size_t) n_slots * sizeof(int32_t));
-    c->lru_next      = malloc((size_t) n_slots * sizeof(int32_t));
-    c->free_list     = malloc((size_t) n_slots * sizeof(int32_t));
-    if (!c->slot_layer || !c->slot_block || !c->slot_pins || !c->slot_computed || !c->lru_prev ||
+    c->pool_map = p;
+    c->pool = (uint8_t *) (((uintptr_t) p + align - 1) & ~(uintptr_t) (align - 1));
+    const size_t n = (size_t) (n_slots > 0 ? n_slots : 1);
+    c->files = malloc((size_t) (n_files > 0 ? n_files : 1) * sizeof(*c->files));
+    c->slot_layer = malloc(n * sizeof(int32_t));
+    c->slot_block = malloc(n * sizeof(int32_t));
+    c->slot_pins = calloc(n, sizeof(int32_t));
+    c->slot_computed = calloc(n, 1);
+    c->lru_prev = malloc(n * sizeof(int32_t));
+    c->lru_next = malloc(n * sizeof(int32_t));
+    c->free_list = malloc(n * sizeof(int32_t));
+    if (!c->files || !c->slot_layer || !c->slot_block || !c->slot_pins || !c->slot_computed || !c->lru_prev ||
         !c->lru_next || !c->free_list) {
         ls_set_error("out of memory");
         return LS_ERR_NOMEM;
     }
+    memcpy(c->files, files, (size_t) n_files * sizeof(*c->files));
+    c->n_files = n_files;
     for (int32_t s = 0; s < n_slots; s++) {
-        c->slot_layer[s] = -1;
-        c->slot_block[s] = -1;
+        c->slot_layer[s] = c->slot_block[s] = -1;
         c->lru_prev[s] = c->lru_next[s] = -1;
         c->free_list[s] = n_slots - 1 - s; // pop order 0, 1, 2, ...: adjacent blocks get adjacent slots
     }
     c->n_free = n_slots;
     c->lru_head = c->lru_tail = -1;
-    c->never_evicts = n_slots >= total_blocks;
+    c->never_evicts = n_slots >= total;
     return LS_OK;
 }
 
 void ls_cache_free(ls_cache * c) {
-    if (c->pool) munmap(c->pool, c->pool_bytes);
-    free(c->slot_layer); free(c->slot_block); free(c->slot_pins); free(c->slot_computed);
+    if (c->pool_map) munmap(c->pool_map, c->pool_map_bytes);
+    free(c->files); free(c->slot_layer); free(c->slot_block); free(c->slot_pins); free(c->slot_computed);
     free(c->lru_prev); free(c->lru_next); free(c->free_list);
     memset(c, 0, sizeof(*c));
-}
-
-uint8_t * ls_cache_slot_ptr(const ls_cache * c, int32_t slot) {
-    return c->pool + (size_t) slot * c->stride;
 }
 
 static void lru_remove(ls_cache * c, int32_t s) {
@@ -78,34 +103,41 @@ static void lru_push_mru(ls_cache * c, int32_t s) {
 
 int32_t ls_cache_available(const ls_cache * c) { return c->n_free + c->n_lru; }
 
-static void evict(ls_engine * e, int32_t s) {
-    ls_cache * c = &e->cache;
-    ls_layer * V = &e->layers[c->slot_layer[s]];
+// Slot s's block no longer resident (its state ABSENT); the slot is the caller's.
+static void evict(ls_cache * c, int32_t s) {
+    ls_blockfile * V = c->files[c->slot_layer[s]];
     const int32_t vb = c->slot_block[s];
-    if (!c->slot_computed[s]) atomic_fetch_add(&V->stats.bytes_unused, V->info.block_stride);
-    V->slot_of_block[vb] = -1;
+    if (!c->slot_computed[s]) atomic_fetch_add(&V->stats.bytes_unused, V->stride);
+    V->slot[vb] = -1;
     atomic_store_explicit(&V->state[vb], LS_BLK_ABSENT, memory_order_relaxed);
     c->slot_layer[s] = c->slot_block[s] = -1;
     c->n_resident--;
 }
 
-// The slot to evict: the least recently used one whose read is not still in flight (its slot is
-// being written).
-static int32_t pick_victim(ls_engine * e) {
-    ls_cache * c = &e->cache;
+// The eviction policy, all of it: which evictable slot gives way (-1: none). The least recently
+// used one whose read is not still in flight (a prefetch let go before it landed: its slot is
+// being written). A frequency-based rule would replace this function and where a released slot
+// is ranked (lru_push_mru).
+static int32_t pick_victim(const ls_cache * c) {
     for (int32_t s = c->lru_head; s >= 0; s = c->lru_next[s]) {
-        if (atomic_load_explicit(&e->layers[c->slot_layer[s]].state[c->slot_block[s]], memory_order_acquire) !=
-            LS_BLK_LOADING) return s;
+        const ls_blockfile * F = c->files[c->slot_layer[s]];
+        if (atomic_load_explicit(&F->state[c->slot_block[s]], memory_order_acquire) != LS_BLK_LOADING) return s;
     }
     return -1;
 }
 
-ls_status ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss) {
-    ls_cache * c = &e->cache;
-    int32_t s = L->slot_of_block[b];
+// the hot set's pin on block b (in slot s) taken, once
+static void pin_hot(ls_cache * c, ls_blockfile * F, int32_t b, int32_t s) {
+    if (!F->hot[b] || F->hot_pinned[b]) return;
+    if (c->slot_pins[s]++ == 0) lru_remove(c, s);
+    F->hot_pinned[b] = 1;
+}
+
+ls_status ls_cache_acquire(ls_cache * c, ls_blockfile * F, int32_t b, int32_t * slot, bool * miss) {
+    int32_t s = F->slot[b];
     if (s >= 0) {
         if (c->slot_pins[s]++ == 0) lru_remove(c, s);
-        if (L->hot && L->hot[b] && !L->hot_pinned[b]) { c->slot_pins[s]++; L->hot_pinned[b] = 1; }
+        pin_hot(c, F, b, s);
         *slot = s;
         *miss = false;
         return LS_OK;
@@ -113,41 +145,55 @@ ls_status ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slo
     if (c->n_free > 0) {
         s = c->free_list[--c->n_free];
     } else {
-        // least recently used, skipping blocks whose read is still in flight (a prefetch that
-        // was let go): their slot is being written
-        s = pick_victim(e);
+        s = pick_victim(c);
         if (s < 0) return LS_ERR_BUDGET; // every slot is pinned (or loading)
         lru_remove(c, s);
-        evict(e, s);
+        evict(c, s);
     }
-    c->slot_layer[s] = L->il;
+    c->slot_layer[s] = F->il;
     c->slot_block[s] = b;
     c->slot_pins[s] = 1;
     c->slot_computed[s] = 0;
     c->n_resident++;
-    L->slot_of_block[b] = s;
-    if (L->hot && L->hot[b]) { c->slot_pins[s]++; L->hot_pinned[b] = 1; } // powerinfer2: resident for good
-    atomic_store_explicit(&L->state[b], LS_BLK_LOADING, memory_order_relaxed);
+    F->slot[b] = s;
+    pin_hot(c, F, b, s);
+    atomic_store_explicit(&F->state[b], LS_BLK_LOADING, memory_order_relaxed);
     *slot = s;
     *miss = true;
     return LS_OK;
 }
 
-void ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed) {
-    ls_cache * c = &e->cache;
-    int32_t s = L->slot_of_block[b];
-    if (s < 0) return;
-    if (computed) c->slot_computed[s] = 1;
-    if (--c->slot_pins[s] == 0) lru_push_mru(c, s);
-}
-
-void ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded) {
-    ls_cache * c = &e->cache;
-    int32_t s = L->slot_of_block[b];
+void ls_cache_drop(ls_cache * c, ls_blockfile * F, int32_t b, bool loaded) {
+    int32_t s = F->slot[b];
     if (s < 0) return;
     if (c->slot_pins[s] > 0) c->slot_pins[s] = 0; else lru_remove(c, s);
     if (!loaded) c->slot_computed[s] = 1; // nothing arrived: not "unused" bytes
-    if (L->hot_pinned) L->hot_pinned[b] = 0;
-    evict(e, s);
+    F->hot_pinned[b] = 0;
+    evict(c, s);
     c->free_list[c->n_free++] = s;
+}
+
+void ls_cache_release(ls_cache * c, ls_blockfile * F, int32_t b, bool computed) {
+    int32_t s = F->slot[b];
+    if (s < 0) return;
+    if (computed) c->slot_computed[s] = 1;
+    if (--c->slot_pins[s] > 0) return;
+    if (atomic_load_explicit(&F->state[b], memory_order_acquire) == LS_BLK_FAILED) {
+        c->slot_pins[s] = 1;   // (drop takes a pinned slot out of no list)
+        ls_cache_drop(c, F, b, false);
+        return;
+    }
+    lru_push_mru(c, s);
+}
+
+void ls_cache_set_hot(ls_cache * c, ls_blockfile * F, int32_t b, bool hot) {
+    if (hot) {
+        F->hot[b] = 1;
+        if (F->slot[b] >= 0) pin_hot(c, F, b, F->slot[b]);
+        return;
+    }
+    F->hot[b] = 0;
+    if (!F->hot_pinned[b]) return;
+    F->hot_pinned[b] = 0;
+    ls_cache_release(c, F, b, false);
 }

@@ -1,17 +1,15 @@
-// checksum.c — CRC-32C (Castagnoli), the checksum of every neuron block and of each block
-// file's metadata (format: docs/formats.md).
+// checksum.c — CRC-32C (Castagnoli), the checksum of every block (neuron blocks and experts) and
+// of each model file's metadata (format: docs/formats.md).
 //
-// Every block read from disk is checked once, before its first use, by the compute thread that
-// is about to use it (ls_block_verify): that thread would otherwise wait, and the block's bytes
-// it pulls into its cache are the ones it reads next. Checking on the I/O workers instead was
-// measured 1.5-2x slower decode on 2 busy cores (README: "Checksum cost"): they then need CPU
-// time while the compute threads hold both cores. The checksum is on the decode path, so where the
-// CPU has a CRC-32C instruction (x86-64: SSE4.2's crc32, checksum_x86.c; aarch64: the CRC
-// extension's crc32cx, checksum_neon.c) it runs on three independent streams at once (latency 3
-// cycles, throughput 1 per cycle), combined here with precomputed "append n zero bytes"
-// operators — Mark Adler's crc32c.c scheme. A plain table-driven loop is the reference, and the
-// path of a CPU without the instruction (leanstream_ggml/checksum.py holds the Python one the
-// tests compare against); the instruction path is checked against it once, before its first use.
+// Every block read from disk is checked once after each read, before it is first computed with
+// (io.c: by the I/O worker or by the compute thread about to use it, as its engine asks). The
+// checksum is then on the decode path, so where the CPU has a CRC-32C instruction (x86-64:
+// SSE4.2's crc32, checksum_x86.c; aarch64: the CRC extension's crc32cx, checksum_neon.c) it runs
+// on three independent streams at once (latency 3 cycles, throughput 1 per cycle), combined here
+// with precomputed "append n zero bytes" operators — Mark Adler's crc32c.c scheme. A plain
+// table-driven loop is the reference, and the path of a CPU without the instruction
+// (leanstream_ggml/checksum.py holds the Python one the tests compare against); the instruction
+// path is checked against it once, before its first use.
 
 #include "internal.h"
 
@@ -137,21 +135,4 @@ uint32_t ls_crc32c_ref(uint32_t crc, const void * data, size_t len) {
     crc ^= 0xffffffffu;
     for (size_t i = 0; i < len; i++) crc = crc_table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
     return crc ^ 0xffffffffu;
-}
-
-bool ls_block_verify(ls_engine * e, ls_layer * L, int32_t b, const uint8_t * blk) {
-    const uint64_t t0 = ls_now_ns();
-    const uint32_t have = ls_crc32c(0, blk, L->info.block_stride);
-    atomic_fetch_add_explicit(&L->stats.checksum_ns, ls_now_ns() - t0, memory_order_relaxed);
-    if (have == L->block_crc[b]) {
-        atomic_store_explicit(&L->verified[b], 1, memory_order_relaxed);
-        return true;
-    }
-    atomic_store_explicit(&L->state[b], LS_BLK_FAILED, memory_order_release); // dropped after the op, re-read next time
-    ls_engine_record_error(e, LS_ERR_CORRUPT,
-                           "%s: layer %d block %d is corrupt (CRC-32C %08x, stored %08x, file offset %llu); "
-                           "`leanstream verify` checks the whole model directory, re-run `leanstream convert` to repair it",
-                           L->path, L->il, b, have, L->block_crc[b],
-                           (unsigned long long) (L->info.data_offset + (uint64_t) b * L->info.block_stride));
-    return false;
 }

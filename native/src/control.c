@@ -133,7 +133,7 @@ float ls_ctrl_choose(ls_engine * e, ls_layer * L, uint64_t remaining) {
     c->active = true;
     c->cur = (ls_ctrl_sample) { .seq = c->seq, .layer = L->il, .load_state = load, .disk_state = disk, .action = a,
                                 .remaining_bytes = remaining, .disk_ns_per_mib = c->disk_ewma };
-    c->bytes0 = atomic_load(&L->stats.bytes_read);
+    c->bytes0 = atomic_load(&L->f.stats.bytes_read);
     atomic_fetch_add(&L->stats.ctrl_decisions, 1);
     atomic_fetch_add(&L->stats.ctrl_ns, ls_now_ns() - t0);
     return x->candidate_ratio;
@@ -156,7 +156,7 @@ void ls_ctrl_end(ls_engine * e, ls_layer * L, uint64_t op_ns) {
     c->seq++;
     if (!c->ring) return;
     c->cur.op_ns = op_ns;
-    c->cur.bytes_read = atomic_load(&L->stats.bytes_read) - c->bytes0;
+    c->cur.bytes_read = atomic_load(&L->f.stats.bytes_read) - c->bytes0;
     if (c->ring_count == LS_CTRL_RING) { c->ring_head = (c->ring_head + 1) % LS_CTRL_RING; c->ring_count--; c->dropped++; }
     c->ring[(c->ring_head + c->ring_count) % LS_CTRL_RING] = c->cur;
     c->ring_count++;

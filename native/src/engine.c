@@ -21,11 +21,21 @@ static uint64_t predictor_bytes(const ls_predictor * p) {
     return p && ls_predictor_get_info(p, &pi) == LS_OK ? pi.size_bytes : 0;
 }
 
-// One layer: its block file, then the planner's per-block scratch.
+// One layer: its block file (the header's fields into L->info), then the planner's per-block scratch.
 static ls_status open_layer(ls_engine * e, ls_layer * L, int32_t il, const char * path) {
     L->e = e;
-    ls_status st = ls_blockfile_open(L, il, path, !e->hooks.buffered_io, &e->direct_io);
+    L->il = il;
+    ls_file_header h;
+    ls_status st = ls_blockfile_open(&L->f, LS_FILE_NEURONS, il, path, !e->hooks.buffered_io, &e->direct_io, &h);
     if (st != LS_OK) return st;
+    L->info = (ls_layer_info) {
+        .n_embd = h.n_embd, .n_ff = h.n_ff, .neurons_per_block = L->f.ids_per_block, .n_blocks = L->f.n_blocks,
+        .gate_type = h.type[0], .up_type = h.type[1], .down_type = h.type[2],
+        .block_stride = L->f.stride, .block_payload = h.payload, .data_offset = L->f.data_offset,
+    };
+    L->gate_row_bytes = h.part_bytes[0];
+    L->up_row_bytes = h.part_bytes[1];
+    L->down_col_bytes = h.part_bytes[2];
     const ls_layer_info * in = &L->info;
     L->prio        = calloc((size_t) in->n_blocks, sizeof(float));
     L->prefetch    = malloc((size_t) in->n_blocks * sizeof(int32_t));
@@ -61,10 +71,7 @@ static ls_status pick_hot_set(ls_engine * e, const float * rank, int32_t working
     for (int32_t il = 0; il < e->n_layers && st == LS_OK; il++) {
         ls_layer * L = &e->layers[il];
         nb[il] = L->info.n_blocks;
-        L->hot = calloc((size_t) nb[il], 1);
-        L->hot_pinned = calloc((size_t) nb[il], 1);
-        hot[il] = L->hot;
-        if (!L->hot || !L->hot_pinned) st = LS_ERR_NOMEM;
+        hot[il] = L->f.hot;
     }
     if (st == LS_OK) st = ls_mode_pick_hot(e->n_layers, nb, rank, n_hot, hot);
     else ls_set_error("out of memory");
@@ -126,12 +133,13 @@ done:
 // Drop the sketch rows of layer L's hot blocks (they become always-candidates); the budget's
 // resident share shrinks with them.
 static ls_status drop_hot_sketch_rows(ls_engine * e, ls_layer * L) {
-    if (!L->sketch || !L->hot) return LS_OK;
+    int32_t n_hot = 0;
+    for (int32_t b = 0; b < L->info.n_blocks; b++) n_hot += L->f.hot[b] != 0;
+    if (!L->sketch || n_hot == 0) return LS_OK;
     e->resident_bytes -= L->sketch->bytes;
-    const ls_status st = ls_sketch_drop_blocks(L->sketch, L->hot, L->info.neurons_per_block);
+    const ls_status st = ls_sketch_drop_blocks(L->sketch, L->f.hot, L->info.neurons_per_block);
     e->resident_bytes += L->sketch->bytes;
-    L->n_always = 0;
-    for (int32_t b = 0; b < L->info.n_blocks; b++) L->n_always += L->hot[b] != 0;
+    L->n_always = n_hot;
     return st;
 }
 
@@ -139,7 +147,7 @@ static ls_status drop_hot_sketch_rows(ls_engine * e, ls_layer * L) {
 
 // What the layers' files add up to (open_layers): the cache and the plan are sized from it.
 typedef struct layer_totals {
-    uint64_t stride;            // the largest block stride: the cache's slot size
+    uint64_t stride;            // the cache's slot size (ls_cache_stride; set by size_cache)
     uint64_t total_bytes;       // every block of every layer
     uint64_t resident;          // sketches + predictors, held in RAM
     size_t   xs_bytes;          // the largest sketch input (ls_sketch_xq_bytes)
@@ -168,7 +176,7 @@ static ls_status new_engine(const ls_engine_params * rp, ls_engine ** out) {
     e->layers = calloc((size_t) rp->n_layers, sizeof(ls_layer));
     if (!e->layers) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     e->n_layers = rp->n_layers;
-    for (int32_t il = 0; il < e->n_layers; il++) e->layers[il].fd = -1;
+    for (int32_t il = 0; il < e->n_layers; il++) e->layers[il].f.fd = -1;
     return LS_OK;
 }
 
@@ -194,7 +202,6 @@ static ls_status load_predictor(ls_layer * L, int32_t il, const char * path) {
 static void add_to_totals(const ls_engine * e, const ls_layer * L, layer_totals * t) {
     const ls_layer_info * in = &L->info;
     if ((int64_t) in->n_blocks * in->neurons_per_block > t->max_rows) t->max_rows = (int64_t) in->n_blocks * in->neurons_per_block;
-    if (in->block_stride > t->stride) t->stride = in->block_stride;
     t->total_blocks += in->n_blocks;
     t->total_bytes += (uint64_t) in->n_blocks * in->block_stride;
     const int32_t ws = !e->policy->sparse ? in->n_blocks :
@@ -230,19 +237,16 @@ static ls_status open_layers(ls_engine * e, const ls_engine_params * p, layer_to
     return LS_OK;
 }
 
-// Budget -> slots. Unlimited (0) or a budget covering everything: one slot per block, read once
-// and kept. Dense mode pins a whole layer while it computes. The budget covers the sketches and
-// predictors too: the slots get what they leave.
-static ls_status size_cache(ls_engine * e, const ls_engine_params * p, const layer_totals * t) {
-    int64_t n_slots = t->total_blocks;
-    e->resident_bytes = t->resident;
-    if (p->memory_budget > 0 && p->memory_budget < (uint64_t) t->total_blocks * t->stride + t->resident) {
-        n_slots = p->memory_budget > t->resident ? (int64_t) ((p->memory_budget - t->resident) / t->stride) : 0;
-        if (n_slots >= t->max_working_set && drops_sketch_rows(e, p))
-            n_slots = slots_with_dropped_rows(e, p->block_rank, n_slots, t->total_blocks, t->stride, t->resident,
-                                              p->memory_budget, t->max_working_set);
-    }
-    if (n_slots >= t->max_working_set) return ls_cache_init(&e->cache, t->stride, (int32_t) n_slots, t->total_blocks);
+// The layers' block files, as the cache and the reader take them (malloc'd; NULL: out of memory)
+static ls_blockfile ** layer_files(ls_engine * e) {
+    ls_blockfile ** files = malloc(sizeof(*files) * (size_t) e->n_layers);
+    if (!files) { ls_set_error("out of memory"); return NULL; }
+    for (int32_t il = 0; il < e->n_layers; il++) files[il] = &e->layers[il].f;
+    return files;
+}
+
+// A budget that cannot hold one layer's working set, refused with the numbers.
+static ls_status refuse_budget(const ls_engine * e, const ls_engine_params * p, const layer_totals * t) {
     const unsigned long long ws_bytes = (unsigned long long) t->max_working_set * t->stride;
     if (t->resident > 0 && p->memory_budget > 0) {
         ls_set_error("memory budget %llu bytes is too small: the sketches and predictors take %llu bytes and one "
@@ -257,6 +261,24 @@ static ls_status size_cache(ls_engine * e, const ls_engine_params * p, const lay
                      (unsigned long long) t->total_bytes);
     }
     return LS_ERR_BUDGET;
+}
+
+// Budget -> slots (ls_cache_slots). Unlimited (0) or a budget covering everything: one slot per
+// block, read once and kept. Dense mode pins a whole layer while it computes. The budget covers
+// the sketches and predictors too: the slots get what they leave.
+static ls_status size_cache(ls_engine * e, const ls_engine_params * p, layer_totals * t) {
+    ls_blockfile ** files = layer_files(e);
+    if (!files) return LS_ERR_NOMEM;
+    t->stride = ls_cache_stride(files, e->n_layers);
+    e->resident_bytes = t->resident;
+    int64_t n_slots = ls_cache_slots(p->memory_budget, t->resident, t->stride, t->total_blocks);
+    if (n_slots < t->total_blocks && n_slots >= t->max_working_set && drops_sketch_rows(e, p))
+        n_slots = slots_with_dropped_rows(e, p->block_rank, n_slots, t->total_blocks, t->stride, t->resident,
+                                          p->memory_budget, t->max_working_set);
+    const ls_status st = n_slots >= t->max_working_set ? ls_cache_init(&e->cache, files, e->n_layers, (int32_t) n_slots)
+                                                       : refuse_budget(e, p, t);
+    free(files);
+    return st;
 }
 
 // The plan's block lists and the cascade's scratch, for the widest layer.
@@ -318,9 +340,7 @@ static ls_status pin_dense_set(ls_engine * e, const float * block_rank, const la
     for (int32_t il = 0; il < e->n_layers && n_pin > 0 && st == LS_OK; il++) {
         ls_layer * L = &e->layers[il];
         nb[il] = L->info.n_blocks;
-        L->hot = hot[il] = calloc((size_t) L->info.n_blocks, 1);
-        L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
-        if (!L->hot || !L->hot_pinned) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; }
+        hot[il] = L->f.hot;
     }
     if (st == LS_OK && n_pin > 0) {
         if (block_rank) {
@@ -350,11 +370,23 @@ static ls_status pick_resident_sets(ls_engine * e, const ls_engine_params * p, c
     return st;
 }
 
-// The I/O workers, and the disk model: only a sparse mode under a budget reads blocks with gaps
-// between them.
+// The I/O workers (each block's checksum checked by the compute thread that first uses it), and
+// the disk model: only a sparse mode under a budget reads blocks with gaps between them.
 static ls_status start_io(ls_engine * e) {
-    ls_status st = ls_io_start(e, e->params.n_io_threads);
-    if (st == LS_OK) st = ls_io_plan_model(e, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts);
+    int32_t max_blocks = 0;
+    for (int32_t il = 0; il < e->n_layers; il++)
+        if (e->layers[il].info.n_blocks > max_blocks) max_blocks = e->layers[il].info.n_blocks;
+    // the queue holds one layer's reads, the next layer's prefetch and reads of prefetched blocks
+    // that were let go before they landed, at one block a read
+    const ls_io_config cfg = {
+        .cache = &e->cache, .err = &e->err, .hooks = &e->hooks, .n_threads = e->params.n_io_threads,
+        .max_queue = 3 * max_blocks + 3, .max_read_bytes = e->params.max_read_bytes,
+        .check = e->params.verify_checksums ? LS_CHECK_ON_USE : LS_CHECK_NONE,
+    };
+    ls_status st = ls_io_start(&e->io, &cfg);
+    if (st == LS_OK)
+        st = ls_io_plan_model(&e->io, e->params.bridge_bytes < 0 && e->policy->sparse && !e->cache.never_evicts,
+                              e->params.bridge_bytes);
     return st;
 }
 
@@ -386,18 +418,12 @@ ls_status ls_engine_create(const ls_engine_params * p, ls_engine ** out) {
 
 void ls_engine_free(ls_engine * e) {
     if (!e) return;
-    ls_io_stop(e);
-    for (int32_t il = 0; il < e->n_layers; il++) {
+    ls_io_stop(&e->io);
+    for (int32_t il = 0; il < e->n_layers && e->layers; il++) {
         ls_layer * L = &e->layers[il];
-        if (L->fd >= 0) close(L->fd);
-        free(L->path);
-        free(L->perm);
-        free(L->block_crc);
-        free((void *) L->verified);
-        free(L->slot_of_block);
-        free((void *) L->state);
+        ls_blockfile_close(&L->f);
         free(L->prio); free(L->prefetch); free(L->order); free(L->mark); free(L->in_prefetch); free(L->last_plan);
-        free(L->hot); free(L->hot_pinned); free(L->rank_order);
+        free(L->rank_order);
         if (L->pred) ls_predictor_free(L->pred);
         ls_sketch_free(L->sketch);
         free(L->last_cand); free(L->spec);
@@ -431,23 +457,27 @@ ls_status ls_engine_layer_info(const ls_engine * e, int32_t il, ls_layer_info * 
     return LS_OK;
 }
 
-static void add_layer_stats(ls_stats * s, const ls_layer_stats * l) {
-#define LS_ADD_COUNTER(name) s->name += atomic_load(&l->name);
+// layer L's counters and its file's reads added into s
+static void add_layer_stats(ls_stats * s, const ls_layer * L) {
+#define LS_ADD_COUNTER(name) s->name += atomic_load(&L->stats.name);
     LS_LAYER_COUNTERS(LS_ADD_COUNTER)
 #undef LS_ADD_COUNTER
+#define LS_ADD_READS(name) s->name += atomic_load(&L->f.stats.name);
+    LS_READ_COUNTERS(LS_ADD_READS)
+#undef LS_ADD_READS
 }
 
 ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     if (!e || !out || il < -1 || il >= e->n_layers) { ls_set_error("layer %d out of range", il); return LS_ERR_ARG; }
     memset(out, 0, sizeof(*out));
     if (il >= 0) {
-        add_layer_stats(out, &e->layers[il].stats);
+        add_layer_stats(out, &e->layers[il]);
     } else {
         // totals: every counter summed over layers except tokens (and draft_tokens), which every
         // layer sees once (the model's token rows, so that bytes_read / tokens is bytes per token)
         uint64_t tokens = 0, draft_tokens = 0;
         for (int32_t i = 0; i < e->n_layers; i++) {
-            add_layer_stats(out, &e->layers[i].stats);
+            add_layer_stats(out, &e->layers[i]);
             uint64_t t = atomic_load(&e->layers[i].stats.tokens), d = atomic_load(&e->layers[i].stats.draft_tokens);
             if (t > tokens) tokens = t;
             if (d > draft_tokens) draft_tokens = d;
@@ -458,7 +488,7 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
     pthread_mutex_lock((pthread_mutex_t *) &e->mu);
     if (il >= 0) {
         int32_t n = 0;
-        for (int32_t b = 0; b < e->layers[il].info.n_blocks; b++) n += e->layers[il].slot_of_block[b] >= 0;
+        for (int32_t b = 0; b < e->layers[il].info.n_blocks; b++) n += e->layers[il].f.slot[b] >= 0;
         out->cache_bytes = (uint64_t) n * e->cache.stride;
     } else {
         out->cache_bytes = (uint64_t) e->cache.n_resident * e->cache.stride;
@@ -482,12 +512,15 @@ ls_status ls_engine_stats(const ls_engine * e, int32_t il, ls_stats * out) {
 
 void ls_engine_reset_stats(ls_engine * e) {
     if (!e) return;
-#define LS_RESET_COUNTER(name) atomic_store(&l->name, 0);
+#define LS_RESET_COUNTER(name) atomic_store(&L->stats.name, 0);
+#define LS_RESET_READS(name) atomic_store(&L->f.stats.name, 0);
     for (int32_t i = 0; i < e->n_layers; i++) {
-        ls_layer_stats * l = &e->layers[i].stats;
+        ls_layer * L = &e->layers[i];
         LS_LAYER_COUNTERS(LS_RESET_COUNTER)
+        LS_READ_COUNTERS(LS_RESET_READS)
     }
 #undef LS_RESET_COUNTER
+#undef LS_RESET_READS
     atomic_store(&e->io.cpu_ns, 0);
 }
 
@@ -519,18 +552,10 @@ ls_status ls_engine_set_hot_blocks(ls_engine * e, int32_t il, const int32_t * bl
     }
     ls_layer * L = &e->layers[il];
     ls_engine_lock_between_ops(e);
-    if (!L->hot) {
-        L->hot = calloc((size_t) L->info.n_blocks, 1);
-        L->hot_pinned = calloc((size_t) L->info.n_blocks, 1);
-    }
     ls_status st = LS_OK;
-    if (!L->hot || !L->hot_pinned) {
-        ls_set_error("out of memory");
-        st = LS_ERR_NOMEM;
-    }
     for (int32_t i = 0; i < n && st == LS_OK; i++) {
         if (blocks[i] < 0 || blocks[i] >= L->info.n_blocks) { ls_set_error("hot block %d out of range", blocks[i]); st = LS_ERR_ARG; }
-        else if (!L->hot[blocks[i]]) { L->hot[blocks[i]] = 1; e->n_hot++; }
+        else if (!L->f.hot[blocks[i]]) { ls_cache_set_hot(&e->cache, &L->f, blocks[i], true); e->n_hot++; }
     }
     // a hot block is scored exactly: its sketch rows go (leanstream)
     if (st == LS_OK && (e->policy->uses & LS_USES_SKETCH) && !e->cache.never_evicts) st = drop_hot_sketch_rows(e, L);
@@ -579,7 +604,7 @@ ls_status ls_engine_resident(const ls_engine * e, int32_t il, uint8_t * resident
         return LS_ERR_ARG;
     }
     pthread_mutex_lock((pthread_mutex_t *) &e->mu);
-    for (int32_t b = 0; b < n_blocks; b++) resident[b] = e->layers[il].slot_of_block[b] >= 0;
+    for (int32_t b = 0; b < n_blocks; b++) resident[b] = e->layers[il].f.slot[b] >= 0;
     pthread_mutex_unlock((pthread_mutex_t *) &e->mu);
     return LS_OK;
 }

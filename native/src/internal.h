@@ -60,68 +60,13 @@ typedef struct ls_sketch {
     size_t          map_bytes;
     size_t          bytes;         // held: header + 2 * n_stored * row_bytes + the weights
 } ls_sketch;
-// Per-layer counters: each is a field of the public ls_stats of the same name (ls_engine_stats
-// sums them over layers); the list is written once, here.
-#define LS_LAYER_COUNTERS(X) \
-    X(op_calls) X(tokens) X(blocks_computed) X(blocks_read) X(bytes_read) X(bytes_computed) \
-    X(bytes_unused) X(reads_issued) X(io_stall_ns) X(op_ns) X(predictor_ns) X(blocks_prefetched) \
-    X(checksum_ns) X(blocks_candidates) X(down_skipped) X(spec_hits) X(spec_selected) X(scorer_ns) \
-    X(bytes_bridged) X(ctrl_decisions) X(ctrl_ns) X(draft_ops) X(draft_tokens) X(draft_blocks) X(draft_ns)
+
 #define LS_COUNTER_FIELD(name) _Atomic uint64_t name;
-typedef struct ls_layer_stats { LS_LAYER_COUNTERS(LS_COUNTER_FIELD) } ls_layer_stats;
-
-struct ls_predictor;
-
-typedef struct ls_layer {
-    struct ls_engine * e;
-    int32_t            il;
-    int                fd;
-    char *             path;
-    ls_layer_info      info;
-    int32_t *          perm;            // [n_blocks*k] neuron id per slot, -1 = padding
-    uint32_t *         block_crc;       // [n_blocks] CRC-32C of each block's stride bytes
-    _Atomic uint8_t *  verified;        // [n_blocks] 1: checked against block_crc since it was read
-    uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
-    int32_t *          slot_of_block;   // [n_blocks] cache slot, -1 if not resident
-    _Atomic int32_t *  state;           // [n_blocks] LS_BLK_*
-    bool               pinned_forever;  // every block resident in a cache that never evicts
-    // split layout (resident.c): once pinned for good, the layer's slots are rewritten so that the
-    // gate/up rows of all its blocks sit together and the down columns together; NULL: not split
-    const uint8_t **   gu_ptr;          // [n_blocks] gate rows then up rows of block b
-    const uint8_t **   dn_ptr;          // [n_blocks] down columns of block b
-    // sparse decode
-    struct ls_predictor * pred;         // priorities of this layer's blocks (NULL: none)
-    float *            prio;            // [n_blocks] priorities for the next op, valid if prio_ready
-    bool               prio_ready;
-    int32_t *          prefetch;        // [n_blocks] blocks pinned ahead of this layer's op
-    int32_t            n_prefetch;
-    int32_t *          rank_order;      // [n_blocks] dense mode given a block_rank: blocks best first (NULL: none)
-    uint8_t *          hot;             // [n_blocks] powerinfer2: keep resident once loaded
-    uint8_t *          hot_pinned;      // [n_blocks] the permanent pin has been taken
-    int32_t *          order;           // [n_blocks] scratch: blocks sorted by priority
-    uint8_t *          mark;            // [n_blocks] planner scratch, 0xFF between calls
-    uint8_t *          in_prefetch;     // [n_blocks] 1: in prefetch[] (holds a prefetch pin)
-    int32_t *          last_plan;       // [n_blocks] blocks computed by the last op, in order
-    int32_t            n_last_plan;
-    // exact-input selection (sketch.c, schedule.c)
-    ls_sketch *        sketch;          // NULL: none (the layer selects by its predictor)
-    int32_t            n_always;        // hot blocks whose sketch rows were dropped: always candidates
-    uint8_t *          spec;            // [n_blocks] 1: prefetched for this op (speculation recall)
-    int32_t *          last_cand;       // [n_blocks] candidates of the last cascade op (gate/up computed)
-    int32_t            n_last_cand;
-    // the converter's profile (ls_engine_set_capture): act(gate)*up of each computed neuron,
-    // f32 [capture_rows][n_blocks*k] by slot; NULL: off
-    float *            capture;
-    int32_t            capture_rows;
-    int32_t            capture_n;       // token rows the last op wrote
-    ls_layer_stats     stats;
-} ls_layer;
 
 // A FIFO of work items (item_size bytes each, at most LS_WORKQ_MAX_ITEM) and the threads that run
-// them (util.c): the I/O workers of the dense engine (io.c) and of the MoE engine (moe_io.c). The
-// ring starts at cap items and doubles as items wait, up to max_cap; an item that still finds it
-// full runs in the thread that submits it rather than overwrite a queued one. Workers leave once
-// stop is set and the ring is empty.
+// them (util.c): the reader's I/O workers (io.c). The ring starts at cap items and doubles as
+// items wait, up to max_cap; an item that still finds it full runs in the thread that submits it
+// rather than overwrite a queued one. Workers leave once stop is set and the ring is empty.
 #define LS_WORKQ_MAX_ITEM 4096
 typedef struct ls_workq {
     void         (* run)(void * owner, void * item);   // one item, on a worker (or the submitter)
@@ -145,23 +90,125 @@ typedef struct ls_error_slot {
     char            msg[LS_MAX_ERRMSG];
 } ls_error_slot;
 
+// ---- blocks: what both engines read, keep and check ----------------------------------------------
+// A layer's FFN is a set of blocks, each read whole from the layer's file into a slot of one
+// cache: a dense layer's neuron blocks (block files: k neurons' gate rows, up rows and down
+// columns) or a MoE layer's experts (expert files: one expert's gate, up and down rows, a "slot"
+// of the format). One header reader opens both kinds (blockfile.c: the shared fields once, each
+// format's own after), one cache keeps them (cache.c: slots of one stride keyed by (layer, block),
+// pins, the hot set, one pick_victim) and one reader brings them in (io.c: the queue, merged
+// O_DIRECT preadv, CRC-32C, ready flags, injected faults). What stays an engine's own is how a
+// layer chooses its blocks (schedule.c: the dense/sparse plan; moe.c: the router's ids) and how
+// it computes them (op.c, moe.c).
+
+// The reads of a layer's file (io.c, cache.c): each a field of the public counters of that name.
+#define LS_READ_COUNTERS(X) X(blocks_read) X(bytes_read) X(bytes_bridged) X(reads_issued) X(checksum_ns) X(bytes_unused)
+typedef struct ls_read_stats { LS_READ_COUNTERS(LS_COUNTER_FIELD) } ls_read_stats;
+
+enum { LS_FILE_NEURONS = 0, LS_FILE_EXPERTS = 1 };   // the formats (docs/formats.md): block file, expert file
+
+// One layer's file of blocks: its geometry and tables (blockfile.c) and each block's place in the
+// cache and state (cache.c, io.c). Block b is the b-th block of the file (an expert file's slot b).
+typedef struct ls_blockfile {
+    int32_t            il;
+    int32_t            kind;          // LS_FILE_*
+    int                fd;            // the data, O_DIRECT where the file system allows; -1: no file
+    char *             path;
+    int32_t            n_blocks;
+    int32_t            ids_per_block; // k neurons (block file), 1 expert (expert file)
+    uint64_t           stride;        // bytes of one block in the file, padding included
+    uint64_t           data_offset;   // file offset of block 0
+    uint32_t           align;         // the file's O_DIRECT alignment
+    int32_t *          ids;           // [n_blocks * ids_per_block] what block b holds: its neurons
+                                      // (-1: padding) or its expert (the router's index)
+    uint32_t *         crc;           // [n_blocks] CRC-32C of each block's stride bytes
+    int32_t *          slot;          // [n_blocks] cache slot, -1: not resident
+    _Atomic int32_t *  state;         // [n_blocks] LS_BLK_*
+    _Atomic uint8_t *  verified;      // [n_blocks] 1: nothing left to check since it was read
+    uint8_t *          hot;           // [n_blocks] 1: in the hot set (resident for good once loaded)
+    uint8_t *          hot_pinned;    // [n_blocks] 1: the hot set's pin on its slot is held
+    ls_read_stats      stats;
+} ls_blockfile;
+
+// The header fields a layer's owner reads, as written (the reader checked them against each other)
+typedef struct ls_file_header {
+    int64_t  n_embd;
+    int64_t  n_ff;                    // the layer's neurons (block file), one expert's (expert file)
+    int32_t  type[3];                 // gate, up, down: enum ggml_type
+    uint64_t part_bytes[3];           // block file: one gate row, up row, down column; expert file:
+                                      // one expert's gate rows, up rows, down rows
+    uint64_t payload;                 // bytes of a block before its padding
+} ls_file_header;
+
+// One cache of blocks for all layers of an engine: n_slots slots of stride bytes. A slot is free
+// (slot_layer -1) or holds block slot_block of files[slot_layer]: pinned (slot_pins > 0: an op
+// computes it, a read fills it, or the hot set keeps it), or in the LRU list of evictable slots.
+// Its metadata is touched by one thread at a time (the engine's planner, under its lock); the
+// reader only fills slot memory and flips the blocks' states.
+typedef struct ls_cache {
+    uint8_t *        pool;            // [n_slots][stride], aligned for every file's O_DIRECT reads
+    void *           pool_map;        // the anonymous mapping that holds it (pages count once filled)
+    size_t           pool_map_bytes;
+    uint64_t         stride;          // slot size: the largest block stride, a multiple of every alignment
+    int32_t          n_slots;
+    ls_blockfile **  files;           // [n_files] by layer index
+    int32_t          n_files;
+    int32_t *        slot_layer, * slot_block, * slot_pins;   // [n_slots]
+    uint8_t *        slot_computed;   // [n_slots] computed at least once since it was loaded
+    int32_t *        lru_prev, * lru_next; // [n_slots] the unpinned resident slots, head = least recently used
+    int32_t          lru_head, lru_tail, n_lru;
+    int32_t *        free_list;       // [n_slots] stack of free slots (popped 0, 1, 2, ...: adjacent blocks, adjacent slots)
+    int32_t          n_free, n_resident;
+    bool             never_evicts;    // a slot for every block of every file
+} ls_cache;
+
+// Where a block's CRC-32C is checked after each read (io.c)
+enum {
+    LS_CHECK_NONE = 0,   // not at all (verify_checksums 0)
+    LS_CHECK_ON_READ,    // by the I/O worker that read it, before its ready flag flips (MoE: an expert
+                         // is checked while the one before it computes)
+    LS_CHECK_ON_USE,     // by the compute thread about to use it first (ls_io_check; dense): that thread
+                         // would otherwise wait, and the bytes it pulls into its cache are the ones it
+                         // reads next; on the workers it measured 1.5-2x slower decode on 2 busy cores
+                         // (README: "Checksum cost"), where they need CPU time the compute threads hold
+};
+
 // One read of a contiguous range of one layer's file: blocks into their (scattered) cache slots,
 // and the unselected blocks between them (a bridged gap: cheaper to read than another I/O, see
-// io.c) into the engine's bridge buffer, where they are dropped.
+// io.c) into the reader's bridge buffer, where they are dropped.
 #define LS_MAX_IOV 64
 #define LS_IO_QUEUE_START 256   // the read queue's first length (io.c)
 typedef struct ls_read {
-    ls_layer *   L;
-    int32_t      n_iov, n_blocks;
-    uint64_t     offset;
-    uint64_t     bridged;            // bytes of iovecs that go to the bridge buffer
-    int32_t      block[LS_MAX_IOV];  // the block iov[i] receives; -1: a bridged gap
-    struct iovec iov[LS_MAX_IOV];
+    ls_blockfile *    F;
+    int32_t           n_iov, n_blocks;
+    uint64_t          offset;
+    uint64_t          bridged;           // bytes of iovecs that go to the bridge buffer
+    _Atomic int32_t * flags;             // [n_blocks] set with each block's state as it lands (NULL: none)
+    int32_t           block[LS_MAX_IOV]; // the block iov[i] receives; -1: a bridged gap
+    struct iovec      iov[LS_MAX_IOV];
 } ls_read;
+_Static_assert(sizeof(ls_read) <= LS_WORKQ_MAX_ITEM, "a read is a work item");
+
+struct ls_test_hooks;
+// What an engine gives its reader (ls_io_start).
+typedef struct ls_io_config {
+    const ls_cache *      cache;          // reads land in its slots
+    ls_error_slot *       err;            // failed reads and corrupt blocks are recorded there
+    const struct ls_test_hooks * hooks;   // injected delays and faults (all zero: none)
+    int                   n_threads;      // I/O workers: the reads in flight
+    int32_t               max_queue;      // reads the queue may hold (it starts shorter, and grows)
+    uint32_t              max_read_bytes; // adjacent blocks merge into one read up to this
+    int32_t               check;          // LS_CHECK_*
+} ls_io_config;
 
 typedef struct ls_io {
     ls_workq        q;          // of ls_read (grows to max_cap as reads wait)
-    uint32_t        delay_us;   // test hooks (e->hooks): jitter, and one read that fails
+    const ls_cache * cache;
+    ls_error_slot * err;
+    int32_t         check;      // LS_CHECK_*
+    uint32_t        max_read_bytes;
+    _Atomic int32_t sleepers;   // threads asleep on a block's state or a read's flag (woken as reads land)
+    uint32_t        delay_us;   // test hooks: jitter, and one read that fails
     int32_t         fault;
     _Atomic int64_t fault_countdown;
     uint8_t *       bridge;     // bridged gaps land here (every read shares it: nobody reads it)
@@ -174,23 +221,55 @@ typedef struct ls_io {
     _Atomic uint64_t read_ns, read_bytes; // time inside preadv and bytes it brought (the controller's disk state)
 } ls_io;
 
-// Budgeted weight cache: fixed-size slots, LRU list of unpinned resident slots.
-typedef struct ls_cache {
-    uint8_t *  pool;            // [n_slots * stride] bytes, page aligned (anonymous mmap)
-    size_t     pool_bytes;
-    uint64_t   stride;          // slot size = max block_stride over layers
-    int32_t    n_slots;
-    int32_t *  slot_layer;      // [n_slots] -1 = free
-    int32_t *  slot_block;      // [n_slots]
-    int32_t *  slot_pins;       // [n_slots]
-    uint8_t *  slot_computed;   // [n_slots] computed at least once since it was loaded
-    int32_t *  lru_prev, * lru_next; // intrusive list of unpinned resident slots (head = LRU)
-    int32_t    lru_head, lru_tail, n_lru;
-    int32_t *  free_list;       // stack of free slots
-    int32_t    n_free;
-    int32_t    n_resident;
-    bool       never_evicts;    // one slot per block of the model (budget covers the whole FFN)
-} ls_cache;
+// ---- the dense engine's layers -------------------------------------------------------------------
+
+// Per-layer counters: each is a field of the public ls_stats of the same name (ls_engine_stats
+// sums them and the file's LS_READ_COUNTERS over layers); the list is written once, here.
+#define LS_LAYER_COUNTERS(X) \
+    X(op_calls) X(tokens) X(blocks_computed) X(bytes_computed) \
+    X(io_stall_ns) X(op_ns) X(predictor_ns) X(blocks_prefetched) \
+    X(blocks_candidates) X(down_skipped) X(spec_hits) X(spec_selected) X(scorer_ns) \
+    X(ctrl_decisions) X(ctrl_ns) X(draft_ops) X(draft_tokens) X(draft_blocks) X(draft_ns)
+typedef struct ls_layer_stats { LS_LAYER_COUNTERS(LS_COUNTER_FIELD) } ls_layer_stats;
+
+struct ls_predictor;
+
+typedef struct ls_layer {
+    struct ls_engine * e;
+    int32_t            il;
+    ls_blockfile       f;               // the block file: perm = f.ids [n_blocks * k], its blocks' slots and states
+    ls_layer_info      info;
+    uint64_t           gate_row_bytes, up_row_bytes, down_col_bytes;
+    bool               pinned_forever;  // every block resident in a cache that never evicts
+    // split layout (resident.c): once pinned for good, the layer's slots are rewritten so that the
+    // gate/up rows of all its blocks sit together and the down columns together; NULL: not split
+    const uint8_t **   gu_ptr;          // [n_blocks] gate rows then up rows of block b
+    const uint8_t **   dn_ptr;          // [n_blocks] down columns of block b
+    // sparse decode
+    struct ls_predictor * pred;         // priorities of this layer's blocks (NULL: none)
+    float *            prio;            // [n_blocks] priorities for the next op, valid if prio_ready
+    bool               prio_ready;
+    int32_t *          prefetch;        // [n_blocks] blocks pinned ahead of this layer's op
+    int32_t            n_prefetch;
+    int32_t *          rank_order;      // [n_blocks] dense mode given a block_rank: blocks best first (NULL: none)
+    int32_t *          order;           // [n_blocks] scratch: blocks sorted by priority
+    uint8_t *          mark;            // [n_blocks] planner scratch, 0xFF between calls
+    uint8_t *          in_prefetch;     // [n_blocks] 1: in prefetch[] (holds a prefetch pin)
+    int32_t *          last_plan;       // [n_blocks] blocks computed by the last op, in order
+    int32_t            n_last_plan;
+    // exact-input selection (sketch.c, schedule.c)
+    ls_sketch *        sketch;          // NULL: none (the layer selects by its predictor)
+    int32_t            n_always;        // hot blocks whose sketch rows were dropped: always candidates
+    uint8_t *          spec;            // [n_blocks] 1: prefetched for this op (speculation recall)
+    int32_t *          last_cand;       // [n_blocks] candidates of the last cascade op (gate/up computed)
+    int32_t            n_last_cand;
+    // the converter's profile (ls_engine_set_capture): act(gate)*up of each computed neuron,
+    // f32 [capture_rows][n_blocks*k] by slot; NULL: off
+    float *            capture;
+    int32_t            capture_rows;
+    int32_t            capture_n;       // token rows the last op wrote
+    ls_layer_stats     stats;
+} ls_layer;
 
 typedef struct ls_barrier {
     _Atomic int      count;
@@ -302,7 +381,6 @@ struct ls_engine {
     bool             direct_io;      // O_DIRECT active on the block files
     int32_t          n_hot;          // blocks marked hot (kept resident once loaded)
     uint64_t         resident_bytes; // sketches + predictors (taken from the memory budget)
-    _Atomic int32_t  block_sleepers; // compute threads asleep on a block's state (io.c wakes them)
     ls_ctrl          ctrl;           // the streaming controller (control.c)
     bool             draft;          // ops compute the resident blocks only (ls_engine_set_draft)
     float            draft_fraction; // of each layer's blocks by rank (1: every resident block)
@@ -313,15 +391,16 @@ struct ls_engine {
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
 //   head.c       ls_output_build: the LM head's node, the draft vocabulary -> dispatch.c cpu.c util.c
-//   op.c         the op's three paths, ls_ffn_eval_layers     -> schedule.c control.c engine.c sketch.c dispatch.c kernels.c checksum.c cache.c util.c
+//   moe.c        the MoE engine: lifetime, the router's blocks, its op and node, counters -> io.c cache.c blockfile.c kernels.c cpu.c util.c
+//   op.c         the op's three paths, ls_ffn_eval_layers     -> schedule.c control.c engine.c sketch.c dispatch.c kernels.c io.c cache.c util.c
 //   schedule.c   selection, chunks, pins, prefetch            -> control.c cache.c io.c predictor.c mode.c util.c
 //   control.c    the streaming controller: state, lookup       -> util.c
 //   engine.c     lifetime, budget -> slots, counters          -> control.c blockfile.c sketch.c cache.c io.c predictor.c mode.c dispatch.c util.c
 //   sketch.c     resident gate/up sketch, exact-input scores   -> dispatch.c kernels.c checksum.c util.c
-//   io.c         O_DIRECT read workers                        -> cache.c util.c
-//   cache.c      budgeted slots, eviction                     -> util.c
-//   blockfile.c  block file header, permutation, descriptor; what model files share -> checksum.c cpu.c util.c
-//   checksum.c   CRC-32C, a block's check before first use     -> dispatch.c util.c
+//   io.c         the reader: queue, merged O_DIRECT reads, CRC-32C checks, ready flags, faults, disk model -> cache.c checksum.c util.c
+//   cache.c      the cache: slots by (layer, block), pins, hot set, eviction -> util.c
+//   blockfile.c  the header reader of block and expert files, their tables, descriptor -> checksum.c cpu.c util.c
+//   checksum.c   CRC-32C                                      -> dispatch.c util.c
 //   predictor.c  hashing predictor files and evaluation        -> util.c
 //   dispatch.c   the kernels' variant per CPU, start-up checks, entry points -> kernels_x86.c kernels_neon.c checksum_x86.c checksum_neon.c kernels.c
 //   kernels_x86.c, kernels_neon.c  the kernels' SIMD variants   -> kernels.c
@@ -344,6 +423,8 @@ void        ls_set_error(const char * fmt, ...) __attribute__((format(printf, 1,
 // when smaller, the old contents dropped; false when out of memory
 bool        ls_grow(void ** p, size_t * cap, size_t need, size_t elem);
 void        ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...)
+                __attribute__((format(printf, 3, 4)));
+void        ls_error_record(ls_error_slot * slot, ls_status st, const char * fmt, ...)
                 __attribute__((format(printf, 3, 4)));
 // the error slot: *slot keeps (st, the message) unless it holds an error already; take: the kept
 // status (LS_OK: none) and message into msg, the slot emptied
@@ -402,48 +483,52 @@ ls_status   ls_mode_rank_layer(int32_t n_blocks, const float * rank, int32_t ** 
 ls_status   ls_mode_pick_hot_per_layer(int32_t n_layers, const int32_t * n_blocks, const float * rank, int32_t n_hot,
                                        uint8_t ** hot);
 
-// blockfile.c, for every kind of model file with a 4096-byte header (block files; expert files,
-// moe_io.c): fields as written (host byte order, as the converter writes them)
-#define LS_FILE_HEADER 4096
-static inline uint32_t ls_rd_u32(const uint8_t * p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static inline uint64_t ls_rd_u64(const uint8_t * p) { uint64_t v; memcpy(&v, p, 8); return v; }
-// path copied into *copy, the file opened (ls_open_regular: *fd, *st), its header read into h and
-// its magic and version checked; errors name the file's kind ("block", "expert"), v1_note is added
-// to the version's when the file is version 1 (NULL: nothing). On failure nothing stays open.
-ls_status   ls_model_file_begin(const char * path, const char * kind, const char * magic, uint32_t version,
-                                const char * v1_note, char ** copy, int * fd, struct stat * st,
-                                uint8_t h[LS_FILE_HEADER]);
-// *meta (malloc'd): the file's first bytes (header and tables), read whole and checked against
-// their CRC-32C stored in the header at crc_at (taken as 0 while summed); NULL on failure
-ls_status   ls_model_file_tables(int fd, const char * path, const char * kind, int32_t il, uint64_t bytes,
-                                 size_t crc_at, uint32_t stored, uint8_t ** meta);
-// blockfile.c: open layer il's block file into L (info, perm, fd). *direct_io is cleared when
-// the file system refuses O_DIRECT.
-ls_status   ls_blockfile_open(ls_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io);
+// blockfile.c: the one header reader. Layer il's file of the given kind (LS_FILE_*) opened into
+// F: its header checked field by field (the fields both formats share once, then the format's own;
+// every file is treated as hostile), its tables read and checked against meta_crc, what each
+// block holds checked to be a permutation, every block absent; *h: the fields its owner reads.
+// The data descriptor is O_DIRECT unless use_direct_io is false or the file system refuses it
+// (then *direct_io is cleared).
+ls_status   ls_blockfile_open(ls_blockfile * F, int32_t kind, int32_t il, const char * path, bool use_direct_io,
+                              bool * direct_io, ls_file_header * h);
+void        ls_blockfile_close(ls_blockfile * F);   // (a zeroed F too)
 
-// cache.c
-ls_status   ls_cache_init(ls_cache * c, uint64_t stride, int32_t n_slots, int32_t total_blocks);
+// cache.c: the one cache. The slot size for these files (the largest block stride, a multiple of
+// every file's alignment), and how many slots `bytes` hold beside `reserved` (0 bytes: a slot for
+// every block): the one place a budget's bytes become slots.
+uint64_t    ls_cache_stride(ls_blockfile * const * files, int32_t n_files);
+int64_t     ls_cache_slots(uint64_t bytes, uint64_t reserved, uint64_t stride, int64_t total_blocks);
+ls_status   ls_cache_init(ls_cache * c, ls_blockfile * const * files, int32_t n_files, int32_t n_slots);
 void        ls_cache_free(ls_cache * c);
-uint8_t *   ls_cache_slot_ptr(const ls_cache * c, int32_t slot);
-// Pin block b of layer L for computing: returns its slot and whether it must be read.
-ls_status   ls_cache_acquire(ls_engine * e, ls_layer * L, int32_t b, int32_t * slot, bool * miss);
-// Unpin (the block becomes evictable, least recently used first, once no pin is left).
-void        ls_cache_release(ls_engine * e, ls_layer * L, int32_t b, bool computed);
+static inline uint8_t * ls_cache_slot_ptr(const ls_cache * c, int32_t slot) { return c->pool + (size_t) slot * c->stride; }
+// Pin block b of F (an op computes it, or a read fills it): its slot, and whether it must be read
+// (*miss: a slot taken, free or the victim's, the block LOADING). LS_ERR_BUDGET: every slot pinned.
+ls_status   ls_cache_acquire(ls_cache * c, ls_blockfile * F, int32_t b, int32_t * slot, bool * miss);
+// One pin let go (computed: the block was computed with). With none left the block becomes the
+// most recently used evictable one, or, when its read failed, its slot is freed (read again next time).
+void        ls_cache_release(ls_cache * c, ls_blockfile * F, int32_t b, bool computed);
 // Free block b's slot now (pinned or not). loaded: its bytes arrived (counted as unused if
 // never computed); false for a failed or withdrawn read.
-void        ls_cache_drop(ls_engine * e, ls_layer * L, int32_t b, bool loaded);
+void        ls_cache_drop(ls_cache * c, ls_blockfile * F, int32_t b, bool loaded);
+// Block b in the hot set (kept resident for good once loaded: a pin of its own) or out of it.
+void        ls_cache_set_hot(ls_cache * c, ls_blockfile * F, int32_t b, bool hot);
 int32_t     ls_cache_available(const ls_cache * c); // slots free or evictable
 
-// io.c
-// n_threads workers; the queue's size and the injected delay and fault from e->hooks
-ls_status   ls_io_start(ls_engine * e, int n_threads);
-void        ls_io_stop(ls_engine * e);
-// The disk model: per-I/O time and bandwidth measured on the block files (probe = true), and
-// from them the largest gap a read bridges (params.bridge_bytes < 0), or the bridge given.
-ls_status   ls_io_plan_model(ls_engine * e, bool probe);
-// Queue reads for the given blocks (state LOADING, slots acquired, in file order within runs),
-// merging blocks whose gap costs less than another I/O, up to max_read_bytes per read.
-void        ls_io_submit(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n);
+// io.c: the one reader. Workers started (the queue's size and the injected delay and fault from
+// the config); stop: every queued read done, the workers joined.
+ls_status   ls_io_start(ls_io * io, const ls_io_config * cfg);
+void        ls_io_stop(ls_io * io);
+// The disk model: per-I/O time and bandwidth measured on the cache's files (probe = true), and
+// from them the largest gap a read bridges (bridge_bytes < 0), or the bridge given.
+ls_status   ls_io_plan_model(ls_io * io, bool probe, int64_t bridge_bytes);
+// Queue the reads of blocks[0, n) of F (slots acquired, states LOADING; in file order within
+// runs), merging blocks whose gap costs less than another I/O (io->op_bridge; 0: adjacent blocks
+// only), up to max_read_bytes per read, in the order given. flags: NULL, or [n] words each set
+// to block i's state (LS_BLK_READY / LS_BLK_FAILED) when it lands, as its state is.
+void        ls_io_submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n, _Atomic int32_t * flags);
+// LS_CHECK_ON_USE: block b (its bytes at blk, landed) checked against its CRC-32C by the compute
+// thread about to use it first; false (the block FAILED, the error recorded) on a mismatch.
+bool        ls_io_check(ls_io * io, ls_blockfile * F, int32_t b, const uint8_t * blk);
 
 // control.c (thread 0, under e->mu): choose the cascade op's candidate count and bridge from the
 // measured state (scores in e->plan.cascade.score); the op's sample is closed by ls_ctrl_end
@@ -533,69 +618,31 @@ static inline const uint8_t * ls_block_dn(const ls_layer * L, const uint8_t * bl
     return L->dn_ptr ? L->dn_ptr[b] : blk + (size_t) L->info.neurons_per_block * (L->gate_row_bytes + L->up_row_bytes);
 }
 
-// checksum.c: before its first use after a read, block b (its bytes at blk) is checked against
-// its CRC-32C by the compute thread about to use it; false (and the block FAILED, the error
-// recorded) on a mismatch.
-bool        ls_block_verify(ls_engine * e, ls_layer * L, int32_t b, const uint8_t * blk);
+// ---- mixture of experts (moe.c; the ABI: ls_moe_* in leanstream.h) --------------------------------
+// An engine object of its own beside ls_engine (its op, router-chosen blocks, its counters), whose
+// expert files, cache and reader are the blocks' own (blockfile.c, cache.c, io.c): a layer's
+// experts are the blocks of its expert file, block b = file slot b, holding expert f.ids[b].
 
-
-// ---- mixture of experts (moe.c, moe_io.c; the ABI: ls_moe_* in leanstream.h) -------------------
-// A separate engine object from ls_engine: expert files, a cache of expert slots shared by all
-// layers, its own I/O workers and error slot. Files in the layering of the list above:
-//   moe.c     ls_moe_create/free, the expert cache (hot set + LRU), the op, its ggml node, eval,
-//             counters                                   -> moe_io.c kernels.c cpu.c util.c
-//   moe_io.c  expert files (header checked as hostile), the O_DIRECT read workers, the CRC check
-//             after each read, the error slot            -> blockfile.c checksum.c cpu.c util.c
-
-// Per-layer counters of the MoE op: each a field of ls_moe_counters of the same name.
+// Per-layer counters of the MoE op: each a field of ls_moe_counters of the same name (the reads'
+// bytes_read, reads and checksum_ns come from the file's LS_READ_COUNTERS).
 #define LS_MOE_COUNTERS(X) \
-    X(op_calls) X(tokens) X(routed) X(experts) X(hits) X(misses) X(pin_loads) X(bytes_read) X(reads) \
-    X(stall_ns) X(compute_ns) X(checksum_ns)
+    X(op_calls) X(tokens) X(routed) X(experts) X(hits) X(misses) X(pin_loads) X(stall_ns) X(compute_ns)
 typedef struct ls_moe_layer_counters { LS_MOE_COUNTERS(LS_COUNTER_FIELD) } ls_moe_layer_counters;
 
 struct ls_moe;
 
 typedef struct ls_moe_layer {
     struct ls_moe *    m;
-    int32_t            il;
-    int                fd;               // -1: this layer has no expert file
-    char *             path;
+    ls_blockfile       f;                // the expert file (f.fd -1: this layer has none); f.ids: expert_of_slot
     ls_moe_info        info;
     uint64_t           gate_bytes, up_bytes, down_bytes;   // of one expert's rows
-    uint64_t           data_offset;      // file offset of slot 0
-    uint32_t           align;
-    int32_t *          expert_of_slot;   // [n_expert] the file's table: the router index in file slot s
-    int32_t *          slot_of_expert;   // [n_expert] its inverse
-    uint32_t *         slot_crc;         // [n_expert] CRC-32C of file slot s's expert_stride bytes
-    int32_t *          cslot;            // [n_expert] cache slot holding expert e, -1: none
-    _Atomic int32_t *  state;            // [n_expert] LS_BLK_* of expert e (LOADING only inside an op or a pin)
-    uint8_t *          hot;              // [n_expert] 1: pinned for good (ls_moe_pin)
-    ls_moe_layer_counters    stats;
+    int32_t *          block_of_expert;  // [n_expert] the block (file slot) holding expert e: f.ids inverted
+    ls_moe_layer_counters stats;
 } ls_moe_layer;
 
-// One read: experts in adjacent file slots into their cache slots. Each expert's CRC is checked
-// by the worker, then its state and its flag (the op's entry, or the pin's) set with a release
-// store and the sleepers woken.
-#define LS_MOE_MAX_IOV 64
-typedef struct ls_moe_read {
-    ls_moe_layer *    L;
-    uint64_t          offset;
-    int32_t           n;
-    int32_t           expert[LS_MOE_MAX_IOV];
-    _Atomic int32_t * flag[LS_MOE_MAX_IOV];   // set to LS_BLK_READY / LS_BLK_FAILED when done
-    struct iovec      iov[LS_MOE_MAX_IOV];
-} ls_moe_read;
-_Static_assert(sizeof(ls_read) <= LS_WORKQ_MAX_ITEM && sizeof(ls_moe_read) <= LS_WORKQ_MAX_ITEM, "a read is a work item");
-_Static_assert(LS_MOE_MAX_IOV <= LS_MAX_IOV, "ls_preadv_all takes up to LS_MAX_IOV pieces");
-
-typedef struct ls_moe_io {
-    ls_workq         q;                  // of ls_moe_read
-    _Atomic int64_t  fault_countdown;    // test hooks: the read that fails
-} ls_moe_io;
-
 // The op's state (moe.c): thread 0 writes it before the barriers, every thread reads it.
-// Entry i = the i-th distinct expert of the batch in compute order (resident ones first, then the
-// missing ones by file slot: the order their reads are queued in).
+// Entry i = the i-th distinct block (expert) of the batch in compute order (resident ones first,
+// then the missing ones in file order: the order their reads are queued in).
 typedef struct ls_moe_plan {
     ls_moe_layer *    L;
     int64_t           n_tokens;
@@ -604,14 +651,14 @@ typedef struct ls_moe_plan {
     const float *     x;                 // [n_tokens] rows of x_stride bytes
     size_t            x_stride;
     int32_t           n_entries, n_hits; // entries [0, n_hits) were resident
-    int32_t *         entry_expert;      // [n_expert]
+    int32_t *         entry_block;       // [n_expert]
     int32_t *         entry_pair0;       // [n_expert + 1] entry i's pairs: pairs[entry_pair0[i], entry_pair0[i + 1])
     int32_t *         pairs;             // [n_tokens * n_used] pair index t * n_used + k, by entry, t ascending
     int32_t *         pair_entry;        // [n_tokens * n_used] entry of pair (t, k), -1: no valid expert
     float *           pair_w;            // [n_tokens * n_used] the router weight of pair (t, k)
     _Atomic int32_t * entry_state;       // [n_expert] 0 while pending, then LS_BLK_READY / LS_BLK_FAILED
-    _Atomic int32_t ** entry_flag;       // [n_expert] &entry_state[i]: the flag each read sets
-    int32_t *         entry_of;          // [n_expert] scratch (planning): expert -> entry
+                                         // (the reader's flags: entry i's block may be evicted after it)
+    int32_t *         entry_of;          // [n_expert] scratch (planning): block -> entry
     int32_t           next_read;         // thread 0: entries [0, next_read) have a slot
     bool              starved;           // no slot could be had: the entries after next_read failed
     int32_t           max_pairs;         // the most pairs of one entry
@@ -633,36 +680,13 @@ struct ls_moe {
     int32_t          n_layer;
     ls_moe_layer *   layers;
     bool             direct_io;
-    // the cache: n_slots slots of stride bytes in one pool; slot s holds (slot_layer, slot_expert)
-    uint8_t *        pool;               // [n_slots][stride], aligned for O_DIRECT inside pool_map
-    void *           pool_map;
-    size_t           pool_map_bytes;
-    uint64_t         stride;
-    int32_t          n_slots, n_free, n_hot;
-    int32_t *        slot_layer, * slot_expert, * slot_pins;   // [n_slots]; layer -1: free
-    int32_t *        free_list;          // [n_slots] stack of free slots
-    int32_t *        lru_prev, * lru_next; // [n_slots] evictable slots (resident, unpinned, not hot), head = LRU
-    int32_t          lru_head, lru_tail;
-    ls_moe_io        io;
+    int32_t          n_hot;              // blocks in the layers' hot sets (ls_moe_pin)
+    ls_cache         cache;              // of all layers' experts
+    ls_io            io;
     ls_moe_plan      plan;
     ls_barrier       barrier;
-    _Atomic int32_t  sleepers;           // threads asleep on an expert's flag
     pthread_mutex_t  op_mu;              // one op (or pin, or stats reset) at a time
     ls_error_slot    err;
 };
-
-// moe_io.c
-// The first error since the last ls_moe_take_error is kept (later ones are usually consequences).
-void        ls_moe_record_error(struct ls_moe * m, ls_status st, const char * fmt, ...) __attribute__((format(printf, 3, 4)));
-// Layer il's expert file opened and checked into L (info, tables, the data descriptor); *direct_io
-// cleared when the file system refuses O_DIRECT.
-ls_status   ls_moe_file_open(ls_moe_layer * L, int32_t il, const char * path, bool use_direct_io, bool * direct_io);
-void        ls_moe_file_close(ls_moe_layer * L);
-ls_status   ls_moe_io_start(struct ls_moe * m, int n_threads);
-void        ls_moe_io_stop(struct ls_moe * m);
-// Queue the reads of experts [n] of layer L (cache slots assigned, states LOADING; flags[i]: set
-// when expert i is done), merging adjacent file slots up to max_read_bytes; in the order given.
-void        ls_moe_io_submit(struct ls_moe * m, ls_moe_layer * L, const int32_t * experts, _Atomic int32_t * const * flags,
-                             int32_t n);
 
 #endif // LS_INTERNAL_H

@@ -19,14 +19,16 @@
 // rows. h~ alternates between two buffers by entry parity: a thread writing entry i + 1's h~ has
 // passed the barrier that every thread reaches only after finishing entry i - 1's down rows.
 //
-// Cache: slots of one stride (the largest layer's expert) in one pool for all layers. A layer's
-// hot set (ls_moe_pin) stays resident; every other resident expert is evictable, least recently
-// used first (pick_victim: the whole policy). An op pins the batch's resident experts (hits) and
-// computes them first while the missing ones (misses) are read, in file-slot order (adjacent
-// slots merge into one read; co-activation placement makes that common). Misses take slots while
-// there are any to take; after each entry's barrier thread 0 lets the previous entry go and gives
-// slots to the next misses, so a batch larger than the cache streams through it in waves: 2 slots
-// free of the hot set suffice (one computed while the next one loads).
+// Blocks: a layer's experts are the blocks of its expert file, kept in the blocks' one cache
+// (cache.c: slots shared by all layers, the hot set of ls_moe_pin, pick_victim) and read by the
+// blocks' one reader (io.c: each expert's CRC-32C checked on the I/O worker, while the expert
+// before it computes). What is this file's own is how a layer chooses its blocks: the router's
+// ids. An op pins the batch's resident experts (hits) and computes them first while the missing
+// ones (misses) are read, in file order (adjacent blocks merge into one read; co-activation
+// placement makes that common). Misses take slots while there are any to take; after each entry's
+// barrier thread 0 lets the previous entry go and gives slots to the next misses, so a batch
+// larger than the cache streams through it in waves: 2 slots free of the hot set suffice (one
+// computed while the next one loads).
 
 #include "internal.h"
 
@@ -35,7 +37,6 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 void ls_moe_params_init(ls_moe_params * p) {
     memset(p, 0, sizeof(*p));
@@ -45,76 +46,9 @@ void ls_moe_params_init(ls_moe_params * p) {
     p->activation = LS_ACT_SILU;
 }
 
-// ---- the cache -------------------------------------------------------------------------------------
-// A slot is free (slot_layer -1), or holds an expert: pinned (slot_pins > 0: an op computes it or a
-// read fills it), hot, or in the LRU list (lru_prev == -2 marks a slot outside the list).
-
-static bool slot_hot(const ls_moe * m, int32_t s) { return m->layers[m->slot_layer[s]].hot[m->slot_expert[s]] != 0; }
-
-static void lru_remove(ls_moe * m, int32_t s) {
-    if (m->lru_prev[s] == -2) return;
-    const int32_t p = m->lru_prev[s], n = m->lru_next[s];
-    if (p >= 0) m->lru_next[p] = n; else m->lru_head = n;
-    if (n >= 0) m->lru_prev[n] = p; else m->lru_tail = p;
-    m->lru_prev[s] = -2;
-    m->lru_next[s] = -1;
+static const uint8_t * block_ptr(const ls_moe * m, const ls_moe_layer * L, int32_t b) {
+    return ls_cache_slot_ptr(&m->cache, L->f.slot[b]);
 }
-
-static void lru_push(ls_moe * m, int32_t s) {   // as the most recently used
-    m->lru_prev[s] = m->lru_tail;
-    m->lru_next[s] = -1;
-    if (m->lru_tail >= 0) m->lru_next[m->lru_tail] = s; else m->lru_head = s;
-    m->lru_tail = s;
-}
-
-// The eviction policy, all of it: which evictable slot gives way (-1: none). LRU now; a
-// frequency-based rule would replace this function and where lru_push ranks a released slot.
-static int32_t pick_victim(const ls_moe * m) { return m->lru_head; }
-
-static bool slot_available(const ls_moe * m) { return m->n_free > 0 || pick_victim(m) >= 0; }
-
-// A slot for expert e of L, pinned once, its state LOADING: a free one, else the victim's (-1: none)
-static int32_t slot_take(ls_moe * m, ls_moe_layer * L, int32_t e) {
-    int32_t s;
-    if (m->n_free > 0) {
-        s = m->free_list[--m->n_free];
-    } else {
-        s = pick_victim(m);
-        if (s < 0) return -1;
-        lru_remove(m, s);
-        ls_moe_layer * V = &m->layers[m->slot_layer[s]];
-        V->cslot[m->slot_expert[s]] = -1;
-        atomic_store_explicit(&V->state[m->slot_expert[s]], LS_BLK_ABSENT, memory_order_relaxed);
-    }
-    m->slot_layer[s] = L->il;
-    m->slot_expert[s] = e;
-    m->slot_pins[s] = 1;
-    L->cslot[e] = s;
-    atomic_store_explicit(&L->state[e], LS_BLK_LOADING, memory_order_relaxed);
-    return s;
-}
-
-static void slot_pin(ls_moe * m, int32_t s) {
-    if (m->slot_pins[s]++ == 0) lru_remove(m, s);
-}
-
-// One pin let go: a failed expert's slot is freed (it is read again next time), an intact one
-// that nobody pins and is not hot becomes the most recently used.
-static void slot_unpin(ls_moe * m, int32_t s) {
-    ls_moe_layer * L = &m->layers[m->slot_layer[s]];
-    const int32_t e = m->slot_expert[s];
-    if (--m->slot_pins[s] > 0) return;
-    if (atomic_load_explicit(&L->state[e], memory_order_acquire) != LS_BLK_READY) {
-        L->cslot[e] = -1;
-        atomic_store_explicit(&L->state[e], LS_BLK_ABSENT, memory_order_relaxed);
-        m->slot_layer[s] = m->slot_expert[s] = -1;
-        m->free_list[m->n_free++] = s;
-        return;
-    }
-    if (!slot_hot(m, s)) lru_push(m, s);
-}
-
-static uint8_t * slot_ptr(const ls_moe * m, int32_t s) { return m->pool + (size_t) s * m->stride; }
 
 // ---- lifetime --------------------------------------------------------------------------------------
 
@@ -129,64 +63,51 @@ static ls_status check_params(const ls_moe_params * p, const char * const * path
     return LS_OK;
 }
 
-// The pool: n_slots slots of m->stride bytes, aligned for O_DIRECT (reserved, not committed: an
-// unlimited cache of a large model is the model's size in address space, filled as experts arrive).
-static ls_status make_cache(ls_moe * m, uint64_t total, uint64_t align) {
-    const uint64_t budget_slots = m->params.cache_bytes ? m->params.cache_bytes / m->stride : total;
-    m->n_slots = (int32_t) (budget_slots < total ? budget_slots : total);
-    if (m->n_slots < 2 && total >= 2) {
-        ls_set_error("cache_bytes %llu holds %d expert slot(s) of %llu bytes (the largest layer's expert, aligned); "
-                     "the MoE op needs at least 2 (%llu bytes): one expert computed while the next one loads",
-                     (unsigned long long) m->params.cache_bytes, m->n_slots, (unsigned long long) m->stride,
-                     (unsigned long long) (2 * m->stride));
-        return LS_ERR_BUDGET;
-    }
-    const size_t bytes = (size_t) m->n_slots * m->stride + align;
-    void * p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) { ls_set_error("cannot reserve %zu bytes for the expert cache", bytes); return LS_ERR_NOMEM; }
-    m->pool_map = p;
-    m->pool_map_bytes = bytes;
-    m->pool = (uint8_t *) (((uintptr_t) p + align - 1) & ~(uintptr_t) (align - 1));
-    const size_t n = (size_t) m->n_slots;
-    m->slot_layer = malloc(n * sizeof(int32_t));
-    m->slot_expert = malloc(n * sizeof(int32_t));
-    m->slot_pins = calloc(n, sizeof(int32_t));
-    m->free_list = malloc(n * sizeof(int32_t));
-    m->lru_prev = malloc(n * sizeof(int32_t));
-    m->lru_next = malloc(n * sizeof(int32_t));
-    if (!m->slot_layer || !m->slot_expert || !m->slot_pins || !m->free_list || !m->lru_prev || !m->lru_next) {
-        ls_set_error("out of memory");
-        return LS_ERR_NOMEM;
-    }
-    for (int32_t s = 0; s < m->n_slots; s++) {
-        m->slot_layer[s] = m->slot_expert[s] = -1;
-        m->free_list[s] = m->n_slots - 1 - s;   // slot 0 first
-        m->lru_prev[s] = -2;
-        m->lru_next[s] = -1;
-    }
-    m->n_free = m->n_slots;
-    m->lru_head = m->lru_tail = -1;
+// Layer il's expert file into L: the header's fields into L->info, the router's index -> block.
+static ls_status open_layer(ls_moe * m, ls_moe_layer * L, int32_t il, const char * path) {
+    ls_file_header h;
+    ls_status st = ls_blockfile_open(&L->f, LS_FILE_EXPERTS, il, path, !m->hooks.buffered_io, &m->direct_io, &h);
+    if (st != LS_OK) return st;
+    L->info = (ls_moe_info) { .n_embd = h.n_embd, .n_ff_exp = h.n_ff, .n_expert = L->f.n_blocks, .gate_type = h.type[0],
+                              .up_type = h.type[1], .down_type = h.type[2], .expert_stride = L->f.stride };
+    L->gate_bytes = h.part_bytes[0];
+    L->up_bytes = h.part_bytes[1];
+    L->down_bytes = h.part_bytes[2];
+    L->block_of_expert = malloc(sizeof(int32_t) * (size_t) L->f.n_blocks);
+    if (!L->block_of_expert) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    for (int32_t b = 0; b < L->f.n_blocks; b++) L->block_of_expert[L->f.ids[b]] = b;   // (a permutation: checked)
     return LS_OK;
 }
 
-static ls_status open_layers(ls_moe * m, const char * const * paths, uint64_t * total, uint64_t * align) {
-    *total = 0;
-    *align = 4096;
-    for (int32_t il = 0; il < m->n_layer; il++) {
+// Every layer's expert file; the cache over all of them: cache_bytes -> slots (ls_cache_slots),
+// at least 2 (one expert computed while the next one loads).
+static ls_status open_blocks(ls_moe * m, const char * const * paths) {
+    ls_blockfile ** files = malloc(sizeof(*files) * (size_t) m->n_layer);
+    if (!files) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
+    int32_t n = 0;
+    int64_t total = 0;
+    ls_status st = LS_OK;
+    for (int32_t il = 0; il < m->n_layer && st == LS_OK; il++) {
         ls_moe_layer * L = &m->layers[il];
-        L->m = m;
-        L->il = il;
-        L->fd = -1;
+        files[il] = &L->f;   // (a layer without experts: an empty file of no blocks)
         if (!paths[il]) continue;
-        ls_status st = ls_moe_file_open(L, il, paths[il], !m->hooks.buffered_io, &m->direct_io);
-        if (st != LS_OK) return st;
-        *total += (uint64_t) L->info.n_expert;
-        if (L->info.expert_stride > m->stride) m->stride = L->info.expert_stride;
-        if (L->align > *align) *align = L->align;
+        st = open_layer(m, L, il, paths[il]);
+        total += L->f.n_blocks;
+        n++;
     }
-    if (*total == 0) { ls_set_error("ls_moe_create: no layer has an expert file"); return LS_ERR_ARG; }
-    m->stride = (m->stride + *align - 1) / *align * *align;   // every slot aligned for every layer's reads
-    return LS_OK;
+    if (st == LS_OK && n == 0) { ls_set_error("ls_moe_create: no layer has an expert file"); st = LS_ERR_ARG; }
+    const uint64_t stride = st == LS_OK ? ls_cache_stride(files, m->n_layer) : 0;
+    const int64_t n_slots = st == LS_OK ? ls_cache_slots(m->params.cache_bytes, 0, stride, total) : 0;
+    if (st == LS_OK && n_slots < 2 && total >= 2) {
+        ls_set_error("cache_bytes %llu holds %d expert slot(s) of %llu bytes (the largest layer's expert, aligned); "
+                     "the MoE op needs at least 2 (%llu bytes): one expert computed while the next one loads",
+                     (unsigned long long) m->params.cache_bytes, (int) n_slots, (unsigned long long) stride,
+                     (unsigned long long) (2 * stride));
+        st = LS_ERR_BUDGET;
+    }
+    if (st == LS_OK) st = ls_cache_init(&m->cache, files, m->n_layer, (int32_t) n_slots);
+    free(files);
+    return st;
 }
 
 static void free_moe(void * m) { ls_moe_free(m); }   // a failed create's cleanup
@@ -207,28 +128,35 @@ ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_
     pthread_mutex_init(&m->err.mu, NULL);
     m->layers = calloc((size_t) m->n_layer, sizeof(ls_moe_layer));
     if (!m->layers) { ls_set_error("out of memory"); free(m); return LS_ERR_NOMEM; }
-    uint64_t total = 0, align = 4096;
-    st = open_layers(m, paths, &total, &align);
-    if (st == LS_OK) st = make_cache(m, total, align);
-    if (st == LS_OK) st = ls_moe_io_start(m, m->params.n_io_threads);
+    for (int32_t il = 0; il < m->n_layer; il++) { m->layers[il].m = m; m->layers[il].f.il = il; m->layers[il].f.fd = -1; }
+    st = open_blocks(m, paths);
+    // at most one read per cache slot is ever queued (a slot is read into once, then computed)
+    const ls_io_config cfg = {
+        .cache = &m->cache, .err = &m->err, .hooks = &m->hooks, .n_threads = m->params.n_io_threads,
+        .max_queue = m->cache.n_slots + 1, .max_read_bytes = m->params.max_read_bytes,
+        .check = m->params.verify_checksums ? LS_CHECK_ON_READ : LS_CHECK_NONE,
+    };
+    if (st == LS_OK) st = ls_io_start(&m->io, &cfg);
     if (st != LS_OK) return ls_create_failed(st, free_moe, m);
     *out = m;
     return LS_OK;
 }
 
 static void plan_free(ls_moe_plan * P) {
-    free(P->entry_expert); free(P->entry_pair0); free(P->pairs); free(P->pair_entry); free(P->pair_w);
-    free((void *) P->entry_state); free(P->entry_flag); free(P->entry_of); free(P->xq); free(P->h);
+    free(P->entry_block); free(P->entry_pair0); free(P->pairs); free(P->pair_entry); free(P->pair_w);
+    free((void *) P->entry_state); free(P->entry_of); free(P->xq); free(P->h);
     free(P->hq[0]); free(P->hq[1]); free(P->out);
 }
 
 void ls_moe_free(ls_moe * m) {
     if (!m) return;
-    ls_moe_io_stop(m);
-    for (int32_t il = 0; il < m->n_layer && m->layers; il++) ls_moe_file_close(&m->layers[il]);
+    ls_io_stop(&m->io);
+    for (int32_t il = 0; il < m->n_layer && m->layers; il++) {
+        ls_blockfile_close(&m->layers[il].f);
+        free(m->layers[il].block_of_expert);
+    }
     free(m->layers);
-    if (m->pool_map) munmap(m->pool_map, m->pool_map_bytes);
-    free(m->slot_layer); free(m->slot_expert); free(m->slot_pins); free(m->free_list); free(m->lru_prev); free(m->lru_next);
+    ls_cache_free(&m->cache);
     plan_free(&m->plan);
     pthread_mutex_destroy(&m->op_mu);
     pthread_mutex_destroy(&m->err.mu);
@@ -236,7 +164,7 @@ void ls_moe_free(ls_moe * m) {
 }
 
 static ls_moe_layer * layer_of(const ls_moe * m, int32_t il) {
-    if (!m || il < 0 || il >= m->n_layer || m->layers[il].fd < 0) return NULL;
+    if (!m || il < 0 || il >= m->n_layer || m->layers[il].f.fd < 0) return NULL;
     return &m->layers[il];
 }
 
@@ -254,72 +182,74 @@ ls_status ls_moe_take_error(ls_moe * m, char * msg, size_t msg_size) {
 
 // ---- the hot set -------------------------------------------------------------------------------
 
-// Wait for flags[0, n) to leave 0 (reads in flight); returns how many failed.
-static int32_t wait_flags(ls_moe * m, _Atomic int32_t * flags, int32_t n) {
-    int32_t failed = 0;
+// The blocks of `want` absent from the cache read now, by file order (each holds the hot set's
+// pin once loaded); returns how many could not be (their slots freed, out of the hot set).
+static int32_t load_hot(ls_moe * m, ls_moe_layer * L, const uint8_t * want, int32_t * load) {
+    ls_blockfile * F = &L->f;
+    int32_t n = 0, failed = 0, slot;
+    bool miss;
+    for (int32_t b = 0; b < F->n_blocks; b++)
+        if (want[b] && F->slot[b] < 0 && ls_cache_acquire(&m->cache, F, b, &slot, &miss) == LS_OK) load[n++] = b;
+    ls_io_submit(&m->io, F, load, n, NULL);
     for (int32_t i = 0; i < n; i++) {
-        ls_wait_while(&flags[i], 0, &m->sleepers);
-        failed += atomic_load_explicit(&flags[i], memory_order_acquire) != LS_BLK_READY;
+        const int32_t b = load[i];
+        ls_wait_while(&F->state[b], LS_BLK_LOADING, &m->io.sleepers);
+        if (atomic_load_explicit(&F->state[b], memory_order_acquire) == LS_BLK_READY) {
+            ls_cache_release(&m->cache, F, b, false);   // (the hot set's pin stays)
+            continue;
+        }
+        ls_cache_drop(&m->cache, F, b, false);
+        F->hot[b] = 0;
+        m->n_hot--;
+        failed++;
     }
+    atomic_fetch_add(&L->stats.pin_loads, (uint64_t) (n - failed));
     return failed;
 }
 
-// the experts of `want` (n_want, 1 = keep) absent from the cache, each given a slot, by file slot
-static int32_t take_slots_for_pin(ls_moe * m, ls_moe_layer * L, const uint8_t * want, int32_t * load) {
-    int32_t n = 0;
-    for (int32_t s = 0; s < L->info.n_expert; s++) {
-        const int32_t e = L->expert_of_slot[s];
-        if (want[e] && L->cslot[e] < 0 && slot_take(m, L, e) >= 0) load[n++] = e;
+// want[b] = 1 for the blocks of experts[n]; LS_ERR_ARG for an expert the layer has not
+static ls_status blocks_wanted(const ls_moe_layer * L, const int32_t * experts, int32_t n, uint8_t * want, int32_t * n_new) {
+    *n_new = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] < 0 || experts[i] >= L->info.n_expert) {
+            ls_set_error("ls_moe_pin: layer %d has no expert %d (it has %d)", L->f.il, experts[i], L->info.n_expert);
+            return LS_ERR_ARG;
+        }
+        const int32_t b = L->block_of_expert[experts[i]];
+        *n_new += !want[b];
+        want[b] = 1;
     }
-    return n;
+    return LS_OK;
 }
 
 static ls_status pin_locked(ls_moe * m, ls_moe_layer * L, const int32_t * experts, int32_t n) {
-    const int32_t ne = L->info.n_expert;
-    uint8_t * want = calloc((size_t) ne, 1);
-    int32_t * load = malloc((size_t) ne * sizeof(int32_t));
-    _Atomic int32_t * flags = calloc((size_t) ne, sizeof(*flags));
-    _Atomic int32_t ** flagp = malloc((size_t) ne * sizeof(*flagp));
-    ls_status st = LS_OK;
-    if (!want || !load || !flags || !flagp) { ls_set_error("out of memory"); st = LS_ERR_NOMEM; goto done; }
+    ls_blockfile * F = &L->f;
+    uint8_t * want = calloc((size_t) F->n_blocks, 1);
+    int32_t * load = malloc((size_t) F->n_blocks * sizeof(int32_t));
     int32_t n_new = 0, n_old = 0;
-    for (int32_t i = 0; i < n; i++) {
-        if (experts[i] < 0 || experts[i] >= ne) { ls_set_error("ls_moe_pin: layer %d has no expert %d (it has %d)", L->il, experts[i], ne); st = LS_ERR_ARG; goto done; }
-        n_new += !want[experts[i]];
-        want[experts[i]] = 1;
-    }
-    for (int32_t e = 0; e < ne; e++) n_old += L->hot[e];
-    if (n_new > 0 && m->n_hot - n_old + n_new > m->n_slots - 2) {
+    ls_status st = want && load ? blocks_wanted(L, experts, n, want, &n_new) : LS_ERR_NOMEM;
+    if (st == LS_ERR_NOMEM) ls_set_error("out of memory");
+    for (int32_t b = 0; b < F->n_blocks; b++) n_old += F->hot[b];
+    if (st == LS_OK && n_new > 0 && m->n_hot - n_old + n_new > m->cache.n_slots - 2) {
         ls_set_error("ls_moe_pin: layer %d: %d hot experts (%d in all layers) leave fewer than 2 of the cache's %d slots "
-                     "to stream the others through", L->il, n_new, m->n_hot - n_old + n_new, m->n_slots);
+                     "to stream the others through", F->il, n_new, m->n_hot - n_old + n_new, m->cache.n_slots);
         st = LS_ERR_BUDGET;
-        goto done;
     }
-    // the old hot set let go (evictable from now on), the new one marked and taken out of the LRU
-    for (int32_t e = 0; e < ne; e++) {
-        const int32_t s = L->cslot[e];
-        if (L->hot[e] && !want[e] && s >= 0 && m->slot_pins[s] == 0) { L->hot[e] = 0; lru_push(m, s); }
-        L->hot[e] = want[e];
-        if (want[e] && s >= 0) lru_remove(m, s);
+    if (st == LS_OK) {
+        // the old hot set let go (evictable from now on), the new one kept (its resident blocks pinned)
+        for (int32_t b = 0; b < F->n_blocks; b++)
+            if (F->hot[b] != want[b]) ls_cache_set_hot(&m->cache, F, b, want[b]);
+        m->n_hot += n_new - n_old;
+        const int32_t failed = load_hot(m, L, want, load);
+        if (failed) {
+            char msg[LS_MAX_ERRMSG];
+            st = ls_moe_take_error(m, msg, sizeof(msg));
+            if (st == LS_OK) st = LS_ERR_IO;
+            ls_set_error("ls_moe_pin: %d of layer %d's hot experts could not be loaded: %s", failed, F->il, msg);
+        }
     }
-    m->n_hot += n_new - n_old;
-    const int32_t n_load = take_slots_for_pin(m, L, want, load);
-    for (int32_t i = 0; i < n_load; i++) flagp[i] = &flags[i];
-    ls_moe_io_submit(m, L, load, flagp, n_load);
-    const int32_t failed = wait_flags(m, flags, n_load);
-    atomic_fetch_add(&L->stats.pin_loads, (uint64_t) (n_load - failed));
-    for (int32_t i = 0; i < n_load; i++) {
-        if (atomic_load(&flags[i]) != LS_BLK_READY) { L->hot[load[i]] = 0; m->n_hot--; }
-        slot_unpin(m, L->cslot[load[i]]);
-    }
-    if (failed) {
-        char msg[LS_MAX_ERRMSG];
-        st = ls_moe_take_error(m, msg, sizeof(msg));
-        if (st == LS_OK) st = LS_ERR_IO;
-        ls_set_error("ls_moe_pin: %d of layer %d's hot experts could not be loaded: %s", failed, L->il, msg);
-    }
-done:
-    free(want); free(load); free((void *) flags); free(flagp);
+    free(want);
+    free(load);
     return st;
 }
 
@@ -354,7 +284,7 @@ static bool grow_plan(ls_moe_plan * P, const ls_moe_layer * L, int64_t n_pairs) 
     size_t cap = P->entry_cap;   // the entry arrays share one capacity (each grown from it)
     bool ok = true;
 #define GROW_E(f) do { size_t c = cap; ok = ok && ls_grow((void **) &P->f, &c, ne, sizeof(*P->f)); } while (0)
-    if (ne > P->entry_cap) { GROW_E(entry_expert); GROW_E(entry_pair0); GROW_E(entry_state); GROW_E(entry_flag); GROW_E(entry_of); }
+    if (ne > P->entry_cap) { GROW_E(entry_block); GROW_E(entry_pair0); GROW_E(entry_state); GROW_E(entry_of); }
     if (ok && ne > P->entry_cap) P->entry_cap = ne;
 #undef GROW_E
     cap = P->pair_cap;
@@ -382,42 +312,44 @@ static bool grow_compute(ls_moe_plan * P, const ls_moe_layer * L) {
            ls_grow((void **) &P->out, &P->out_cap, T * (size_t) P->n_used * (size_t) in->n_embd, sizeof(float));
 }
 
-// The router's choices read into pair_entry / pair_w, the distinct experts made entries (resident
-// ones first, then the missing ones, each group by file slot) and each entry's pairs listed.
-static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
-    ls_moe_layer * L = P->L;
+// The router's choices read into pair_entry (for now: the block of each pair's expert) and pair_w,
+// entry_of[b] = 0 for each block used; the first bad index recorded.
+static void read_routes(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
+    const ls_moe_layer * L = P->L;
     const int32_t ne = L->info.n_expert;
-    const int64_t n_pairs = a->n_tokens * a->n_used;
-    for (int32_t e = 0; e < ne; e++) P->entry_of[e] = -1;
+    for (int32_t b = 0; b < ne; b++) P->entry_of[b] = -1;
     int64_t bad = -1;
+    int32_t bad_e = 0;
     for (int64_t t = 0; t < a->n_tokens; t++) {
         for (int32_t k = 0; k < a->n_used; k++) {
             const int64_t p = t * a->n_used + k;
             int32_t e;
-            float w;
             memcpy(&e, a->ids + (size_t) t * a->ids_t + (size_t) k * a->ids_k, 4);
-            memcpy(&w, a->w + (size_t) t * a->w_t + (size_t) k * a->w_k, 4);
-            P->pair_w[p] = w;
-            if (e < 0 || e >= ne) { P->pair_entry[p] = -1; if (bad < 0) bad = p; continue; }
-            P->pair_entry[p] = e;       // the expert for now; its entry below
-            P->entry_of[e] = 0;         // used
+            memcpy(&P->pair_w[p], a->w + (size_t) t * a->w_t + (size_t) k * a->w_k, 4);
+            if (e < 0 || e >= ne) { P->pair_entry[p] = -1; if (bad < 0) { bad = p; bad_e = e; } continue; }
+            P->pair_entry[p] = L->block_of_expert[e];
+            P->entry_of[P->pair_entry[p]] = 0;   // used
         }
     }
-    if (bad >= 0) {
-        int32_t e;
-        memcpy(&e, a->ids + (size_t) (bad / a->n_used) * a->ids_t + (size_t) (bad % a->n_used) * a->ids_k, 4);
-        ls_moe_record_error(m, LS_ERR_ARG, "%s: layer %d: token %lld routes to expert %d, the layer has %d (its product is left out)",
-                            L->path, L->il, (long long) (bad / a->n_used), e, ne);
-    }
+    if (bad >= 0)
+        ls_error_record(&m->err, LS_ERR_ARG, "%s: layer %d: token %lld routes to expert %d, the layer has %d (its product is left out)",
+                        L->f.path, L->f.il, (long long) (bad / a->n_used), bad_e, ne);
+}
+
+// The distinct blocks made entries (resident ones first, then the missing ones, each group in
+// file order) and each entry's pairs listed.
+static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
+    const ls_blockfile * F = &P->L->f;
+    const int64_t n_pairs = a->n_tokens * a->n_used;
+    read_routes(m, P, a);
     P->n_entries = 0;
     for (int pass = 0; pass < 2; pass++) {          // resident first, then missing
-        for (int32_t s = 0; s < ne; s++) {
-            const int32_t e = L->expert_of_slot[s];
-            if (P->entry_of[e] != 0) continue;
-            const bool resident = L->cslot[e] >= 0 && atomic_load_explicit(&L->state[e], memory_order_acquire) == LS_BLK_READY;
+        for (int32_t b = 0; b < F->n_blocks; b++) {
+            if (P->entry_of[b] != 0) continue;
+            const bool resident = F->slot[b] >= 0 && atomic_load_explicit(&F->state[b], memory_order_acquire) == LS_BLK_READY;
             if (resident != (pass == 0)) continue;
-            P->entry_of[e] = P->n_entries + 1;      // (1-based while marking)
-            P->entry_expert[P->n_entries++] = e;
+            P->entry_of[b] = P->n_entries + 1;      // (1-based while marking)
+            P->entry_block[P->n_entries++] = b;
         }
         if (pass == 0) P->n_hits = P->n_entries;
     }
@@ -439,15 +371,17 @@ static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
         if (P->pair_entry[p] >= 0) P->pairs[fill[P->pair_entry[p]]++] = (int32_t) p;
 }
 
-// Slots for the next missing entries while any can be had, their reads queued in compute order.
+// Slots for the next missing entries while any can be had, their reads queued in compute order,
+// each setting its entry's state as it lands.
 static void top_up(ls_moe * m, ls_moe_plan * P) {
+    ls_blockfile * F = &P->L->f;
     const int32_t i0 = P->next_read;
-    while (!P->starved && P->next_read < P->n_entries && slot_available(m)) {
-        slot_take(m, P->L, P->entry_expert[P->next_read]);
-        P->next_read++;
-    }
+    int32_t slot;
+    bool miss;
+    while (!P->starved && P->next_read < P->n_entries &&
+           ls_cache_acquire(&m->cache, F, P->entry_block[P->next_read], &slot, &miss) == LS_OK) P->next_read++;
     if (P->next_read > i0) {
-        ls_moe_io_submit(m, P->L, P->entry_expert + i0, P->entry_flag + i0, P->next_read - i0);
+        ls_io_submit(&m->io, F, P->entry_block + i0, P->next_read - i0, P->entry_state + i0);
         atomic_fetch_add(&P->L->stats.misses, (uint64_t) (P->next_read - i0));
     }
 }
@@ -456,15 +390,16 @@ static void top_up(ls_moe * m, ls_moe_plan * P) {
 // always gets one (2 slots free of the hot set: at most entry i holds one); should it not, the
 // rest of the batch fails rather than wait for ever.
 static void next_wave(ls_moe * m, ls_moe_plan * P, int32_t i) {
-    if (i > 0 && i - 1 < P->next_read) slot_unpin(m, P->L->cslot[P->entry_expert[i - 1]]);
+    ls_moe_layer * L = P->L;
+    if (i > 0 && i - 1 < P->next_read) ls_cache_release(&m->cache, &L->f, P->entry_block[i - 1], true);
     top_up(m, P);
     if (!P->starved && i + 1 < P->n_entries && P->next_read <= i + 1) {
-        ls_moe_record_error(m, LS_ERR_BUDGET, "%s: layer %d: no cache slot for expert %d (%d slots, %d hot)",
-                            P->L->path, P->L->il, P->entry_expert[i + 1], m->n_slots, m->n_hot);
+        ls_error_record(&m->err, LS_ERR_BUDGET, "%s: layer %d: no cache slot for expert %d (%d slots, %d hot)",
+                        L->f.path, L->f.il, L->f.ids[P->entry_block[i + 1]], m->cache.n_slots, m->n_hot);
         P->starved = true;
         for (int32_t j = P->next_read; j < P->n_entries; j++) {
             atomic_store_explicit(&P->entry_state[j], LS_BLK_FAILED, memory_order_seq_cst);
-            ls_wake(&P->entry_state[j], &m->sleepers);
+            ls_wake(&P->entry_state[j], &m->io.sleepers);
         }
     }
 }
@@ -482,21 +417,22 @@ static void plan_op(ls_moe * m, const moe_args * a, int nth) {
     P->starved = false;
     P->stall_ns = 0;
     if (!grow_plan(P, L, a->n_tokens * a->n_used)) {
-        ls_moe_record_error(m, LS_ERR_NOMEM, "layer %d: out of memory planning the MoE op", L->il);
+        ls_error_record(&m->err, LS_ERR_NOMEM, "layer %d: out of memory planning the MoE op", L->f.il);
         P->n_tokens = 0;   // nothing computed, y zeroed
         return;
     }
     group_pairs(m, P, a);
     if (!grow_compute(P, L)) {
-        ls_moe_record_error(m, LS_ERR_NOMEM, "layer %d: out of memory for the MoE op's scratch (%lld tokens)", L->il, (long long) a->n_tokens);
+        ls_error_record(&m->err, LS_ERR_NOMEM, "layer %d: out of memory for the MoE op's scratch (%lld tokens)", L->f.il, (long long) a->n_tokens);
         for (int64_t p = 0; p < a->n_tokens * a->n_used; p++) P->pair_entry[p] = -1;
         P->n_entries = 0;
         return;
     }
+    int32_t slot;
+    bool miss;
     for (int32_t i = 0; i < P->n_entries; i++) {
-        P->entry_flag[i] = &P->entry_state[i];
         atomic_store_explicit(&P->entry_state[i], i < P->n_hits ? LS_BLK_READY : 0, memory_order_relaxed);
-        if (i < P->n_hits) slot_pin(m, L->cslot[P->entry_expert[i]]);
+        if (i < P->n_hits) ls_cache_acquire(&m->cache, &L->f, P->entry_block[i], &slot, &miss);   // (resident: a pin)
     }
     P->next_read = P->n_hits;
     top_up(m, P);
@@ -523,7 +459,7 @@ static void gate_up_rows(ls_moe * m, const ls_moe_plan * P, int32_t i, int32_t j
     const ls_moe_layer * L = P->L;
     const ls_moe_info * in = &L->info;
     const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type), * tu = ls_cpu_traits(in->up_type);
-    const uint8_t * blk = slot_ptr(m, L->cslot[P->entry_expert[i]]);
+    const uint8_t * blk = block_ptr(m, L, P->entry_block[i]);
     const size_t rg = ggml_row_size(in->gate_type, in->n_embd), ru = ggml_row_size(in->up_type, in->n_embd);
     const int32_t p0 = P->entry_pair0[i];
     const uint8_t * xu0 = P->xq_up_row ? P->xq + (size_t) P->n_tokens * P->xq_gate_row : P->xq;
@@ -579,7 +515,7 @@ static void down_part(ls_moe * m, const ls_moe_plan * P, int32_t i, const uint8_
     const ls_moe_layer * L = P->L;
     const ls_moe_info * in = &L->info;
     const struct ggml_type_traits_cpu * td = ls_cpu_traits(in->down_type);
-    const uint8_t * dn = slot_ptr(m, L->cslot[P->entry_expert[i]]) + L->gate_bytes + L->up_bytes;
+    const uint8_t * dn = block_ptr(m, L, P->entry_block[i]) + L->gate_bytes + L->up_bytes;
     const size_t rd = ggml_row_size(in->down_type, in->n_ff_exp);
     const int32_t p0 = P->entry_pair0[i], np = P->entry_pair0[i + 1] - p0;
     const int64_t c0 = in->n_embd * ith / nth, c1 = in->n_embd * (ith + 1) / nth;
@@ -616,7 +552,7 @@ static void op_entries(ls_moe * m, ls_moe_plan * P, int ith, int nth) {
     for (int32_t i = 0; i < P->n_entries; i++) {
         if (atomic_load_explicit(&P->entry_state[i], memory_order_acquire) == 0) {
             const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
-            ls_wait_while(&P->entry_state[i], 0, &m->sleepers);
+            ls_wait_while(&P->entry_state[i], 0, &m->io.sleepers);
             if (ith == 0) P->stall_ns += ls_now_ns() - t0;
         }
         const bool ok = atomic_load_explicit(&P->entry_state[i], memory_order_acquire) == LS_BLK_READY;
@@ -630,7 +566,7 @@ static void op_entries(ls_moe * m, ls_moe_plan * P, int ith, int nth) {
 // thread 0 at the end: the last entry let go, the counters
 static void op_end(ls_moe * m, ls_moe_plan * P, uint64_t t0) {
     ls_moe_layer * L = P->L;
-    if (P->n_entries > 0 && P->n_entries - 1 < P->next_read) slot_unpin(m, L->cslot[P->entry_expert[P->n_entries - 1]]);
+    if (P->n_entries > 0 && P->n_entries - 1 < P->next_read) ls_cache_release(&m->cache, &L->f, P->entry_block[P->n_entries - 1], true);
     const uint64_t ns = ls_now_ns() - t0;
     atomic_fetch_add(&L->stats.op_calls, 1);
     atomic_fetch_add(&L->stats.tokens, (uint64_t) P->n_tokens);
@@ -684,7 +620,7 @@ struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml_tensor
     if (!m || !ctx0 || !cur || !selected || !weights) return NULL;
     ls_moe_layer * L = layer_of(m, il);
     if (!L) {
-        ls_moe_record_error(m, LS_ERR_ARG, "llama.cpp asked for the experts of layer %d, which has no expert file", il);
+        ls_error_record(&m->err, LS_ERR_ARG, "llama.cpp asked for the experts of layer %d, which has no expert file", il);
         return NULL;
     }
     const int64_t T = cur->ne[1], U = selected->ne[0];
@@ -694,7 +630,7 @@ struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml_tensor
     if (cur->type != GGML_TYPE_F32 || cur->ne[0] != L->info.n_embd || cur->ne[2] * cur->ne[3] != 1 || cur->nb[0] != sizeof(float) ||
         selected->type != GGML_TYPE_I32 || selected->ne[1] != T || selected->ne[2] * selected->ne[3] != 1 ||
         U < 1 || U > L->info.n_expert || !w_ok) {
-        ls_moe_record_error(m, LS_ERR_UNSUPPORTED, "layer %d: MoE input [%lld, %lld] %s, selected [%lld, %lld] %s, weights [%lld, %lld, %lld] %s "
+        ls_error_record(&m->err, LS_ERR_UNSUPPORTED, "layer %d: MoE input [%lld, %lld] %s, selected [%lld, %lld] %s, weights [%lld, %lld, %lld] %s "
                             "do not fit the expert file (n_embd %lld, %d experts)", il,
                             (long long) cur->ne[0], (long long) cur->ne[1], ggml_type_name(cur->type),
                             (long long) selected->ne[0], (long long) selected->ne[1], ggml_type_name(selected->type),
@@ -741,11 +677,14 @@ static void add_layer(const ls_moe * m, const ls_moe_layer * L, ls_moe_counters 
 #undef LS_MOE_ADD
     const uint64_t mine = atomic_load(&L->stats.tokens);
     out->tokens = tokens > mine ? tokens : mine;
-    if (L->fd < 0) return;
-    for (int32_t e = 0; e < L->info.n_expert; e++) {
-        if (L->cslot[e] < 0 || atomic_load(&L->state[e]) != LS_BLK_READY) continue;
+    const ls_blockfile * F = &L->f;   // the reads: the expert file's
+    out->bytes_read += atomic_load(&F->stats.bytes_read);
+    out->reads += atomic_load(&F->stats.reads_issued);
+    out->checksum_ns += atomic_load(&F->stats.checksum_ns);
+    for (int32_t b = 0; b < F->n_blocks; b++) {
+        if (F->slot[b] < 0 || atomic_load(&F->state[b]) != LS_BLK_READY) continue;
         out->resident++;
-        out->pinned += L->hot[e] != 0;
+        out->pinned += F->hot[b] != 0;
     }
 }
 
@@ -757,7 +696,7 @@ ls_status ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out) {
     for (int32_t l = 0; l < m->n_layer; l++)
         if (il < 0 || l == il) add_layer(m, &m->layers[l], out);
     pthread_mutex_unlock(&mm->op_mu);
-    out->cache_slots = (uint64_t) m->n_slots;
+    out->cache_slots = (uint64_t) m->cache.n_slots;
     out->direct_io = m->direct_io ? 1 : 0;
     return LS_OK;
 }
@@ -766,7 +705,10 @@ void ls_moe_reset_stats(ls_moe * m) {
     if (!m) return;
     for (int32_t il = 0; il < m->n_layer; il++) {
 #define LS_MOE_ZERO(name) atomic_store(&m->layers[il].stats.name, 0);
+#define LS_READS_ZERO(name) atomic_store(&m->layers[il].f.stats.name, 0);
         LS_MOE_COUNTERS(LS_MOE_ZERO)
+        LS_READ_COUNTERS(LS_READS_ZERO)
 #undef LS_MOE_ZERO
+#undef LS_READS_ZERO
     }
 }

@@ -72,12 +72,12 @@ static void quantize_input(const ls_plan * P, const float * x, size_t x_row_stri
 }
 
 static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
-    int32_t s = atomic_load_explicit(&L->state[b], memory_order_acquire);
+    int32_t s = atomic_load_explicit(&L->f.state[b], memory_order_acquire);
     if (s == LS_BLK_READY) return true;
     const uint64_t t0 = ls_now_ns();
-    ls_wait_while(&L->state[b], LS_BLK_LOADING, &L->e->block_sleepers);
+    ls_wait_while(&L->f.state[b], LS_BLK_LOADING, &L->e->io.sleepers);
     *stall_ns += ls_now_ns() - t0;
-    return atomic_load_explicit(&L->state[b], memory_order_acquire) == LS_BLK_READY;
+    return atomic_load_explicit(&L->f.state[b], memory_order_acquire) == LS_BLK_READY;
 }
 
 // Block b's bytes once its read landed and its checksum was checked (first use after a read), or
@@ -86,12 +86,11 @@ static bool wait_ready(ls_layer * L, int32_t b, uint64_t * stall_ns) {
 static const uint8_t * ready_block(ls_engine * e, ls_layer * L, int32_t b, uint64_t * stall_ns) {
     if (!wait_ready(L, b, stall_ns)) {
         ls_engine_record_error(e, LS_ERR_IO, "%s: layer %d block %d could not be loaded (see the first error)",
-                               L->path, L->il, b);
+                               L->f.path, L->il, b);
         return NULL;
     }
-    const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
-    if (e->params.verify_checksums && !atomic_load_explicit(&L->verified[b], memory_order_relaxed) &&
-        !ls_block_verify(e, L, b, blk)) return NULL;
+    const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->f.slot[b]);
+    if (!atomic_load_explicit(&L->f.verified[b], memory_order_relaxed) && !ls_io_check(&e->io, &L->f, b, blk)) return NULL;
     return blk;
 }
 
@@ -156,8 +155,8 @@ static inline int32_t share_lo(int32_t lo, int32_t hi, int ith, int nth) {
 // Block b's gate/up rows (its whole payload unless the layer is split) if its read has landed,
 // else NULL (for prefetching: never waits).
 static inline const uint8_t * landed(ls_engine * e, const ls_layer * L, int32_t b) {
-    const int32_t slot = L->slot_of_block[b];
-    if (slot < 0 || atomic_load_explicit(&L->state[b], memory_order_relaxed) != LS_BLK_READY) return NULL;
+    const int32_t slot = L->f.slot[b];
+    if (slot < 0 || atomic_load_explicit(&L->f.state[b], memory_order_relaxed) != LS_BLK_READY) return NULL;
     return ls_block_gu(L, ls_cache_slot_ptr(&e->cache, slot), b);
 }
 
@@ -308,7 +307,7 @@ static void compute_share(ls_engine * e, int s, int n_shares, int32_t lo, int32_
             const uint8_t * down = ls_block_dn(L, blk, b);
             if (L->dn_ptr && direct) prefetch_bytes(down, (uint64_t) k * L->down_col_bytes);   // staged, read at the flush
             for (int64_t j = 0; j < k; j++) {
-                if (L->perm[(size_t) b * k + j] < 0) continue; // padding slot
+                if (L->f.ids[(size_t) b * k + j] < 0) continue; // padding slot
                 float * hj = h + (size_t) n_staged * Tc;
                 neuron_h(&nm, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, Tc,
                          nxt_for(pf.nxt, pf.lines, j, nm.fused, n_embd), pf.lines, gu_tmp, hj);
@@ -418,7 +417,7 @@ static void cascade_gate_up(ls_engine * e, int ith, int nth) {
         const uint8_t * up   = gate + (size_t) k * L->gate_row_bytes;
         float sc = 0.0f;
         for (int64_t j = 0; j < k; j++) {
-            if (L->perm[(size_t) b * k + j] < 0) continue;
+            if (L->f.ids[(size_t) b * k + j] < 0) continue;
             float g, u;
             gate_up(tg, tu, fused, n_embd, gate + j * L->gate_row_bytes, up + j * L->up_row_bytes, xg, xu, &g, &u,
                     nxt_for(pf.nxt, pf.lines, j, fused, n_embd), pf.lines);
@@ -446,9 +445,9 @@ static void cascade_down(ls_engine * e, int s, int n_shares, float * acc, float 
         int m = 0;
         for (int32_t q = q0; q < q1; q++) {
             const int32_t i = P->cascade.sel[q], b = P->blocks[i];
-            const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
+            const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->f.slot[b]), b);
             for (int64_t j = 0; j < k; j++) {
-                if (L->perm[(size_t) b * k + j] < 0) continue;
+                if (L->f.ids[(size_t) b * k + j] < 0) continue;
                 dh[m] = P->cascade.hval[(size_t) i * k + j];
                 dc[m++] = down + j * L->down_col_bytes;
             }
@@ -465,9 +464,9 @@ static void cascade_down(ls_engine * e, int s, int n_shares, float * acc, float 
             ls_axpy_tile(acc, h, cols, n_staged, 1, n_embd);
             n_staged = 0;
         }
-        const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]), b);
+        const uint8_t * down = ls_block_dn(L, ls_cache_slot_ptr(&e->cache, L->f.slot[b]), b);
         for (int64_t j = 0; j < k; j++) {
-            if (L->perm[(size_t) b * k + j] < 0) continue;
+            if (L->f.ids[(size_t) b * k + j] < 0) continue;
             h[n_staged] = P->cascade.hval[(size_t) i * k + j];
             stage_column(in, down + j * L->down_col_bytes, cols + (size_t) n_staged++ * n_embd);
         }

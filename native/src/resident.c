@@ -28,7 +28,7 @@ void ls_layer_split(ls_engine * e, ls_layer * L) {
     const size_t dn = (size_t) L->info.neurons_per_block * L->down_col_bytes;
     int32_t * slots = malloc(sizeof(int32_t) * (size_t) nb);
     if (!slots) return;
-    for (int32_t b = 0; b < nb; b++) slots[b] = L->slot_of_block[b];
+    for (int32_t b = 0; b < nb; b++) slots[b] = L->f.slot[b];
     qsort(slots, (size_t) nb, sizeof(int32_t), cmp_i32);   // by address: the parts stream in order
     // slots in one range (a cache that never evicts hands them out in order): the layer's memory
     // is one run of nb * stride bytes, and the parts are packed back to back across slot bounds;
@@ -44,7 +44,7 @@ void ls_layer_split(ls_engine * e, ls_layer * L) {
     const uint8_t ** dp = malloc(sizeof(*dp) * (size_t) nb);
     if (!tmp || !gp || !dp) { free(slots); free(tmp); free(gp); free(dp); return; }   // stays unsplit
     for (int32_t b = 0; b < nb; b++) {
-        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->slot_of_block[b]);
+        const uint8_t * blk = ls_cache_slot_ptr(&e->cache, L->f.slot[b]);
         memcpy(tmp + (size_t) b * gu, blk, gu);
         memcpy(tmp + (size_t) nb * gu + (size_t) b * dn, blk + gu, dn);
     }

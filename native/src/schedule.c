@@ -106,10 +106,10 @@ static int32_t acquire_and_read(ls_engine * e, ls_layer * L, const int32_t * blo
     for (; i < n; i++) {
         int32_t slot;
         bool miss;
-        if (ls_cache_acquire(e, L, blocks[i], &slot, &miss) != LS_OK) break;
+        if (ls_cache_acquire(&e->cache, &L->f, blocks[i], &slot, &miss) != LS_OK) break;
         if (miss) missing[n_missing++] = blocks[i];
     }
-    ls_io_submit(e, L, missing, n_missing);
+    ls_io_submit(&e->io, &L->f, missing, n_missing, NULL);
     return i;
 }
 
@@ -117,17 +117,17 @@ static int32_t acquire_and_read(ls_engine * e, ls_layer * L, const int32_t * blo
 static void release_blocks(ls_engine * e, ls_layer * L, const int32_t * blocks, int32_t n, bool computed, bool keep) {
     for (int32_t i = 0; i < n; i++) {
         const int32_t b = blocks[i];
-        const int32_t st = atomic_load_explicit(&L->state[b], memory_order_acquire);
+        const int32_t st = atomic_load_explicit(&L->f.state[b], memory_order_acquire);
         if (st == LS_BLK_READY && keep) {
-            ls_cache_release(e, L, b, computed);
+            ls_cache_release(&e->cache, &L->f, b, computed);
         } else if (st == LS_BLK_READY || st == LS_BLK_FAILED) {
             // no cache (oneshot), or a failed read: free the slot, the next call re-reads
-            if (computed && st == LS_BLK_READY) ls_cache_release(e, L, b, true);
-            ls_cache_drop(e, L, b, st == LS_BLK_READY);
+            if (computed && st == LS_BLK_READY) ls_cache_release(&e->cache, &L->f, b, true);
+            ls_cache_drop(&e->cache, &L->f, b, st == LS_BLK_READY);
         } else {
             // still loading (a prefetch no one waited for): keep the pin count honest; the
             // block becomes evictable once its read lands
-            ls_cache_release(e, L, b, false);
+            ls_cache_release(&e->cache, &L->f, b, false);
         }
     }
 }
@@ -170,7 +170,7 @@ static ls_status pin_sparse_plan(ls_engine * e, ls_layer * L, const float * x_re
     // the chosen prefetched blocks now hold two pins: drop the prefetch's
     for (int32_t i = 0; i < L->n_prefetch; i++) {
         const int32_t b = L->prefetch[i];
-        if (chosen[b] == 1) ls_cache_release(e, L, b, false);
+        if (chosen[b] == 1) ls_cache_release(&e->cache, &L->f, b, false);
         L->in_prefetch[b] = 0;
     }
     L->n_prefetch = 0;
@@ -194,7 +194,7 @@ static void prefetch_next_dense(ls_engine * e, ls_layer * L) {
     ls_plan * P = &e->plan;
     int32_t * want = P->scratch, n = 0;
     for (int32_t b = 0; b < N->info.n_blocks; b++)
-        if (!(N->hot_pinned && N->hot_pinned[b])) want[n++] = b;
+        if (!N->f.hot_pinned[b]) want[n++] = b;
     const int32_t got = acquire_and_read(e, N, want, n, P->scratch2);
     for (int32_t i = 0; i < got; i++) {
         N->in_prefetch[want[i]] = 1;
@@ -206,7 +206,7 @@ static void prefetch_next_dense(ls_engine * e, ls_layer * L) {
 // Let go of the pins a prefetch took on L's blocks (the op's own pins hold them now).
 static void drop_prefetch_pins(ls_engine * e, ls_layer * L) {
     for (int32_t i = 0; i < L->n_prefetch; i++) {
-        ls_cache_release(e, L, L->prefetch[i], false);
+        ls_cache_release(&e->cache, &L->f, L->prefetch[i], false);
         L->in_prefetch[L->prefetch[i]] = 0;
     }
     L->n_prefetch = 0;
@@ -226,7 +226,7 @@ ls_status ls_sched_plan_dense(ls_engine * e, ls_layer * L) {
     }
     // one chunk if the whole layer fits, else chunks of the free and evictable slots
     int32_t room = ls_cache_available(&e->cache), missing = 0;
-    for (int32_t b = 0; b < nb; b++) missing += L->slot_of_block[b] < 0;
+    for (int32_t b = 0; b < nb; b++) missing += L->f.slot[b] < 0;
     if (room < 1 && missing > 0) return LS_ERR_BUDGET;
     const int32_t chunk = room >= missing ? nb : room; // resident blocks need no room
     P->chunks.n = 0;
@@ -266,7 +266,7 @@ void ls_sched_plan_draft(ls_engine * e, ls_layer * L) {
     for (int32_t b = 0; b < nb; b++) {
         const bool want = !ranked || mark[b] == 1;
         mark[b] = 0xFF;
-        if (want && L->slot_of_block[b] >= 0 && atomic_load_explicit(&L->state[b], memory_order_acquire) == LS_BLK_READY)
+        if (want && L->f.slot[b] >= 0 && atomic_load_explicit(&L->f.state[b], memory_order_acquire) == LS_BLK_READY)
             P->blocks[P->n++] = b;
     }
 }
@@ -316,7 +316,7 @@ ls_status ls_sched_plan_cascade(ls_engine * e, ls_layer * L, const float * x_res
         select_in_file_order(L, P->cascade.score, P->n, P->blocks);
         int32_t missing = 0;   // (only a controller reads it)
         if (e->ctrl.pol.mode != LS_CTRL_OFF)
-            for (int32_t i = 0; i < P->n; i++) missing += L->slot_of_block[P->blocks[i]] < 0;
+            for (int32_t i = 0; i < P->n; i++) missing += L->f.slot[P->blocks[i]] < 0;
         const int32_t n = n_wanted_at(e, L, ls_ctrl_choose(e, L, (uint64_t) missing * L->info.block_stride));
         if (n != P->n) {
             P->n = n;
@@ -374,7 +374,7 @@ void ls_sched_finish(ls_engine * e, bool * all_ready) {
     }
     *all_ready = true;
     for (int32_t i = 0; i < P->n; i++) {
-        if (atomic_load_explicit(&L->state[P->blocks[i]], memory_order_acquire) != LS_BLK_READY) *all_ready = false;
+        if (atomic_load_explicit(&L->f.state[P->blocks[i]], memory_order_acquire) != LS_BLK_READY) *all_ready = false;
     }
     release_blocks(e, L, P->blocks + P->pin_lo, P->n_pinned - P->pin_lo, true, e->policy->keep_cache);
     P->pin_lo = P->n_pinned = 0;

@@ -63,6 +63,13 @@ void ls_engine_record_error(ls_engine * e, ls_status st, const char * fmt, ...) 
     va_end(ap);
 }
 
+void ls_error_record(ls_error_slot * slot, ls_status st, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    ls_error_slot_record(slot, st, fmt, ap);
+    va_end(ap);
+}
+
 ls_status ls_create_failed(ls_status st, void (* free_obj)(void *), void * obj) {
     char saved[LS_MAX_ERRMSG];
     snprintf(saved, sizeof(saved), "%s", ls_errmsg());

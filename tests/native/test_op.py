@@ -146,25 +146,6 @@ def test_more_threads_than_cores_and_a_busy_machine_change_no_bit(shuffled_k3):
             _check(want[il], ffn_reference(w, x), w)
 
 
-@pytest.mark.parametrize("fault,message", [("eio", "I/O error"), ("short", "short read"), ("corrupt", "is corrupt")])
-def test_injected_read_fault_is_reported_then_the_block_is_read_again(shuffled_k3, fault, message):
-    """One read fails (test hook): the op that needed it raises naming the cause, the failed block
-    is not kept, and every later op (the block read again) equals the quiet result bit for bit."""
-    x = _x(1, 5)
-    with FFNEngine(shuffled_k3) as quiet:
-        want = [quiet.eval_layer(il, x, n_threads=2) for il in range(N_LAYER)]
-    layer_bytes = load_layer(shuffled_k3[0]).perm.size // 3 * blockfile.read_header(shuffled_k3[0]).block_stride
-    with FFNEngine(shuffled_k3, memory_budget=layer_bytes, test_hooks={"fault": fault, "fault_read": 2}) as e:
-        with pytest.raises(LeanstreamError, match=message):
-            for il in range(N_LAYER):
-                e.eval_layer(il, x, n_threads=2)
-        for _ in range(2):
-            for il in range(N_LAYER):
-                assert np.array_equal(e.eval_layer(il, x, n_threads=2), want[il])
-    with pytest.raises(TypeError, match="fault_reed"):
-        FFNEngine(shuffled_k3, test_hooks={"fault_reed": 1})
-
-
 @pytest.mark.parametrize("how", ["keyword", "wrapped"])
 def test_test_hooks_are_the_engines_own(shuffled_k3, how, monkeypatch):
     """Hooks given to one engine (its test_hooks keyword, or engine_hooks.given around its
