@@ -97,7 +97,7 @@ class Experts(_Streamed):
         """The routed experts' engine, its cache the budget (the plan's or the user's; 0: every
         expert once read)."""
         m = self.manifest
-        return MoEEngine([m.resolve(self.path, e.file) for e in m.moe.layers], cache_bytes=o.memory_budget or 0,
+        return MoEEngine([m.resolve(self.path, e.file) for e in m.moe.layers], memory_budget=o.memory_budget or 0,
                          activation=m.activation, n_io_threads=o.n_io_threads, verify_checksums=o.verify_checksums)
 
     def describe(self, engine, o) -> tuple:

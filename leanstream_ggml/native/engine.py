@@ -9,7 +9,6 @@ from typing import Sequence
 import numpy as np
 
 from leanstream_ggml.native._native import MODES, LeanstreamError, check, ffi, lib, mode_id
-from leanstream_ggml.native.params import size_bytes
 
 ACTIVATIONS = {"silu": lib.LS_ACT_SILU, "gelu": lib.LS_ACT_GELU}
 # batches of up to this many rows compute each row as that token alone (the FFN op and, through
@@ -18,10 +17,16 @@ EXACT_ROWS = int(lib.LS_EXACT_ROWS)
 DRAFT_TOP = int(lib.LS_DRAFT_TOP)   # best tokens per row the draft's output head keeps (draft_top)
 
 
-def parse_bytes(value: int | float | str | None) -> int:
-    """Bytes from 123, "512MiB", "1.5GB", "800 M". None, 0 and "unlimited" mean 0 (no limit).
-    (params.size_bytes: the one parser of sizes.)"""
-    return size_bytes(value, "memory_budget")
+def budget_bytes(value: int | None) -> int:
+    """An engine's memory_budget: bytes, an int >= 0 (None, 0: no limit). Sizes like "512MiB" are
+    parsed once, at the edge (params.size_bytes, through Llama's or engine_params' options), and
+    arrive here as bytes."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"memory_budget: expected bytes (an int >= 0), got {value!r}; a size such as '512MiB' "
+                        f"is parsed by Llama(memory_budget=...) or params.engine_params")
+    return value
 
 
 # The header declares the engine's parameters and counters once (ls_engine_params, ls_stats);
@@ -184,7 +189,7 @@ class FFNEngine(NativeOwner):
     controller = None  # the installed controller policy (set_controller), None: off
 
     def __init__(self, block_paths: Sequence[str | Path], *, activation: str = "silu",
-                 memory_budget: int | str | None = None, mode: str | None = None,
+                 memory_budget: int | None = None, mode: str | None = None,
                  predictor_paths: Sequence[str | Path | None] | None = None,
                  sketch_paths: Sequence[str | Path | None] | None = None, block_rank: np.ndarray | None = None,
                  verify_checksums: bool | None = None, test_hooks: dict | None = None, **tunable):
@@ -206,7 +211,7 @@ class FFNEngine(NativeOwner):
         p.activation = ACTIVATIONS[activation]
         if mode is not None:
             p.mode = mode_id(mode)
-        p.memory_budget = parse_bytes(memory_budget)
+        p.memory_budget = budget_bytes(memory_budget)
         if verify_checksums is not None:
             p.verify_checksums = 1 if verify_checksums else 0
         for name, value in tunable.items():

@@ -14,21 +14,21 @@ import numpy as np
 
 from leanstream_ggml.native._native import check, ffi, lib
 from leanstream_ggml.native.engine import (ACTIVATIONS, COMMON_STATS, NativeOwner, _test_hooks, common_derived,
-                                           parse_bytes, per)
+                                           budget_bytes, per)
 
 COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
 # the numbers of ls_moe_params left to the engine's defaults unless given (params); the others are
 # MoEEngine's own arguments
 TUNABLE_PARAMS = tuple(name for name, _ in ffi.typeof("ls_moe_params").fields
-                       if name not in {"n_layer", "cache_bytes", "activation", "verify_checksums", "test_hooks"})
+                       if name not in {"n_layer", "memory_budget", "activation", "verify_checksums", "test_hooks"})
 
 
-def derived_counters(raw: dict, slot_bytes: int) -> dict:
+def derived_counters(raw: dict) -> dict:
     """The MoE op's counters in the words every engine's stats() shares (engine.COMMON_STATS: an
     expert is a block; its reads are the misses and the hot set's loads; the op's time is its
     thread 0's, waiting and computing; nothing is resident besides the cache), then its own
-    (routed, experts, hits, misses, ...) with what is derived from them. slot_bytes: one cache
-    slot's bytes."""
+    (routed, experts, hits, misses, ...) with what is derived from them."""
+    slot_bytes = raw["slot_bytes"]
     common = {"op_calls": raw["op_calls"], "tokens": raw["tokens"], "blocks_computed": raw["experts"],
               "blocks_read": raw["misses"] + raw["pin_loads"], "bytes_read": raw["bytes_read"],
               "reads_issued": raw["reads"], "io_stall_ns": raw["stall_ns"],
@@ -45,27 +45,26 @@ class MoEEngine(NativeOwner):
     """Streams and computes the routed experts of a model's MoE layers from their expert files.
 
     expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
-    cache_bytes: the expert cache's budget for all layers together (int or "512MiB"; None/0:
-    every expert). n_io_threads, max_read_bytes, verify_checksums: None takes the engine's
+    memory_budget: bytes of the expert cache for all layers together (None/0: every expert). n_io_threads, max_read_bytes, verify_checksums: None takes the engine's
     default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
 
     _free = staticmethod(lib.ls_moe_free)
     _take_error = staticmethod(lib.ls_moe_take_error)
-    OWN_STATS = tuple(k for k in derived_counters(dict.fromkeys(COUNTER_FIELDS, 0), 0) if k not in COMMON_STATS)
+    OWN_STATS = tuple(k for k in derived_counters(dict.fromkeys(COUNTER_FIELDS, 0)) if k not in COMMON_STATS)
 
-    def __init__(self, expert_paths: Sequence[str | Path | None], *, cache_bytes: int | str | None = None,
+    def __init__(self, expert_paths: Sequence[str | Path | None], *, memory_budget: int | None = None,
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
                  verify_checksums: bool | None = None, test_hooks: dict | None = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
         self.n_layer = len(expert_paths)
-        self.memory_budget = parse_bytes(cache_bytes)   # bytes of the expert cache (0: every expert)
+        self.memory_budget = budget_bytes(memory_budget)   # bytes of the expert cache (0: every expert)
         self._paths = [ffi.new("char[]", str(p).encode()) if p else ffi.NULL for p in expert_paths]
         self._path_array = ffi.new("const char *[]", self._paths)
         p = ffi.new("ls_moe_params *")
         lib.ls_moe_params_init(p)
         p.n_layer = self.n_layer
-        p.cache_bytes = parse_bytes(cache_bytes)
+        p.memory_budget = self.memory_budget
         p.activation = ACTIVATIONS[activation]
         if n_io_threads is not None:
             p.n_io_threads = n_io_threads
@@ -79,11 +78,6 @@ class MoEEngine(NativeOwner):
         check(lib.ls_moe_create(p, self._path_array, out), "cannot open the model's expert files")
         self._handle = out[0]
         self.params = {name: getattr(p, name) for name in TUNABLE_PARAMS}   # (ls_moe_params_init's defaults)
-        # one cache slot: the largest layer's expert rounded up to 4096 bytes, as moe.c's
-        # open_layers sizes them (every slot aligned for every layer's O_DIRECT reads; the
-        # converter's alignment divides 4096). tests/native/test_moe.py holds it to the slots made.
-        strides = [self.layer_info(il)["expert_stride"] for il, q in enumerate(expert_paths) if q]
-        self.slot_bytes = -(-max(strides, default=0) // 4096) * 4096
 
     # -- the builder (ownership, errors: NativeOwner) ----------------------------------------
     @staticmethod
@@ -124,8 +118,7 @@ class MoEEngine(NativeOwner):
     def stats(self, il: int | None = None) -> dict:
         """Counters of layer il (None: summed over layers): engine.COMMON_STATS, then OWN_STATS
         (derived_counters)."""
-        return derived_counters(self._query(lib.ls_moe_stats, "ls_moe_counters", -1 if il is None else il),
-                                self.slot_bytes)
+        return derived_counters(self._query(lib.ls_moe_stats, "ls_moe_counters", -1 if il is None else il))
 
     def reset_stats(self) -> None:
         lib.ls_moe_reset_stats(self.handle)

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 14
+#define LS_ABI_VERSION 15
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -495,7 +495,7 @@ typedef struct ls_moe ls_moe;
 
 typedef struct ls_moe_params {
     int32_t  n_layer;          // layers of the model ([n_layer] paths; a NULL path: no experts there)
-    uint64_t cache_bytes;      // expert slots kept in RAM, all layers together; 0 (default): every expert
+    uint64_t memory_budget;    // bytes of expert slots kept in RAM, all layers together; 0 (default): every expert
     int32_t  n_io_threads;     // I/O workers, 1..LS_MAX_IO_THREADS, default 8
     uint32_t max_read_bytes;   // adjacent missing experts merge into one read up to this, default 1 MiB
                                // (an expert larger than this is one read of its own)
@@ -530,6 +530,7 @@ typedef struct ls_moe_counters {
     uint64_t resident;         // experts in the cache now
     uint64_t pinned;           // ... of them pinned (the hot set)
     uint64_t cache_slots;      // slots of the whole cache (the same in every layer's counters)
+    uint64_t slot_bytes;       // bytes of one slot (the largest expert, aligned for every file's reads)
     uint64_t direct_io;        // 1: reads bypass the page cache (O_DIRECT)
 } ls_moe_counters;
 

@@ -79,7 +79,7 @@ static ls_status open_layer(ls_moe * m, ls_moe_layer * L, int32_t il, const char
     return LS_OK;
 }
 
-// Every layer's expert file; the cache over all of them: cache_bytes -> slots (ls_cache_slots),
+// Every layer's expert file; the cache over all of them: memory_budget -> slots (ls_cache_slots),
 // at least 2 (one expert computed while the next one loads).
 static ls_status open_blocks(ls_moe * m, const char * const * paths) {
     ls_blockfile ** files = malloc(sizeof(*files) * (size_t) m->n_layer);
@@ -97,11 +97,11 @@ static ls_status open_blocks(ls_moe * m, const char * const * paths) {
     }
     if (st == LS_OK && n == 0) { ls_set_error("ls_moe_create: no layer has an expert file"); st = LS_ERR_ARG; }
     const uint64_t stride = st == LS_OK ? ls_cache_stride(files, m->n_layer) : 0;
-    const int64_t n_slots = st == LS_OK ? ls_cache_slots(m->params.cache_bytes, 0, stride, total) : 0;
+    const int64_t n_slots = st == LS_OK ? ls_cache_slots(m->params.memory_budget, 0, stride, total) : 0;
     if (st == LS_OK && n_slots < 2 && total >= 2) {
-        ls_set_error("cache_bytes %llu holds %d expert slot(s) of %llu bytes (the largest layer's expert, aligned); "
+        ls_set_error("memory_budget %llu holds %d expert slot(s) of %llu bytes (the largest layer's expert, aligned); "
                      "the MoE op needs at least 2 (%llu bytes): one expert computed while the next one loads",
-                     (unsigned long long) m->params.cache_bytes, (int) n_slots, (unsigned long long) stride,
+                     (unsigned long long) m->params.memory_budget, (int) n_slots, (unsigned long long) stride,
                      (unsigned long long) (2 * stride));
         st = LS_ERR_BUDGET;
     }
@@ -697,6 +697,7 @@ ls_status ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out) {
         if (il < 0 || l == il) add_layer(m, &m->layers[l], out);
     pthread_mutex_unlock(&mm->op_mu);
     out->cache_slots = (uint64_t) m->cache.n_slots;
+    out->slot_bytes = m->cache.stride;
     out->direct_io = m->direct_io ? 1 : 0;
     return LS_OK;
 }

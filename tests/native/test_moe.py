@@ -113,19 +113,19 @@ def test_threads_caches_jitter_and_hot_sets_give_the_same_bits(tmp_path):
     with MoEEngine([path]) as m:
         base = m.eval(0, x, ids, w, n_threads=1)
     stride = h["expert_stride"]
-    runs = [dict(cache_bytes=None, n_threads=t) for t in (2, 3)]
-    runs += [dict(cache_bytes=c * stride, n_threads=t) for c in (2, 3) for t in (1, 2, 3)]   # waves
-    runs += [dict(cache_bytes=3 * stride, n_threads=2, test_hooks={"io_delay_us": 300})]
+    runs = [dict(memory_budget=None, n_threads=t) for t in (2, 3)]
+    runs += [dict(memory_budget=c * stride, n_threads=t) for c in (2, 3) for t in (1, 2, 3)]   # waves
+    runs += [dict(memory_budget=3 * stride, n_threads=2, test_hooks={"io_delay_us": 300})]
     for run in runs:
         n_threads = run.pop("n_threads")
         with MoEEngine([path], **run) as m:
             for _ in range(2):   # cold, then whatever the cache kept
                 assert np.array_equal(m.eval(0, x, ids, w, n_threads=n_threads), base), (run, n_threads)
-    with MoEEngine([path], cache_bytes=2 * stride) as m:   # a row of a batch is that token alone
+    with MoEEngine([path], memory_budget=2 * stride) as m:   # a row of a batch is that token alone
         for t in range(len(x)):
             for n_threads in (1, 3):
                 assert np.array_equal(m.eval(0, x[t:t + 1], ids[t:t + 1], w[t:t + 1], n_threads=n_threads), base[t:t + 1])
-    with MoEEngine([path], cache_bytes=4 * stride) as m:
+    with MoEEngine([path], memory_budget=4 * stride) as m:
         m.pin(0, [5, 2])
         assert m.stats()["pinned"] == 2
         assert np.array_equal(m.eval(0, x, ids, w, n_threads=2), base)
@@ -157,7 +157,7 @@ def test_a_cache_smaller_than_the_batch_streams_in_waves(tmp_path):
     path = tmp_path / "blk.0.bin"
     h = make_layer(path)
     x, ids, w = routing(6, 4)
-    with MoEEngine([path], cache_bytes=2 * h["expert_stride"]) as m:
+    with MoEEngine([path], memory_budget=2 * h["expert_stride"]) as m:
         y = m.eval(0, x, ids, w, n_threads=2)
         s = m.stats()
         assert s["cache_slots"] == 2 and s["resident"] <= 2
@@ -168,7 +168,7 @@ def test_a_cache_smaller_than_the_batch_streams_in_waves(tmp_path):
 
 
 def test_the_cache_slot_is_the_engine_s(tmp_path):
-    """MoEEngine.slot_bytes (the unit of the common stats' cache_bytes and cache_capacity) is the
+    """The stats' slot_bytes (the unit of the common stats' cache_bytes and cache_capacity) is the
     slot moe.c makes, for layers of different strides aligned to less than a page: a budget of k
     slots holds k, one byte less k - 1; the cache holds what it counts."""
     p0, p2 = tmp_path / "blk.0.bin", tmp_path / "blk.2.bin"
@@ -177,10 +177,10 @@ def test_the_cache_slot_is_the_engine_s(tmp_path):
     assert h0["expert_stride"] % 4096 and h0["expert_stride"] > h2["expert_stride"]
     x, ids, w = routing(3, 2)
     with MoEEngine([p0, None, p2]) as every:
-        slot = every.slot_bytes
+        slot = every.stats()["slot_bytes"]
         assert slot >= max(h0["expert_stride"], h2["expert_stride"]) and every.stats()["cache_slots"] == 2 * N_EXPERT
     for budget, slots in ((3 * slot, 3), (3 * slot - 1, 2)):
-        with MoEEngine([p0, None, p2], cache_bytes=budget) as m:
+        with MoEEngine([p0, None, p2], memory_budget=budget) as m:
             m.eval(0, x, ids, w)
             s = m.stats()
             assert s["cache_slots"] == slots and s["cache_capacity"] == slots * slot <= budget
@@ -192,7 +192,7 @@ def test_layers_share_the_cache_and_layers_without_experts(tmp_path):
     make_layer(p0, seed=3)
     h = make_layer(p2, il=2, seed=4)
     x, ids, w = routing(3, 2)
-    with MoEEngine([p0, None, p2], cache_bytes=5 * h["expert_stride"]) as m:
+    with MoEEngine([p0, None, p2], memory_budget=5 * h["expert_stride"]) as m:
         for il, p in ((0, p0), (2, p2), (0, p0)):
             close_to_reference(m.eval(il, x, ids, w), moe_reference(p, x, ids, w))
         assert m.stats()["resident"] <= 5
@@ -236,7 +236,7 @@ def test_a_cache_below_two_experts_is_refused(tmp_path):
     path = tmp_path / "blk.0.bin"
     h = make_layer(path)
     with pytest.raises(LeanstreamError, match="at least 2") as ei:
-        MoEEngine([path], cache_bytes=h["expert_stride"] + 1)
+        MoEEngine([path], memory_budget=h["expert_stride"] + 1)
     assert ei.value.status == lib.LS_ERR_BUDGET
 
 

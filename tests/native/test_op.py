@@ -20,7 +20,7 @@ from leanstream_convert import convert
 from leanstream_convert import blockfile
 from gguf_synth import write_tiny_model
 from leanstream_ggml.native._native import LeanstreamError
-from leanstream_ggml.native.engine import FFNEngine, parse_bytes
+from leanstream_ggml.native.engine import FFNEngine
 from reference import ffn_reference, load_layer
 
 N_EMBD, N_FF, N_LAYER = 256, 512, 2
@@ -201,7 +201,7 @@ def test_counters_answer_while_an_op_waits_for_its_reads(shuffled_k3):
 
 def test_budget_too_small_is_a_clear_error(shuffled_k3):
     with pytest.raises(LeanstreamError, match="too small"):
-        FFNEngine(shuffled_k3, memory_budget="64KiB")
+        FFNEngine(shuffled_k3, memory_budget=64 << 10)
 
 
 @pytest.mark.parametrize("damage", ["magic", "version", "truncate_header", "truncate_data", "perm"])
@@ -253,13 +253,23 @@ def test_owner_lifetime(shuffled_k3):
 
 @pytest.mark.parametrize("text,value", [("512MiB", 512 << 20), ("1.5GB", 1_500_000_000), (4096, 4096),
                                         ("800 k", 800_000), (None, 0), ("unlimited", 0)])
-def test_parse_bytes(text, value):
-    assert parse_bytes(text) == value
+def test_sizes_are_parsed_once_at_the_edge(text, value):
+    """Sizes are parsed by params.size_bytes alone (Llama's options, engine_params); the engine
+    takes bytes, and a size string given to it directly is a TypeError naming where to parse it."""
+    from leanstream_ggml.native import params
+
+    assert params.size_bytes(text) == value
+    assert params.engine_params(memory_budget=text)["memory_budget"] == (None if text is None else value)
+    if isinstance(text, str):
+        with pytest.raises(TypeError, match="parsed by Llama"):
+            FFNEngine([], memory_budget=text)
 
 
 def test_parse_bytes_rejects_garbage():
+    from leanstream_ggml.native import params
+
     with pytest.raises(ValueError, match="cannot parse"):
-        parse_bytes("lots")
+        params.size_bytes("lots")
 
 
 def test_dense_keeps_a_fixed_part_resident_under_a_small_budget(shuffled_k3):
