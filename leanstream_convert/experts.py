@@ -5,7 +5,7 @@ expert_of_slot and slot_crc tables, then one slot per expert holding its gate, u
 in the GGUF's own types and bytes. ``write_expert_file`` takes the experts one at a time from a
 callback (one expert in RAM at a time, whatever the layer's size), writes under a temporary name
 and renames. The runtime reads the header back (``leanstream_ggml.model.blockfile.read_expert_header``) and
-the engine reads the slots (native/src/moe_io.c).
+the engine reads the slots (native/src/blockfile.c, io.c).
 """
 
 from __future__ import annotations

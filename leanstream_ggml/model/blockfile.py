@@ -6,7 +6,7 @@ checksum tables, then the blocks at ``data_offset``. The engine reads these file
 (native/src/blockfile.c); this module unpacks the header and checks the tables' CRC for
 `leanstream verify`. The writer is the converter's (leanstream_convert/blockfile.py). The expert files
 of a mixture-of-experts model (``experts/blk.<il>.bin``) likewise: ``read_expert_header``
-(written by leanstream_convert/experts.py, read by native/src/moe_io.c).
+(written by leanstream_convert/experts.py, read by native/src/blockfile.c).
 """
 
 from __future__ import annotations
