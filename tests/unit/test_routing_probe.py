@@ -1,0 +1,71 @@
+"""bench/routing_probe.py's routing figures on hand-made selections (no model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def rp():
+    if str(BENCH) not in sys.path:      # the script imports bench/benchkit.py by name
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_routing_probe", BENCH / "routing_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_by_hand(rp):
+    # k = 2, T = 4; layer 0: {0,1} {1,2} {1,2} {3,4}
+    #   distinct 5; lag-1 overlaps 1, 2, 0 -> (1/2 + 2/2 + 0/2) / 3 = 0.5
+    #   counts 0:1 1:3 2:2 3:1 4:1 -> all 5 experts within the top 8: share 8/8 = 1
+    # layer 1: the same expert pair every token -> distinct 2, lag-1 1, top-8 share 1
+    l0 = [[0, 1], [2, 1], [1, 2], [4, 3]]
+    l1 = [[7, 9], [9, 7], [7, 9], [9, 7]]
+    s = rp.summary(np.array([l0, l1]))
+    assert (s["n_layer"], s["tokens"], s["n_used"]) == (2, 4, 2)
+    assert s["layers"] == [{"distinct": 5, "lag1_reuse": 0.5, "top8_share": 1.0},
+                           {"distinct": 2, "lag1_reuse": 1.0, "top8_share": 1.0}]
+    assert s["distinct"] == {"mean": 3.5, "min": 2.0, "max": 5.0}
+    assert s["lag1_reuse"] == {"mean": 0.75, "min": 0.5, "max": 1.0}
+
+
+def test_top8_share_counts_only_the_eight_hottest(rp):
+    # k = 2, T = 10: expert 0 in every token, the other slot a new expert each time (1..10)
+    #   distinct 11; top 8 = expert 0 (10) + 7 experts of 1 -> 17 / 20 = 0.85
+    #   lag-1: expert 0 shared every step -> 1/2
+    sel = np.array([[[0, t + 1] for t in range(10)]])
+    s = rp.summary(sel)
+    assert s["layers"][0] == {"distinct": 11, "lag1_reuse": 0.5, "top8_share": 0.85}
+    # with 128 experts declared the figures do not change
+    assert rp.summary(sel, n_expert=128)["layers"][0] == s["layers"][0]
+
+
+def test_one_token(rp):
+    # T = 1: no pair of tokens, lag-1 undefined (None, also in the spread); the rest defined
+    s = rp.summary(np.array([[[3, 5, 8]], [[1, 2, 3]]]))
+    assert s["layers"] == [{"distinct": 3, "lag1_reuse": None, "top8_share": 1.0}] * 2
+    assert s["lag1_reuse"] is None
+    assert s["distinct"] == {"mean": 3.0, "min": 3.0, "max": 3.0}
+
+
+def test_rejects_a_flat_array(rp):
+    with pytest.raises(ValueError):
+        rp.summary(np.array([[1, 2], [3, 4]]))
+
+
+def test_next_layer_recall(rp):
+    # layer 1's router picks the largest input coordinates; layer 0's input predicts layer 1's
+    # choice exactly for token 0 and half of it for token 1
+    eye = np.eye(4, dtype=np.float32)
+    norm_in = [np.array([[4, 3, 0, 0], [4, 0, 0, 3]], np.float32), np.zeros((2, 4), np.float32)]
+    sel = np.array([[[0, 1], [0, 1]], [[0, 1], [0, 1]]])
+    assert rp.next_layer_recall(norm_in, [eye, eye], sel) == [0.75]
+    assert rp.published["qwen3-30b-a3b"]["distinct"] == 64
