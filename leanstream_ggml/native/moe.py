@@ -20,17 +20,19 @@ COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
 # the numbers of ls_moe_params left to the engine's defaults unless given (params); the others are
 # MoEEngine's own arguments
 TUNABLE_PARAMS = tuple(name for name, _ in ffi.typeof("ls_moe_params").fields
-                       if name not in {"n_layer", "memory_budget", "activation", "verify_checksums", "test_hooks"})
+                       if name not in {"n_layer", "memory_budget", "activation", "verify_checksums", "test_hooks",
+                                       "read_ahead"})
+READ_AHEAD = {"off": lib.LS_AHEAD_OFF, "auto": lib.LS_AHEAD_AUTO, "on": lib.LS_AHEAD_ON}
 
 
 def derived_counters(raw: dict) -> dict:
     """The MoE op's counters in the words every engine's stats() shares (engine.COMMON_STATS: an
-    expert is a block; its reads are the misses and the hot set's loads; the op's time is its
+    expert is a block; its reads are the misses, the hot set's loads and read-ahead; the op's time is its
     thread 0's, waiting and computing; nothing is resident besides the cache), then its own
     (routed, experts, hits, misses, ...) with what is derived from them."""
     slot_bytes = raw["slot_bytes"]
     common = {"op_calls": raw["op_calls"], "tokens": raw["tokens"], "blocks_computed": raw["experts"],
-              "blocks_read": raw["misses"] + raw["pin_loads"], "bytes_read": raw["bytes_read"],
+              "blocks_read": raw["misses"] + raw["pin_loads"] + raw["ahead_reads"], "bytes_read": raw["bytes_read"],
               "reads_issued": raw["reads"], "io_stall_ns": raw["stall_ns"],
               "op_ns": raw["stall_ns"] + raw["compute_ns"], "checksum_ns": raw["checksum_ns"],
               "cache_bytes": raw["resident"] * slot_bytes,
@@ -38,15 +40,21 @@ def derived_counters(raw: dict) -> dict:
               "direct_io": raw["direct_io"]}
     own = {k: v for k, v in raw.items() if k not in common}
     return {**common, **common_derived(common), **own, "hit_ratio": per(raw, "hits", "experts"),
-            "stall_s": raw["stall_ns"] / 1e9, "compute_s": raw["compute_ns"] / 1e9}
+            "stall_s": raw["stall_ns"] / 1e9, "compute_s": raw["compute_ns"] / 1e9,
+            "ahead_recall": per(raw, "ahead_predicted", "ahead_routed"),
+            "ahead_precision": per(raw, "ahead_useful", "ahead_candidates"),
+            "ahead_wasted_bytes": max(0, raw["ahead_reads"] - raw["ahead_used"]) * slot_bytes}
 
 
 class MoEEngine(NativeOwner):
     """Streams and computes the routed experts of a model's MoE layers from their expert files.
 
     expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
-    memory_budget: bytes of the expert cache for all layers together (None/0: every expert). n_io_threads, max_read_bytes, verify_checksums: None takes the engine's
-    default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
+    memory_budget: bytes of the expert cache for all layers together (None/0: every expert).
+    read_ahead: "auto" (default: each layer's predicted experts read while the layer before it
+    computes, turned off per layer while too few are used), "on" or "off". n_io_threads,
+    max_read_bytes, verify_checksums, ahead_min_precision, ahead_max_tokens: None takes the
+    engine's default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
 
     _free = staticmethod(lib.ls_moe_free)
     _take_error = staticmethod(lib.ls_moe_take_error)
@@ -54,9 +62,13 @@ class MoEEngine(NativeOwner):
 
     def __init__(self, expert_paths: Sequence[str | Path | None], *, memory_budget: int | None = None,
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
-                 verify_checksums: bool | None = None, test_hooks: dict | None = None):
+                 verify_checksums: bool | None = None, read_ahead: str = "auto",
+                 ahead_min_precision: float | None = None, ahead_max_tokens: int | None = None,
+                 test_hooks: dict | None = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
+        if read_ahead not in READ_AHEAD:
+            raise ValueError(f"read_ahead={read_ahead!r}: one of {', '.join(READ_AHEAD)}")
         self.n_layer = len(expert_paths)
         self.memory_budget = budget_bytes(memory_budget)   # bytes of the expert cache (0: every expert)
         self._paths = [ffi.new("char[]", str(p).encode()) if p else ffi.NULL for p in expert_paths]
@@ -72,6 +84,11 @@ class MoEEngine(NativeOwner):
             p.max_read_bytes = max_read_bytes
         if verify_checksums is not None:
             p.verify_checksums = 1 if verify_checksums else 0
+        p.read_ahead = READ_AHEAD[read_ahead]
+        if ahead_min_precision is not None:
+            p.ahead_min_precision = ahead_min_precision
+        if ahead_max_tokens is not None:
+            p.ahead_max_tokens = ahead_max_tokens
         hooks = _test_hooks(test_hooks)   # (copied by the engine)
         p.test_hooks = hooks
         out = ffi.new("ls_moe **")
@@ -96,6 +113,20 @@ class MoEEngine(NativeOwner):
         experts = np.ascontiguousarray(np.asarray(experts, dtype=np.int32).reshape(-1))
         check(lib.ls_moe_pin(self.handle, il, ffi.cast("const int32_t *", experts.ctypes.data), experts.size),
               f"cannot pin layer {il}'s experts")
+
+    def set_router(self, il: int, router: np.ndarray, n_used: int) -> None:
+        """Layer il's router [n_expert, n_embd] (read-ahead's predictions of its experts; in a graph
+        the engine finds llama.cpp's own): its top n_used of router . x."""
+        router = np.ascontiguousarray(router, dtype=np.float32)
+        check(lib.ls_moe_set_router(self.handle, il, ffi.cast("const float *", router.ctypes.data), router.shape[0],
+                                    router.shape[1], n_used), f"cannot set layer {il}'s router")
+
+    def routing_counts(self, il: int) -> np.ndarray:
+        """[n_expert] token-expert pairs layer il routed to each expert (since made or reset_stats)."""
+        n = self.layer_info(il)["n_expert"]
+        out = np.zeros(n, np.uint64)
+        check(lib.ls_moe_routing_counts(self.handle, il, ffi.cast("uint64_t *", out.ctypes.data), n))
+        return out
 
     def eval(self, il: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, n_threads: int = 1) -> np.ndarray:
         """Layer il's routed experts of x [n_tokens, n_embd] f32: ids [n_tokens, n_used] router

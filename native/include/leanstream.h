@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 15
+#define LS_ABI_VERSION 16
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -501,9 +501,19 @@ typedef struct ls_moe_params {
                                // (an expert larger than this is one read of its own)
     int32_t  verify_checksums; // 1 (default): every expert's CRC-32C after each read, before use
     int32_t  activation;       // LS_ACT_SILU (default) or LS_ACT_GELU
+    int32_t  read_ahead;       // LS_AHEAD_AUTO (default): while layer n computes, the experts layer n+1's
+                               // router picks from layer n's input are read (when its router is known:
+                               // ls_moe_build finds it in the graph, ls_moe_set_router gives it), a layer
+                               // at a time turned off while too few of them are then used (ahead_min_precision),
+                               // and on again when they are; LS_AHEAD_ON: always; LS_AHEAD_OFF: never
+    float    ahead_min_precision;   // auto: the share of early-read candidates the next op must use, default 0.5
+    int32_t  ahead_max_tokens; // batches of at most this many tokens read ahead (the union of their
+                               // predictions), default 8; larger ones (prefill) read each expert in waves
     const struct ls_test_hooks * test_hooks; // tests only: io_delay_us, buffered_io, fault, fault_read
                                // (counted over this engine's reads); NULL (default): none
 } ls_moe_params;
+
+enum { LS_AHEAD_OFF = 0, LS_AHEAD_AUTO = 1, LS_AHEAD_ON = 2 };
 
 typedef struct ls_moe_info {
     int64_t  n_embd;
@@ -532,6 +542,16 @@ typedef struct ls_moe_counters {
     uint64_t cache_slots;      // slots of the whole cache (the same in every layer's counters)
     uint64_t slot_bytes;       // bytes of one slot (the largest expert, aligned for every file's reads)
     uint64_t direct_io;        // 1: reads bypass the page cache (O_DIRECT)
+    // read-ahead (read_ahead): the predictions made for this layer from the layer before it
+    uint64_t ahead_ops;        // ops of this layer that had a prediction
+    uint64_t ahead_routed;     // distinct experts those ops computed
+    uint64_t ahead_predicted;  // ... of them predicted (recall: ahead_predicted / ahead_routed)
+    uint64_t ahead_candidates; // predicted experts absent when predicted (what read-ahead may read)
+    uint64_t ahead_useful;     // ... of them the op then used (precision: ahead_useful / ahead_candidates)
+    uint64_t ahead_reads;      // experts read early
+    uint64_t ahead_used;       // ... of them used by the op they were read for (the rest: wasted bytes)
+    uint64_t ahead_on;         // layers whose read-ahead is on now (auto turns a layer off and on)
+    uint64_t router_known;     // layers whose router the engine has (read-ahead predicts only those)
 } ls_moe_counters;
 
 LS_API void        ls_moe_params_init(ls_moe_params * p);   // the only source of defaults
@@ -562,6 +582,13 @@ LS_API struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml
 LS_API ls_status   ls_moe_eval(ls_moe * m, int32_t il, const float * x, int64_t n_tokens, const int32_t * ids,
                                const float * weights, int32_t n_used, float * y, int32_t n_threads);
 
+// Layer il's router for read-ahead, as ls_moe_build finds it in the graph: router [n_expert][n_embd]
+// f32 (copied), selection = top n_used of router . x (softmax keeps the order). Between ops.
+LS_API ls_status   ls_moe_set_router(ls_moe * m, int32_t il, const float * router, int32_t n_expert, int64_t n_embd,
+                                     int32_t n_used);
+// How many token-expert pairs of layer il were routed to each expert since the engine was made (or
+// ls_moe_reset_stats): counts [n_expert] by router index (a hot set's frequencies).
+LS_API ls_status   ls_moe_routing_counts(const ls_moe * m, int32_t il, uint64_t * counts, int32_t n_expert);
 LS_API ls_status   ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out);
 LS_API void        ls_moe_reset_stats(ls_moe * m);
 

@@ -391,7 +391,8 @@ struct ls_engine {
 // Files and who calls whom (no loops: a file calls only files below it in this list):
 //   graph.c      ls_ffn_build: the ggml node                 -> op.c util.c
 //   head.c       ls_output_build: the LM head's node, the draft vocabulary -> dispatch.c cpu.c util.c
-//   moe.c        the MoE engine: lifetime, the router's blocks, its op and node, counters -> io.c cache.c blockfile.c kernels.c cpu.c util.c
+//   moe.c        the MoE engine: lifetime, the router's blocks, its op and node, counters -> moe_ahead.c io.c cache.c blockfile.c kernels.c cpu.c util.c
+//   moe_ahead.c  read-ahead: the next layer's router on this layer's input, its early reads, their scores -> io.c cache.c cpu.c util.c
 //   op.c         the op's three paths, ls_ffn_eval_layers     -> schedule.c control.c engine.c sketch.c dispatch.c kernels.c io.c cache.c util.c
 //   schedule.c   selection, chunks, pins, prefetch            -> control.c cache.c io.c predictor.c mode.c util.c
 //   control.c    the streaming controller: state, lookup       -> util.c
@@ -626,7 +627,8 @@ static inline const uint8_t * ls_block_dn(const ls_layer * L, const uint8_t * bl
 // Per-layer counters of the MoE op: each a field of ls_moe_counters of the same name (the reads'
 // bytes_read, reads and checksum_ns come from the file's LS_READ_COUNTERS).
 #define LS_MOE_COUNTERS(X) \
-    X(op_calls) X(tokens) X(routed) X(experts) X(hits) X(misses) X(pin_loads) X(stall_ns) X(compute_ns)
+    X(op_calls) X(tokens) X(routed) X(experts) X(hits) X(misses) X(pin_loads) X(stall_ns) X(compute_ns) \
+    X(ahead_ops) X(ahead_routed) X(ahead_predicted) X(ahead_candidates) X(ahead_useful) X(ahead_reads) X(ahead_used)
 typedef struct ls_moe_layer_counters { LS_MOE_COUNTERS(LS_COUNTER_FIELD) } ls_moe_layer_counters;
 
 struct ls_moe;
@@ -638,6 +640,23 @@ typedef struct ls_moe_layer {
     uint64_t           gate_bytes, up_bytes, down_bytes;   // of one expert's rows
     int32_t *          block_of_expert;  // [n_expert] the block (file slot) holding expert e: f.ids inverted
     ls_moe_layer_counters stats;
+    uint64_t *         routed_count;     // [n_expert] token-expert pairs routed to each expert (thread 0)
+    // the router (read-ahead's predictions for this layer): rows [n_expert] of router_row bytes of
+    // router_type (F32, F16 or BF16), llama.cpp's tensor (ls_moe_build) or router_own (ls_moe_set_router);
+    // logits (+ router_logit_bias), then sigmoid (router_sigmoid) + router_prob_bias, top router_n_used
+    const void *       router;
+    int32_t            router_type, router_n_used;
+    size_t             router_row;
+    const float *      router_logit_bias, * router_prob_bias;
+    bool               router_sigmoid;
+    float *            router_own;
+    // read-ahead into this layer, by the op of the layer before it (thread 0s, under op_mu)
+    uint8_t *          predicted;        // [n_blocks] predicted for this layer's next op
+    uint8_t *          candidate;        // [n_blocks] ... and absent when predicted
+    uint8_t *          ahead;            // [n_blocks] read early for the next op
+    bool               has_prediction;
+    bool               ahead_off;        // auto: turned off (too few candidates used)
+    float              ahead_precision;  // auto: running share of candidates the next op used
 } ls_moe_layer;
 
 // The op's state (moe.c): thread 0 writes it before the barriers, every thread reads it.
@@ -651,6 +670,8 @@ typedef struct ls_moe_plan {
     const float *     x;                 // [n_tokens] rows of x_stride bytes
     size_t            x_stride;
     int32_t           n_entries, n_hits; // entries [0, n_hits) were resident
+    int32_t           n_landing;         // entries [n_hits, n_hits + n_landing) were being read (read-ahead):
+                                         // they follow their block's state, not a read of the op's own
     int32_t *         entry_block;       // [n_expert]
     int32_t *         entry_pair0;       // [n_expert + 1] entry i's pairs: pairs[entry_pair0[i], entry_pair0[i + 1])
     int32_t *         pairs;             // [n_tokens * n_used] pair index t * n_used + k, by entry, t ascending
@@ -672,7 +693,18 @@ typedef struct ls_moe_plan {
     size_t            xq_cap, h_cap, hq_cap[2], out_cap;   // elements grown (ls_grow)
     size_t            pair_cap, entry_cap;
     uint64_t          stall_ns;          // thread 0's wait this op
+    uint8_t *         rq;                // the router's input in its vec_dot_type (read-ahead), rq_cap bytes
+    float *           logits;            // [n_expert] (read-ahead)
+    int32_t *         ahead_list;        // [n_expert] blocks read early
+    size_t            rq_cap, logits_cap, ahead_cap;
 } ls_moe_plan;
+
+// read-ahead (moe_ahead.c), called by moe.c
+ls_status ls_moe_ahead_layer_init(ls_moe_layer * L);
+void ls_moe_ahead_layer_free(ls_moe_layer * L);
+void ls_moe_ahead_find_router(ls_moe_layer * L, struct ggml_tensor * selected, int32_t n_used);
+void ls_moe_ahead_plan(struct ls_moe * m, ls_moe_plan * P);   // thread 0, after the op's own reads
+void ls_moe_ahead_score(struct ls_moe * m, ls_moe_plan * P);  // thread 0, once the batch's blocks are marked
 
 struct ls_moe {
     ls_moe_params    params;             // defaults resolved; test_hooks copied into hooks

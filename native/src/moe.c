@@ -44,6 +44,9 @@ void ls_moe_params_init(ls_moe_params * p) {
     p->max_read_bytes = 1u << 20;
     p->verify_checksums = 1;
     p->activation = LS_ACT_SILU;
+    p->read_ahead = LS_AHEAD_AUTO;
+    p->ahead_min_precision = 0.5f;
+    p->ahead_max_tokens = 8;
 }
 
 static const uint8_t * block_ptr(const ls_moe * m, const ls_moe_layer * L, int32_t b) {
@@ -60,6 +63,12 @@ static ls_status check_params(const ls_moe_params * p, const char * const * path
     }
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("ls_moe_create: unknown activation %d", p->activation); return LS_ERR_ARG; }
     if (p->max_read_bytes == 0) { ls_set_error("ls_moe_create: max_read_bytes must be > 0"); return LS_ERR_ARG; }
+    if (p->read_ahead < LS_AHEAD_OFF || p->read_ahead > LS_AHEAD_ON || !(p->ahead_min_precision >= 0.0f && p->ahead_min_precision <= 1.0f) ||
+        p->ahead_max_tokens < 0) {
+        ls_set_error("ls_moe_create: read_ahead %d (0, 1 or 2), ahead_min_precision %g (0..1), ahead_max_tokens %d (>= 0)",
+                     p->read_ahead, (double) p->ahead_min_precision, p->ahead_max_tokens);
+        return LS_ERR_ARG;
+    }
     return LS_OK;
 }
 
@@ -76,7 +85,7 @@ static ls_status open_layer(ls_moe * m, ls_moe_layer * L, int32_t il, const char
     L->block_of_expert = malloc(sizeof(int32_t) * (size_t) L->f.n_blocks);
     if (!L->block_of_expert) { ls_set_error("out of memory"); return LS_ERR_NOMEM; }
     for (int32_t b = 0; b < L->f.n_blocks; b++) L->block_of_expert[L->f.ids[b]] = b;   // (a permutation: checked)
-    return LS_OK;
+    return ls_moe_ahead_layer_init(L);
 }
 
 // Every layer's expert file; the cache over all of them: memory_budget -> slots (ls_cache_slots),
@@ -145,7 +154,7 @@ ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_
 static void plan_free(ls_moe_plan * P) {
     free(P->entry_block); free(P->entry_pair0); free(P->pairs); free(P->pair_entry); free(P->pair_w);
     free((void *) P->entry_state); free(P->entry_of); free(P->xq); free(P->h);
-    free(P->hq[0]); free(P->hq[1]); free(P->out);
+    free(P->hq[0]); free(P->hq[1]); free(P->out); free(P->rq); free(P->logits); free(P->ahead_list);
 }
 
 void ls_moe_free(ls_moe * m) {
@@ -154,6 +163,7 @@ void ls_moe_free(ls_moe * m) {
     for (int32_t il = 0; il < m->n_layer && m->layers; il++) {
         ls_blockfile_close(&m->layers[il].f);
         free(m->layers[il].block_of_expert);
+        ls_moe_ahead_layer_free(&m->layers[il]);
     }
     free(m->layers);
     ls_cache_free(&m->cache);
@@ -315,7 +325,7 @@ static bool grow_compute(ls_moe_plan * P, const ls_moe_layer * L) {
 // The router's choices read into pair_entry (for now: the block of each pair's expert) and pair_w,
 // entry_of[b] = 0 for each block used; the first bad index recorded.
 static void read_routes(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
-    const ls_moe_layer * L = P->L;
+    ls_moe_layer * L = P->L;
     const int32_t ne = L->info.n_expert;
     for (int32_t b = 0; b < ne; b++) P->entry_of[b] = -1;
     int64_t bad = -1;
@@ -329,6 +339,7 @@ static void read_routes(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
             if (e < 0 || e >= ne) { P->pair_entry[p] = -1; if (bad < 0) { bad = p; bad_e = e; } continue; }
             P->pair_entry[p] = L->block_of_expert[e];
             P->entry_of[P->pair_entry[p]] = 0;   // used
+            L->routed_count[e]++;
         }
     }
     if (bad >= 0)
@@ -336,22 +347,33 @@ static void read_routes(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
                         L->f.path, L->f.il, (long long) (bad / a->n_used), bad_e, ne);
 }
 
-// The distinct blocks made entries (resident ones first, then the missing ones, each group in
-// file order) and each entry's pairs listed.
+// Where a block the batch uses stands: 0 resident, 1 landing (a read-ahead's read in flight), 2 absent
+// (a read-ahead's failed read dropped first: the op reads it again, and the error is kept).
+static int block_where(ls_moe * m, ls_blockfile * F, int32_t b) {
+    if (F->slot[b] < 0) return 2;
+    const int32_t st = atomic_load_explicit(&F->state[b], memory_order_acquire);
+    if (st == LS_BLK_READY) return 0;
+    if (st == LS_BLK_LOADING) return 1;
+    ls_cache_drop(&m->cache, F, b, false);
+    return 2;
+}
+
+// The distinct blocks made entries (resident ones first, then those landing, then the missing
+// ones, each group in file order) and each entry's pairs listed; read-ahead scored.
 static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
-    const ls_blockfile * F = &P->L->f;
+    ls_blockfile * F = &P->L->f;
     const int64_t n_pairs = a->n_tokens * a->n_used;
     read_routes(m, P, a);
+    ls_moe_ahead_score(m, P);
     P->n_entries = 0;
-    for (int pass = 0; pass < 2; pass++) {          // resident first, then missing
+    for (int pass = 0; pass < 3; pass++) {          // resident, landing, missing
         for (int32_t b = 0; b < F->n_blocks; b++) {
-            if (P->entry_of[b] != 0) continue;
-            const bool resident = F->slot[b] >= 0 && atomic_load_explicit(&F->state[b], memory_order_acquire) == LS_BLK_READY;
-            if (resident != (pass == 0)) continue;
+            if (P->entry_of[b] != 0 || block_where(m, F, b) != pass) continue;
             P->entry_of[b] = P->n_entries + 1;      // (1-based while marking)
             P->entry_block[P->n_entries++] = b;
         }
         if (pass == 0) P->n_hits = P->n_entries;
+        if (pass == 1) P->n_landing = P->n_entries - P->n_hits;
     }
     for (int32_t i = 0; i <= P->n_entries; i++) P->entry_pair0[i] = 0;
     for (int64_t p = 0; p < n_pairs; p++) {
@@ -413,7 +435,7 @@ static void plan_op(ls_moe * m, const moe_args * a, int nth) {
     P->nth = nth;
     P->x = a->x;
     P->x_stride = a->x_stride;
-    P->n_entries = P->n_hits = P->next_read = 0;
+    P->n_entries = P->n_hits = P->n_landing = P->next_read = 0;
     P->starved = false;
     P->stall_ns = 0;
     if (!grow_plan(P, L, a->n_tokens * a->n_used)) {
@@ -430,15 +452,17 @@ static void plan_op(ls_moe * m, const moe_args * a, int nth) {
     }
     int32_t slot;
     bool miss;
+    const int32_t held = P->n_hits + P->n_landing;   // resident or landing: a pin each
     for (int32_t i = 0; i < P->n_entries; i++) {
         atomic_store_explicit(&P->entry_state[i], i < P->n_hits ? LS_BLK_READY : 0, memory_order_relaxed);
-        if (i < P->n_hits) ls_cache_acquire(&m->cache, &L->f, P->entry_block[i], &slot, &miss);   // (resident: a pin)
+        if (i < held) ls_cache_acquire(&m->cache, &L->f, P->entry_block[i], &slot, &miss);
     }
-    P->next_read = P->n_hits;
+    P->next_read = held;
     top_up(m, P);
     atomic_fetch_add(&L->stats.hits, (uint64_t) P->n_hits);
     atomic_fetch_add(&L->stats.experts, (uint64_t) P->n_entries);
     atomic_fetch_add(&L->stats.routed, (uint64_t) P->entry_pair0[P->n_entries]);
+    ls_moe_ahead_plan(m, P);   // the next layer's experts, behind this one's misses
 }
 
 // ---- the op: computing (every thread) ----------------------------------------------------------
@@ -548,11 +572,19 @@ static void reduce(const ls_moe_plan * P, float * y, size_t y_stride, int ith, i
     }
 }
 
+// entry i of those landing (a read-ahead's read): its block's state once landed, as the entry's
+static void await_landing(ls_moe * m, ls_moe_plan * P, int32_t i) {
+    _Atomic int32_t * state = &P->L->f.state[P->entry_block[i]];
+    ls_wait_while(state, LS_BLK_LOADING, &m->io.sleepers);
+    atomic_store_explicit(&P->entry_state[i], atomic_load_explicit(state, memory_order_acquire), memory_order_release);
+}
+
 static void op_entries(ls_moe * m, ls_moe_plan * P, int ith, int nth) {
     for (int32_t i = 0; i < P->n_entries; i++) {
         if (atomic_load_explicit(&P->entry_state[i], memory_order_acquire) == 0) {
             const uint64_t t0 = ith == 0 ? ls_now_ns() : 0;
-            ls_wait_while(&P->entry_state[i], 0, &m->io.sleepers);
+            if (i >= P->n_hits && i < P->n_hits + P->n_landing) await_landing(m, P, i);
+            else ls_wait_while(&P->entry_state[i], 0, &m->io.sleepers);
             if (ith == 0) P->stall_ns += ls_now_ns() - t0;
         }
         const bool ok = atomic_load_explicit(&P->entry_state[i], memory_order_acquire) == LS_BLK_READY;
@@ -638,6 +670,7 @@ struct ggml_tensor * ls_moe_build(struct ggml_context * ctx0, struct ggml_tensor
                             ggml_type_name(weights->type), (long long) L->info.n_embd, L->info.n_expert);
         return NULL;
     }
+    ls_moe_ahead_find_router(L, selected, (int32_t) U);
     struct ggml_tensor * args[3] = { cur, selected, weights };
     return ggml_custom_4d(ctx0, GGML_TYPE_F32, cur->ne[0], T, 1, 1, args, 3, moe_compute, GGML_N_TASKS_MAX, L);
 }
@@ -686,6 +719,22 @@ static void add_layer(const ls_moe * m, const ls_moe_layer * L, ls_moe_counters 
         out->resident++;
         out->pinned += F->hot[b] != 0;
     }
+    out->router_known += L->router != NULL;
+    out->ahead_on += L->router != NULL && m->params.read_ahead != LS_AHEAD_OFF &&
+                     (m->params.read_ahead == LS_AHEAD_ON || !L->ahead_off);
+}
+
+ls_status ls_moe_routing_counts(const ls_moe * m, int32_t il, uint64_t * counts, int32_t n_expert) {
+    const ls_moe_layer * L = layer_of(m, il);
+    if (!L || !counts || n_expert != L->info.n_expert) {
+        ls_set_error("ls_moe_routing_counts: layer %d%s", il, L ? ": n_expert does not match" : " has no expert file");
+        return LS_ERR_ARG;
+    }
+    ls_moe * mm = (ls_moe *) m;   // the lock only
+    pthread_mutex_lock(&mm->op_mu);
+    memcpy(counts, L->routed_count, sizeof(uint64_t) * (size_t) n_expert);
+    pthread_mutex_unlock(&mm->op_mu);
+    return LS_OK;
 }
 
 ls_status ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out) {
@@ -709,6 +758,7 @@ void ls_moe_reset_stats(ls_moe * m) {
 #define LS_READS_ZERO(name) atomic_store(&m->layers[il].f.stats.name, 0);
         LS_MOE_COUNTERS(LS_MOE_ZERO)
         LS_READ_COUNTERS(LS_READS_ZERO)
+        if (m->layers[il].routed_count) memset(m->layers[il].routed_count, 0, sizeof(uint64_t) * (size_t) m->layers[il].info.n_expert);
 #undef LS_MOE_ZERO
 #undef LS_READS_ZERO
     }
