@@ -262,6 +262,30 @@ def _calibrate(c: Conversion, done: bool) -> list:
     return quality
 
 
+def _routing(c: Conversion, done: bool) -> None:
+    """A mixture-of-experts model's routing frequencies on the calibration corpus, through the
+    plugin's MoE op under the limit (leanstream_convert/routing.py): experts/routing_freq.npy, the
+    hot set's ranking."""
+    from .calibrate import corpus
+    from .routing import run_pass
+
+    path = c.out / mf.ROUTING_FREQ
+    if not done:
+        try:
+            freq = run_pass(c.out, c.manifest, corpus(c.opts["calibration"]), memory_limit=c.limit,
+                            n_threads=c.opts["n_threads"], progress=c.progress)
+        except ValueError as e:   # llama_cpp: "Failed to load model" (an architecture it cannot run)
+            c.log(f"no routing frequencies (the hot set stays empty): llama.cpp could not run {c.out / 'base.gguf'}: {e}")
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, freq)
+        os.replace(tmp, path)
+    if path.exists():
+        c.manifest.moe.routing_freq = mf.ROUTING_FREQ
+    c.manifest.record_checksums(c.out)
+
+
 def _write_manifest(c: Conversion, done: bool) -> None:
     """manifest.json, once, last: its presence marks a complete model directory; the state folder
     goes."""
@@ -304,6 +328,8 @@ STAGES = (
     Stage("vocab", _vocab, ".convert/activations.npz", "draft/vocab.npy", when=_dense),
     Stage("calibrate", _calibrate, "the model directory, the activations' references",
           "the manifest's quality table (opt-in)", when=lambda c: _with_sketch(c) and c.opts["calibrate"]),
+    Stage("routing", _routing, "base.gguf, experts/, the calibration corpus", "experts/routing_freq.npy",
+          when=lambda c: c.moe),
     Stage("manifest", _write_manifest, "every stage's outputs", "manifest.json", marker=False, timed=False),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

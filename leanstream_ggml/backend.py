@@ -72,6 +72,12 @@ class _Streamed:
         _llama_cpp.wrap_decode(llm, engine.raise_pending)
 
 
+# the share of a MoE model's expert cache pinned for the experts routed to most often in calibration
+# (hot_fraction's default there): replayed against LRU, LFU and Belady on routing traces
+# (bench/replay_experts.py, docs/design.md §24)
+MOE_HOT_FRACTION = 0.5
+
+
 class Experts(_Streamed):
     """A mixture-of-experts model's routed experts through MoEEngine."""
 
@@ -95,14 +101,46 @@ class Experts(_Streamed):
 
     def open(self, o) -> MoEEngine:
         """The routed experts' engine, its cache the budget (the plan's or the user's; 0: every
-        expert once read)."""
+        expert once read), its hot set pinned (pin_hot)."""
         m = self.manifest
-        return MoEEngine([m.resolve(self.path, e.file) for e in m.moe.layers], memory_budget=o.memory_budget or 0,
-                         activation=m.activation, n_io_threads=o.n_io_threads, verify_checksums=o.verify_checksums)
+        engine = MoEEngine([m.resolve(self.path, e.file) for e in m.moe.layers], memory_budget=o.memory_budget or 0,
+                           activation=m.activation, n_io_threads=o.n_io_threads,
+                           verify_checksums=o.verify_checksums, read_ahead=o.read_ahead)
+        try:
+            self.pin_hot(engine, MOE_HOT_FRACTION if o.hot_fraction is None else o.hot_fraction)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def pin_hot(self, engine, share: float) -> int:
+        """Where the cache holds fewer experts than the model has: the (layer, expert) pairs the
+        conversion's routing pass saw routed to most often (experts/routing_freq.npy), ``share`` of
+        the cache's slots (leaving at least 2 per MoE layer to stream the others through), pinned
+        and read now. Returns how many (0: no frequencies, or every expert fits)."""
+        import numpy as np
+
+        m = self.manifest
+        s = engine.stats()
+        slots, total = s["cache_slots"], m.n_layer * m.moe.n_expert
+        if not m.moe.routing_freq or slots >= total or share <= 0:
+            return 0
+        freq = load_array(m.resolve(self.path, m.moe.routing_freq),
+                          lambda a: (a.shape == (m.n_layer, m.moe.n_expert) and np.issubdtype(a.dtype, np.floating)
+                                     and bool(np.all(np.isfinite(a)))),
+                          f"routing frequencies must be finite floats of shape [n_layer, n_expert] = "
+                          f"[{m.n_layer}, {m.moe.n_expert}]")
+        n_hot = max(0, min(int(share * slots), slots - 2 * m.n_layer, int(np.count_nonzero(freq > 0))))
+        hot = np.argsort(-freq.reshape(-1), kind="stable")[:n_hot]
+        for il in range(m.n_layer):
+            mine = hot[hot // m.moe.n_expert == il] % m.moe.n_expert
+            if mine.size:
+                engine.pin(il, mine)
+        return n_hot
 
     def describe(self, engine, o) -> tuple:
         """(mode, sparsity, controller policy, hot blocks) as Llama reports them."""
-        return "dense", 0.0, None, 0
+        return "dense", 0.0, None, engine.stats()["pinned"]
 
     def hook(self, llm, engine) -> None:
         _llama_cpp.set_moe_builder(llm, MoEEngine.builder_address(), engine.address)
@@ -121,6 +159,9 @@ class Neurons(_Streamed):
         """The settings this directory runs with: a quality= target becomes its sparsity; the
         files the mode reads are found (ManifestError/ValueError naming what is missing)."""
         m, mode = self.manifest, o.mode
+        if given.get("read_ahead") not in (None, "auto"):
+            raise ValueError("read_ahead: reads a mixture-of-experts model's next layer's experts early; a dense "
+                             "model's blocks are prefetched by its own schedule")
         self.predictor_paths = self.sketch_paths = None
         self.rank_file = False     # the block ranking the engine pins by (open loads it): None, the default's
         if modes.is_sparse(mode):

@@ -15,7 +15,7 @@ flags of ``leanstream chat``, ``serve`` and ``info``, and every tool's flags:
 A command whose flag means something narrower (compare's --memory-limit is the memory cgroup of
 each run) or has a default of its own says so in ``variants``. A help text names another option
 as ``{name}``: the keyword in the docstring, the flag on a command line; and what the engine
-defines as ``{MODES}``, ``{DEFAULT}``, ``{QUALITY}`` (modes.py), ``{MAX_N_IO_THREADS}`` and
+defines as ``{MODES}``, ``{DEFAULT}``, ``{QUALITY}`` (modes.py), ``{MOE_HOT_FRACTION}`` (backend.py), ``{MAX_N_IO_THREADS}`` and
 ``{ENGINE_n_io_threads}`` (ls_engine_params_init), and a mode's own default as
 ``{name@mode}`` (``{hot_fraction@leanstream+predictors}``: with predictors; ``{sparsity@sparse}``:
 every sparse mode's, one number where they agree), which the engine resolves
@@ -126,7 +126,8 @@ OPTIONS: tuple[Option, ...] = (
            "powerinfer2 and leanstream: share of the budget pinned for the blocks most often active in "
            "calibration, in [0, 1] (default: the mode's: powerinfer2 {hot_fraction@powerinfer2+predictors}; "
            "leanstream {hot_fraction@leanstream+predictors} with predictors, {hot_fraction@leanstream} without; "
-           "0 pins nothing)",
+           "0 pins nothing); mixture-of-experts models: the share of the expert cache pinned for the experts "
+           "the conversion saw routed to most often (default {MOE_HOT_FRACTION})",
            ("serve",), engine=True),
     Option("candidate_ratio", float, None,
            "leanstream mode with a sketch: blocks whose gate/up rows are computed exactly per token, as a "
@@ -142,6 +143,12 @@ OPTIONS: tuple[Option, ...] = (
            "layer and block; the model directory's other files are checked against the manifest's checksums "
            "when it is opened); off only to measure what the check costs",
            ("bench", "perplexity", "eval"), engine=True),
+    Option("read_ahead", str, "auto",
+           "mixture-of-experts models: while a layer computes, read the experts the next layer's router "
+           "picks from this layer's input: auto (each layer's reads stop while too few of them are used, "
+           "and start again when they are), on, off; stats() reports each layer's recall, precision and "
+           "wasted bytes",
+           _RUNS),
     Option("controller", str, "off",
            "the streaming controller of leanstream mode's decode ops: off (the fixed settings above), table "
            "(the policy `leanstream tune` wrote into the model directory for this budget and sparsity: per "
@@ -249,7 +256,14 @@ class _Names(dict):
             _native.lib.ls_engine_params_init(p)
             return getattr(p, key[len("ENGINE_"):])
         return {"MODES": lambda: ", ".join(modes.MODES), "DEFAULT": lambda: modes.DEFAULT,
-                "QUALITY": lambda: modes.QUALITY, "MAX_N_IO_THREADS": lambda: _native.lib.LS_MAX_IO_THREADS}[key]()
+                "QUALITY": lambda: modes.QUALITY, "MAX_N_IO_THREADS": lambda: _native.lib.LS_MAX_IO_THREADS,
+                "MOE_HOT_FRACTION": _moe_hot_fraction}[key]()
+
+
+def _moe_hot_fraction() -> float:
+    from leanstream_ggml.backend import MOE_HOT_FRACTION
+
+    return MOE_HOT_FRACTION
 
 
 def _mode_default(name: str, which: str) -> str:

@@ -322,6 +322,12 @@ def source(value) -> str:
     return os.fspath(value)
 
 
+def read_ahead(value):
+    if value not in ("auto", "on", "off"):
+        raise ParameterError("read_ahead", f"{value!r}: auto, on or off")
+    return value
+
+
 # Each option's check, by the option's name (options.py declares the options; every one has a check
 # here, tests/unit/test_options.py holds the two to each other): a given value (never None) ->
 # the value Llama uses, or ParameterError naming the option.
@@ -337,6 +343,7 @@ CHECKS = {
     "bridge_bytes": bridge_bytes,
     "verify_checksums": bool,
     "controller": controller,
+    "read_ahead": read_ahead,
     "speculative": speculative,
     "draft_max": draft_max,
     "draft_width": draft_width,

@@ -96,11 +96,11 @@ def test_logits_match_stock(converted, layout, where):
     assert s["routed"] == 2 * 2 * N_TOKENS           # layers x experts a token is routed to x tokens
     assert s["tokens"] == N_TOKENS                   # token rows the model processed (not summed over layers)
     stride = llm.manifest.moe.layers[0].expert_stride
-    assert s["bytes_read"] == s["misses"] * stride
+    assert s["bytes_read"] == (s["misses"] + s["pin_loads"] + s["ahead_reads"]) * stride
     if where == "streamed":
         # the cache holds fewer experts than a layer has: the batch (every expert of both layers
-        # routed to) streams through it in waves, each expert read once
-        assert 2 <= s["cache_slots"] < 8 and s["misses"] == 2 * 8
+        # routed to) streams through it in waves, each expert not in the hot set read once
+        assert 2 <= s["cache_slots"] < 8 and s["misses"] == 2 * 8 - s["pinned"]
 
 
 def test_a_decode_reads_only_its_routed_misses(converted):
@@ -117,8 +117,33 @@ def test_a_decode_reads_only_its_routed_misses(converted):
         assert s["routed"] - before["routed"] == 2 * 2
         assert s["misses"] - before["misses"] <= 2 * 2
     s = llm.stats()
-    assert s["hits"] > 0 and s["bytes_read"] == s["misses"] * llm.manifest.moe.layers[0].expert_stride
+    stride = llm.manifest.moe.layers[0].expert_stride
+    assert s["hits"] > 0 and s["bytes_read"] == s["blocks_read"] * stride == (s["misses"] + s["pin_loads"] + s["ahead_reads"]) * stride
     llm.close()
+
+
+def test_read_ahead_finds_llama_cpp_s_routers_and_changes_no_bit(converted):
+    """Each layer's router is found in llama.cpp's graph; layer 1's experts are predicted from layer
+    0's input and read early (on), scored (recall), and the logits are plain decoding's bit for bit."""
+    from leanstream_ggml import Llama
+
+    _, model = converted["qwen3moe"]
+    toks = _tokens(12)[:32]
+    scores, stats = {}, {}
+    for ahead in ("off", "on"):
+        llm = Llama(str(model), n_ctx=128, verbose=False, n_threads=2, memory_budget=_small_cache(model),
+                    speculative="off", read_ahead=ahead, logits_all=True)
+        rows = []
+        for t in toks:   # one token a step: read-ahead predicts decode batches
+            llm.eval([t])
+            rows.append(np.array(llm.scores[llm.n_tokens - 1]))
+        scores[ahead], stats[ahead] = np.stack(rows), llm.stats()
+        llm.close()
+    assert np.array_equal(scores["on"], scores["off"])
+    on, off = stats["on"], stats["off"]
+    assert on["router_known"] == 2 and on["ahead_ops"] == len(toks) and on["ahead_reads"] > 0
+    assert 0 < on["ahead_predicted"] <= on["ahead_routed"] and 0 <= on["ahead_recall"] <= 1
+    assert off["ahead_reads"] == 0 and off["ahead_on"] == 0
 
 
 @pytest.mark.parametrize("layout", ["qwen3moe", "qwen2moe"])
@@ -209,7 +234,7 @@ def test_stats_and_the_engine_answer_as_a_dense_model_s(tiny_moe, tiny_dense):
         assert params["n_io_threads"] > 0 and params["max_read_bytes"] > 0
     s, stride = stats["moe"], _stride(tiny_moe[1])
     assert s["tokens"] == 20 and s["op_calls"] == 2 * 5      # the prompt's pass and 4 decode passes, 2 layers
-    assert s["blocks_computed"] == s["experts"] and s["blocks_read"] == s["misses"] + s["pin_loads"] > 0
+    assert s["blocks_computed"] == s["experts"] and s["blocks_read"] == s["misses"] + s["pin_loads"] + s["ahead_reads"] > 0
     assert s["bytes_read"] == s["blocks_read"] * stride and s["reads_issued"] == s["reads"]
     assert s["miss_ratio"] == s["blocks_read"] / s["blocks_computed"]
     assert 0 < s["cache_bytes"] <= s["cache_capacity"] <= _small_cache(tiny_moe[1])

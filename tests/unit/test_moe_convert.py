@@ -129,12 +129,17 @@ def test_each_layout_converts_into_base_and_expert_files(tmp_path, name):
     assert (m.architecture, m.n_layer, m.n_embd, m.n_ff, m.activation, m.layers) == (arch, 2, n_embd, n_ff, "silu", [])
     moe = m.moe
     assert (moe.n_expert, moe.n_expert_used, moe.n_ff_exp, moe.gating) == (8, 2, n_ff, "softmax")
-    assert moe.shared_expert == (arch == "qwen2moe") and moe.routing_freq is None
+    assert moe.shared_expert == (arch == "qwen2moe")
+    runs = arch != "qwen2"   # (llama.cpp's qwen2 has no experts: converted, not run, no routing pass)
+    assert moe.routing_freq == (mf.ROUTING_FREQ if runs else None)
+    if runs:
+        freq = np.load(out / mf.ROUTING_FREQ)   # the routing pass: each layer's routings per token
+        assert freq.shape == (2, 8) and np.allclose(freq.sum(1), 2) and (freq > 0).sum() > 8
     assert moe.files == [mf.EXPERT_FILE.format(il=il) for il in range(2)]
     assert mf.load(out) == m                              # the manifest as written, every file's size
     m.check_checksums(out)
     assert sorted(p.name for p in out.iterdir()) == ["base.gguf", "experts", "manifest.json"]
-    assert sorted(p.name for p in (out / mf.EXPERT_DIR).iterdir()) == ["blk.0.bin", "blk.1.bin"]
+    assert sorted(p.name for p in (out / mf.EXPERT_DIR).iterdir()) == ["blk.0.bin", "blk.1.bin"] + ["routing_freq.npy"] * runs
 
     reader = gguf.GGUFReader(src)
     tensors = {t.name: t for t in reader.tensors}
@@ -176,12 +181,13 @@ def test_each_layout_converts_into_base_and_expert_files(tmp_path, name):
     assert base.get_field(f"{arch}.expert_count").contents() == 8
 
 
-def test_only_read_write_and_manifest_run_for_moe(tmp_path):
-    """The stages that run the model or order neurons (activations, order, reorder, sketch, vocab,
-    calibrate; predictors) do not run for a mixture-of-experts model yet."""
+def test_only_read_write_routing_and_manifest_run_for_moe(tmp_path):
+    """The stages of dense models that run the model or order neurons (activations, order, reorder,
+    sketch, vocab, calibrate; predictors) do not run for a mixture-of-experts model; its routing
+    pass does."""
     src, _, _ = _source(tmp_path, "qwen3moe")
     m = convert(src, tmp_path / "o", progress=False, calibrate=True, predictors="quick")
-    assert set(m.extra["conversion"]["stages"]) == {"read", "write"}
+    assert set(m.extra["conversion"]["stages"]) == {"read", "write", "routing"}
     assert m.sketch is None and m.predictor is None and "draft" not in m.extra
 
 
