@@ -17,6 +17,8 @@ page cache of the GGUF and of every file of the model directory was dropped. Sys
            no limit, so it runs the source GGUF on llama.cpp, stock.py); decode through generate
            where it speculates (prompt lookup), as `leanstream bench` does
   plugin-plain  the same with speculative="off": one eval + argmax per token
+  plugin-plain-noahead / -nohot / -lru  plugin-plain without read-ahead, without the hot set
+           (hot_fraction 0), without either (what 4e83d52 ran)
 
 Per run, over the decode only (the prompt is evaluated, then the counters are taken / reset):
 decode tok/s; the process's disk reads (/proc/self/io read_bytes, O_DIRECT included) and the
@@ -52,7 +54,11 @@ from leanstream_tools import cgroup, measure
 HERE = Path(__file__).resolve().parent
 PROMPT = "The history of the old harbour town begins with"
 # the plugin's systems: leanstream_ggml.Llama with these options besides memory_limit
-PLUGINS = {"plugin": {}, "plugin-plain": {"speculative": "off"}}
+PLUGINS = {"plugin": {}, "plugin-plain": {"speculative": "off"},
+           # the parts of the MoE decode apart: no read-ahead, no hot set, neither
+           "plugin-plain-noahead": {"speculative": "off", "read_ahead": "off"},
+           "plugin-plain-nohot": {"speculative": "off", "hot_fraction": 0.0},
+           "plugin-plain-lru": {"speculative": "off", "read_ahead": "off", "hot_fraction": 0.0}}
 TEXT = benchkit.REPO / "leanstream_tools" / "data" / "heldout-technical.txt"
 
 
@@ -222,6 +228,11 @@ def engine_fields(llm, prefill_stats: dict, dec: dict, n: int) -> dict:
         out["proc_read_over_routed_misses"] = (dec["proc_read_bytes"] / miss_bytes
                                                if miss_bytes and dec["proc_read_bytes"] is not None else None)
         out["hit_rate"] = st["hit_ratio"]
+        for k in ("ahead_recall", "ahead_precision", "ahead_wasted_bytes", "ahead_reads", "ahead_used", "pinned"):
+            if k in st:   # (an older checkout's engine has no read-ahead)
+                out[k] = st[k]
+        # experts served without the op's own read: resident, or landed from a read-ahead
+        out["served_rate"] = (st["hits"] + st.get("ahead_used", 0)) / st["experts"] if st["experts"] else None
     return out
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from leanstream_ggml.texts import text_tokens
 
-TOKENS = 512    # per domain: one batch (prefill reads each expert at most once per batch)
+TOKENS = 256    # per domain: one batch (prefill reads each expert at most once per batch)
 
 
 def domain_tokens(llm, path: Path, n: int = TOKENS) -> list[int]:

@@ -29,6 +29,12 @@ from leanstream_ggml.native.engine import FFNEngine
 from leanstream_ggml.native.moe import MoEEngine
 
 
+# the default batch of a dense model that streams under its limit: its activations' memory goes to
+# the FFN cache instead (bench/results: plain decoding at 1000 MB). A prompt longer than this takes
+# one more streamed pass per batch; a chat turn's new tokens usually fit in one.
+STREAM_BATCH = 128
+
+
 def streamed(path: Path, m):
     """The engine a model directory streams through: Experts for a mixture-of-experts model, else
     Neurons (the one place the kind of model is asked)."""
@@ -82,6 +88,9 @@ class Experts(_Streamed):
     """A mixture-of-experts model's routed experts through MoEEngine."""
 
     kind = "experts"
+    # a prompt's batch reads each expert it routes to once: llama-cpp-python's default batch (512)
+    # under a limit too, where it fits (the plan's fit gives way to smaller ones)
+    stream_batch = None
     # prompt lookup (its drafts cost nothing; the verify pass reads the union of its rows' experts
     # once). The self draft from resident experts is not built yet.
     SPECULATION = ("auto", "ngram", "off")
@@ -154,6 +163,7 @@ class Neurons(_Streamed):
     """A dense model's FFN as neuron blocks through FFNEngine."""
 
     kind = "neurons"
+    stream_batch = STREAM_BATCH
 
     def settle(self, o, given: dict, model_path):
         """The settings this directory runs with: a quality= target becomes its sparsity; the

@@ -78,18 +78,15 @@ def _plan(path: Path, m, o, kwargs: dict, *, base=None, process=None,
 # drafts instead of a tree (fewer logit rows), no speculation; a converter pass's rows per decode
 # (halved down to its least)
 _FIT_BATCHES = (256, 128, 64)
-# the default batch of a model that streams under its limit: its activations' memory goes to the
-# FFN cache instead (bench/results: plain decoding at 1000 MB). A prompt longer than this takes one
-# more streamed pass per batch; a chat turn's new tokens usually fit in one.
-STREAM_BATCH = 128
 
 
-def _fit(path: Path, m, o, given: dict, kwargs: dict, pass_: dict | None = None) -> memplan.MemoryPlan:
+def _fit(path: Path, m, o, given: dict, kwargs: dict, pass_: dict | None = None,
+         stream_batch: int | None = backend.STREAM_BATCH) -> memplan.MemoryPlan:
     """The plan under o.memory_limit, with the defaults the caller did not set given way until it
     leaves the engine its least cache and memplan.FIT_SPARE more (memplan.fit: the one fit), or
     nothing is left to give (``check`` refuses a plan short of the least); a model that streams
-    under the limit takes STREAM_BATCH as its default batch. The plan's ``fitted`` says what
-    changed (``_fitted`` applies it)."""
+    under the limit takes ``stream_batch`` as its default batch (the backend's: None keeps
+    llama-cpp-python's). The plan's ``fitted`` says what changed (``_fitted`` applies it)."""
     base, process = memplan.read_base(m.resolve(path, m.base.file)), memplan.process_bytes()
 
     def plan_for(settings: dict) -> memplan.MemoryPlan:
@@ -103,8 +100,8 @@ def _fit(path: Path, m, o, given: dict, kwargs: dict, pass_: dict | None = None)
 
     steps, start = [], {}
     if "n_batch" not in kwargs and "n_ubatch" not in kwargs:
-        if plan_for({}).streams:
-            start = {"n_batch": STREAM_BATCH}
+        if stream_batch and plan_for({}).streams:
+            start = {"n_batch": stream_batch}
         steps += [{"n_batch": n} for n in _FIT_BATCHES if n < start.get("n_batch", 512)]
     if o.speculative != "off" and "speculative" not in given and "draft_width" not in given:
         steps += [{"draft_width": 1}, {"speculative": "off"}]
@@ -123,7 +120,7 @@ def _fitted(plan: memplan.MemoryPlan, o, kwargs: dict):
     return o.replace(memory_budget=plan.budget, **fitted), {**kwargs, **batch}
 
 
-def _default_limit(path: Path, m, o, given: dict, kwargs: dict):
+def _default_limit(path: Path, m, o, given: dict, kwargs: dict, stream_batch: int | None = backend.STREAM_BATCH):
     """The settings with neither a memory limit nor a budget given: the limit what the machine or
     its memory cgroup allows this process (memplan.machine_limit, as the converter's default),
     where the model does not fit in it whole; else as they were (nothing streams)."""
@@ -131,7 +128,7 @@ def _default_limit(path: Path, m, o, given: dict, kwargs: dict):
     if limit >= memplan.UNLIMITED:
         return o
     with_limit = o.replace(memory_limit=limit)
-    return with_limit if _fit(path, m, with_limit, given, kwargs).streams else o
+    return with_limit if _fit(path, m, with_limit, given, kwargs, stream_batch=stream_batch).streams else o
 
 
 def memory_plan(model_path, memory_limit, **kwargs) -> memplan.MemoryPlan:
@@ -145,7 +142,8 @@ def memory_plan(model_path, memory_limit, **kwargs) -> memplan.MemoryPlan:
     given["memory_limit"] = memory_limit
     o = params.llama_options(given)
     path = Path(model_path)
-    return _fit(path, m if m is not None else manifest_mod.load(path), o, given, kwargs, pass_)
+    m = m if m is not None else manifest_mod.load(path)
+    return _fit(path, m, o, given, kwargs, pass_, backend.streamed(path, m).stream_batch)
 
 
 class ClosedError(ValueError):
@@ -187,7 +185,7 @@ class Llama(llama_cpp.Llama):
         engine = backend.streamed(path, m)
         o = engine.settle(o, given, model_path)
         if _manifest is None and not o.memory_limit and o.memory_budget is None:
-            o = _default_limit(path, m, o, given, llama_kwargs)
+            o = _default_limit(path, m, o, given, llama_kwargs, engine.stream_batch)
         self._backend = b = backend.choose(engine, o, given, converting=_manifest is not None)
         self.backend, self.source_path, self.stock_reason = b.name, b.source_path, b.stock_reason
         self.settings = o
@@ -200,7 +198,7 @@ class Llama(llama_cpp.Llama):
         # check their own tables when opened and each block when read)
         m.check_checksums(path)
         if o.memory_limit:
-            self.memory_plan = _fit(path, m, o, given, llama_kwargs, _pass)
+            self.memory_plan = _fit(path, m, o, given, llama_kwargs, _pass, engine.stream_batch)
             self.memory_plan.check()
             o, llama_kwargs = _fitted(self.memory_plan, o, llama_kwargs)
         self.settings = o

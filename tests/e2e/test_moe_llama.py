@@ -239,3 +239,4 @@ def test_stats_and_the_engine_answer_as_a_dense_model_s(tiny_moe, tiny_dense):
     assert s["miss_ratio"] == s["blocks_read"] / s["blocks_computed"]
     assert 0 < s["cache_bytes"] <= s["cache_capacity"] <= _small_cache(tiny_moe[1])
     assert s["op_ns"] >= s["io_stall_ns"] and s["resident_bytes"] == 0 and s["hot_blocks"] == s["pinned"]
+
