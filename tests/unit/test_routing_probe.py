@@ -69,3 +69,20 @@ def test_next_layer_recall(rp):
     sel = np.array([[[0, 1], [0, 1]], [[0, 1], [0, 1]]])
     assert rp.next_layer_recall(norm_in, [eye, eye], sel) == [0.75]
     assert rp.published["qwen3-30b-a3b"]["distinct"] == 64
+
+
+def test_moe_synth_norm_gains(rp):
+    # bench/moe_synth.py's ffn_norm weights (calibrated/flat): none at sigma 0 (the old bytes),
+    # else RMS 1, log-spread ~sigma, a fresh draw per layer, the same per seed
+    spec = importlib.util.spec_from_file_location("bench_moe_synth", BENCH / "moe_synth.py")
+    ms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ms)
+    assert ms.norm_gains(0, 3, 0.0) is None
+    g0, g1 = ms.norm_gains(0, 0, 0.2), ms.norm_gains(0, 1, 0.2)
+    assert g0.shape == (ms.N_EMBD,) and g0.dtype == np.float32
+    assert abs(float(np.sqrt((g0 ** 2).mean())) - 1) < 1e-5
+    assert 0.18 < float(np.log(g0).std()) < 0.22
+    assert not np.allclose(g0, g1)
+    assert np.array_equal(g0, ms.norm_gains(0, 0, 0.2))
+    assert ms.ROUTING["narrow"] is None
+    assert ms.ROUTING["calibrated"]["norm_gain"] == ms.ROUTING["flat"]["norm_gain"] == 0.2
