@@ -1,7 +1,7 @@
 """How a mixture-of-experts GGUF routes: llama.cpp's own expert choices over held-out text.
 
     python bench/routing_probe.py /data/qwen3moe-16l.gguf [--tokens 128] [--text FILE]
-        [--trace sel.npz] [--no-recall] [--out result.json]
+        [--trace sel.npz] [--no-recall] [--no-repack] [--out result.json]
 
 Stock llama-cpp-python (its C API, with a ggml eval callback installed as
 leanstream_convert/profile.py does) evaluates the first --tokens tokens of --text (default the
@@ -22,6 +22,10 @@ next_layer_recall (unless --no-recall): the share of layer n+1's selected expert
 of layer n+1's router (blk.{n+1}.ffn_gate_inp.weight, read with gguf-py) applied to layer n's
 normed FFN input (``ffn_norm-n``, qwen3moe's graph): how well the next layer's experts can be
 predicted one layer ahead (real models: 0.66-0.88).
+
+--no-repack: llama.cpp leaves the weights mmapped instead of repacking them into memory (a
+48-layer synthetic file, 19.5 GB, on a 24 GB machine: peak RSS 16 GB, mostly page cache); on
+the 16-layer calibrated file 99.8% of the selections agree with the repacked run's.
 
 Calibration: Qwen3-30B-A3B (k = 8 of 128, 128 tokens) routes ~64 distinct experts a layer, lag-1
 reuse ~0.38, top-8 share ~0.445.
@@ -139,8 +143,10 @@ class _Capture:
         return True
 
 
-def probe(path, *, tokens: int = 128, text=None, threads: int = 2, recall: bool = True) -> tuple[dict, np.ndarray]:
-    """(the JSON document, selections [n_layer, T, k]) of one GGUF."""
+def probe(path, *, tokens: int = 128, text=None, threads: int = 2, recall: bool = True,
+          repack: bool = True) -> tuple[dict, np.ndarray]:
+    """(the JSON document, selections [n_layer, T, k]) of one GGUF. ``repack`` False: llama.cpp
+    computes on the mmapped weights (use_extra_bufts off) instead of repacked copies in memory."""
     import llama_cpp as lc
 
     from leanstream_tools.texts import HELDOUT
@@ -149,6 +155,7 @@ def probe(path, *, tokens: int = 128, text=None, threads: int = 2, recall: bool 
     lc.llama_backend_init()
     mp = lc.llama_model_default_params()
     mp.n_gpu_layers = 0
+    mp.use_extra_bufts = repack
     model = lc.llama_model_load_from_file(os.fsencode(path), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
@@ -218,9 +225,12 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", type=Path, default=None, help="save the selections, int32 [n_layer, T, k], as OUT.npz")
     ap.add_argument("--no-recall", dest="recall", action="store_false",
                     help="skip next_layer_recall (it captures each layer's normed FFN input)")
+    ap.add_argument("--no-repack", dest="repack", action="store_false",
+                    help="keep the weights mmapped, not repacked into memory (a model larger than about "
+                         "half the RAM); the selections may differ in rare near-ties")
     ap.add_argument("--out", default=None, help="write the JSON document here too")
     a = ap.parse_args(argv)
-    doc, sel = probe(a.model, tokens=a.tokens, text=a.text, threads=a.threads, recall=a.recall)
+    doc, sel = probe(a.model, tokens=a.tokens, text=a.text, threads=a.threads, recall=a.recall, repack=a.repack)
     if a.trace:
         np.savez(a.trace, selections=sel)
         doc["trace"] = str(a.trace)
