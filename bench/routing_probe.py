@@ -126,9 +126,9 @@ class _Capture:
         self.ffn_norm: dict[int, np.ndarray] = {}
 
     def callback(self, t_ptr, ask, _user):
-        from leanstream_convert.profile import _GgmlTensor
+        from leanstream_convert.profile import GgmlTensor
 
-        t = _GgmlTensor.from_address(t_ptr)
+        t = GgmlTensor.from_address(t_ptr)
         m = _NAME.match(t.name)
         want = bool(m) and (m.group(1) == b"ffn_moe_topk" or self.norm)
         if ask or not want or not t.data:

@@ -52,7 +52,7 @@ class UnsupportedProfile(RuntimeError):
     """llama.cpp's graph for this architecture does not name the tensors the profile captures."""
 
 
-class _GgmlTensor(ctypes.Structure):
+class GgmlTensor(ctypes.Structure):
     """ctypes mirror of struct ggml_tensor (ggml.h of the vendored llama.cpp)."""
     _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
                 ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
@@ -76,7 +76,7 @@ class _Capture:
         self.cb = None
 
     def callback(self, t_ptr, ask, _user):
-        t = _GgmlTensor.from_address(t_ptr)
+        t = GgmlTensor.from_address(t_ptr)
         m = _NAME.match(t.name)
         if ask:
             return bool(m)
