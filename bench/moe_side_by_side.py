@@ -17,8 +17,8 @@ page cache of the GGUF and of every file of the model directory was dropped. Sys
            no limit, so it runs the source GGUF on llama.cpp, stock.py); decode through generate
            where it speculates (prompt lookup), as `leanstream bench` does
   plugin-plain  the same with speculative="off": one eval + argmax per token
-  plugin-plain-noahead / -nohot / -lru  plugin-plain without read-ahead, without the hot set
-           (hot_fraction 0), without either (what 4e83d52 ran)
+  plugin-plain-noahead / -lru / -lru-noahead  plugin-plain without read-ahead, with LRU eviction
+           instead of LFU, without either (what 4e83d52 ran)
 
 Per run, over the decode only (the prompt is evaluated, then the counters are taken / reset):
 decode tok/s; the process's disk reads (/proc/self/io read_bytes, O_DIRECT included) and the
@@ -57,8 +57,8 @@ PROMPT = "The history of the old harbour town begins with"
 PLUGINS = {"plugin": {}, "plugin-plain": {"speculative": "off"},
            # the parts of the MoE decode apart: no read-ahead, no hot set, neither
            "plugin-plain-noahead": {"speculative": "off", "read_ahead": "off"},
-           "plugin-plain-nohot": {"speculative": "off", "hot_fraction": 0.0},
-           "plugin-plain-lru": {"speculative": "off", "read_ahead": "off", "hot_fraction": 0.0}}
+           "plugin-plain-lru": {"speculative": "off", "expert_cache": "lru"},
+           "plugin-plain-lru-noahead": {"speculative": "off", "read_ahead": "off", "expert_cache": "lru"}}
 TEXT = benchkit.REPO / "leanstream_tools" / "data" / "heldout-technical.txt"
 
 

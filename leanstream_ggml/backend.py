@@ -21,6 +21,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from leanstream_ggml import options
 from leanstream_ggml.llamacpp import _llama_cpp, stock
 from leanstream_ggml.model import manifest as manifest_mod
@@ -79,9 +81,13 @@ class _Streamed:
 
 
 # the share of a MoE model's expert cache pinned for the experts routed to most often in calibration
-# (hot_fraction's default there): replayed against LRU, LFU and Belady on routing traces
-# (bench/replay_experts.py, docs/design.md §24)
-MOE_HOT_FRACTION = 0.5
+# (hot_fraction's default there): none, LFU with the calibration's counts as its prior keeps more
+# (replayed on routing traces of the calibrated 48- and 16-layer shapes: bench/replay_experts.py,
+# docs/design.md §24)
+MOE_HOT_FRACTION = 0.0
+# LFU's prior: the routing pass's frequencies as the counts of this many tokens (the replay's
+# calibration length)
+MOE_PRIOR_TOKENS = 512
 
 
 class Experts(_Streamed):
@@ -114,31 +120,40 @@ class Experts(_Streamed):
         m = self.manifest
         engine = MoEEngine([m.resolve(self.path, e.file) for e in m.moe.layers], memory_budget=o.memory_budget or 0,
                            activation=m.activation, n_io_threads=o.n_io_threads,
-                           verify_checksums=o.verify_checksums, read_ahead=o.read_ahead)
+                           verify_checksums=o.verify_checksums, read_ahead=o.read_ahead, evict=o.expert_cache)
         try:
-            self.pin_hot(engine, MOE_HOT_FRACTION if o.hot_fraction is None else o.hot_fraction)
+            freq = self.routing_freq()
+            if freq is not None:
+                for il in range(m.n_layer):
+                    engine.set_uses(il, np.rint(freq[il] * MOE_PRIOR_TOKENS))
+            self.pin_hot(engine, freq, MOE_HOT_FRACTION if o.hot_fraction is None else o.hot_fraction)
         except BaseException:
             engine.close()
             raise
         return engine
 
-    def pin_hot(self, engine, share: float) -> int:
-        """Where the cache holds fewer experts than the model has: the (layer, expert) pairs the
-        conversion's routing pass saw routed to most often (experts/routing_freq.npy), ``share`` of
-        the cache's slots (leaving at least 2 per MoE layer to stream the others through), pinned
-        and read now. Returns how many (0: no frequencies, or every expert fits)."""
-        import numpy as np
+    def routing_freq(self):
+        """The conversion's routing frequencies (experts/routing_freq.npy, [n_layer, n_expert]),
+        checked, or None (an older conversion)."""
+        m = self.manifest
+        if not m.moe.routing_freq:
+            return None
+        return load_array(m.resolve(self.path, m.moe.routing_freq),
+                          lambda a: (a.shape == (m.n_layer, m.moe.n_expert) and np.issubdtype(a.dtype, np.floating)
+                                     and bool(np.all(np.isfinite(a))) and bool(np.all(a >= 0))),
+                          f"routing frequencies must be finite floats >= 0 of shape [n_layer, n_expert] = "
+                          f"[{m.n_layer}, {m.moe.n_expert}]")
 
+    def pin_hot(self, engine, freq, share: float) -> int:
+        """Where the cache holds fewer experts than the model has: the (layer, expert) pairs the
+        conversion's routing pass saw routed to most often (``freq``), ``share`` of the cache's
+        slots (leaving at least 2 per MoE layer to stream the others through), pinned and read
+        now. Returns how many (0: no frequencies, or every expert fits)."""
         m = self.manifest
         s = engine.stats()
         slots, total = s["cache_slots"], m.n_layer * m.moe.n_expert
-        if not m.moe.routing_freq or slots >= total or share <= 0:
+        if freq is None or slots >= total or share <= 0:
             return 0
-        freq = load_array(m.resolve(self.path, m.moe.routing_freq),
-                          lambda a: (a.shape == (m.n_layer, m.moe.n_expert) and np.issubdtype(a.dtype, np.floating)
-                                     and bool(np.all(np.isfinite(a)))),
-                          f"routing frequencies must be finite floats of shape [n_layer, n_expert] = "
-                          f"[{m.n_layer}, {m.moe.n_expert}]")
         n_hot = max(0, min(int(share * slots), slots - 2 * m.n_layer, int(np.count_nonzero(freq > 0))))
         hot = np.argsort(-freq.reshape(-1), kind="stable")[:n_hot]
         for il in range(m.n_layer):
@@ -169,9 +184,9 @@ class Neurons(_Streamed):
         """The settings this directory runs with: a quality= target becomes its sparsity; the
         files the mode reads are found (ManifestError/ValueError naming what is missing)."""
         m, mode = self.manifest, o.mode
-        if given.get("read_ahead") not in (None, "auto"):
-            raise ValueError("read_ahead: reads a mixture-of-experts model's next layer's experts early; a dense "
-                             "model's blocks are prefetched by its own schedule")
+        if given.get("read_ahead") not in (None, "auto") or given.get("expert_cache") not in (None, "lfu"):
+            raise ValueError("read_ahead, expert_cache: a mixture-of-experts model's; a dense model's blocks are "
+                             "prefetched and kept by its mode's own schedule")
         self.predictor_paths = self.sketch_paths = None
         self.rank_file = False     # the block ranking the engine pins by (open loads it): None, the default's
         if modes.is_sparse(mode):

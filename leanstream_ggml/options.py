@@ -149,6 +149,10 @@ OPTIONS: tuple[Option, ...] = (
            "and start again when they are), on, off; stats() reports each layer's recall, precision and "
            "wasted bytes",
            _RUNS),
+    Option("expert_cache", str, "lfu",
+           "mixture-of-experts models: which cached expert gives way to a new one: lfu (the one routed to "
+           "least often, counted from the conversion's routing pass on) or lru (the least recently used)",
+           _RUNS),
     Option("controller", str, "off",
            "the streaming controller of leanstream mode's decode ops: off (the fixed settings above), table "
            "(the policy `leanstream tune` wrote into the model directory for this budget and sparsity: per "

@@ -21,8 +21,9 @@ COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
 # MoEEngine's own arguments
 TUNABLE_PARAMS = tuple(name for name, _ in ffi.typeof("ls_moe_params").fields
                        if name not in {"n_layer", "memory_budget", "activation", "verify_checksums", "test_hooks",
-                                       "read_ahead"})
+                                       "read_ahead", "evict"})
 READ_AHEAD = {"off": lib.LS_AHEAD_OFF, "auto": lib.LS_AHEAD_AUTO, "on": lib.LS_AHEAD_ON}
+EVICT = {"lfu": lib.LS_EVICT_LFU, "lru": lib.LS_EVICT_LRU}
 
 
 def derived_counters(raw: dict) -> dict:
@@ -52,7 +53,9 @@ class MoEEngine(NativeOwner):
     expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
     memory_budget: bytes of the expert cache for all layers together (None/0: every expert).
     read_ahead: "auto" (default: each layer's predicted experts read while the layer before it
-    computes, turned off per layer while too few are used), "on" or "off". n_io_threads,
+    computes, turned off per layer while too few are used), "on" or "off". evict: which cached
+    expert gives way, "lfu" (default: the one used least, from the prior set_uses gives) or "lru".
+    n_io_threads,
     max_read_bytes, verify_checksums, ahead_min_precision, ahead_max_tokens: None takes the
     engine's default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
 
@@ -64,11 +67,13 @@ class MoEEngine(NativeOwner):
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
                  verify_checksums: bool | None = None, read_ahead: str = "auto",
                  ahead_min_precision: float | None = None, ahead_max_tokens: int | None = None,
-                 test_hooks: dict | None = None):
+                 evict: str = "lfu", test_hooks: dict | None = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
         if read_ahead not in READ_AHEAD:
             raise ValueError(f"read_ahead={read_ahead!r}: one of {', '.join(READ_AHEAD)}")
+        if evict not in EVICT:
+            raise ValueError(f"evict={evict!r}: one of {', '.join(EVICT)}")
         self.n_layer = len(expert_paths)
         self.memory_budget = budget_bytes(memory_budget)   # bytes of the expert cache (0: every expert)
         self._paths = [ffi.new("char[]", str(p).encode()) if p else ffi.NULL for p in expert_paths]
@@ -85,6 +90,7 @@ class MoEEngine(NativeOwner):
         if verify_checksums is not None:
             p.verify_checksums = 1 if verify_checksums else 0
         p.read_ahead = READ_AHEAD[read_ahead]
+        p.evict = EVICT[evict]
         if ahead_min_precision is not None:
             p.ahead_min_precision = ahead_min_precision
         if ahead_max_tokens is not None:
@@ -120,6 +126,13 @@ class MoEEngine(NativeOwner):
         router = np.ascontiguousarray(router, dtype=np.float32)
         check(lib.ls_moe_set_router(self.handle, il, ffi.cast("const float *", router.ctypes.data), router.shape[0],
                                     router.shape[1], n_used), f"cannot set layer {il}'s router")
+
+    def set_uses(self, il: int, uses) -> None:
+        """LFU's prior of layer il: uses [n_expert] by router index (the conversion's routing
+        counts), replacing what its experts counted so far."""
+        uses = np.ascontiguousarray(np.clip(np.asarray(uses), 0, 2**32 - 1), dtype=np.uint32).reshape(-1)
+        check(lib.ls_moe_set_uses(self.handle, il, ffi.cast("const uint32_t *", uses.ctypes.data), uses.size),
+              f"cannot set layer {il}'s expert uses")
 
     def routing_counts(self, il: int) -> np.ndarray:
         """[n_expert] token-expert pairs layer il routed to each expert (since made or reset_stats)."""

@@ -322,6 +322,12 @@ def source(value) -> str:
     return os.fspath(value)
 
 
+def expert_cache(value):
+    if value not in ("lfu", "lru"):
+        raise ParameterError("expert_cache", f"{value!r}: lfu or lru")
+    return value
+
+
 def read_ahead(value):
     if value not in ("auto", "on", "off"):
         raise ParameterError("read_ahead", f"{value!r}: auto, on or off")
@@ -344,6 +350,7 @@ CHECKS = {
     "verify_checksums": bool,
     "controller": controller,
     "read_ahead": read_ahead,
+    "expert_cache": expert_cache,
     "speculative": speculative,
     "draft_max": draft_max,
     "draft_width": draft_width,

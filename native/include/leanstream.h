@@ -509,11 +509,14 @@ typedef struct ls_moe_params {
     float    ahead_min_precision;   // auto: the share of early-read candidates the next op must use, default 0.5
     int32_t  ahead_max_tokens; // batches of at most this many tokens read ahead (the union of their
                                // predictions), default 8; larger ones (prefill) read each expert in waves
+    int32_t  evict;            // which cached expert gives way: LS_EVICT_LFU (default: the one used least,
+                               // counted per op, from the prior ls_moe_set_uses gives) or LS_EVICT_LRU
     const struct ls_test_hooks * test_hooks; // tests only: io_delay_us, buffered_io, fault, fault_read
                                // (counted over this engine's reads); NULL (default): none
 } ls_moe_params;
 
 enum { LS_AHEAD_OFF = 0, LS_AHEAD_AUTO = 1, LS_AHEAD_ON = 2 };
+enum { LS_EVICT_LRU = 0, LS_EVICT_LFU = 1 };
 
 typedef struct ls_moe_info {
     int64_t  n_embd;
@@ -589,6 +592,9 @@ LS_API ls_status   ls_moe_set_router(ls_moe * m, int32_t il, const float * route
 // How many token-expert pairs of layer il were routed to each expert since the engine was made (or
 // ls_moe_reset_stats): counts [n_expert] by router index (a hot set's frequencies).
 LS_API ls_status   ls_moe_routing_counts(const ls_moe * m, int32_t il, uint64_t * counts, int32_t n_expert);
+// LFU's prior of layer il: uses [n_expert] by router index (e.g. the conversion's routing counts),
+// replacing what the layer's experts counted so far. Between ops.
+LS_API ls_status   ls_moe_set_uses(ls_moe * m, int32_t il, const uint32_t * uses, int32_t n_expert);
 LS_API ls_status   ls_moe_stats(const ls_moe * m, int32_t il, ls_moe_counters * out);
 LS_API void        ls_moe_reset_stats(ls_moe * m);
 

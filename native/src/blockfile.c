@@ -178,7 +178,8 @@ static ls_status alloc_blocks(ls_blockfile * F) {
     F->verified = calloc(nb, sizeof(*F->verified));
     F->hot = calloc(nb, 1);
     F->hot_pinned = calloc(nb, 1);
-    if (!F->ids || !F->crc || !F->slot || !F->state || !F->verified || !F->hot || !F->hot_pinned) {
+    F->uses = calloc(nb, sizeof(uint32_t));
+    if (!F->ids || !F->crc || !F->slot || !F->state || !F->verified || !F->hot || !F->hot_pinned || !F->uses) {
         ls_set_error("out of memory");
         return LS_ERR_NOMEM;
     }
@@ -286,7 +287,7 @@ ls_status ls_blockfile_open(ls_blockfile * F, int32_t kind, int32_t il, const ch
 void ls_blockfile_close(ls_blockfile * F) {
     if (F->path && F->fd >= 0) close(F->fd);   // (a zeroed F holds no descriptor)
     free(F->path); free(F->ids); free(F->crc); free(F->slot); free((void *) F->state); free((void *) F->verified);
-    free(F->hot); free(F->hot_pinned);
+    free(F->hot); free(F->hot_pinned); free(F->uses);
     memset(F, 0, sizeof(*F));
     F->fd = -1;
 }

@@ -127,6 +127,8 @@ typedef struct ls_blockfile {
     _Atomic uint8_t *  verified;      // [n_blocks] 1: nothing left to check since it was read
     uint8_t *          hot;           // [n_blocks] 1: in the hot set (resident for good once loaded)
     uint8_t *          hot_pinned;    // [n_blocks] 1: the hot set's pin on its slot is held
+    uint32_t *         uses;          // [n_blocks] how often it was used (the cache's LFU eviction: a
+                                      // prior from calibration, then one per op that computes it)
     ls_read_stats      stats;
 } ls_blockfile;
 
@@ -160,6 +162,7 @@ typedef struct ls_cache {
     int32_t *        free_list;       // [n_slots] stack of free slots (popped 0, 1, 2, ...: adjacent blocks, adjacent slots)
     int32_t          n_free, n_resident;
     bool             never_evicts;    // a slot for every block of every file
+    int32_t          evict;           // LS_EVICT_LRU (the dense engine's) or LS_EVICT_LFU (files' uses)
 } ls_cache;
 
 // Where a block's CRC-32C is checked after each read (io.c)

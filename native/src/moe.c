@@ -47,6 +47,7 @@ void ls_moe_params_init(ls_moe_params * p) {
     p->read_ahead = LS_AHEAD_AUTO;
     p->ahead_min_precision = 0.5f;
     p->ahead_max_tokens = 8;
+    p->evict = LS_EVICT_LFU;
 }
 
 static const uint8_t * block_ptr(const ls_moe * m, const ls_moe_layer * L, int32_t b) {
@@ -64,9 +65,9 @@ static ls_status check_params(const ls_moe_params * p, const char * const * path
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("ls_moe_create: unknown activation %d", p->activation); return LS_ERR_ARG; }
     if (p->max_read_bytes == 0) { ls_set_error("ls_moe_create: max_read_bytes must be > 0"); return LS_ERR_ARG; }
     if (p->read_ahead < LS_AHEAD_OFF || p->read_ahead > LS_AHEAD_ON || !(p->ahead_min_precision >= 0.0f && p->ahead_min_precision <= 1.0f) ||
-        p->ahead_max_tokens < 0) {
-        ls_set_error("ls_moe_create: read_ahead %d (0, 1 or 2), ahead_min_precision %g (0..1), ahead_max_tokens %d (>= 0)",
-                     p->read_ahead, (double) p->ahead_min_precision, p->ahead_max_tokens);
+        p->ahead_max_tokens < 0 || (p->evict != LS_EVICT_LRU && p->evict != LS_EVICT_LFU)) {
+        ls_set_error("ls_moe_create: read_ahead %d (0, 1 or 2), ahead_min_precision %g (0..1), ahead_max_tokens %d (>= 0), "
+                     "evict %d (0 or 1)", p->read_ahead, (double) p->ahead_min_precision, p->ahead_max_tokens, p->evict);
         return LS_ERR_ARG;
     }
     return LS_OK;
@@ -115,6 +116,7 @@ static ls_status open_blocks(ls_moe * m, const char * const * paths) {
         st = LS_ERR_BUDGET;
     }
     if (st == LS_OK) st = ls_cache_init(&m->cache, files, m->n_layer, (int32_t) n_slots);
+    m->cache.evict = m->params.evict;
     free(files);
     return st;
 }
@@ -365,6 +367,8 @@ static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
     const int64_t n_pairs = a->n_tokens * a->n_used;
     read_routes(m, P, a);
     ls_moe_ahead_score(m, P);
+    for (int32_t b = 0; b < F->n_blocks; b++)   // LFU's counts: one per op that computes the block
+        if (P->entry_of[b] == 0 && F->uses[b] < UINT32_MAX) F->uses[b]++;
     P->n_entries = 0;
     for (int pass = 0; pass < 3; pass++) {          // resident, landing, missing
         for (int32_t b = 0; b < F->n_blocks; b++) {
@@ -722,6 +726,18 @@ static void add_layer(const ls_moe * m, const ls_moe_layer * L, ls_moe_counters 
     out->router_known += L->router != NULL;
     out->ahead_on += L->router != NULL && m->params.read_ahead != LS_AHEAD_OFF &&
                      (m->params.read_ahead == LS_AHEAD_ON || !L->ahead_off);
+}
+
+ls_status ls_moe_set_uses(ls_moe * m, int32_t il, const uint32_t * uses, int32_t n_expert) {
+    ls_moe_layer * L = layer_of(m, il);
+    if (!L || !uses || n_expert != L->info.n_expert) {
+        ls_set_error("ls_moe_set_uses: layer %d%s", il, L ? ": n_expert does not match" : " has no expert file");
+        return LS_ERR_ARG;
+    }
+    pthread_mutex_lock(&m->op_mu);
+    for (int32_t e = 0; e < n_expert; e++) L->f.uses[L->block_of_expert[e]] = uses[e];
+    pthread_mutex_unlock(&m->op_mu);
+    return LS_OK;
 }
 
 ls_status ls_moe_routing_counts(const ls_moe * m, int32_t il, uint64_t * counts, int32_t n_expert) {

@@ -142,3 +142,49 @@ def test_bad_routers_and_settings_are_refused(two_layers):
         MoEEngine(paths, read_ahead="sometimes")
     with pytest.raises(LeanstreamError, match="ahead_min_precision"):
         MoEEngine(paths, ahead_min_precision=1.5)
+
+
+def lfu_reference(prior, steps, n_slots, lfu=True):
+    """numpy/Python reference of the MoE cache's LFU (cache.c pick_victim, moe.c's counts): per op
+    each used expert counts one; its resident ones are hits, pinned; each missing one takes a free
+    slot or evicts the unpinned resident expert of fewest uses, the least recently released of
+    equals; an op releases its experts in compute order (resident first, then missing, each by
+    index). lfu False: LRU (the least recently released). Returns the misses of each op."""
+    uses, resident, order, misses = list(prior), {}, 0, []
+    for ids in steps:
+        used = sorted(set(ids))
+        for e in used:
+            uses[e] += 1
+        hits = [e for e in used if e in resident]
+        missing = [e for e in used if e not in resident]
+        for e in missing:
+            if len(resident) >= n_slots:
+                victim = min((x for x in resident if x not in used), key=lambda x: (uses[x] if lfu else 0, resident[x]))
+                del resident[victim]
+            resident[e] = -1   # pinned while the op runs
+        for e in hits + missing:
+            order += 1
+            resident[e] = order
+        misses.append(len(missing))
+    return misses
+
+
+@pytest.mark.parametrize("evict", ["lfu", "lru"])
+def test_the_cache_evicts_as_the_reference_does(two_layers, evict):
+    paths, stride = two_layers
+    rng = np.random.default_rng(21)
+    prior = rng.integers(0, 20, N_EXPERT)
+    steps = [rng.choice(N_EXPERT, K, replace=False, p=np.arange(1, N_EXPERT + 1) / (N_EXPERT * (N_EXPERT + 1) / 2))
+             for _ in range(40)]
+    want = lfu_reference(prior, steps, 4, lfu=evict == "lfu")
+    assert want != lfu_reference(prior, steps, 4, lfu=evict != "lfu")   # the two policies differ here
+    with MoEEngine(paths[:1], memory_budget=4 * stride, evict=evict, read_ahead="off") as m:
+        if evict == "lfu":
+            m.set_uses(0, prior)
+        got = []
+        for ids in steps:
+            x, _, w = routing(1, K, seed=int(ids[0]))
+            before = m.stats()["misses"]
+            m.eval(0, x, np.array([ids], np.int32), w)
+            got.append(m.stats()["misses"] - before)
+    assert got == want

@@ -19,7 +19,7 @@ from leanstream_ggml import options
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("memory_budget", "memory_limit", "mode", "sparsity", "quality", "n_io_threads", "hot_fraction",
-         "candidate_ratio", "bridge_bytes", "verify_checksums", "read_ahead", "controller", "in_ram", "source", "speculative", "draft_max",
+         "candidate_ratio", "bridge_bytes", "verify_checksums", "read_ahead", "expert_cache", "controller", "in_ram", "source", "speculative", "draft_max",
          "draft_width", "draft_fraction", "draft_stop")
 
 
@@ -72,17 +72,17 @@ def test_llama_signature_and_docstring_are_the_spec():
 
 def test_each_command_takes_exactly_its_options():
     want = {
-        "chat": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "read_ahead", "controller", "in_ram", "source",
+        "chat": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "read_ahead", "expert_cache", "controller", "in_ram", "source",
                  "speculative",
                  "draft_max", "draft_width", "draft_fraction", "draft_stop"},
         "serve": set(NAMES) - {"verify_checksums"} | {"reuse_prefix"},
         "info": {"memory_limit", "mode"},
-        "bench": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums", "read_ahead", "in_ram",
+        "bench": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums", "read_ahead", "expert_cache", "in_ram",
                   "source",
                   "speculative", "draft_max", "draft_width", "draft_fraction", "draft_stop"},
-        "perplexity": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums", "read_ahead",
+        "perplexity": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums", "read_ahead", "expert_cache",
                        "in_ram", "source"},
-        "eval": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums", "read_ahead", "in_ram",
+        "eval": {"memory_budget", "memory_limit", "mode", "sparsity", "quality", "verify_checksums", "read_ahead", "expert_cache", "in_ram",
                  "source",
                  "speculative", "draft_max", "draft_width", "draft_fraction", "draft_stop"},
         "compare": {"memory_limit", "sparsity"},
