@@ -17,8 +17,8 @@ page cache of the GGUF and of every file of the model directory was dropped. Sys
            no limit, so it runs the source GGUF on llama.cpp, stock.py); decode through generate
            where it speculates (prompt lookup), as `leanstream bench` does
   plugin-plain  the same with speculative="off": one eval + argmax per token
-  plugin-plain-noahead / -lru / -lru-noahead  plugin-plain without read-ahead, with LRU eviction
-           instead of LFU, without either (what 4e83d52 ran)
+  plugin-plain-noahead / -ahead / -lru / -lru-noahead  plugin-plain without read-ahead, with it
+           always on, with LRU eviction instead of LFU, without either (what 4e83d52 ran)
 
 Per run, over the decode only (the prompt is evaluated, then the counters are taken / reset):
 decode tok/s; the process's disk reads (/proc/self/io read_bytes, O_DIRECT included) and the
@@ -57,6 +57,7 @@ PROMPT = "The history of the old harbour town begins with"
 PLUGINS = {"plugin": {}, "plugin-plain": {"speculative": "off"},
            # the parts of the MoE decode apart: no read-ahead, no hot set, neither
            "plugin-plain-noahead": {"speculative": "off", "read_ahead": "off"},
+           "plugin-plain-ahead": {"speculative": "off", "read_ahead": "on"},
            "plugin-plain-lru": {"speculative": "off", "expert_cache": "lru"},
            "plugin-plain-lru-noahead": {"speculative": "off", "read_ahead": "off", "expert_cache": "lru"}}
 TEXT = benchkit.REPO / "leanstream_tools" / "data" / "heldout-technical.txt"
@@ -232,7 +233,7 @@ def engine_fields(llm, prefill_stats: dict, dec: dict, n: int) -> dict:
             if k in st:   # (an older checkout's engine has no read-ahead)
                 out[k] = st[k]
         # experts served without the op's own read: resident, or landed from a read-ahead
-        out["served_rate"] = (st["hits"] + st.get("ahead_used", 0)) / st["experts"] if st["experts"] else None
+        out["served_rate"] = (st["experts"] - st["misses"]) / st["experts"] if st["experts"] else None
     return out
 
 
@@ -375,6 +376,7 @@ def main() -> int:
     ap.add_argument("--ceiling", action="store_true", help="measure the disk's ceiling before and after")
     ap.add_argument("--ceiling-only", default=None, metavar="DEPTHS",
                     help="only the disk's ceiling at these depths (e.g. 1,2,4,8), no runs")
+    ap.add_argument("--probe", default=None, help="bench/routing_probe.py's JSON of the GGUF: its routing, printed beside the speeds")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.child:
@@ -418,12 +420,21 @@ def main() -> int:
                         "text": Path(a.text).name if a.decode == "forced" else None, "threads": a.threads, "n_ctx": 512,
                         "prompt": a.prompt, "timeout_s": a.timeout, "stock_timeout_s": a.stock_timeout or a.timeout,
                         "page_cache_dropped": True, "disk": disk_of(a.gguf)},
-           "routing": "synthetic: random weights (bench/moe_synth.py), near-uniform routing; hit rates are a "
-                      "lower bound of a real model's skewed routing",
+           "routing": _routing(a.probe),
            "disk_ceiling": {"depth": 8, "cells_before": ceil_before, "cells_after": ceil_after},
            "machine": measure.machine_info(), "stock": _stock_description(),
            "summary": summary(rows, ceil), "runs": rows}
     return benchkit.emit(doc, a.out)
+
+
+def _routing(probe: str | None) -> dict:
+    """How the model routes, beside its speed: bench/routing_probe.py's summary (--probe), with a
+    real model's published figures."""
+    if not probe:
+        return {"measured": None, "note": "not given: run bench/routing_probe.py on the GGUF (--probe FILE)"}
+    d = json.loads(Path(probe).read_text())
+    keep = ("tokens", "text", "distinct", "lag1_reuse", "top8_share", "next_layer_recall", "published")
+    return {"measured": {k: d[k] for k in keep if k in d}, "probe": Path(probe).name}
 
 
 def _stock_description() -> str:

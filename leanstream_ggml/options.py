@@ -145,8 +145,8 @@ OPTIONS: tuple[Option, ...] = (
            ("bench", "perplexity", "eval"), engine=True),
     Option("read_ahead", str, "auto",
            "mixture-of-experts models: while a layer computes, read the experts the next layer's router "
-           "picks from this layer's input: auto (each layer's reads stop while too few of them are used, "
-           "and start again when they are), on, off; stats() reports each layer's recall, precision and "
+           "picks from this layer's input: auto (each layer's reads stop while fewer than 9 in 10 of them are "
+           "used, and start again when more are), on, off; stats() reports each layer's recall, precision and "
            "wasted bytes",
            _RUNS),
     Option("expert_cache", str, "lfu",

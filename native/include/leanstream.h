@@ -506,7 +506,9 @@ typedef struct ls_moe_params {
                                // ls_moe_build finds it in the graph, ls_moe_set_router gives it), a layer
                                // at a time turned off while too few of them are then used (ahead_min_precision),
                                // and on again when they are; LS_AHEAD_ON: always; LS_AHEAD_OFF: never
-    float    ahead_min_precision;   // auto: the share of early-read candidates the next op must use, default 0.5
+    float    ahead_min_precision;   // auto: the share of early-read candidates the next op must use, default 0.9:
+                               // on 2 cores and a disk the decode waits on, reads that precision 0.6-0.7 wastes
+                               // cost more than the early ones save (bench/results: moe-calibrated-*)
     int32_t  ahead_max_tokens; // batches of at most this many tokens read ahead (the union of their
                                // predictions), default 8; larger ones (prefill) read each expert in waves
     int32_t  evict;            // which cached expert gives way: LS_EVICT_LFU (default: the one used least,

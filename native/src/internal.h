@@ -79,6 +79,7 @@ typedef struct ls_workq {
     pthread_cond_t  cv;
     uint8_t *       ring;                  // [cap][item_size]
     int32_t         cap, max_cap, head, count;
+    int32_t         n_low;                 // the last n_low items are low priority: other items go before them
     bool            stop;
 } ls_workq;
 
@@ -455,6 +456,8 @@ ls_status   ls_workq_start(ls_workq * q, int n_threads, int32_t cap, int32_t max
 void        ls_workq_stop(ls_workq * q);
 // called with q->mu held: the item (item_size bytes, copied) queued, or run now if the ring is full
 void        ls_workq_push(ls_workq * q, const void * item);
+// the same, low: behind every item (others pushed later still go before it), else before the low ones
+void        ls_workq_push_at(ls_workq * q, const void * item, bool low);
 void        ls_barrier_wait(ls_barrier * b, int n);
 // fn(ctx, ith, n_threads) on n_threads (<= LS_MAX_TEAM) threads at once, ith 0 on the calling
 // thread: all of them or none (false: not every thread could be started; fn did not run)
@@ -530,6 +533,8 @@ ls_status   ls_io_plan_model(ls_io * io, bool probe, int64_t bridge_bytes);
 // only), up to max_read_bytes per read, in the order given. flags: NULL, or [n] words each set
 // to block i's state (LS_BLK_READY / LS_BLK_FAILED) when it lands, as its state is.
 void        ls_io_submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n, _Atomic int32_t * flags);
+// the same at low priority (read-ahead): reads submitted later without it go first
+void        ls_io_submit_low(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n);
 // LS_CHECK_ON_USE: block b (its bytes at blk, landed) checked against its CRC-32C by the compute
 // thread about to use it first; false (the block FAILED, the error recorded) on a mismatch.
 bool        ls_io_check(ls_io * io, ls_blockfile * F, int32_t b, const uint8_t * blk);
@@ -659,6 +664,7 @@ typedef struct ls_moe_layer {
     uint8_t *          ahead;            // [n_blocks] read early for the next op
     bool               has_prediction;
     bool               ahead_off;        // auto: turned off (too few candidates used)
+    uint32_t           ahead_skipped;    // auto, off: ops not predicted since the last one that was
     float              ahead_precision;  // auto: running share of candidates the next op used
 } ls_moe_layer;
 

@@ -163,7 +163,17 @@ void ls_io_stop(ls_io * io) {
     memset(io, 0, sizeof(*io));
 }
 
+static void submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n, _Atomic int32_t * flags, bool low);
+
 void ls_io_submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n, _Atomic int32_t * flags) {
+    submit(io, F, blocks, n, flags, false);
+}
+
+void ls_io_submit_low(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n) {
+    submit(io, F, blocks, n, NULL, true);
+}
+
+static void submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n, _Atomic int32_t * flags, bool low) {
     const uint64_t stride = F->stride;
     const uint64_t max_bytes = io->max_read_bytes > stride ? io->max_read_bytes : stride;
     const int64_t max_gap = (int64_t) (io->op_bridge / stride);   // whole blocks bridged
@@ -179,7 +189,7 @@ void ls_io_submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t 
                              bytes + (uint64_t) (gap + 1) * stride <= max_bytes &&
                              r.n_iov + (gap > 0) + 1 <= LS_MAX_IOV;
         if (!extends) {
-            if (r.n_iov > 0) ls_workq_push(&io->q, &r);
+            if (r.n_iov > 0) ls_workq_push_at(&io->q, &r, low);
             r.F = F;
             r.n_iov = r.n_blocks = 0;
             r.bridged = 0;
@@ -202,7 +212,7 @@ void ls_io_submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t 
         bytes += stride;
         end = b + 1;
     }
-    if (r.n_iov > 0) ls_workq_push(&io->q, &r);
+    if (r.n_iov > 0) ls_workq_push_at(&io->q, &r, low);
     pthread_mutex_unlock(&io->q.mu);
 }
 

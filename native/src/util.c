@@ -244,6 +244,7 @@ static void * workq_worker(void * arg) {
         if (q->stop && q->count == 0) { pthread_mutex_unlock(&q->mu); return NULL; }
         memcpy(item, q->ring + (size_t) q->head * q->item_size, q->item_size);
         q->head = (q->head + 1) % q->cap;
+        if (q->n_low == q->count) q->n_low--;   // (only low-priority items were left)
         q->count--;
         pthread_mutex_unlock(&q->mu);
         q->run(q->owner, item);
@@ -282,7 +283,7 @@ void ls_workq_stop(ls_workq * q) {
     q->threads = NULL;
     q->ring = NULL;
     q->n_threads = 0;
-    q->cap = q->max_cap = q->head = q->count = 0;
+    q->cap = q->max_cap = q->head = q->count = q->n_low = 0;
     q->stop = false;
 }
 
@@ -300,7 +301,18 @@ static void workq_grow(ls_workq * q) {
     q->cap = cap;
 }
 
-void ls_workq_push(ls_workq * q, const void * item) {
+// item's slot in the ring: at the tail (low: behind everything), or before the low-priority items
+static uint8_t * workq_slot(ls_workq * q, bool low) {
+    const size_t sz = q->item_size;
+    if (low) { q->n_low++; return q->ring + (size_t) ((q->head + q->count) % q->cap) * sz; }
+    for (int32_t i = q->count; i > q->count - q->n_low; i--)   // the low ones move back by one
+        memcpy(q->ring + (size_t) ((q->head + i) % q->cap) * sz, q->ring + (size_t) ((q->head + i - 1) % q->cap) * sz, sz);
+    return q->ring + (size_t) ((q->head + q->count - q->n_low) % q->cap) * sz;
+}
+
+void ls_workq_push(ls_workq * q, const void * item) { ls_workq_push_at(q, item, false); }
+
+void ls_workq_push_at(ls_workq * q, const void * item, bool low) {
     if (q->count == q->cap && q->cap < q->max_cap) workq_grow(q);
     if (q->count == q->cap) {
         _Alignas(max_align_t) uint8_t copy[LS_WORKQ_MAX_ITEM];
@@ -310,7 +322,7 @@ void ls_workq_push(ls_workq * q, const void * item) {
         pthread_mutex_lock(&q->mu);
         return;
     }
-    memcpy(q->ring + (size_t) ((q->head + q->count) % q->cap) * q->item_size, item, q->item_size);
+    memcpy(workq_slot(q, low), item, q->item_size);
     q->count++;
     pthread_cond_signal(&q->cv);
 }

@@ -71,7 +71,7 @@ def test_a_wrong_prediction_is_wasted_bytes_and_auto_turns_the_layer_off_and_on(
     paths, stride = two_layers
     R = router()
     # 8 slots for 16 experts: what was read does not stay, so there are candidates to score
-    with MoEEngine(paths, read_ahead="auto", memory_budget=8 * stride) as m:
+    with MoEEngine(paths, read_ahead="auto", memory_budget=8 * stride, ahead_min_precision=0.5) as m:
         m.set_router(1, R, K)
         for step in range(12):   # every prediction wrong: precision falls below 0.5
             x, ids0, w = routing(1, K, seed=100 + step)
@@ -81,13 +81,14 @@ def test_a_wrong_prediction_is_wasted_bytes_and_auto_turns_the_layer_off_and_on(
         assert s["ahead_predicted"] == 0 and s["ahead_used"] == 0 and s["ahead_reads"] > 0
         assert s["ahead_wasted_bytes"] == s["ahead_reads"] * s["slot_bytes"]
         assert s["ahead_on"] == 0 and s["ahead_reads"] < 12 * K   # turned off before the end
-        reads = s["ahead_reads"]
-        for step in range(12):   # every prediction right: scored while off, on again
+        reads, ops = s["ahead_reads"], s["ahead_ops"]
+        for step in range(64):   # every prediction right: one op in 16 scored while off, on again
             x, ids0, w = routing(1, K, seed=200 + step)
             m.eval(0, x, ids0, w)
             m.eval(1, x, np.array([sorted(predicted(R, x))], np.int32), w)
         s = m.stats(1)
         assert s["ahead_on"] == 1 and s["ahead_reads"] > reads and s["ahead_used"] > 0
+        assert s["ahead_ops"] - ops < 64    # not every op predicted while it was off
 
 
 def test_reads_still_landing_and_a_crowded_cache_give_the_same_bits(two_layers):
