@@ -60,8 +60,11 @@ ls_status ls_cache_init(ls_cache * c, ls_blockfile * const * files, int32_t n_fi
     c->lru_prev = malloc(n * sizeof(int32_t));
     c->lru_next = malloc(n * sizeof(int32_t));
     c->free_list = malloc(n * sizeof(int32_t));
+    c->heap = malloc(n * sizeof(int32_t));
+    c->heap_pos = malloc(n * sizeof(int32_t));
+    c->released = calloc(n, sizeof(uint64_t));
     if (!c->files || !c->slot_layer || !c->slot_block || !c->slot_pins || !c->slot_computed || !c->lru_prev ||
-        !c->lru_next || !c->free_list) {
+        !c->lru_next || !c->free_list || !c->heap || !c->heap_pos || !c->released) {
         ls_set_error("out of memory");
         return LS_ERR_NOMEM;
     }
@@ -70,6 +73,7 @@ ls_status ls_cache_init(ls_cache * c, ls_blockfile * const * files, int32_t n_fi
     for (int32_t s = 0; s < n_slots; s++) {
         c->slot_layer[s] = c->slot_block[s] = -1;
         c->lru_prev[s] = c->lru_next[s] = -1;
+        c->heap_pos[s] = -1;
         c->free_list[s] = n_slots - 1 - s; // pop order 0, 1, 2, ...: adjacent blocks get adjacent slots
     }
     c->n_free = n_slots;
@@ -81,11 +85,59 @@ ls_status ls_cache_init(ls_cache * c, ls_blockfile * const * files, int32_t n_fi
 void ls_cache_free(ls_cache * c) {
     if (c->pool_map) munmap(c->pool_map, c->pool_map_bytes);
     free(c->files); free(c->slot_layer); free(c->slot_block); free(c->slot_pins); free(c->slot_computed);
-    free(c->lru_prev); free(c->lru_next); free(c->free_list);
+    free(c->lru_prev); free(c->lru_next); free(c->free_list); free(c->heap); free(c->heap_pos); free(c->released);
     memset(c, 0, sizeof(*c));
 }
 
+// ---- LFU's heap of the list's slots: (uses of the slot's block, released) ascending -----------------
+
+static bool heap_less(const ls_cache * c, int32_t a, int32_t b) {
+    const uint32_t ua = c->files[c->slot_layer[a]]->uses[c->slot_block[a]];
+    const uint32_t ub = c->files[c->slot_layer[b]]->uses[c->slot_block[b]];
+    return ua != ub ? ua < ub : c->released[a] < c->released[b];
+}
+
+static void heap_set(ls_cache * c, int32_t i, int32_t s) { c->heap[i] = s; c->heap_pos[s] = i; }
+
+static void heap_up(ls_cache * c, int32_t i) {
+    const int32_t s = c->heap[i];
+    while (i > 0 && heap_less(c, s, c->heap[(i - 1) / 2])) { heap_set(c, i, c->heap[(i - 1) / 2]); i = (i - 1) / 2; }
+    heap_set(c, i, s);
+}
+
+static void heap_down(ls_cache * c, int32_t i, int32_t n) {
+    const int32_t s = c->heap[i];
+    for (;;) {
+        int32_t k = 2 * i + 1;
+        if (k >= n) break;
+        if (k + 1 < n && heap_less(c, c->heap[k + 1], c->heap[k])) k++;
+        if (!heap_less(c, c->heap[k], s)) break;
+        heap_set(c, i, c->heap[k]);
+        i = k;
+    }
+    heap_set(c, i, s);
+}
+
+// (the list's length before the change is the heap's: n_lru)
+static void heap_add(ls_cache * c, int32_t s) { heap_set(c, c->n_lru, s); heap_up(c, c->n_lru); }
+
+static void heap_remove(ls_cache * c, int32_t s) {
+    const int32_t i = c->heap_pos[s], last = c->n_lru - 1;   // the last item fills s's place
+    c->heap_pos[s] = -1;
+    if (i == last) return;
+    const int32_t x = c->heap[last];
+    heap_set(c, i, x);
+    if (i > 0 && heap_less(c, x, c->heap[(i - 1) / 2])) heap_up(c, i);
+    else heap_down(c, i, last);
+}
+
+void ls_cache_reorder(ls_cache * c) {   // every slot's key may have changed: the heap rebuilt
+    if (c->evict != LS_EVICT_LFU) return;
+    for (int32_t i = c->n_lru / 2 - 1; i >= 0; i--) heap_down(c, i, c->n_lru);
+}
+
 static void lru_remove(ls_cache * c, int32_t s) {
+    if (c->evict == LS_EVICT_LFU) heap_remove(c, s);
     int32_t p = c->lru_prev[s], n = c->lru_next[s];
     if (p >= 0) c->lru_next[p] = n; else c->lru_head = n;
     if (n >= 0) c->lru_prev[n] = p; else c->lru_tail = p;
@@ -94,6 +146,8 @@ static void lru_remove(ls_cache * c, int32_t s) {
 }
 
 static void lru_push_mru(ls_cache * c, int32_t s) {
+    c->released[s] = ++c->clock;
+    if (c->evict == LS_EVICT_LFU) heap_add(c, s);
     c->lru_prev[s] = c->lru_tail;
     c->lru_next[s] = -1;
     if (c->lru_tail >= 0) c->lru_next[c->lru_tail] = s; else c->lru_head = s;
@@ -121,7 +175,12 @@ static void evict(ls_cache * c, int32_t s) {
 // calibration's counts kept 10-15 points more experts than LRU at a cache of a seventh of them:
 // bench/replay_experts.py).
 static int32_t pick_victim(const ls_cache * c) {
-    int32_t best = -1;
+    if (c->evict == LS_EVICT_LFU && c->n_lru > 0) {   // the heap's least, unless its read is in flight
+        const int32_t s = c->heap[0];
+        if (atomic_load_explicit(&c->files[c->slot_layer[s]]->state[c->slot_block[s]], memory_order_acquire) != LS_BLK_LOADING)
+            return s;
+    }
+    int32_t best = -1;   // (LRU; or LFU's rare case of a read-ahead still landing: the scan)
     uint32_t best_uses = UINT32_MAX;
     for (int32_t s = c->lru_head; s >= 0; s = c->lru_next[s]) {
         const ls_blockfile * F = c->files[c->slot_layer[s]];

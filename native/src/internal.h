@@ -164,6 +164,12 @@ typedef struct ls_cache {
     int32_t          n_free, n_resident;
     bool             never_evicts;    // a slot for every block of every file
     int32_t          evict;           // LS_EVICT_LRU (the dense engine's) or LS_EVICT_LFU (files' uses)
+    // LFU: the LRU list's slots also in a min-heap by (uses, released), so a victim is found
+    // without a scan (a block's uses change only while it is out of the list: pinned or absent)
+    int32_t *        heap;            // [n_slots] slots, heap[0] the least used (least recent of equals)
+    int32_t *        heap_pos;        // [n_slots] a slot's index in heap, -1: not in it
+    uint64_t *       released;        // [n_slots] when the slot last entered the list
+    uint64_t         clock;
 } ls_cache;
 
 // Where a block's CRC-32C is checked after each read (io.c)
@@ -534,6 +540,7 @@ ls_status   ls_io_plan_model(ls_io * io, bool probe, int64_t bridge_bytes);
 // to block i's state (LS_BLK_READY / LS_BLK_FAILED) when it lands, as its state is.
 void        ls_io_submit(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n, _Atomic int32_t * flags);
 // the same at low priority (read-ahead): reads submitted later without it go first
+void        ls_cache_reorder(ls_cache * c);   // LFU: the blocks' uses were set (ls_moe_set_uses)
 void        ls_io_submit_low(ls_io * io, ls_blockfile * F, const int32_t * blocks, int32_t n);
 // LS_CHECK_ON_USE: block b (its bytes at blk, landed) checked against its CRC-32C by the compute
 // thread about to use it first; false (the block FAILED, the error recorded) on a mismatch.

@@ -367,8 +367,6 @@ static void group_pairs(ls_moe * m, ls_moe_plan * P, const moe_args * a) {
     const int64_t n_pairs = a->n_tokens * a->n_used;
     read_routes(m, P, a);
     ls_moe_ahead_score(m, P);
-    for (int32_t b = 0; b < F->n_blocks; b++)   // LFU's counts: one per op that computes the block
-        if (P->entry_of[b] == 0 && F->uses[b] < UINT32_MAX) F->uses[b]++;
     P->n_entries = 0;
     for (int pass = 0; pass < 3; pass++) {          // resident, landing, missing
         for (int32_t b = 0; b < F->n_blocks; b++) {
@@ -462,6 +460,10 @@ static void plan_op(ls_moe * m, const moe_args * a, int nth) {
         if (i < held) ls_cache_acquire(&m->cache, &L->f, P->entry_block[i], &slot, &miss);
     }
     P->next_read = held;
+    for (int32_t i = 0; i < P->n_entries; i++) {   // LFU's counts, one per op that computes the block
+        uint32_t * u = &L->f.uses[P->entry_block[i]];   // (each held or absent now: out of the cache's list)
+        if (*u < UINT32_MAX) (*u)++;
+    }
     top_up(m, P);
     atomic_fetch_add(&L->stats.hits, (uint64_t) P->n_hits);
     atomic_fetch_add(&L->stats.experts, (uint64_t) P->n_entries);
@@ -736,6 +738,7 @@ ls_status ls_moe_set_uses(ls_moe * m, int32_t il, const uint32_t * uses, int32_t
     }
     pthread_mutex_lock(&m->op_mu);
     for (int32_t e = 0; e < n_expert; e++) L->f.uses[L->block_of_expert[e]] = uses[e];
+    ls_cache_reorder(&m->cache);
     pthread_mutex_unlock(&m->op_mu);
     return LS_OK;
 }

@@ -189,3 +189,24 @@ def test_the_cache_evicts_as_the_reference_does(two_layers, evict):
             m.eval(0, x, np.array([ids], np.int32), w)
             got.append(m.stats()["misses"] - before)
     assert got == want
+
+
+def test_lfu_over_two_layers_and_many_ops_is_the_reference_s(two_layers):
+    """The heap that finds LFU's victim (cache.c) against the reference over both layers' experts
+    (keys layer * N_EXPERT + expert), 300 ops alternating layers, 6 slots, a prior on each."""
+    paths, stride = two_layers
+    rng = np.random.default_rng(5)
+    prior = rng.integers(0, 6, 2 * N_EXPERT)
+    p = np.arange(1, N_EXPERT + 1) ** 1.5
+    steps = [(i % 2, rng.choice(N_EXPERT, K, replace=False, p=p / p.sum())) for i in range(300)]
+    want = lfu_reference(prior, [[il * N_EXPERT + e for e in ids] for il, ids in steps], 6)
+    with MoEEngine(paths, memory_budget=6 * stride, read_ahead="off") as m:
+        m.set_uses(0, prior[:N_EXPERT])
+        m.set_uses(1, prior[N_EXPERT:])
+        got = []
+        for il, ids in steps:
+            x, _, w = routing(1, K, seed=int(ids[0]))
+            before = m.stats()["misses"]
+            m.eval(il, x, np.array([ids], np.int32), w)
+            got.append(m.stats()["misses"] - before)
+    assert got == want
