@@ -184,7 +184,7 @@ class Neurons(_Streamed):
         """The settings this directory runs with: a quality= target becomes its sparsity; the
         files the mode reads are found (ManifestError/ValueError naming what is missing)."""
         m, mode = self.manifest, o.mode
-        if given.get("read_ahead") not in (None, "auto") or given.get("expert_cache") not in (None, "lfu"):
+        if given.get("read_ahead") not in (None, "off") or given.get("expert_cache") not in (None, "lfu"):
             raise ValueError("read_ahead, expert_cache: a mixture-of-experts model's; a dense model's blocks are "
                              "prefetched and kept by its mode's own schedule")
         self.predictor_paths = self.sketch_paths = None

@@ -143,10 +143,11 @@ OPTIONS: tuple[Option, ...] = (
            "layer and block; the model directory's other files are checked against the manifest's checksums "
            "when it is opened); off only to measure what the check costs",
            ("bench", "perplexity", "eval"), engine=True),
-    Option("read_ahead", str, "auto",
+    Option("read_ahead", str, "off",
            "mixture-of-experts models: while a layer computes, read the experts the next layer's router "
-           "picks from this layer's input: auto (each layer's reads stop while fewer than 9 in 10 of them are "
-           "used, and start again when more are), on, off; stats() reports each layer's recall, precision and "
+           "picks from this layer's input: off (default: on 2 cores and a disk the decode waits on it cost more "
+           "than it saved, bench/results), auto (each layer's reads stop while fewer than 9 in 10 of them are "
+           "used, and start again when more are), on; stats() reports each layer's recall, precision and "
            "wasted bytes",
            _RUNS),
     Option("expert_cache", str, "lfu",

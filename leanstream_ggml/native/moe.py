@@ -52,8 +52,8 @@ class MoEEngine(NativeOwner):
 
     expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
     memory_budget: bytes of the expert cache for all layers together (None/0: every expert).
-    read_ahead: "auto" (default: each layer's predicted experts read while the layer before it
-    computes, turned off per layer while too few are used), "on" or "off". evict: which cached
+    read_ahead: "off" (default), "auto" (each layer's predicted experts read while the layer
+    before it computes, turned off per layer while too few are used) or "on". evict: which cached
     expert gives way, "lfu" (default: the one used least, from the prior set_uses gives) or "lru".
     n_io_threads,
     max_read_bytes, verify_checksums, ahead_min_precision, ahead_max_tokens: None takes the
@@ -65,7 +65,7 @@ class MoEEngine(NativeOwner):
 
     def __init__(self, expert_paths: Sequence[str | Path | None], *, memory_budget: int | None = None,
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
-                 verify_checksums: bool | None = None, read_ahead: str = "auto",
+                 verify_checksums: bool | None = None, read_ahead: str = "off",
                  ahead_min_precision: float | None = None, ahead_max_tokens: int | None = None,
                  evict: str = "lfu", test_hooks: dict | None = None):
         if activation not in ACTIVATIONS:

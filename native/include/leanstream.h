@@ -501,7 +501,8 @@ typedef struct ls_moe_params {
                                // (an expert larger than this is one read of its own)
     int32_t  verify_checksums; // 1 (default): every expert's CRC-32C after each read, before use
     int32_t  activation;       // LS_ACT_SILU (default) or LS_ACT_GELU
-    int32_t  read_ahead;       // LS_AHEAD_AUTO (default): while layer n computes, the experts layer n+1's
+    int32_t  read_ahead;       // LS_AHEAD_OFF (default: on 2 cores it never paid, bench/results) or
+                               // LS_AHEAD_AUTO: while layer n computes, the experts layer n+1's
                                // router picks from layer n's input are read (when its router is known:
                                // ls_moe_build finds it in the graph, ls_moe_set_router gives it), a layer
                                // at a time turned off while too few of them are then used (ahead_min_precision),

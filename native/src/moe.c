@@ -44,7 +44,7 @@ void ls_moe_params_init(ls_moe_params * p) {
     p->max_read_bytes = 1u << 20;
     p->verify_checksums = 1;
     p->activation = LS_ACT_SILU;
-    p->read_ahead = LS_AHEAD_AUTO;
+    p->read_ahead = LS_AHEAD_OFF;
     p->ahead_min_precision = 0.9f;
     p->ahead_max_tokens = 8;
     p->evict = LS_EVICT_LFU;
