@@ -28,7 +28,7 @@ from leanstream_ggml.llamacpp import _llama_cpp, stock
 from leanstream_ggml.model import manifest as manifest_mod
 from leanstream_ggml.native import modes, params
 from leanstream_ggml.native.engine import FFNEngine
-from leanstream_ggml.native.moe import MoEEngine
+from leanstream_ggml.native.moe import MOE_HOT_FRACTION, MOE_PRIOR_TOKENS, MoEEngine
 
 
 # the default batch of a dense model that streams under its limit: its activations' memory goes to
@@ -79,15 +79,6 @@ class _Streamed:
         # the op's I/O errors surface as a Python exception right after the decode that hit them
         _llama_cpp.wrap_decode(llm, engine.raise_pending)
 
-
-# the share of a MoE model's expert cache pinned for the experts routed to most often in calibration
-# (hot_fraction's default there): none, LFU with the calibration's counts as its prior keeps more
-# (replayed on routing traces of the calibrated 48- and 16-layer shapes: bench/replay_experts.py,
-# docs/design.md §24)
-MOE_HOT_FRACTION = 0.0
-# LFU's prior: the routing pass's frequencies as the counts of this many tokens (the replay's
-# calibration length)
-MOE_PRIOR_TOKENS = 512
 
 
 class Experts(_Streamed):

@@ -15,7 +15,7 @@ flags of ``leanstream chat``, ``serve`` and ``info``, and every tool's flags:
 A command whose flag means something narrower (compare's --memory-limit is the memory cgroup of
 each run) or has a default of its own says so in ``variants``. A help text names another option
 as ``{name}``: the keyword in the docstring, the flag on a command line; and what the engine
-defines as ``{MODES}``, ``{DEFAULT}``, ``{QUALITY}`` (modes.py), ``{MOE_HOT_FRACTION}`` (backend.py), ``{MAX_N_IO_THREADS}`` and
+defines as ``{MODES}``, ``{DEFAULT}``, ``{QUALITY}`` (modes.py), ``{MOE_HOT_FRACTION}`` (native/moe.py), ``{MAX_N_IO_THREADS}`` and
 ``{ENGINE_n_io_threads}`` (ls_engine_params_init), and a mode's own default as
 ``{name@mode}`` (``{hot_fraction@leanstream+predictors}``: with predictors; ``{sparsity@sparse}``:
 every sparse mode's, one number where they agree), which the engine resolves
@@ -266,7 +266,7 @@ class _Names(dict):
 
 
 def _moe_hot_fraction() -> float:
-    from leanstream_ggml.backend import MOE_HOT_FRACTION
+    from leanstream_ggml.native.moe import MOE_HOT_FRACTION
 
     return MOE_HOT_FRACTION
 

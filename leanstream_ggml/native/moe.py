@@ -22,6 +22,14 @@ COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
 TUNABLE_PARAMS = tuple(name for name, _ in ffi.typeof("ls_moe_params").fields
                        if name not in {"n_layer", "memory_budget", "activation", "verify_checksums", "test_hooks",
                                        "read_ahead", "evict"})
+# the share of a MoE model's expert cache pinned for the experts routed to most often in calibration
+# (hot_fraction's default there): none, LFU with the calibration's counts as its prior keeps more
+# (replayed on routing traces of the calibrated 48- and 16-layer shapes: bench/replay_experts.py,
+# docs/design.md §24)
+MOE_HOT_FRACTION = 0.0   # (backend.Experts pins; options.py shows it)
+# LFU's prior: the routing pass's frequencies as the counts of this many tokens (the replay's
+# calibration length)
+MOE_PRIOR_TOKENS = 512
 READ_AHEAD = {"off": lib.LS_AHEAD_OFF, "auto": lib.LS_AHEAD_AUTO, "on": lib.LS_AHEAD_ON}
 EVICT = {"lfu": lib.LS_EVICT_LFU, "lru": lib.LS_EVICT_LRU}
 
