@@ -84,7 +84,12 @@ def _expert_lines(m) -> list[str]:
             f"each, {moe.gating} router" + (", a shared expert (in base.gguf)" if moe.shared_expert else ""),
             "expert types     " + "; ".join(f"gate {g}, up {u}, down {dn}" for g, u, dn in types),
             f"expert files     one per layer, an expert is one read of {'/'.join(fmt_bytes(s) for s in strides)}, "
-            f"align {m.block.align} B"]
+            f"align {m.block.align} B",
+            "expert cache     " + ("the least used expert gives way (expert_cache='lfu'), counted from the routing "
+                                   "pass's frequencies (experts/routing_freq.npy) on" if moe.routing_freq else
+                                   "the least used expert gives way (expert_cache='lfu'), counted from the first token "
+                                   "(no routing pass: converted by an older leanstream; convert again for its prior)")
+            + "; the next layer's experts read early only with read_ahead='auto' or 'on'"]
 
 
 def _plan_lines(m, d: Path, args) -> list[str]:

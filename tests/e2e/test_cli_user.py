@@ -204,6 +204,7 @@ def test_every_command_runs_on_a_moe_model(tiny_moe, command, capsys):
     if command == "info":
         assert _field(out, "experts").startswith("8 per layer, 2 routed per token")
         assert _field(out, "sparse modes").startswith("none: a mixture-of-experts model")
+        assert "counted from the routing pass's frequencies" in _field(out, "expert cache")
     elif command == "verify":
         assert "intact" in out
     elif command == "chat":
