@@ -64,7 +64,7 @@ class MoEEngine(NativeOwner):
     before it computes, turned off per layer while too few are used) or "on". evict: which cached
     expert gives way, "lfu" (default: the one used least, from the prior set_uses gives) or "lru".
     n_io_threads,
-    max_read_bytes, verify_checksums, ahead_min_precision, ahead_max_tokens: None takes the
+    max_read_bytes, verify_checksums, ahead_min_precision, ahead_max_tokens, ahead_top: None takes the
     engine's default (ls_moe_params_init). ``test_hooks``: tests only (FFNEngine's keys)."""
 
     _free = staticmethod(lib.ls_moe_free)
@@ -75,7 +75,7 @@ class MoEEngine(NativeOwner):
                  activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
                  verify_checksums: bool | None = None, read_ahead: str = "off",
                  ahead_min_precision: float | None = None, ahead_max_tokens: int | None = None,
-                 evict: str = "lfu", test_hooks: dict | None = None):
+                 ahead_top: int | None = None, evict: str = "lfu", test_hooks: dict | None = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {activation!r}")
         if read_ahead not in READ_AHEAD:
@@ -103,6 +103,8 @@ class MoEEngine(NativeOwner):
             p.ahead_min_precision = ahead_min_precision
         if ahead_max_tokens is not None:
             p.ahead_max_tokens = ahead_max_tokens
+        if ahead_top is not None:
+            p.ahead_top = ahead_top
         hooks = _test_hooks(test_hooks)   # (copied by the engine)
         p.test_hooks = hooks
         out = ffi.new("ls_moe **")

@@ -47,6 +47,7 @@ void ls_moe_params_init(ls_moe_params * p) {
     p->read_ahead = LS_AHEAD_OFF;
     p->ahead_min_precision = 0.9f;
     p->ahead_max_tokens = 8;
+    p->ahead_top = 3;
     p->evict = LS_EVICT_LFU;
 }
 
@@ -65,7 +66,7 @@ static ls_status check_params(const ls_moe_params * p, const char * const * path
     if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("ls_moe_create: unknown activation %d", p->activation); return LS_ERR_ARG; }
     if (p->max_read_bytes == 0) { ls_set_error("ls_moe_create: max_read_bytes must be > 0"); return LS_ERR_ARG; }
     if (p->read_ahead < LS_AHEAD_OFF || p->read_ahead > LS_AHEAD_ON || !(p->ahead_min_precision >= 0.0f && p->ahead_min_precision <= 1.0f) ||
-        p->ahead_max_tokens < 0 || (p->evict != LS_EVICT_LRU && p->evict != LS_EVICT_LFU)) {
+        p->ahead_max_tokens < 0 || p->ahead_top < 0 || (p->evict != LS_EVICT_LRU && p->evict != LS_EVICT_LFU)) {
         ls_set_error("ls_moe_create: read_ahead %d (0, 1 or 2), ahead_min_precision %g (0..1), ahead_max_tokens %d (>= 0), "
                      "evict %d (0 or 1)", p->read_ahead, (double) p->ahead_min_precision, p->ahead_max_tokens, p->evict);
         return LS_ERR_ARG;

@@ -4,7 +4,8 @@
 // misses, so that they land while layer n computes.
 //
 //   prediction   top n_used of router_{n+1} . x_n per token (+ the router's logit bias; sigmoid and
-//                its probability bias where the family selects by them); a batch: the union
+//                its probability bias where the family selects by them); a batch: the union. Recall
+//                is scored on all n_used; only each token's best ahead_top (3) are candidates
 //   candidates   the predicted experts absent from the cache (what read-ahead may read)
 //   reads        candidates in file order, at low priority (a miss queued later goes first), only
 //                once every miss of layer n has its slot, into slots
@@ -140,15 +141,16 @@ static void score(ls_moe_plan * P, const ls_moe_layer * N, const float * x) {
     }
 }
 
-// N->predicted[b] = 1 for the blocks of the top n_used experts of P->logits
-static void mark_top(ls_moe_plan * P, ls_moe_layer * N) {
+// N->predicted[b] |= 1 for the blocks of the top n_used experts of P->logits, |= 2 for the best
+// `top` of them (those read-ahead may read)
+static void mark_top(ls_moe_plan * P, ls_moe_layer * N, int32_t top) {
     float * s = P->logits;
     for (int32_t k = 0; k < N->router_n_used; k++) {
         int32_t best = -1;
         for (int32_t e = 0; e < N->info.n_expert; e++)
             if (s[e] != -INFINITY && (best < 0 || s[e] > s[best])) best = e;
         if (best < 0) return;
-        N->predicted[N->block_of_expert[best]] = 1;
+        N->predicted[N->block_of_expert[best]] |= (uint8_t) (k < top ? 3 : 1);
         s[best] = -INFINITY;
     }
 }
@@ -204,11 +206,12 @@ void ls_moe_ahead_plan(ls_moe * m, ls_moe_plan * P) {
     ls_blockfile * F = &N->f;
     memset(N->predicted, 0, (size_t) F->n_blocks);
     memset(N->candidate, 0, (size_t) F->n_blocks);
+    const int32_t top = m->params.ahead_top > 0 ? m->params.ahead_top : N->router_n_used;
     for (int64_t t = 0; t < P->n_tokens; t++) {
         score(P, N, (const float *) ((const uint8_t *) P->x + (size_t) t * P->x_stride));
-        mark_top(P, N);
+        mark_top(P, N, top);
     }
-    for (int32_t b = 0; b < F->n_blocks; b++) N->candidate[b] = N->predicted[b] && F->slot[b] < 0;
+    for (int32_t b = 0; b < F->n_blocks; b++) N->candidate[b] = (N->predicted[b] & 2) && F->slot[b] < 0;
     N->has_prediction = true;
     // only once every miss of this layer has its slot (then nothing this op needs can be evicted)
     if (!reads_on(m, N) || P->starved || P->next_read < P->n_entries) return;

@@ -210,3 +210,21 @@ def test_lfu_over_two_layers_and_many_ops_is_the_reference_s(two_layers):
             m.eval(il, x, np.array([ids], np.int32), w)
             got.append(m.stats()["misses"] - before)
     assert got == want
+
+
+def test_only_the_best_scored_predictions_are_read_ahead(two_layers):
+    """ahead_top 1: of each token's K predictions only the best-scored is a candidate (read early);
+    recall is still scored on all K."""
+    paths, _ = two_layers
+    R = router()
+    x, ids0, w = routing(1, K, seed=5)
+    logits = x.astype(np.float64) @ R.astype(np.float64).T
+    best = int(np.argmax(logits[0]))
+    ids1 = np.array([sorted(predicted(R, x))], np.int32)
+    with MoEEngine(paths, read_ahead="on", ahead_top=1) as m:
+        m.set_router(1, R, K)
+        two_steps(m, x, ids0, ids1, w)
+        s = m.stats(1)
+        assert (s["ahead_predicted"], s["ahead_candidates"], s["ahead_reads"], s["ahead_used"]) == (K, 1, 1, 1)
+        assert s["misses"] == K - 1
+    assert best in ids1[0]
