@@ -711,7 +711,7 @@ typedef struct ls_moe_plan {
     uint64_t          stall_ns;          // thread 0's wait this op
     uint8_t *         rq;                // the router's input in its vec_dot_type (read-ahead), rq_cap bytes
     float *           logits;            // [n_expert] (read-ahead)
-    int32_t *         ahead_list;        // [n_expert] blocks read early
+    int32_t *         ahead_list;        // [2 n_expert] blocks read early, then the predicted resident ones held
     size_t            rq_cap, logits_cap, ahead_cap;
 } ls_moe_plan;
 

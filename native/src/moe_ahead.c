@@ -8,17 +8,19 @@
 //                is scored on all n_used; only each token's best ahead_top (3) are candidates
 //   candidates   the predicted experts absent from the cache (what read-ahead may read)
 //   reads        candidates in file order, at low priority (a miss queued later goes first), only
-//                once every miss of layer n has its slot, into slots
-//                no op holds (pick_victim: least recently used; layer n+1's predicted resident
-//                experts are first made most recent, so a read-ahead never evicts them), at most a
-//                quarter of the cache; each is let go at once (evictable, most recent) and taken
-//                again by layer n+1's op, which waits for it if it is still landing
+//                once every miss of layer n has its slot, into slots no op holds (pick_victim: the
+//                cache's policy; layer n+1's predicted resident experts are held meanwhile, so a
+//                read-ahead never evicts them), at most a quarter of the cache; each is let go at
+//                once (evictable) and taken again by layer n+1's op, which waits for it if it is
+//                still landing
 //   auto         per layer, a running share of its candidates the next op used (precision); below
 //                ahead_min_precision (0.9) the layer's reads stop (one op in AHEAD_SAMPLE still
-//                predicted and scored: the prediction's own time is not free), above it they start again. Reads that miss cost disk time other misses wait for:
-//                measured on the calibrated 48-layer shape (next-layer recall 0.80, precision
-//                0.61-0.73), reading ahead cost x0.67 of the decode at 4 GB (disk-bound) and x0.96
-//                at 8 GB, so at such precision auto reads nothing after a layer's first few ops.
+//                predicted and scored: the prediction's own time is not free), above it they start
+//                again. Reads that miss cost disk time other misses wait for: on the calibrated
+//                48-layer shape (next-layer recall 0.80, precision 0.61-0.73 reading all 8 of a
+//                token's predictions), reading ahead cost x0.67 of the decode at 4 GB and x0.96 at
+//                8 GB; the best 3 (ahead_top) are used 0.92 of the time. read_ahead is off by
+//                default: on 2 cores it has not paid (bench/results).
 //
 // Counters (per layer, of the layer predicted for): ahead_ops, ahead_routed / ahead_predicted
 // (recall), ahead_candidates / ahead_useful (precision), ahead_reads / ahead_used (wasted bytes =
@@ -159,7 +161,7 @@ static bool grow_scratch(ls_moe_plan * P, const ls_moe_layer * N) {
     const enum ggml_type vt = ls_cpu_traits((enum ggml_type) N->router_type)->vec_dot_type;
     return ls_grow((void **) &P->rq, &P->rq_cap, ggml_row_size(vt, N->info.n_embd), 1) &&
            ls_grow((void **) &P->logits, &P->logits_cap, (size_t) N->info.n_expert, sizeof(float)) &&
-           ls_grow((void **) &P->ahead_list, &P->ahead_cap, (size_t) N->f.n_blocks, sizeof(int32_t));
+           ls_grow((void **) &P->ahead_list, &P->ahead_cap, 2 * (size_t) N->f.n_blocks, sizeof(int32_t));
 }
 
 // the next layer after il with experts and a router, or NULL
@@ -178,20 +180,22 @@ static bool reads_on(const ls_moe * m, const ls_moe_layer * N) {
     return m->params.read_ahead == LS_AHEAD_ON || (m->params.read_ahead == LS_AHEAD_AUTO && !N->ahead_off);
 }
 
-// N's candidates read (file order), at most `cap`, into slots no op holds; each let go at once
+// N's candidates read (file order), at most `cap`, into slots no op holds; each let go at once. The
+// predicted experts already resident are held meanwhile (no candidate evicts them), then let go.
 static void read_candidates(ls_moe * m, ls_moe_plan * P, ls_moe_layer * N, int32_t cap) {
     ls_blockfile * F = &N->f;
-    int32_t slot, n = 0;
+    int32_t slot, n = 0, n_held = 0;
+    int32_t * held = P->ahead_list + F->n_blocks;
     bool miss;
-    for (int32_t b = 0; b < F->n_blocks; b++)   // the predicted resident ones made most recent: kept
-        if (N->predicted[b] && !N->candidate[b] && F->slot[b] >= 0 && ls_cache_acquire(&m->cache, F, b, &slot, &miss) == LS_OK)
-            ls_cache_release(&m->cache, F, b, false);
+    for (int32_t b = 0; b < F->n_blocks; b++)
+        if (N->predicted[b] && F->slot[b] >= 0 && ls_cache_acquire(&m->cache, F, b, &slot, &miss) == LS_OK) held[n_held++] = b;
     for (int32_t b = 0; b < F->n_blocks && n < cap; b++) {
         if (!N->candidate[b] || F->slot[b] >= 0) continue;
         if (ls_cache_acquire(&m->cache, F, b, &slot, &miss) != LS_OK) break;   // every slot held
         P->ahead_list[n++] = b;
         N->ahead[b] = 1;
     }
+    for (int32_t i = 0; i < n_held; i++) ls_cache_release(&m->cache, F, held[i], false);
     if (n == 0) return;
     ls_io_submit_low(&m->io, F, P->ahead_list, n);   // the ops' own misses go first
     for (int32_t i = 0; i < n; i++) ls_cache_release(&m->cache, F, P->ahead_list[i], false);

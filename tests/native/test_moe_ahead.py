@@ -228,3 +228,28 @@ def test_only_the_best_scored_predictions_are_read_ahead(two_layers):
         assert (s["ahead_predicted"], s["ahead_candidates"], s["ahead_reads"], s["ahead_used"]) == (K, 1, 1, 1)
         assert s["misses"] == K - 1
     assert best in ids1[0]
+
+
+def test_read_ahead_never_evicts_a_predicted_resident_expert(two_layers):
+    """Under LFU the least used resident expert gives way; a predicted one still resident is held
+    while the read-ahead takes its slots, so the next op finds every predicted expert."""
+    paths, stride = two_layers
+    R = router()
+    x, _, w = routing(1, K, seed=5)
+    p1, p2 = sorted(predicted(R, x))
+    q1, q2 = [e for e in range(N_EXPERT) if e not in (p1, p2)][:2]
+    l0 = np.array([[0, 1]], np.int32)
+    with MoEEngine(paths, memory_budget=5 * stride, read_ahead="on", ahead_top=K) as m:
+        m.eval(1, x, np.array([[q1, q2]], np.int32), w)
+        m.eval(1, x, np.array([[p1, q1]], np.int32), w)
+        m.eval(0, x, l0, w)                       # 5 slots: layer 0's two, p1, q1, q2
+        uses = np.zeros(N_EXPERT, np.int64)
+        uses[[q1, q2]] = 100                      # p1 the least used: LFU's victim but for the hold
+        m.set_uses(1, uses)
+        m.set_uses(0, np.full(N_EXPERT, 100))
+        m.set_router(1, R, K)
+        m.reset_stats()
+        m.eval(0, x, l0, w)                       # predicts {p1, p2}; reads p2
+        m.eval(1, x, np.array([[p1, p2]], np.int32), w)
+        s = m.stats(1)
+        assert s["ahead_reads"] == 1 and s["ahead_used"] == 1 and s["misses"] == 0
