@@ -275,6 +275,8 @@ def _routing(c: Conversion, done: bool) -> None:
             freq = run_pass(c.out, c.manifest, corpus(c.opts["calibration"]), memory_limit=c.limit,
                             n_threads=c.opts["n_threads"], progress=c.progress)
         except ValueError as e:   # llama_cpp: "Failed to load model" (an architecture it cannot run)
+            if "Failed to load model" not in str(e):
+                raise
             c.log(f"no routing frequencies (the hot set stays empty): llama.cpp could not run {c.out / 'base.gguf'}: {e}")
             return
         tmp = path.with_name(path.name + ".tmp")

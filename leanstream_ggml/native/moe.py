@@ -91,20 +91,15 @@ class MoEEngine(NativeOwner):
         p.n_layer = self.n_layer
         p.memory_budget = self.memory_budget
         p.activation = ACTIVATIONS[activation]
-        if n_io_threads is not None:
-            p.n_io_threads = n_io_threads
-        if max_read_bytes is not None:
-            p.max_read_bytes = max_read_bytes
         if verify_checksums is not None:
             p.verify_checksums = 1 if verify_checksums else 0
         p.read_ahead = READ_AHEAD[read_ahead]
         p.evict = EVICT[evict]
-        if ahead_min_precision is not None:
-            p.ahead_min_precision = ahead_min_precision
-        if ahead_max_tokens is not None:
-            p.ahead_max_tokens = ahead_max_tokens
-        if ahead_top is not None:
-            p.ahead_top = ahead_top
+        given = {"n_io_threads": n_io_threads, "max_read_bytes": max_read_bytes, "ahead_top": ahead_top,
+                 "ahead_min_precision": ahead_min_precision, "ahead_max_tokens": ahead_max_tokens}
+        for name, value in given.items():   # the others: ls_moe_params_init's defaults
+            if value is not None:
+                setattr(p, name, value)
         hooks = _test_hooks(test_hooks)   # (copied by the engine)
         p.test_hooks = hooks
         out = ffi.new("ls_moe **")

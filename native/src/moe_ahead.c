@@ -226,6 +226,7 @@ void ls_moe_ahead_plan(ls_moe * m, ls_moe_plan * P) {
 // ---- scoring (the predicted layer's own op, thread 0, before its blocks are taken) --------------------
 
 void ls_moe_ahead_score(ls_moe * m, ls_moe_plan * P) {
+    if (m->params.read_ahead == LS_AHEAD_OFF) return;   // (nothing predicted, nothing read early)
     ls_moe_layer * L = P->L;
     const ls_blockfile * F = &L->f;
     uint64_t used_ahead = 0, predicted = 0, useful = 0, candidates = 0;
