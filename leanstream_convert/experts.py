@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from leanstream_ggml.model.checksum import crc32c
 from leanstream_ggml.model.formats import (EXPERT_HEADER_FIELDS, EXPERT_MAGIC, EXPERT_META_CRC_OFFSET, EXPERT_VERSION,
-                                     HEADER_BYTES, MIN_ALIGN)
+                                           HEADER_BYTES, MIN_ALIGN, expert_extra_bytes)
 
 from .fileio import atomic_writer
 
@@ -38,19 +38,20 @@ def row_size(ggml_type: int, n: int) -> int:
 
 
 def expert_header(*, il: int, n_embd: int, n_ff_exp: int, n_expert: int, gate_type: int, up_type: int,
-                  down_type: int, align: int) -> dict:
-    """The header fields of one layer's expert file (meta_crc 0: set when the tables are known)."""
+                  down_type: int, align: int, flags: int = 0) -> dict:
+    """The header fields of one layer's expert file (meta_crc 0: set when the tables are known);
+    flags: EXPERT_BIASES | EXPERT_SCALES, the f32 extras a slot starts with."""
     if align < MIN_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two >= {MIN_ALIGN}, got {align}")
     gate_bytes = n_ff_exp * row_size(gate_type, n_embd)
     up_bytes = n_ff_exp * row_size(up_type, n_embd)
     down_bytes = n_embd * row_size(down_type, n_ff_exp)
-    stride = round_up(gate_bytes + up_bytes + down_bytes, align)
+    stride = round_up(expert_extra_bytes(flags, n_embd, n_ff_exp) + gate_bytes + up_bytes + down_bytes, align)
     table_offset = HEADER_BYTES
     data_offset = round_up(table_offset + 8 * n_expert, max(HEADER_BYTES, align))
     return dict(magic=EXPERT_MAGIC, version=EXPERT_VERSION, il=il, n_embd=n_embd, n_ff_exp=n_ff_exp,
                 n_expert=n_expert, align=align, gate_type=gate_type, up_type=up_type, down_type=down_type,
-                reserved=0, gate_bytes=gate_bytes, up_bytes=up_bytes, down_bytes=down_bytes, expert_stride=stride,
+                flags=flags, gate_bytes=gate_bytes, up_bytes=up_bytes, down_bytes=down_bytes, expert_stride=stride,
                 table_offset=table_offset, data_offset=data_offset, file_size=data_offset + n_expert * stride,
                 meta_crc=0)
 
@@ -70,13 +71,13 @@ def pack_meta(h: dict, expert_of_slot: np.ndarray, slot_crc: np.ndarray) -> tupl
 
 
 def write_expert_file(path, *, il: int, n_embd: int, n_ff_exp: int, gate_type: int, up_type: int, down_type: int,
-                      expert: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]],
-                      expert_of_slot, align: int) -> dict:
+                      expert: Callable[[int], tuple], expert_of_slot, align: int, flags: int = 0) -> dict:
     """Write layer il's expert file at ``path``; returns its header fields.
 
     expert(e) -> (gate, up, down) uint8 arrays of router expert e's bytes as the GGUF holds them:
     gate [n_ff_exp * row_size(gate_type, n_embd)], up likewise, down [n_embd * row_size(down_type,
-    n_ff_exp)]. expert_of_slot: the router index of each slot, a permutation of range(n_expert)
+    n_ff_exp)], and with flags a 4th: f32 extras (biases, then scales; formats.EXPERT_BIASES,
+    EXPERT_SCALES). expert_of_slot: the router index of each slot, a permutation of range(n_expert)
     (the co-activation order). Slots are written in that order, one expert in RAM at a time; the
     tables (and their checksums) are written last, over the zeros the file starts with."""
     order = np.asarray(expert_of_slot, dtype=np.int64).reshape(-1)
@@ -84,7 +85,8 @@ def write_expert_file(path, *, il: int, n_embd: int, n_ff_exp: int, gate_type: i
     if n_expert == 0 or sorted(order.tolist()) != list(range(n_expert)):
         raise ValueError(f"layer {il}: expert_of_slot must be a permutation of range({n_expert})")
     h = expert_header(il=il, n_embd=n_embd, n_ff_exp=n_ff_exp, n_expert=n_expert, gate_type=gate_type,
-                      up_type=up_type, down_type=down_type, align=align)
+                      up_type=up_type, down_type=down_type, align=align, flags=flags)
+    extra = expert_extra_bytes(flags, n_embd, n_ff_exp)
     sizes = (h["gate_bytes"], h["up_bytes"], h["down_bytes"])
     stride = h["expert_stride"]
     crcs = np.zeros(n_expert, dtype=np.uint32)
@@ -93,8 +95,14 @@ def write_expert_file(path, *, il: int, n_embd: int, n_ff_exp: int, gate_type: i
         for s, e in enumerate(order.tolist()):
             parts = expert(e)
             slot = bytearray(stride)
-            off = 0
-            for what, part, size in zip(("gate", "up", "down"), parts, sizes):
+            if flags:
+                f32 = np.ascontiguousarray(parts[3], dtype="<f4").reshape(-1).tobytes()
+                if len(f32) > extra or extra - len(f32) >= 64:
+                    raise ValueError(f"layer {il} expert {e}: {len(f32)} bytes of biases and scales, flags {flags} "
+                                     f"need {extra} (padded)")
+                slot[:len(f32)] = f32
+            off = extra
+            for what, part, size in zip(("gate", "up", "down"), parts[:3], sizes):
                 raw = np.ascontiguousarray(part, dtype=np.uint8).reshape(-1)
                 if raw.size != size:
                     raise ValueError(f"layer {il} expert {e}: {what} has {raw.size} bytes, the types need {size}")

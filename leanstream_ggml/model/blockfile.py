@@ -21,8 +21,8 @@ import numpy as np
 from leanstream_ggml.model.checksum import crc32c
 from leanstream_ggml.model.formats import BLOCK_MAGIC as MAGIC
 from leanstream_ggml.model.formats import BLOCK_VERSION as VERSION
-from leanstream_ggml.model.formats import (EXPERT_HEADER_FIELDS, EXPERT_MAGIC, EXPERT_META_CRC_OFFSET, EXPERT_VERSION,
-                                     HEADER_BYTES, MIN_ALIGN)
+from leanstream_ggml.model.formats import (EXPERT_BIASES, EXPERT_HEADER_FIELDS, EXPERT_MAGIC, EXPERT_META_CRC_OFFSET,
+                                           EXPERT_SCALES, EXPERT_VERSION, HEADER_BYTES, MIN_ALIGN, expert_extra_bytes)
 
 PERM_OFFSET = HEADER_BYTES   # the perm table follows the header
 _FMT = "<8sIIQQIIiiiIQQQQQQQQI"   # the header's fields (docs/formats.md), in order; 124 bytes
@@ -104,8 +104,10 @@ def read_expert_header(path: str | os.PathLike) -> dict:
             raise ValueError(f"{path}: expert file version {h['version']}, this build reads {EXPERT_VERSION} "
                              "(re-run `leanstream convert` with --force)")
         n, a, stride = h["n_expert"], h["align"], h["expert_stride"]
-        payload = h["gate_bytes"] + h["up_bytes"] + h["down_bytes"]
+        payload = (h["gate_bytes"] + h["up_bytes"] + h["down_bytes"]
+                   + expert_extra_bytes(h["flags"], h["n_embd"], h["n_ff_exp"]))
         flaw = ("zero dimension" if min(h["n_embd"], h["n_ff_exp"], n) <= 0 else
+                "unknown flags" if h["flags"] & ~(EXPERT_BIASES | EXPERT_SCALES) else
                 "alignment is not a power of two >= 512" if a < MIN_ALIGN or a & (a - 1) else
                 "bad expert stride" if stride != (payload + a - 1) // a * a else
                 "bad offsets" if h["table_offset"] != HEADER_BYTES or

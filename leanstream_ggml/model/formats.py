@@ -33,8 +33,19 @@ EXPERT_VERSION = 1     # LS_EXPERT_FILE_VERSION
 # its own field read as zero
 EXPERT_HEADER_FIELDS = (
     ("magic", "8s"), ("version", "I"), ("il", "I"), ("n_embd", "Q"), ("n_ff_exp", "Q"), ("n_expert", "I"),
-    ("align", "I"), ("gate_type", "i"), ("up_type", "i"), ("down_type", "i"), ("reserved", "I"),
+    ("align", "I"), ("gate_type", "i"), ("up_type", "i"), ("down_type", "i"), ("flags", "I"),
     ("gate_bytes", "Q"), ("up_bytes", "Q"), ("down_bytes", "Q"), ("expert_stride", "Q"), ("table_offset", "Q"),
     ("data_offset", "Q"), ("file_size", "Q"), ("meta_crc", "I"),
 )
 EXPERT_META_CRC_OFFSET = 112
+# flags: what a slot holds before its gate rows, f32: the biases (gate [n_ff_exp], up [n_ff_exp],
+# down [n_embd]), then the scales (gate, up, down), padded to EXPERT_EXTRA_ALIGN bytes
+EXPERT_BIASES = 1      # LS_EXPERT_BIASES
+EXPERT_SCALES = 2      # LS_EXPERT_SCALES
+EXPERT_EXTRA_ALIGN = 64
+
+
+def expert_extra_bytes(flags: int, n_embd: int, n_ff_exp: int) -> int:
+    """Bytes of a slot's f32 extras (ls_expert_extra_bytes)."""
+    n = (2 * n_ff_exp + n_embd if flags & EXPERT_BIASES else 0) + (3 if flags & EXPERT_SCALES else 0)
+    return (4 * n + EXPERT_EXTRA_ALIGN - 1) // EXPERT_EXTRA_ALIGN * EXPERT_EXTRA_ALIGN

@@ -21,7 +21,10 @@ COUNTER_FIELDS = [name for name, _ in ffi.typeof("ls_moe_counters").fields]
 # MoEEngine's own arguments
 TUNABLE_PARAMS = tuple(name for name, _ in ffi.typeof("ls_moe_params").fields
                        if name not in {"n_layer", "memory_budget", "activation", "verify_checksums", "test_hooks",
-                                       "read_ahead", "evict"})
+                                       "read_ahead", "evict", "act_alpha", "act_limit", "weight_before"})
+# a MoE expert's gated activation (build_moe_ffn's type_op; SwiGLU-OAI's alpha and limit are
+# ls_moe_params_init's, llama.cpp's constants)
+EXPERT_ACTIVATIONS = {**ACTIVATIONS, "relu": lib.LS_ACT_RELU, "swiglu_oai": lib.LS_ACT_SWIGLU_OAI}
 # the share of a MoE model's expert cache pinned for the experts routed to most often in calibration
 # (hot_fraction's default there): none, LFU with the calibration's counts as its prior keeps more
 # (replayed on routing traces of the calibrated 48- and 16-layer shapes: bench/replay_experts.py,
@@ -60,6 +63,8 @@ class MoEEngine(NativeOwner):
 
     expert_paths: [n_layer] the expert file of each layer (None: a layer without experts).
     memory_budget: bytes of the expert cache for all layers together (None/0: every expert).
+    activation: the experts' gated activation (EXPERT_ACTIVATIONS); weight_before: the router's
+    weights scale each expert's input rather than its output (llama4).
     read_ahead: "off" (default), "auto" (each layer's predicted experts read while the layer
     before it computes, turned off per layer while too few are used) or "on". evict: which cached
     expert gives way, "lfu" (default: the one used least, from the prior set_uses gives) or "lru".
@@ -72,12 +77,12 @@ class MoEEngine(NativeOwner):
     OWN_STATS = tuple(k for k in derived_counters(dict.fromkeys(COUNTER_FIELDS, 0)) if k not in COMMON_STATS)
 
     def __init__(self, expert_paths: Sequence[str | Path | None], *, memory_budget: int | None = None,
-                 activation: str = "silu", n_io_threads: int | None = None, max_read_bytes: int | None = None,
+                 activation: str = "silu", weight_before: bool = False, n_io_threads: int | None = None, max_read_bytes: int | None = None,
                  verify_checksums: bool | None = None, read_ahead: str = "off",
                  ahead_min_precision: float | None = None, ahead_max_tokens: int | None = None,
                  ahead_top: int | None = None, evict: str = "lfu", test_hooks: dict | None = None):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unsupported activation {activation!r}")
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"unsupported activation {activation!r} (known: {', '.join(EXPERT_ACTIVATIONS)})")
         if read_ahead not in READ_AHEAD:
             raise ValueError(f"read_ahead={read_ahead!r}: one of {', '.join(READ_AHEAD)}")
         if evict not in EVICT:
@@ -90,7 +95,8 @@ class MoEEngine(NativeOwner):
         lib.ls_moe_params_init(p)
         p.n_layer = self.n_layer
         p.memory_budget = self.memory_budget
-        p.activation = ACTIVATIONS[activation]
+        p.activation = EXPERT_ACTIVATIONS[activation]
+        p.weight_before = 1 if weight_before else 0
         if verify_checksums is not None:
             p.verify_checksums = 1 if verify_checksums else 0
         p.read_ahead = READ_AHEAD[read_ahead]

@@ -42,7 +42,7 @@ extern "C" {
 
 // LS_CDEF_BEGIN
 
-#define LS_ABI_VERSION 16
+#define LS_ABI_VERSION 17
 #define LS_BLOCK_FILE_VERSION 2
 #define LS_MAX_ERRMSG 512
 #define LS_MAX_IO_THREADS 256
@@ -67,6 +67,10 @@ enum {
 
 // Activation of the gated FFN: out = down · (act(gate · x) ⊙ (up · x)).
 enum { LS_ACT_SILU = 0, LS_ACT_GELU = 1 };
+// A MoE expert's gated activation h = glu(g, u) of its gate and up values (build_moe_ffn's type_op):
+// SiLU and GELU as above (SwiGLU, GeGLU), ReGLU relu(g) * u, and gpt-oss's SwiGLU-OAI:
+// x = min(g, limit), y = clamp(u, -limit, limit), h = x * sigmoid(alpha * x) * (y + 1).
+enum { LS_ACT_RELU = 2, LS_ACT_SWIGLU_OAI = 3 };
 
 // Execution modes. Only LS_MODE_DENSE computes every neuron; the others compute the top
 // (1 - sparsity) blocks of each layer per decoded token (prefill is dense in every mode). What
@@ -500,7 +504,10 @@ typedef struct ls_moe_params {
     uint32_t max_read_bytes;   // adjacent missing experts merge into one read up to this, default 1 MiB
                                // (an expert larger than this is one read of its own)
     int32_t  verify_checksums; // 1 (default): every expert's CRC-32C after each read, before use
-    int32_t  activation;       // LS_ACT_SILU (default) or LS_ACT_GELU
+    int32_t  activation;       // LS_ACT_SILU (default), LS_ACT_GELU, LS_ACT_RELU or LS_ACT_SWIGLU_OAI
+    float    act_alpha, act_limit;  // LS_ACT_SWIGLU_OAI's alpha and limit (llama.cpp: 1.702, 7)
+    int32_t  weight_before;    // 1: the router's weight scales each expert's input, not its output
+                               // (llama4: out = sum_k expert_k(w_k * x)); 0 (default): sum_k w_k * expert_k(x)
     int32_t  read_ahead;       // LS_AHEAD_OFF (default: on 2 cores it never paid, bench/results) or
                                // LS_AHEAD_AUTO: while layer n computes, the experts layer n+1's
                                // router picks from layer n's input are read (when its router is known:
@@ -530,6 +537,7 @@ typedef struct ls_moe_info {
     int32_t  n_expert;
     int32_t  gate_type, up_type, down_type;   // enum ggml_type, as in the GGUF
     uint64_t expert_stride;    // bytes of one expert on disk and in a cache slot (aligned)
+    uint32_t flags;            // 1: per-expert f32 biases of gate, up, down; 2: per-expert scales (formats.md)
 } ls_moe_info;
 
 // Counters of one layer (ls_moe_stats; il = -1: summed over layers).

@@ -90,7 +90,13 @@ static const char * expert_flaw(const header * h) {
     if (p->part_bytes[0] != (uint64_t) p->n_ff * ggml_row_size(p->type[0], p->n_embd) ||
         p->part_bytes[1] != (uint64_t) p->n_ff * ggml_row_size(p->type[1], p->n_embd) ||
         p->part_bytes[2] != (uint64_t) p->n_embd * ggml_row_size(p->type[2], p->n_ff)) return "sizes do not match the types";
+    if (p->flags & ~(uint32_t) (LS_EXPERT_BIASES | LS_EXPERT_SCALES)) return "unknown flags";
     return NULL;
+}
+
+uint64_t ls_expert_extra_bytes(uint32_t flags, int64_t n_embd, int64_t n_ff) {
+    const uint64_t n = (flags & LS_EXPERT_BIASES ? 2 * (uint64_t) n_ff + (uint64_t) n_embd : 0) + (flags & LS_EXPERT_SCALES ? 3 : 0);
+    return round_up(4 * n, LS_EXPERT_EXTRA_ALIGN);
 }
 
 static const file_format FORMATS[] = {
@@ -123,6 +129,11 @@ static void read_fields(const file_format * f, const uint8_t * r, header * h) {
     h->meta_crc = rd_u32(r + f->meta_crc_at);
     h->crc_offset = f->crc_offset_at ? rd_u64(r + f->crc_offset_at) : h->table_offset + 4ull * (uint64_t) h->n_blocks;
     h->n_items = f->k_at ? p->n_ff : h->n_blocks;   // a block file's ids are neurons, an expert file's experts
+    if (!f->k_at) {   // an expert file's flags (a block file's field there is reserved)
+        p->flags = rd_u32(r + 52);
+        if (p->n_embd > 0 && p->n_ff > 0 && p->n_embd <= (1 << 20) && p->n_ff <= (1 << 20))
+            p->extra_bytes = ls_expert_extra_bytes(p->flags, p->n_embd, p->n_ff);
+    }
 }
 
 // What is wrong with the header (NULL: nothing): the layer it names, the format's dimensions, then
@@ -132,7 +143,7 @@ static const char * header_flaw(const file_format * f, header * h, int32_t il) {
     if (h->il != (uint32_t) il) return "layer index does not match its position";
     const char * bad = f->flaw(h);
     if (bad) return bad;
-    h->pub.payload = (uint64_t) h->k * (h->pub.part_bytes[0] + h->pub.part_bytes[1] + h->pub.part_bytes[2]);
+    h->pub.payload = (uint64_t) h->k * (h->pub.part_bytes[0] + h->pub.part_bytes[1] + h->pub.part_bytes[2]) + h->pub.extra_bytes;
     if (h->align < 512 || h->align > (1u << 20) || (h->align & (h->align - 1)) != 0)
         return "alignment is not a power of two in [512, 1 MiB]";
     if (h->stride != round_up(h->pub.payload, h->align) || h->stride > (1ull << 32)) return "bad block stride";

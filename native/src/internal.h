@@ -140,8 +140,17 @@ typedef struct ls_file_header {
     int32_t  type[3];                 // gate, up, down: enum ggml_type
     uint64_t part_bytes[3];           // block file: one gate row, up row, down column; expert file:
                                       // one expert's gate rows, up rows, down rows
+    uint32_t flags;                   // expert file: LS_EXPERT_BIASES | LS_EXPERT_SCALES (0: neither)
+    uint64_t extra_bytes;             // expert file: the slot's f32 biases and scales before its rows,
+                                      // padded to LS_EXPERT_EXTRA_ALIGN (0 without either)
     uint64_t payload;                 // bytes of a block before its padding
 } ls_file_header;
+
+// An expert file's flags (the header's u32 at 52): what a slot holds before the gate rows, f32,
+// biases first: gate [n_ff], up [n_ff], down [n_embd] (build_moe_ffn's *_exps.bias, added per
+// expert), then scales: gate, up, down (its *_exps.scale, one per expert, multiplying each matmul)
+enum { LS_EXPERT_BIASES = 1, LS_EXPERT_SCALES = 2 };
+#define LS_EXPERT_EXTRA_ALIGN 64
 
 // One cache of blocks for all layers of an engine: n_slots slots of stride bytes. A slot is free
 // (slot_layer -1) or holds block slot_block of files[slot_layer]: pinned (slot_pins > 0: an op
@@ -502,6 +511,7 @@ ls_status   ls_mode_pick_hot_per_layer(int32_t n_layers, const int32_t * n_block
 // block holds checked to be a permutation, every block absent; *h: the fields its owner reads.
 // The data descriptor is O_DIRECT unless use_direct_io is false or the file system refuses it
 // (then *direct_io is cleared).
+uint64_t    ls_expert_extra_bytes(uint32_t flags, int64_t n_embd, int64_t n_ff);   // f32 extras, padded
 ls_status   ls_blockfile_open(ls_blockfile * F, int32_t kind, int32_t il, const char * path, bool use_direct_io,
                               bool * direct_io, ls_file_header * h);
 void        ls_blockfile_close(ls_blockfile * F);   // (a zeroed F too)
@@ -590,6 +600,7 @@ void        ls_sketch_score(const ls_sketch * k, const void * xq, int64_t n_embd
 typedef struct { uint16_t d; int8_t qs[32]; } ls_block_q8_0;   // ggml's block_q8_0
 #define LS_Q6_K_BYTES 210                                       // ggml's block_q6_K (256 values)
 float       ls_act(int32_t activation, float g);                // LS_ACT_* of a gate value
+float       ls_glu(int32_t activation, float g, float u, float alpha, float limit);   // a MoE expert's h
 
 // CRC-32C in a CPU's instructions (checksum_x86.c: SSE4.2; checksum_neon.c: the ARMv8 CRC
 // extension), chosen by checksum.c: the register value (not inverted) continued over p[0, len);
@@ -612,6 +623,10 @@ void        ls_drop_cached(int fd);
 struct ggml_type_traits_cpu;
 enum ggml_type;
 bool        ls_cpu_ready(void);
+// ggml's own SwiGLU of a row, y[i] = silu(x[i]) * g[i] (ggml-cpu vec.cpp: SIMD with its own expf
+// over whole vectors, the scalar form for the row's tail), NULL where the module lacks it
+typedef void (*ls_swiglu_fn)(int n, float * y, const float * x, const float * g);
+ls_swiglu_fn ls_cpu_swiglu(void);
 const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t);
 // type t (a ggml_type) has rows the CPU backend dots (vec_dot) against an activation it can
 // quantize (from_float of its vec_dot_type)
@@ -653,6 +668,8 @@ typedef struct ls_moe_layer {
     ls_blockfile       f;                // the expert file (f.fd -1: this layer has none); f.ids: expert_of_slot
     ls_moe_info        info;
     uint64_t           gate_bytes, up_bytes, down_bytes;   // of one expert's rows
+    uint64_t           gate_off;         // the gate rows' offset in a slot (past the f32 extras)
+    int64_t            bias_at, scale_at;   // f32 index in a slot of the biases, the scales (-1: none)
     int32_t *          block_of_expert;  // [n_expert] the block (file slot) holding expert e: f.ids inverted
     ls_moe_layer_counters stats;
     uint64_t *         routed_count;     // [n_expert] token-expert pairs routed to each expert (thread 0)
@@ -699,9 +716,15 @@ typedef struct ls_moe_plan {
     int32_t           next_read;         // thread 0: entries [0, next_read) have a slot
     bool              starved;           // no slot could be had: the entries after next_read failed
     int32_t           max_pairs;         // the most pairs of one entry
-    uint8_t *         xq;                // [n_tokens] x rows in gate's vec_dot_type, then [n_tokens] in up's
+    uint8_t *         xq;                // [x_rows] x rows in gate's vec_dot_type, then [x_rows] in up's
     size_t            xq_gate_row, xq_up_row;   // bytes of one quantized x row (xq_up_row 0: up shares gate's)
+    int64_t           x_rows;            // n_tokens, or with weight_before one per pair (w_k x_t)
+    float *           xw;                // weight_before: [nth][n_embd] each thread's w_k x_t
+    size_t            xw_cap;
     float *           h;                 // [max_pairs][n_ff_exp] act(gate . x) * (up . x)
+    float *           hu;                // swiglu: [max_pairs][n_ff_exp] the up values (h holds the gate's first)
+    size_t            hu_cap;
+    ls_swiglu_fn      swiglu;            // ggml's SwiGLU, where it computes h (SiLU, n_ff_exp whole vectors)
     uint8_t *         hq[2];             // [max_pairs][hq_row] h in down's vec_dot_type, by entry parity
     size_t            hq_row;
     float *           out;               // [n_tokens * n_used][n_embd] p_k of pair (t, k)

@@ -60,10 +60,21 @@ static float act_gelu(float x) {
     return f16_round(0.5f * xr * (1.0f + tanhf(c * xr * fmaf(0.044715f * xr, xr, 1.0f))));
 }
 
+static float act_relu(float x) { return x > 0.0f ? x : 0.0f; }   // (ggml's reglu: g > 0 ? g * u : 0)
+
 // the activation table: the op computes act(gate . x) * (up . x) for any entry
-static float (* const ACTS[])(float) = { [LS_ACT_SILU] = act_silu, [LS_ACT_GELU] = act_gelu };
+static float (* const ACTS[])(float) = { [LS_ACT_SILU] = act_silu, [LS_ACT_GELU] = act_gelu, [LS_ACT_RELU] = act_relu };
 
 float ls_act(int32_t activation, float g) { return ACTS[activation](g); }
+
+float ls_glu(int32_t activation, float g, float u, float alpha, float limit) {
+    if (activation == LS_ACT_SWIGLU_OAI) {   // as ggml's swiglu_oai, operation for operation
+        const float x = fminf(g, limit), y = fminf(fmaxf(u, -limit), limit);
+        return x / (1.0f + expf(alpha * (-x))) * (y + 1.0f);
+    }
+    if (activation == LS_ACT_RELU) return g > 0.0f ? g * u : 0.0f;
+    return ACTS[activation](g) * u;
+}
 
 static inline void prefetch_lines(const uint8_t * pf, int64_t step, int pf_lines) {
     for (int l = 0; l < pf_lines; l++) __builtin_prefetch(pf + ((size_t) step * (size_t) pf_lines + (size_t) l) * 64);

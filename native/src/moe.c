@@ -44,6 +44,8 @@ void ls_moe_params_init(ls_moe_params * p) {
     p->max_read_bytes = 1u << 20;
     p->verify_checksums = 1;
     p->activation = LS_ACT_SILU;
+    p->act_alpha = 1.702f;   // (SwiGLU-OAI's, as build_moe_ffn hard-codes them)
+    p->act_limit = 7.0f;
     p->read_ahead = LS_AHEAD_OFF;
     p->ahead_min_precision = 0.9f;
     p->ahead_max_tokens = 8;
@@ -63,7 +65,10 @@ static ls_status check_params(const ls_moe_params * p, const char * const * path
         ls_set_error("ls_moe_create: n_io_threads %d outside [1, %d]", p->n_io_threads, LS_MAX_IO_THREADS);
         return LS_ERR_ARG;
     }
-    if (p->activation != LS_ACT_SILU && p->activation != LS_ACT_GELU) { ls_set_error("ls_moe_create: unknown activation %d", p->activation); return LS_ERR_ARG; }
+    if (p->activation < LS_ACT_SILU || p->activation > LS_ACT_SWIGLU_OAI || (p->weight_before != 0 && p->weight_before != 1)) {
+        ls_set_error("ls_moe_create: unknown activation %d or weight_before %d (0 or 1)", p->activation, p->weight_before);
+        return LS_ERR_ARG;
+    }
     if (p->max_read_bytes == 0) { ls_set_error("ls_moe_create: max_read_bytes must be > 0"); return LS_ERR_ARG; }
     if (p->read_ahead < LS_AHEAD_OFF || p->read_ahead > LS_AHEAD_ON || !(p->ahead_min_precision >= 0.0f && p->ahead_min_precision <= 1.0f) ||
         p->ahead_max_tokens < 0 || p->ahead_top < 0 || (p->evict != LS_EVICT_LRU && p->evict != LS_EVICT_LFU)) {
@@ -80,7 +85,10 @@ static ls_status open_layer(ls_moe * m, ls_moe_layer * L, int32_t il, const char
     ls_status st = ls_blockfile_open(&L->f, LS_FILE_EXPERTS, il, path, !m->hooks.buffered_io, &m->direct_io, &h);
     if (st != LS_OK) return st;
     L->info = (ls_moe_info) { .n_embd = h.n_embd, .n_ff_exp = h.n_ff, .n_expert = L->f.n_blocks, .gate_type = h.type[0],
-                              .up_type = h.type[1], .down_type = h.type[2], .expert_stride = L->f.stride };
+                              .up_type = h.type[1], .down_type = h.type[2], .expert_stride = L->f.stride, .flags = h.flags };
+    L->gate_off = h.extra_bytes;   // the f32 extras first: biases, then scales
+    L->bias_at = h.flags & LS_EXPERT_BIASES ? 0 : -1;
+    L->scale_at = h.flags & LS_EXPERT_SCALES ? (h.flags & LS_EXPERT_BIASES ? 2 * h.n_ff + h.n_embd : 0) : -1;
     L->gate_bytes = h.part_bytes[0];
     L->up_bytes = h.part_bytes[1];
     L->down_bytes = h.part_bytes[2];
@@ -157,7 +165,7 @@ ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_
 static void plan_free(ls_moe_plan * P) {
     free(P->entry_block); free(P->entry_pair0); free(P->pairs); free(P->pair_entry); free(P->pair_w);
     free((void *) P->entry_state); free(P->entry_of); free(P->xq); free(P->h);
-    free(P->hq[0]); free(P->hq[1]); free(P->out); free(P->rq); free(P->logits); free(P->ahead_list);
+    free(P->hq[0]); free(P->hq[1]); free(P->out); free(P->xw); free(P->hu); free(P->rq); free(P->logits); free(P->ahead_list);
 }
 
 void ls_moe_free(ls_moe * m) {
@@ -318,7 +326,14 @@ static bool grow_compute(ls_moe_plan * P, const ls_moe_layer * L) {
     P->hq_row = ggml_row_size(vd, in->n_ff_exp);
     P->ff_blk = ggml_blck_size(vd);
     const size_t T = (size_t) P->n_tokens, mp = (size_t) P->max_pairs;
-    return ls_grow((void **) &P->xq, &P->xq_cap, T * (P->xq_gate_row + P->xq_up_row), 1) &&
+    P->x_rows = L->m->params.weight_before ? P->n_tokens * P->n_used : P->n_tokens;
+    // SiLU through ggml's own SwiGLU, as llama.cpp computes it: its SIMD expf rounds otherwise than
+    // expf, and every element of a row of whole 16-value vectors takes that path in every build
+    P->swiglu = L->m->params.activation == LS_ACT_SILU && in->n_ff_exp % 16 == 0 ? ls_cpu_swiglu() : NULL;
+    if (P->swiglu && !ls_grow((void **) &P->hu, &P->hu_cap, mp * (size_t) in->n_ff_exp, sizeof(float))) return false;
+    if (L->m->params.weight_before && !ls_grow((void **) &P->xw, &P->xw_cap, (size_t) P->nth * (size_t) in->n_embd, sizeof(float)))
+        return false;
+    return ls_grow((void **) &P->xq, &P->xq_cap, (size_t) P->x_rows * (P->xq_gate_row + P->xq_up_row), 1) &&
            ls_grow((void **) &P->h, &P->h_cap, mp * (size_t) in->n_ff_exp, sizeof(float)) &&
            ls_grow((void **) &P->hq[0], &P->hq_cap[0], mp * P->hq_row, 1) &&
            ls_grow((void **) &P->hq[1], &P->hq_cap[1], mp * P->hq_row, 1) &&
@@ -474,36 +489,76 @@ static void plan_op(ls_moe * m, const moe_args * a, int nth) {
 
 // ---- the op: computing (every thread) ----------------------------------------------------------
 
+// x~ rows: one per token, or with weight_before one per pair, of w_k * x_t (build_moe_ffn's
+// ggml_mul of the repeated input by the weights, then quantized as mul_mat_id quantizes it)
 static void quantize_x(const ls_moe_plan * P, int ith, int nth) {
     const ls_moe_info * in = &P->L->info;
     const struct ggml_type_traits_cpu * vg = ls_cpu_traits(ls_cpu_traits(in->gate_type)->vec_dot_type);
     const struct ggml_type_traits_cpu * vu = ls_cpu_traits(ls_cpu_traits(in->up_type)->vec_dot_type);
-    for (int64_t t = ith; t < P->n_tokens; t += nth) {
+    const bool per_pair = P->x_rows != P->n_tokens;
+    float * xw = per_pair ? P->xw + (size_t) ith * (size_t) in->n_embd : NULL;
+    for (int64_t r = ith; r < P->x_rows; r += nth) {
+        const int64_t t = per_pair ? r / P->n_used : r;
         const float * xt = (const float *) ((const uint8_t *) P->x + (size_t) t * P->x_stride);
-        vg->from_float(xt, P->xq + (size_t) t * P->xq_gate_row, in->n_embd);
-        if (P->xq_up_row) vu->from_float(xt, P->xq + (size_t) P->n_tokens * P->xq_gate_row + (size_t) t * P->xq_up_row, in->n_embd);
+        if (per_pair) {
+            for (int64_t c = 0; c < in->n_embd; c++) xw[c] = xt[c] * P->pair_w[r];
+            xt = xw;
+        }
+        vg->from_float(xt, P->xq + (size_t) r * P->xq_gate_row, in->n_embd);
+        if (P->xq_up_row) vu->from_float(xt, P->xq + (size_t) P->x_rows * P->xq_gate_row + (size_t) r * P->xq_up_row, in->n_embd);
     }
 }
 
-// h[j][r] = act(gate_r . x~) * (up_r . x~) of entry i's pair j, rows [r0, r1)
+// y[i] = silu(y[i]) * u[i] by ggml's SwiGLU, the values as its whole vectors give them: a part
+// of a row that is not whole vectors is padded to 16 values
+static void swiglu_range(ls_swiglu_fn swiglu, float * y, const float * u, int64_t n) {
+    const int64_t n16 = n / 16 * 16;
+    if (n16 > 0) swiglu((int) n16, y, y, u);
+    if (n16 < n) {
+        float ty[16] = { 0 }, tu[16] = { 0 };
+        memcpy(ty, y + n16, sizeof(float) * (size_t) (n - n16));
+        memcpy(tu, u + n16, sizeof(float) * (size_t) (n - n16));
+        swiglu(16, ty, ty, tu);
+        memcpy(y + n16, ty, sizeof(float) * (size_t) (n - n16));
+    }
+}
+
+// the f32 extras of a slot: biases (bias_at), scales (scale_at); NULL where the file has none
+static const float * slot_f32(const uint8_t * blk, int64_t at) { return at < 0 ? NULL : (const float *) blk + at; }
+
+// h[j][r] = glu(gate_r . x~, up_r . x~) of entry i's pair j, rows [r0, r1); each product times
+// its expert's scale, plus its bias, where the file has them (mul_mat_id, then the scale, then
+// add_id, as build_moe_ffn orders them)
 static void gate_up_rows(ls_moe * m, const ls_moe_plan * P, int32_t i, int32_t j0, int32_t j1, int64_t r0, int64_t r1) {
     const ls_moe_layer * L = P->L;
     const ls_moe_info * in = &L->info;
+    const ls_moe_params * pa = &m->params;
     const struct ggml_type_traits_cpu * tg = ls_cpu_traits(in->gate_type), * tu = ls_cpu_traits(in->up_type);
     const uint8_t * blk = block_ptr(m, L, P->entry_block[i]);
+    const float * bias = slot_f32(blk, L->bias_at), * scale = slot_f32(blk, L->scale_at);
+    const uint8_t * gate = blk + L->gate_off, * up = gate + L->gate_bytes;
     const size_t rg = ggml_row_size(in->gate_type, in->n_embd), ru = ggml_row_size(in->up_type, in->n_embd);
     const int32_t p0 = P->entry_pair0[i];
-    const uint8_t * xu0 = P->xq_up_row ? P->xq + (size_t) P->n_tokens * P->xq_gate_row : P->xq;
+    const bool per_pair = P->x_rows != P->n_tokens;
+    const uint8_t * xu0 = P->xq_up_row ? P->xq + (size_t) P->x_rows * P->xq_gate_row : P->xq;
     const size_t xu_row = P->xq_up_row ? P->xq_up_row : P->xq_gate_row;
     for (int64_t r = r0; r < r1; r++) {   // a row's bytes stay in cache across the pairs
-        const uint8_t * grow = blk + (size_t) r * rg, * urow = blk + L->gate_bytes + (size_t) r * ru;
+        const uint8_t * grow = gate + (size_t) r * rg, * urow = up + (size_t) r * ru;
         for (int32_t j = j0; j < j1; j++) {
-            const int64_t t = P->pairs[p0 + j] / P->n_used;
+            const int64_t xr = per_pair ? P->pairs[p0 + j] : P->pairs[p0 + j] / P->n_used;
             float g, u;
-            tg->vec_dot((int) in->n_embd, &g, 0, grow, 0, P->xq + (size_t) t * P->xq_gate_row, 0, 1);
-            tu->vec_dot((int) in->n_embd, &u, 0, urow, 0, xu0 + (size_t) t * xu_row, 0, 1);
-            P->h[(size_t) j * (size_t) in->n_ff_exp + (size_t) r] = ls_act(m->params.activation, g) * u;
+            tg->vec_dot((int) in->n_embd, &g, 0, grow, 0, P->xq + (size_t) xr * P->xq_gate_row, 0, 1);
+            tu->vec_dot((int) in->n_embd, &u, 0, urow, 0, xu0 + (size_t) xr * xu_row, 0, 1);
+            if (scale) { g *= scale[0]; u *= scale[1]; }
+            if (bias) { g += bias[r]; u += bias[in->n_ff_exp + r]; }
+            const size_t at = (size_t) j * (size_t) in->n_ff_exp + (size_t) r;
+            if (P->swiglu) { P->h[at] = g; P->hu[at] = u; }   // (h below)
+            else P->h[at] = ls_glu(pa->activation, g, u, pa->act_alpha, pa->act_limit);
         }
+    }
+    for (int32_t j = j0; P->swiglu && j < j1; j++) {
+        const size_t at = (size_t) j * (size_t) in->n_ff_exp + (size_t) r0;
+        swiglu_range(P->swiglu, P->h + at, P->hu + at, r1 - r0);
     }
 }
 
@@ -546,7 +601,11 @@ static void down_part(ls_moe * m, const ls_moe_plan * P, int32_t i, const uint8_
     const ls_moe_layer * L = P->L;
     const ls_moe_info * in = &L->info;
     const struct ggml_type_traits_cpu * td = ls_cpu_traits(in->down_type);
-    const uint8_t * dn = block_ptr(m, L, P->entry_block[i]) + L->gate_bytes + L->up_bytes;
+    const uint8_t * blk = block_ptr(m, L, P->entry_block[i]);
+    const uint8_t * dn = blk + L->gate_off + L->gate_bytes + L->up_bytes;
+    const float * bias = slot_f32(blk, L->bias_at), * scale = slot_f32(blk, L->scale_at);
+    const float * db = bias ? bias + 2 * in->n_ff_exp : NULL;
+    const bool weighted = !m->params.weight_before;   // (weight_before: w scaled the input)
     const size_t rd = ggml_row_size(in->down_type, in->n_ff_exp);
     const int32_t p0 = P->entry_pair0[i], np = P->entry_pair0[i + 1] - p0;
     const int64_t c0 = in->n_embd * ith / nth, c1 = in->n_embd * (ith + 1) / nth;
@@ -555,7 +614,9 @@ static void down_part(ls_moe * m, const ls_moe_plan * P, int32_t i, const uint8_
             const int32_t p = P->pairs[p0 + j];
             float v;
             td->vec_dot((int) in->n_ff_exp, &v, 0, dn + (size_t) c * rd, 0, hq + (size_t) j * P->hq_row, 0, 1);
-            P->out[(size_t) p * (size_t) in->n_embd + (size_t) c] = v * P->pair_w[p];
+            if (scale) v *= scale[2];
+            if (db) v += db[c];
+            P->out[(size_t) p * (size_t) in->n_embd + (size_t) c] = weighted ? v * P->pair_w[p] : v;
         }
     }
 }

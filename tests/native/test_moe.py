@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as T
 from gguf_synth import _weights
 from leanstream_convert.experts import write_expert_file
 from leanstream_ggml.native._native import LeanstreamError, lib
-from leanstream_ggml.model.formats import EXPERT_HEADER_FIELDS, EXPERT_META_CRC_OFFSET
+from leanstream_ggml.model.formats import EXPERT_BIASES, EXPERT_HEADER_FIELDS, EXPERT_META_CRC_OFFSET, EXPERT_SCALES
 from leanstream_ggml.model.checksum import crc32c
 from leanstream_ggml.model.blockfile import read_expert_header
 from leanstream_ggml.native.moe import MoEEngine
@@ -38,8 +38,10 @@ def _bytes(stored: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(stored).view(np.uint8).reshape(-1)
 
 
-def make_layer(path, types=("Q8_0", "Q8_0", "Q8_0"), *, il=0, seed=0, n_expert=N_EXPERT, order=None, align=4096) -> dict:
-    """An expert file of random experts (gate, up, down types); returns its header."""
+def make_layer(path, types=("Q8_0", "Q8_0", "Q8_0"), *, il=0, seed=0, n_expert=N_EXPERT, order=None, align=4096,
+               flags=0) -> dict:
+    """An expert file of random experts (gate, up, down types), with random biases and scales as
+    flags says; returns its header."""
     rng = np.random.default_rng(seed)
     tg, tu, td = (T[t] for t in types)
     experts = {}
@@ -50,10 +52,13 @@ def make_layer(path, types=("Q8_0", "Q8_0", "Q8_0"), *, il=0, seed=0, n_expert=N
         g, _ = _weights(rng, tg, N_FF, N_EMBD, scale[tg])
         u, _ = _weights(rng, tu, N_FF, N_EMBD, scale[tu])
         d, _ = _weights(rng, td, N_EMBD, N_FF, scale[td])
-        experts[e] = (_bytes(g), _bytes(u), _bytes(d))
+        extras = [rng.standard_normal(2 * N_FF + N_EMBD) * 0.5] if flags & EXPERT_BIASES else []
+        extras += [rng.uniform(0.5, 2.0, 3)] if flags & EXPERT_SCALES else []
+        experts[e] = (_bytes(g), _bytes(u), _bytes(d)) + ((np.concatenate(extras).astype(np.float32),) if extras else ())
     order = list(range(n_expert)) if order is None else order
     return write_expert_file(path, il=il, n_embd=N_EMBD, n_ff_exp=N_FF, gate_type=int(tg), up_type=int(tu),
-                             down_type=int(td), expert=lambda e: experts[e], expert_of_slot=order, align=align)
+                             down_type=int(td), expert=lambda e: experts[e], expert_of_slot=order, align=align,
+                             flags=flags)
 
 
 def routing(n_tokens: int, n_used: int, seed: int = 1, n_expert: int = N_EXPERT):
@@ -104,6 +109,32 @@ def test_gelu_matches_the_reference(tmp_path):
     with MoEEngine([path], activation="gelu") as m:
         y = m.eval(0, x, ids, w)
     close_to_reference(y, moe_reference(path, x, ids, w, activation="gelu"))
+
+
+# what build_moe_ffn's families compute (leanstream_ggml/model/moe_families.py): gpt-oss's
+# SwiGLU-OAI over MXFP4 experts with biases, ReGLU with per-expert scales, llama4's weights before
+# the experts, GELU with everything
+VARIANTS = {
+    "swiglu_oai-mxfp4-biases": ("swiglu_oai", EXPERT_BIASES, False, ("MXFP4", "MXFP4", "MXFP4")),
+    "relu-scales": ("relu", EXPERT_SCALES, False, ("Q8_0", "Q8_0", "Q8_0")),
+    "silu-weight_before": ("silu", 0, True, ("Q4_0", "Q8_0", "Q4_0")),
+    "gelu-both-weight_before": ("gelu", EXPERT_BIASES | EXPERT_SCALES, True, ("Q8_0", "Q8_0", "Q8_0")),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_expert_variants_match_the_reference(tmp_path, variant):
+    activation, flags, before, types = VARIANTS[variant]
+    path = tmp_path / "blk.0.bin"
+    h = make_layer(path, types, flags=flags, order=[3, 0, 7, 5, 1, 6, 2, 4])
+    assert h["flags"] == flags and h["expert_stride"] % h["align"] == 0
+    x, ids, w = routing(6, 3)
+    with MoEEngine([path], activation=activation, weight_before=before) as m:
+        y = m.eval(0, x, ids, w, n_threads=2)
+        y1 = m.eval(0, x, ids, w, n_threads=1)
+        assert m.layer_info(0)["flags"] == flags
+    assert np.array_equal(y, y1)
+    close_to_reference(y, moe_reference(path, x, ids, w, activation=activation, weight_before=before))
 
 
 def test_threads_caches_jitter_and_hot_sets_give_the_same_bits(tmp_path):
@@ -286,7 +317,8 @@ HOSTILE = {
     "align": (lambda p: _patch(p, align=3000), "alignment", "alignment"),
     "file size": (lambda p: _patch(p, file_size=123), "file_size", "file_size"),
     "layer index": (lambda p: _patch(p, il=5), "layer index", None),
-    "meta crc": (lambda p: _patch(p, fix_crc=False, reserved=1), "corrupt", "corrupt"),
+    "meta crc": (lambda p: _patch(p, fix_crc=False, meta_crc=12345), "corrupt", "corrupt"),
+    "flags": (lambda p: _patch(p, flags=4), "unknown flags", "unknown flags"),
     "not a permutation": (lambda p: _patch_table(p, 3, 0), "not a permutation", "not a permutation"),
     "expert out of range": (lambda p: _patch_table(p, 3, N_EXPERT), "not a permutation", "not a permutation"),
     "truncated": (lambda p: open(p, "r+b").truncate(5000), "truncated", "truncated"),

@@ -64,7 +64,7 @@ def load_layer(path) -> LayerWeights:
 
 
 # ggml vec_dot_type of each weight type on x86 (ggml-cpu type traits)
-_Q8_0_DOT = {2, 3, 6, 7, 8}           # Q4_0, Q4_1(Q8_1), Q5_0, Q5_1(Q8_1), Q8_0: 32-value blocks
+_Q8_0_DOT = {2, 3, 6, 7, 8, 39}       # Q4_0, Q4_1(Q8_1), Q5_0, Q5_1(Q8_1), Q8_0, MXFP4: 32-value blocks
 _Q8_K_DOT = {10, 11, 12, 13, 14}      # Q2_K..Q6_K
 _F16, _F32 = 1, 0
 
@@ -233,35 +233,57 @@ def reference_eval(params: dict, x: np.ndarray, *, tau: int, n_tables: int) -> n
 
 # ---- the MoE op (native/src/moe.c) ------------------------------------------------------------------
 
-def load_expert(path, h: dict, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_expert(path, h: dict, e: int) -> tuple:
     """Router expert e of an expert file (h: its read_expert_header) dequantized with gguf-py:
-    gate [n_ff_exp, n_embd], up [n_ff_exp, n_embd], down [n_embd, n_ff_exp] (ggml's row layout), f64."""
+    gate [n_ff_exp, n_embd], up [n_ff_exp, n_embd], down [n_embd, n_ff_exp] (ggml's row layout), f64;
+    then its biases (gate, up, down; zeros without) and scales (gate, up, down; ones without)."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
+    from leanstream_ggml.model.formats import EXPERT_BIASES, EXPERT_SCALES, expert_extra_bytes
+
     s = int(np.flatnonzero(h["expert_of_slot"] == e)[0])
     raw = np.fromfile(path, dtype=np.uint8, count=h["expert_stride"], offset=h["data_offset"] + s * h["expert_stride"])
+    n_embd, n_ff, flags = h["n_embd"], h["n_ff_exp"], h["flags"]
+    x0 = expert_extra_bytes(flags, n_embd, n_ff)
+    f32 = raw[:x0].view("<f4").astype(np.float64)
+    biases = (f32[:n_ff], f32[n_ff:2 * n_ff], f32[2 * n_ff:2 * n_ff + n_embd]) if flags & EXPERT_BIASES else \
+        (np.zeros(n_ff), np.zeros(n_ff), np.zeros(n_embd))
+    at = 2 * n_ff + n_embd if flags & EXPERT_BIASES else 0
+    scales = tuple(f32[at:at + 3]) if flags & EXPERT_SCALES else (1.0, 1.0, 1.0)
     g, u, d = h["gate_bytes"], h["up_bytes"], h["down_bytes"]
-    n_embd, n_ff = h["n_embd"], h["n_ff_exp"]
+    raw = raw[x0:]
     gate = dequantize(raw[:g].reshape(n_ff, -1), Q(h["gate_type"])).reshape(n_ff, n_embd)
     up = dequantize(raw[g:g + u].reshape(n_ff, -1), Q(h["up_type"])).reshape(n_ff, n_embd)
     down = dequantize(raw[g + u:g + u + d].reshape(n_embd, -1), Q(h["down_type"])).reshape(n_embd, n_ff)
-    return gate.astype(np.float64), up.astype(np.float64), down.astype(np.float64)
+    return gate.astype(np.float64), up.astype(np.float64), down.astype(np.float64), biases, scales
 
 
-def moe_reference(path, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, *, activation: str = "silu") -> np.ndarray:
+def glu(g: np.ndarray, u: np.ndarray, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """A MoE expert's h from its gate and up values (build_moe_ffn's type_op)."""
+    if activation == "swiglu_oai":
+        x, y = np.minimum(g, limit), np.clip(u, -limit, limit)
+        return x / (1.0 + np.exp(-alpha * x)) * (y + 1.0)
+    if activation == "relu":
+        return np.where(g > 0, g * u, 0.0)
+    return act(g, activation) * u
+
+
+def moe_reference(path, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, *, activation: str = "silu",
+                  weight_before: bool = False) -> np.ndarray:
     """y [n_tokens, n_embd] of llama.cpp's build_moe_ffn (separate gate and up experts) over an
-    expert file: for each token t and k, e = ids[t, k]: h = act(gate_e . x~) * (up_e . x~),
-    p_k = weights[t, k] * down_e . h~, y_t = sum_k p_k; x~ and h~ rounded as ggml rounds a matmul's
+    expert file: for each token t and k, e = ids[t, k], w = weights[t, k]:
+    h = glu(s_g (gate_e . x~) + b_g, s_u (up_e . x~) + b_u), p_k = w (s_d (down_e . h~) + b_d),
+    y_t = sum_k p_k (weight_before: x~ is w x_t rounded, and p_k is not multiplied by w); biases b
+    and scales s the file's (zeros and ones without); x~ and h~ rounded as ggml rounds a matmul's
     activations (round_like_ggml: the weight type's vec_dot_type), in float64."""
     from leanstream_ggml.model.blockfile import read_expert_header
 
     h = read_expert_header(path)
     x = np.atleast_2d(np.asarray(x, np.float32))
     ids = np.asarray(ids).reshape(x.shape[0], -1)
-    weights = np.asarray(weights, np.float64).reshape(ids.shape)
-    xg = round_like_ggml(x, h["gate_type"]).astype(np.float64)
-    xu = round_like_ggml(x, h["up_type"]).astype(np.float64)
+    w32 = np.asarray(weights, np.float32).reshape(ids.shape)
+    weights = w32.astype(np.float64)
     y = np.zeros((x.shape[0], h["n_embd"]))
     cache = {}
     for t in range(x.shape[0]):
@@ -269,8 +291,12 @@ def moe_reference(path, x: np.ndarray, ids: np.ndarray, weights: np.ndarray, *, 
             e = int(ids[t, k])
             if e not in cache:
                 cache[e] = load_expert(path, h, e)
-            gate, up, down = cache[e]
-            hv = act(gate @ xg[t], activation) * (up @ xu[t])
+            gate, up, down, (bg, bu, bd), (sg, su, sd) = cache[e]
+            xt = (x[t] * w32[t, k]).astype(np.float32) if weight_before else x[t]
+            xg = round_like_ggml(xt[None], h["gate_type"]).astype(np.float64)[0]
+            xu = round_like_ggml(xt[None], h["up_type"]).astype(np.float64)[0]
+            hv = glu(sg * (gate @ xg) + bg, su * (up @ xu) + bu, activation)
             hq = round_like_ggml(hv.astype(np.float32), h["down_type"]).astype(np.float64)
-            y[t] += weights[t, k] * (down @ hq)
+            p = sd * (down @ hq) + bd
+            y[t] += p if weight_before else weights[t, k] * p
     return y
