@@ -8,9 +8,10 @@ Reads the source with gguf-py (memory-mapped, read-only; the source is never mod
                                leanstream.source_sha256
     OUT_DIR/ffn/blk.<il>.bin   per layer: neuron blocks (format: docs/formats.md; leanstream_convert/blockfile.py)
 
-A mixture-of-experts source (qwen3moe, qwen2moe, olmoe, Mixtral-style llama / qwen2) has no block
-files: base.gguf leaves out its routed experts (ffn_{gate,up,down}_exps) and keeps the router and
-any shared expert; each layer's experts go to OUT_DIR/experts/blk.<il>.bin (leanstream_convert/moe_source.py).
+A mixture-of-experts source (any family of leanstream_ggml/model/moe_families.py) has no block
+files: base.gguf leaves out its routed experts (ffn_{gate,up,down}_exps or ffn_gate_up_exps, with
+their biases and scales) and keeps everything else (routers, shared experts, dense layers' FFNs);
+each MoE layer's experts go to OUT_DIR/experts/blk.<il>.bin (leanstream_convert/moe_source.py).
 
 Every file is written under a temporary name and renamed; a block file already complete from an
 interrupted run is kept. The manifest (written last, by the driver) is built by ``make_manifest``
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from leanstream_ggml.model import manifest as mf
+from leanstream_ggml.model import moe_families
 from leanstream_ggml.model.checksum import crc32c_rows
 from leanstream_ggml.model.formats import EXPERT_VERSION, MIN_ALIGN
 
@@ -42,7 +44,7 @@ from .validate import check_tensors
 # gated FFN down(act(gate x) * up x), by architecture: the activation its llama.cpp graph uses
 ACTIVATION_OF_ARCH = mf.ARCH_ACTIVATION   # the contract's table (leanstream_ggml/model/manifest.py)
 # the dense ones (the mixture-of-experts families: leanstream_convert/moe_source.py)
-SUPPORTED_ARCHS = tuple(a for a in ACTIVATION_OF_ARCH if a not in moe_source.MOE_ONLY_ARCHS)
+SUPPORTED_ARCHS = tuple(ACTIVATION_OF_ARCH)
 # architectures whose ffn_up holds the gate's rows and the up's in one tensor, ne = [n_embd, 2 n_ff],
 # and that have no ffn_gate: llama.cpp's graph calls build_ffn with gate = NULL and LLM_FFN_SWIGLU,
 # whose ggml_swiglu takes the activation of the first half of each output row times the second
@@ -236,8 +238,7 @@ def _inspect(reader, src: Path) -> _Model:
     tensors = {t.name: t for t in reader.tensors}
     moe = moe_source.is_moe(_kv(reader, f"{arch}.expert_count", 0), tensors)
     if moe and arch not in moe_source.SUPPORTED_ARCHS:
-        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}) that leanstream does not convert yet; "
-                           f"supported: {moe_source.SUPPORTED_TEXT}")
+        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}): {moe_families.refusal(arch)}")
     if not moe and arch in moe_source.MOE_ONLY_ARCHS:
         raise ConvertError(f"{src}: a {arch} model without experts (no {arch}.expert_count, no ffn_*_exps "
                            f"tensors): already converted, or not a complete model?")
@@ -821,7 +822,7 @@ def make_manifest(source: Source, out: Path, entries: list[mf.LayerEntry], total
         source=mf.SourceInfo(filename=source.path.name, sha256=source.sha256, size=source.size,
                              path=str(source.path.resolve())),
         architecture=model.arch, n_layer=model.n_layer, n_embd=model.n_embd, n_ff=model.n_ff,   # (MoE: n_ff_exp)
-        activation=ACTIVATION_OF_ARCH[model.arch], block=mf.BlockGeometry(k=source.k, align=source.align),
+        activation=ACTIVATION_OF_ARCH[model.arch] if model.moe is None else model.moe.activation, block=mf.BlockGeometry(k=source.k, align=source.align),
         layers=entries,
         totals=totals, base=mf.BaseInfo(file=mf.BASE_NAME, size=(out / mf.BASE_NAME).stat().st_size),
         predictor=predictor, moe=moe)

@@ -51,7 +51,7 @@ def run_pass(model_dir: Path, manifest, texts: dict, *, memory_limit: int | None
             n_routed += len(toks)
         moe = manifest.moe
         freq = np.zeros((manifest.n_layer, moe.n_expert), np.float32)
-        for il in range(len(moe.layers)):
+        for il, _ in moe.expert_layers():
             freq[il] = llm.engine.routing_counts(il).astype(np.float64) / max(n_routed, 1)
     finally:
         llm.close()

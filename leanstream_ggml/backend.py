@@ -109,13 +109,14 @@ class Experts(_Streamed):
         """The routed experts' engine, its cache the budget (the plan's or the user's; 0: every
         expert once read), its hot set pinned (pin_hot)."""
         m = self.manifest
-        engine = MoEEngine([m.resolve(self.path, e.file) for e in m.moe.layers], memory_budget=o.memory_budget or 0,
-                           activation=m.activation, n_io_threads=o.n_io_threads,
+        engine = MoEEngine([None if e is None else m.resolve(self.path, e.file) for e in m.moe.layers],
+                           memory_budget=o.memory_budget or 0, activation=m.moe.activation,
+                           weight_before=m.moe.weight_before, n_io_threads=o.n_io_threads,
                            verify_checksums=o.verify_checksums, read_ahead=o.read_ahead, evict=o.expert_cache)
         try:
             freq = self.routing_freq()
             if freq is not None:
-                for il in range(m.n_layer):
+                for il, _ in m.moe.expert_layers():
                     engine.set_uses(il, np.rint(freq[il] * MOE_PRIOR_TOKENS))
             self.pin_hot(engine, freq, MOE_HOT_FRACTION if o.hot_fraction is None else o.hot_fraction)
         except BaseException:
@@ -145,9 +146,9 @@ class Experts(_Streamed):
         slots, total = s["cache_slots"], m.n_layer * m.moe.n_expert
         if freq is None or slots >= total or share <= 0:
             return 0
-        n_hot = max(0, min(int(share * slots), slots - 2 * m.n_layer, int(np.count_nonzero(freq > 0))))
+        n_hot = max(0, min(int(share * slots), slots - 2 * len(m.moe.expert_layers()), int(np.count_nonzero(freq > 0))))
         hot = np.argsort(-freq.reshape(-1), kind="stable")[:n_hot]
-        for il in range(m.n_layer):
+        for il, _ in m.moe.expert_layers():
             mine = hot[hot // m.moe.n_expert == il] % m.moe.n_expert
             if mine.size:
                 engine.pin(il, mine)

@@ -389,8 +389,8 @@ def ffn_geometry(manifest) -> tuple[int, int]:
         return 0, 0
     if manifest.moe is not None:
         moe = manifest.moe
-        return (moe.n_expert_used * max(e.expert_stride for e in moe.layers),
-                sum(moe.n_expert * e.expert_stride for e in moe.layers))
+        return (moe.n_expert_used * max(e.expert_stride for _, e in moe.expert_layers()),
+                sum(moe.n_expert * e.expert_stride for _, e in moe.expert_layers()))
     layers = manifest.layers
     return (max((e.n_blocks * e.block_stride for e in layers), default=0),
             sum(e.n_blocks * e.block_stride for e in layers))
@@ -399,7 +399,7 @@ def ffn_geometry(manifest) -> tuple[int, int]:
 def _n_blocks(manifest) -> int:
     """The engine's table entries: blocks (dense), experts (a mixture-of-experts model)."""
     if manifest.moe is not None:
-        return manifest.moe.n_expert * manifest.n_layer
+        return manifest.moe.n_expert * len(manifest.moe.expert_layers())
     return sum(e.n_blocks for e in manifest.layers)
 
 

@@ -45,6 +45,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"sketch           {_sketch_line(m)}",
         f"predictor        {_predictor_line(m)}",
         f"sparse modes     {_sparse_line(m, d)}",
+        *_speculative_lines(m, d),
     ]
     conv = m.extra.get("conversion")
     if isinstance(conv, dict) and conv.get("stages"):
@@ -78,10 +79,17 @@ def _expert_lines(m) -> list[str]:
     """A mixture-of-experts model's routed experts (docs/design.md §24)."""
     moe = m.moe
     names = {v: k for k, v in GGML_TYPE_IDS.items()}
-    types = sorted({tuple(names.get(x, str(x)) for x in (e.gate_type, e.up_type, e.down_type)) for e in moe.layers})
-    strides = sorted({e.expert_stride for e in moe.layers})
+    layers = moe.expert_layers()
+    types = sorted({tuple(names.get(x, str(x)) for x in (e.gate_type, e.up_type, e.down_type)) for _, e in layers})
+    strides = sorted({e.expert_stride for _, e in layers})
+    extras = [w for bit, w in ((1, "biases"), (2, "scales")) if any(e.flags & bit for _, e in layers)]
+    others = m.n_layer - len(layers) - len(moe.mtp_layers)
     return [f"experts          {moe.n_expert} per layer, {moe.n_expert_used} routed per token, {moe.n_ff_exp} neurons "
-            f"each, {moe.gating} router" + (", a shared expert (in base.gguf)" if moe.shared_expert else ""),
+            f"each, {moe.activation}" + (" of router-weighted inputs" if moe.weight_before else "")
+            + (f", per-expert {' and '.join(extras)}" if extras else "")
+            + (", a shared expert (in base.gguf)" if moe.shared_expert else ""),
+            f"MoE layers       {len(layers)} of {m.n_layer}" + (f"; {others} dense (their FFN in base.gguf)" if others else "")
+            + (f"; MTP layers {moe.mtp_layers} left out (llama.cpp skips them)" if moe.mtp_layers else ""),
             "expert types     " + "; ".join(f"gate {g}, up {u}, down {dn}" for g, u, dn in types),
             f"expert files     one per layer, an expert is one read of {'/'.join(fmt_bytes(s) for s in strides)}, "
             f"align {m.block.align} B",
@@ -103,6 +111,18 @@ def _plan_lines(m, d: Path, args) -> list[str]:
     out = plan.lines()
     plan.check()
     return out
+
+
+def _speculative_lines(m, d: Path) -> list[str]:
+    """Why Llama(d) drafts nothing (a recurrent state: leanstream_ggml/speculation/recurrent.py,
+    from base.gguf's header), or no line."""
+    try:
+        from leanstream_ggml.speculation import recurrent
+
+        why = recurrent.reason(m.resolve(d, m.base.file), m.architecture)
+    except (ImportError, OSError, ValueError):
+        return []
+    return [f"speculative      {why}"] if why else []
 
 
 def _in_ram_line(m, d: Path) -> str:

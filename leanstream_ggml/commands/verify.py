@@ -64,7 +64,7 @@ def verify_dir(model_dir: str | os.PathLike, progress=None) -> tuple[list[str], 
             os.close(fd)
         if progress:
             progress(e.il, m.n_layer)
-    for il, e in enumerate(m.moe.layers if m.moe else ()):
+    for il, e in m.moe.expert_layers() if m.moe else ():
         problems += _verify_experts(m.resolve(d, e.file), il, e, m, crc32c_rows, counts)
     return problems, counts
 

@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leanstream_ggml.model import moe_families
 from leanstream_ggml.model.formats import HEADER_BYTES, MIN_ALIGN   # a block file's header (data_offset a multiple); block.align
 # the sections, the files on disk and the modes' files, each in its module; every name is also
 # this module's (the converter, the tests and the tools import them from here)
@@ -131,10 +132,8 @@ ACTIVATIONS = ("silu", "gelu")
 # the graph itself): granite scales it, olmo2 / gemma2 / gemma3 norm it after, phi3 stores gate
 # and up in one tensor (the converter splits it: leanstream_convert/convert_gguf.py FUSED_GATE_UP)
 ARCH_ACTIVATION = {"llama": "silu", "qwen2": "silu", "qwen3": "silu", "phi3": "silu", "granite": "silu",
-                   "olmo2": "silu", "gemma2": "gelu", "gemma3": "gelu",
-                   # mixture-of-experts (build_moe_ffn with LLM_FFN_SILU; Mixtral-style files are "llama"
-                   # with an expert count)
-                   "qwen3moe": "silu", "qwen2moe": "silu", "olmoe": "silu"}
+                   "olmo2": "silu", "gemma2": "gelu", "gemma3": "gelu"}
+# (a mixture-of-experts model's: its family's row, leanstream_ggml/model/moe_families.py)
 
 
 @dataclass
@@ -311,13 +310,16 @@ class Manifest:
         for name in ("n_layer", "n_embd", "n_ff"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive")
-        if self.activation not in ACTIVATIONS:
-            bad(f"unknown activation {self.activation!r} (known: {', '.join(ACTIVATIONS)})")
-        if self.architecture not in ARCH_ACTIVATION:
-            bad(f"unsupported architecture {self.architecture!r} (known: {', '.join(ARCH_ACTIVATION)})")
-        if self.activation != ARCH_ACTIVATION[self.architecture]:
+        table = ({a: f.activation for a, f in moe_families.FAMILIES.items()} if self.moe is not None
+                 else ARCH_ACTIVATION)   # (what a MoE model's experts compute, or a dense model's FFN)
+        known = moe_families.EXPERT_ACTIVATIONS if self.moe is not None else ACTIVATIONS
+        if self.activation not in known:
+            bad(f"unknown activation {self.activation!r} (known: {', '.join(known)})")
+        if self.architecture not in table:
+            bad(f"unsupported architecture {self.architecture!r} (known: {', '.join(table)})")
+        if self.activation != table[self.architecture] or (self.moe is not None and self.moe.activation != self.activation):
             bad(f"activation {self.activation!r} does not match architecture {self.architecture!r}, whose FFN "
-                f"uses {ARCH_ACTIVATION[self.architecture]!r}")
+                f"uses {table[self.architecture]!r}")
         k, align = self.block.k, self.block.align
         if k <= 0:
             bad("block.k must be positive")
@@ -389,7 +391,7 @@ class Manifest:
         block files and base.gguf have the sizes it records. Raises ManifestError."""
         for e in self.layers:
             check_size(self.resolve(model_dir, e.file), e.file_size)
-        for e in self.moe.layers if self.moe else ():
+        for _, e in self.moe.expert_layers() if self.moe else ():
             check_size(self.resolve(model_dir, e.file), e.file_size)
         check_size(self.resolve(model_dir, self.base.file), self.base.size)
         for rel in self.checksummed_files()[1:]:

@@ -165,14 +165,16 @@ class ExpertLayer:
     expert_stride: int          # bytes of one expert on disk (multiple of the block alignment)
     data_offset: int            # first slot's offset in the file, multiple of 4096
     file_size: int              # data_offset + n_expert * expert_stride
+    flags: int = 0              # 1: per-expert biases, 2: per-expert scales (f32, before each slot's rows)
 
 
 @dataclass
 class MoEInfo:
     """A mixture-of-experts model's routed experts (docs/formats.md, expert file): one expert file
-    per layer, each expert's gate, up and down in the GGUF's own types, in one slot; the router,
-    a shared expert and its gate stay in base.gguf and run as stock llama.cpp runs them."""
-    layers: list[ExpertLayer]   # one per layer, in layer order
+    per MoE layer, each expert's gate, up and down in the GGUF's own types, in one slot; the router,
+    a shared expert and its gate, dense layers stay in base.gguf and run as stock llama.cpp runs them."""
+    layers: list[ExpertLayer | None]   # one per layer, in layer order; None: a layer without experts
+                                       # (dense, leading or interleaved, or an MTP layer llama.cpp skips)
     n_expert: int               # routed experts per layer
     n_expert_used: int          # experts each token is routed to (the GGUF's expert_used_count)
     n_ff_exp: int               # neurons of one expert
@@ -180,10 +182,17 @@ class MoEInfo:
     shared_expert: bool = False  # a shared expert (in base.gguf) beside the routed ones
     routing_freq: str | None = None  # "experts/routing_freq.npy": f32 [n_layer, n_expert], how often each
                                      # expert was routed to on the calibration text (the hot set's ranking)
+    activation: str = "silu"    # what an expert computes (leanstream_ggml/model/moe_families.py)
+    weight_before: bool = False
+    mtp_layers: list[int] = field(default_factory=list)   # layers llama.cpp skips (next-token prediction)
 
     @property
     def files(self) -> list[str]:
-        return [e.file for e in self.layers]
+        return [e.file for e in self.layers if e is not None]
+
+    def expert_layers(self) -> list[tuple[int, ExpertLayer]]:
+        """(il, its expert file) of every layer that has experts."""
+        return [(il, e) for il, e in enumerate(self.layers) if e is not None]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -192,26 +201,36 @@ class MoEInfo:
     def from_dict(cls, d: Any, where: str) -> MoEInfo:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: expected an object or null")
-        layers = [_dc(ExpertLayer, e, f"{where}: layers[{i}]") for i, e in enumerate(_get(d, "layers", list, where))]
+        layers = [None if e is None else _dc(ExpertLayer, e, f"{where}: layers[{i}]")
+                  for i, e in enumerate(_get(d, "layers", list, where))]
         ints = {k: _get(d, k, int, where) for k in ("n_expert", "n_expert_used", "n_ff_exp")}
         freq = d.get("routing_freq")
         if freq is not None and not isinstance(freq, str):
             raise ManifestError(f"{where}: routing_freq must be a path or null")
+        mtp = d.get("mtp_layers", [])
+        if not isinstance(mtp, list) or not all(_type_ok(i, int) for i in mtp):
+            raise ManifestError(f"{where}: mtp_layers must be a list of layer indices")
         return cls(layers=layers, gating=str(d.get("gating", "softmax")), shared_expert=bool(d.get("shared_expert", False)),
-                   routing_freq=freq, **ints)
+                   routing_freq=freq, activation=str(d.get("activation", "silu")),
+                   weight_before=bool(d.get("weight_before", False)), mtp_layers=list(mtp), **ints)
 
     def validate(self, n_layer: int, align: int, bad) -> None:
-        if len(self.layers) != n_layer or len(set(self.files)) != n_layer:
-            bad(f"moe.layers must list one expert file per layer ({n_layer}), each once")
+        if len(self.layers) != n_layer or len(set(self.files)) != len(self.files) or not self.files:
+            bad(f"moe.layers must list one entry per layer ({n_layer}), null or an expert file, each file once, "
+                f"at least one")
+        if any(not 0 <= i < n_layer or self.layers[i] is not None for i in self.mtp_layers):
+            bad(f"moe.mtp_layers {self.mtp_layers} must be layers without experts")
         if not 0 < self.n_expert_used <= self.n_expert or self.n_ff_exp <= 0:
             bad(f"moe: n_expert {self.n_expert}, n_expert_used {self.n_expert_used}, n_ff_exp {self.n_ff_exp} "
                 f"must be positive with n_expert_used <= n_expert")
-        for i, e in enumerate(self.layers):
+        for i, e in self.expert_layers():
             w = f"moe.layers[{i}]"
             if e.expert_stride <= 0 or e.expert_stride % align:
                 bad(f"{w}.expert_stride {e.expert_stride} must be a positive multiple of align {align}")
             if e.data_offset % 4096 or e.data_offset < 4096 + 8 * self.n_expert:
                 bad(f"{w}.data_offset {e.data_offset} must be a multiple of 4096 past the slot tables")
+            if e.flags & ~3:
+                bad(f"{w}.flags {e.flags}: unknown bits")
             if e.file_size != e.data_offset + self.n_expert * e.expert_stride:
                 bad(f"{w}.file_size {e.file_size} != data_offset + n_expert * expert_stride")
 

@@ -52,7 +52,7 @@ def _read_expert_file(path):
     """(header fields, expert_of_slot, slot CRCs, uint8 [n_expert, expert_stride]) by docs/formats.md."""
     raw = path.read_bytes()
     names = ("magic", "version", "il", "n_embd", "n_ff_exp", "n_expert", "align", "gate_type", "up_type",
-             "down_type", "reserved", "gate_bytes", "up_bytes", "down_bytes", "expert_stride", "table_offset",
+             "down_type", "flags", "gate_bytes", "up_bytes", "down_bytes", "expert_stride", "table_offset",
              "data_offset", "file_size", "meta_crc")
     h = dict(zip(names, struct.unpack_from("<8sIIQQIIiiiIQQQQQQQI", raw, 0)))
     assert raw[116:4096] == bytes(3980)
@@ -210,27 +210,72 @@ def _moe_header(path, arch: str, n_expert: int = 4, fused: bool = False) -> None
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "gpt-oss", "glm4moe", "llama4", "phimoe", "granitemoe"])
-def test_moe_families_not_done_yet_are_refused_by_name(tmp_path, arch):
+@pytest.mark.parametrize("arch, why", [
+    ("nemotron_h_moe", r"its experts compute ungated ReLU² experts \(ffn_up_exps and ffn_down_exps, no gate\)"),
+    ("grovemoe", r"its experts compute a second set of chunk experts"),
+    ("kimi-k3", r"its experts compute the SITU activation"),
+    ("mixtral9000", r"an architecture leanstream does not know"),
+])
+def test_moe_families_the_op_cannot_compute_are_refused_saying_why(tmp_path, arch, why):
     src = tmp_path / "m.gguf"
     _moe_header(src, arch)
-    with pytest.raises(ConvertError, match=rf"a mixture-of-experts model \({arch}\) that leanstream does not "
-                                           r"convert yet; supported: qwen3moe, qwen2moe, olmoe, Mixtral-style "
-                                           r"llama/qwen2"):
+    with pytest.raises(ConvertError, match=rf"a mixture-of-experts model \({arch}\): {why}"):
         convert(src, tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
 
 
+def test_ungated_experts_and_clamped_swiglu_are_refused_naming_what_lacks(tmp_path):
+    src = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(src, "qwen3moe")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), np.float32))
+    w.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 64, 32), np.float32))
+    w.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((4, 32, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match=r"layer 0: its experts have no gate \(blk\.0\.ffn_gate_exps\.weight\)"):
+        convert(src, tmp_path / "o", progress=False)
+    w = gguf.GGUFWriter(tmp_path / "c.gguf", "step35")
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_array("step35.swiglu_clamp_exp", [7.0])
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match=r"a mixture-of-experts model \(step35\): its experts compute a clamped SwiGLU"):
+        convert(tmp_path / "c.gguf", tmp_path / "o2", progress=False)
+
+
 @pytest.mark.parametrize("how", ["synthetic", "header"])
-def test_fused_gate_up_experts_are_refused_naming_the_tensor(tmp_path, how):
+def test_fused_gate_up_experts_are_split_into_gate_and_up(tmp_path, how):
+    """ffn_gate_up_exps [n_embd, 2 n_ff_exp, n_expert]: each expert's first n_ff_exp rows are its
+    gate, the next its up (build_moe_ffn's views); the expert file holds them apart."""
     src = tmp_path / "f.gguf"
     if how == "synthetic":
         write_tiny_model(src, arch="qwen3moe", n_layer=2, moe_experts=4, fused_gate_up_exps=True)
     else:
         _moe_header(src, "llama", fused=True)
-    with pytest.raises(ConvertError, match=r"blk\.0\.ffn_gate_up_exps\.weight: a mixture-of-experts layer whose "
-                                           r"gate and up experts are fused"):
-        convert(src, tmp_path / "o", progress=False)
+    m = convert(src, tmp_path / "o", progress=False)
+    reader = gguf.GGUFReader(src)
+    for il, e in m.moe.expert_layers():
+        fused = next(t for t in reader.tensors if t.name == f"blk.{il}.ffn_gate_up_exps.weight")
+        raw = np.asarray(fused.data).view(np.uint8).reshape(m.moe.n_expert, 2 * m.moe.n_ff_exp, -1)
+        h, order, _, slots = _read_expert_file(tmp_path / "o" / e.file)
+        assert h["gate_bytes"] == h["up_bytes"] == raw[0, :m.moe.n_ff_exp].nbytes
+        for s, x in enumerate(order):
+            assert bytes(slots[s, :h["gate_bytes"]]) == raw[x, :m.moe.n_ff_exp].tobytes()
+            assert bytes(slots[s, h["gate_bytes"]:2 * h["gate_bytes"]]) == raw[x, m.moe.n_ff_exp:].tobytes()
+    base = {t.name for t in gguf.GGUFReader(tmp_path / "o" / "base.gguf").tensors}
+    assert not any("_exps." in n for n in base)
 
 
 def test_expert_types_that_differ_between_layers_convert(tmp_path):
@@ -242,7 +287,7 @@ def test_expert_types_that_differ_between_layers_convert(tmp_path):
     q8, q4 = 8, 2    # enum ggml_type
     assert [e.down_type for e in m.moe.layers] == [q8, q4]
     assert m.moe.layers[0].expert_stride != m.moe.layers[1].expert_stride or q8 == q4
-    for il, e in enumerate(m.moe.layers):
+    for il, e in m.moe.expert_layers():
         h, _, _, _ = _read_expert_file(tmp_path / "o" / e.file)
         assert (h["down_type"], h["file_size"]) == (e.down_type, e.file_size), il
 
