@@ -22,6 +22,7 @@ from leanstream_ggml.model import registry
 from leanstream_ggml.native import params
 from leanstream_ggml.native.engine import EXACT_ROWS, FFNEngine
 from leanstream_ggml.native.moe import MoEEngine
+from leanstream_ggml.speculation import recurrent
 
 
 # passed by llama-cpp-python's own server loader, which its Llama takes through **kwargs and ignores
@@ -143,7 +144,27 @@ def memory_plan(model_path, memory_limit, **kwargs) -> memplan.MemoryPlan:
     o = params.llama_options(given)
     path = Path(model_path)
     m = m if m is not None else manifest_mod.load(path)
+    o, _ = _settle_speculation(path, m, o, given)
     return _fit(path, m, o, given, kwargs, pass_, backend.streamed(path, m).stream_batch)
+
+
+def _settle_speculation(path: Path, m, o, given: dict) -> tuple:
+    """(settings, why speculation is off or None): off where the model keeps a recurrent state
+    (speculation/recurrent.py: llama.cpp cannot drop a rejected draft from it), before the memory
+    plan counts a verify pass's rows and the context gets a token tree's sequences; an explicit
+    speculative='self' or 'ngram' there is a ParameterError (a ValueError) saying why."""
+    if o.speculative == "off":
+        return o, None
+    try:
+        why = recurrent.reason(m.resolve(path, m.base.file), m.architecture)
+    except manifest_mod.ManifestError:     # (what opens base.gguf says what is wrong with it)
+        why = None
+    if why is None:
+        return o, None
+    if given.get("speculative") not in (None, "auto"):
+        raise params.ParameterError("speculative", f"{given['speculative']!r} drafts, but {why.removeprefix('off: ')}; "
+                                                   f"use speculative='auto' (which drafts nothing here) or 'off'")
+    return o.replace(speculative="off"), why
 
 
 class ClosedError(ValueError):
@@ -166,13 +187,16 @@ class Llama(llama_cpp.Llama):
         chosen once (backend.choose): ``backend`` is "stock" where nothing streams and the source
         GGUF runs on llama.cpp's own kernels (llamacpp/stock.py; ``engine`` is None, ``stats()``
         says so), else "stream" (the engine of the model's kind: neuron blocks or experts) and
-        ``stock_reason`` says why. After close(), every method raises ClosedError.
+        ``stock_reason`` says why. On a model with a recurrent state (Mamba, a hybrid such as
+        Qwen3-Next or LFM2) speculation is off, ``speculative_reason`` and stats() say why
+        (speculation/recurrent.py). After close(), every method raises ClosedError.
         Every other argument is llama_cpp.Llama's, with the same meaning.
     """
 
     def __init__(self, model_path: str, **kwargs):
         self._engine = self._drafter = None
         self._closed = False
+        self.speculative_reason = None
         # _manifest, _pass: Llama.converting's
         _manifest, _pass = kwargs.pop("_manifest", None), kwargs.pop("_pass", None)
         o, given, llama_kwargs, stock_kwargs = self._options(kwargs)
@@ -183,6 +207,7 @@ class Llama(llama_cpp.Llama):
         # what runs it, chosen here once: the engine of its kind (neuron blocks or experts), with
         # the settings that kind takes, or stock llama.cpp where nothing streams
         engine = backend.streamed(path, m)
+        o, self.speculative_reason = _settle_speculation(path, m, o, given)
         o = engine.settle(o, given, model_path)
         if _manifest is None and not o.memory_limit and o.memory_budget is None:
             o = _default_limit(path, m, o, given, llama_kwargs, engine.stream_batch)
@@ -233,6 +258,9 @@ class Llama(llama_cpp.Llama):
         with _llama_cpp.context_params(n_seq_max=self._n_seq, kv_unified=True):
             super().__init__(str(m.resolve(path, m.base.file)), **kwargs)
         self._backend.hook(self, self._engine)
+        why = recurrent.loaded(self.model, self.metadata.get("general.architecture", "?")) if spec != "off" else None
+        if why:     # llama.cpp's own answer, where the table read before loading missed the architecture
+            spec, self.speculative_reason = "off", why
         self.speculative = spec
         if spec != "off":
             from leanstream_ggml.speculation.speculative import Drafter
@@ -321,8 +349,9 @@ class Llama(llama_cpp.Llama):
         """Engine counters (docs/design.md §5): blocks computed/read, bytes, miss ratio, stalls, ...
         (totals: summed over layers, except ``tokens``, the token rows the model processed);
         ``speculative``: passes, drafted and accepted tokens, tokens per pass (by tree shape),
-        draft and verify seconds, the draft step's milliseconds. On the stock backend: only
-        ``backend`` and ``source``."""
+        draft and verify seconds, the draft step's milliseconds; ``speculative_reason``: why
+        speculation is off, where the model keeps it off. On the stock backend: only ``backend``
+        and ``source``."""
         if self.backend == "stock":
             if self._closed:
                 raise ClosedError("this Llama is closed")
@@ -330,6 +359,8 @@ class Llama(llama_cpp.Llama):
         s = self._live_engine().stats(layer)
         if self._drafter is not None:
             s["speculative"] = self._drafter.stats.as_dict()
+        if self.speculative_reason:
+            s["speculative_reason"] = self.speculative_reason
         return s
 
     def reset_stats(self) -> None:

@@ -176,7 +176,9 @@ OPTIONS: tuple[Option, ...] = (
            "engine's resident blocks and from prompt lookup in one token tree verified in one pass, the "
            "controller choosing how far to draft and which tokens to verify, drafting nothing where a pass "
            "of several rows does not pay), self (the resident-block draft only), ngram (prompt lookup "
-           "only), off (in the sparse modes always). Every emitted token is sampled from the model's own "
+           "only), off (in the sparse modes always; auto drafts nothing on a model with a recurrent state, "
+           "from which llama.cpp cannot drop a rejected draft, and stats()[\"speculative_reason\"] says so). "
+           "Every emitted token is sampled from the model's own "
            "logits, so answers are plain decoding's; stats()[\"speculative\"] counts passes, drafted and "
            "accepted tokens, tokens per pass by tree shape, draft and verify time",
            ("chat", "serve", "bench", "eval")),
