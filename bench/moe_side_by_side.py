@@ -11,6 +11,8 @@ page cache of the GGUF and of every file of the model directory was dropped. Sys
 (stock, plugin, stock, plugin, ...: --rounds rounds). All: --threads threads, n_ctx 512, greedy.
 
   stock    llama_cpp.Llama(gguf), llama-cpp-python's defaults (mmap); decode = eval + argmax
+  stock-mmap  the same computing on the mmapped weights, without the copies llama.cpp repacks
+           for its CPU kernels (use_extra_bufts off): what stock reads from disk without them
   stock-fa the same with flash_attn=True, the attention the plugin runs by default (a check of
            where greedy continuations part, not a speed claim)
   plugin   leanstream_ggml.Llama(dir, memory_limit=LIMIT), every other option its default (in RAM:
@@ -19,6 +21,7 @@ page cache of the GGUF and of every file of the model directory was dropped. Sys
   plugin-plain  the same with speculative="off": one eval + argmax per token
   plugin-plain-noahead / -ahead / -lru / -lru-noahead  plugin-plain without read-ahead, with it
            always on, with LRU eviction instead of LFU, without either (what 4e83d52 ran)
+  plugin-plain-op  plugin-plain with in_ram="stream": in RAM, the op with every expert cached
 
 Per run, over the decode only (the prompt is evaluated, then the counters are taken / reset):
 decode tok/s; the process's disk reads (/proc/self/io read_bytes, O_DIRECT included) and the
@@ -59,7 +62,9 @@ PLUGINS = {"plugin": {}, "plugin-plain": {"speculative": "off"},
            "plugin-plain-noahead": {"speculative": "off", "read_ahead": "off"},
            "plugin-plain-ahead": {"speculative": "off", "read_ahead": "on"},
            "plugin-plain-lru": {"speculative": "off", "expert_cache": "lru"},
-           "plugin-plain-lru-noahead": {"speculative": "off", "read_ahead": "off", "expert_cache": "lru"}}
+           "plugin-plain-lru-noahead": {"speculative": "off", "read_ahead": "off", "expert_cache": "lru"},
+           # in RAM (--limit ram): the op over every expert cached, not the source on llama.cpp
+           "plugin-plain-op": {"speculative": "off", "in_ram": "stream"}}
 TEXT = benchkit.REPO / "leanstream_tools" / "data" / "heldout-technical.txt"
 
 
@@ -119,9 +124,19 @@ def progress(what: str, **kw) -> None:
 
 def open_llm(a: dict):
     common = dict(n_ctx=a["n_ctx"], n_threads=a["threads"], n_threads_batch=a["threads"], seed=0, verbose=False)
-    if a["system"] in ("stock", "stock-fa"):
+    if a["system"] in ("stock", "stock-fa", "stock-mmap"):
+        import llama_cpp
         from llama_cpp import Llama
 
+        if a["system"] == "stock-mmap":   # no repacked copies (llama_model_params.use_extra_bufts, which
+            low = llama_cpp.llama_cpp     # llama_cpp.Llama does not take): the mmap only
+            default = low.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+            low.llama_model_default_params = params
         # stock-fa: with flash attention, as the plugin sets it by default (llama.py)
         return Llama(model_path=a["gguf"], flash_attn=a["system"] == "stock-fa", **common)
     from leanstream_ggml import Llama
@@ -407,7 +422,7 @@ def main() -> int:
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     for rnd in range(a.rounds):
         for system in systems:
-            timeout = a.stock_timeout if system == "stock" and a.stock_timeout else a.timeout
+            timeout = a.stock_timeout if system.startswith("stock") and a.stock_timeout else a.timeout
             rows.append(one_run(spec, system, limit, files, timeout) | {"round": rnd})
     ceil_after = ceiling(expert_files, stride) if a.ceiling else []
     ceil = ceil_before + ceil_after

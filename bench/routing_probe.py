@@ -48,7 +48,8 @@ import benchkit
 published = {"qwen3-30b-a3b": {"n_expert": 128, "n_used": 8, "tokens": 128,
                                "distinct": 64, "lag1_reuse": 0.38, "top8_share": 0.445}}
 METRICS = ("distinct", "lag1_reuse", "top8_share")
-_NAME = re.compile(rb"^(ffn_moe_topk|ffn_norm)-(\d+)$")
+# the MoE's normed input: ffn_norm (qwen3moe's graph), attn_post_norm (gpt-oss's)
+_NAME = re.compile(rb"^(ffn_moe_topk|ffn_norm|attn_post_norm)-(\d+)$")
 GGML_TYPE_F32, GGML_TYPE_I32 = 0, 26
 
 
