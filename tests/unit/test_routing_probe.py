@@ -86,3 +86,79 @@ def test_moe_synth_norm_gains(rp):
     assert np.array_equal(g0, ms.norm_gains(0, 0, 0.2))
     assert ms.ROUTING["narrow"] is None
     assert ms.ROUTING["calibrated"]["norm_gain"] == ms.ROUTING["flat"]["norm_gain"] == 0.2
+
+
+@pytest.fixture(scope="module")
+def ms():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_moe_synth", BENCH / "moe_synth.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_moe_synth_mxfp4_blocks(ms, tmp_path):
+    # --arch gpt-oss's experts: MXFP4 blocks (1 exponent byte, 16 bytes of codes) whose values,
+    # as gguf-py dequantizes them, have std ~STD and mean ~0; exponents the two bracketing STD
+    import gguf
+
+    W = ms.Writer(tmp_path / "unused.gguf", "gpt-oss")
+    raw = W.quant_rows(np.random.default_rng(1), "MXFP4", 64, 2880)
+    assert raw.shape == (64, 2880 // 32 * 17) and raw.dtype == np.uint8
+    assert set(np.unique(raw.reshape(-1, 17)[:, 0])) == {119, 120}
+    v = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType.MXFP4)
+    assert abs(float(v.std()) / ms.STD - 1) < 0.02 and abs(float(v.mean())) < 0.001
+    e, p = ms.mxfp4_exponents(ms.STD)
+    assert e == 119 and 0 < p < 1
+    b = W.quant_rows(np.random.default_rng(1), "BF16", 8, 64)
+    assert b.shape == (8, 128)
+    assert abs(float(gguf.quants.dequantize(b, gguf.GGMLQuantizationType.BF16).std()) / ms.STD - 1) < 0.2
+
+
+def test_moe_synth_expected_bytes(ms):
+    # qwen3moe as it was (16 layers ~6.6 GB); gpt-oss-20b's 24 layers ~12 GB
+    assert 6.4e9 < ms.expected_bytes(16) < 6.8e9
+    assert 11.5e9 < ms.expected_bytes(24, arch="gpt-oss") < 13e9
+
+
+def _tokenizer(path, n=64):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(n)])
+    w.add_token_types([1] * n)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("routing", ["narrow", "calibrated"])
+def test_moe_synth_gpt_oss_tiny(ms, tmp_path, monkeypatch, routing):
+    # a tiny gpt-oss (the writer's shape table shrunk): every tensor llama.cpp's gpt-oss loader
+    # asks for, in place (check_layout), the same bytes for the same seed
+    import gguf
+
+    monkeypatch.setattr(ms, "GPT_OSS", {"n_embd": 64, "n_head": 4, "n_head_kv": 2, "head_dim": 16, "n_expert": 4,
+                                        "n_expert_used": 2, "n_ff_exp": 96, "n_layer": 2, "sliding_window": 8})
+    tok = _tokenizer(tmp_path / "tok.gguf")
+    out = tmp_path / "tiny.gguf"
+    shape = ms.write_model(out, 2, tok, seed=3, routing=routing, arch="gpt-oss")
+    assert shape["arch"] == "gpt-oss" and shape["n_vocab"] == 64 and shape["tensors"] == 3 + 2 * 19
+    ms.check_layout(out, shape)
+    r = gguf.GGUFReader(out)
+    t = {x.name: x for x in r.tensors}
+    for il in range(2):
+        for name in ("attn_norm.weight", "post_attention_norm.weight", "attn_sinks.weight", "attn_output.bias",
+                     "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate_inp.bias"):
+            assert f"blk.{il}.{name}" in t
+    assert t["blk.0.attn_q.weight"].tensor_type.name == "BF16" and t["output.weight"].tensor_type.name == "F16"
+    assert [int(x) for x in t["blk.1.ffn_up_exps.bias"].shape] == [96, 4]
+    assert r.get_field("gpt-oss.expert_used_count").contents() == 2
+    del r
+    again = tmp_path / "again.gguf"
+    ms.write_model(again, 2, tok, seed=3, routing=routing, arch="gpt-oss")
+    assert out.read_bytes() == again.read_bytes()
