@@ -158,3 +158,19 @@ def test_in_ram_greedy_equals_stock_and_auto_equals_off(family):
     assert got["off"] == want, case
     assert got["auto"] == got["off"], case
     assert "speculative" in stats or stats["speculative_reason"].startswith(f"off: {info['arch']} keeps a recurrent state")
+
+
+def test_a_family_whose_experts_the_op_cannot_compute_is_refused_saying_what_it_lacks(tmp_path):
+    """nemotron_h_moe (ungated ReLU² experts behind a latent projection) in its own layout, which
+    stock llama.cpp loads: the converter refuses it, naming what its experts compute, and writes
+    nothing."""
+    from leanstream_ggml.cli import main
+
+    write_hybrid(tmp_path / "src.gguf", "nemotron_h_moe", seed=3)
+    assert main(["convert", str(tmp_path / "src.gguf"), str(tmp_path / "model.lsm"), "--quiet"]) == 1
+    assert not (tmp_path / "model.lsm" / "manifest.json").exists()
+    from leanstream_convert import ConvertError, convert
+
+    with pytest.raises(ConvertError, match=r"a mixture-of-experts model \(nemotron_h_moe\): its experts compute "
+                                           r"ungated ReLU² experts \(ffn_up_exps and ffn_down_exps, no gate\)"):
+        convert(tmp_path / "src.gguf", tmp_path / "o", progress=False)
