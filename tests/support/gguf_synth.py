@@ -137,6 +137,35 @@ def gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def tiny_writer(path, arch: str, *, n_ctx: int, n_embd: int, block_count: int) -> gguf.GGUFWriter:
+    """A GGUFWriter of a tiny model of ``arch``: its type, name, context, width and depth set."""
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    w.add_type("model")
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(block_count)
+    return w
+
+
+def add_vocab(w: gguf.GGUFWriter, chat_template: bool = True) -> int:
+    """gpt2_vocab() as a "gpt2" BPE tokenizer of w (byte tokens, merges, <|endoftext|> as BOS and EOS,
+    no BOS added) and a ChatML template; returns n_vocab."""
+    tokens, token_types, merges = gpt2_vocab()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return len(tokens)
+
+
 def _weights(rng: np.random.Generator, qtype: T, rows: int, cols: int, scale: float):
     """(stored array for GGUFWriter.add_tensor, float32 [rows, cols] values it holds)."""
     if qtype in _K_F16_FIELDS:
@@ -204,8 +233,7 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
         return _qtype(t[il] if isinstance(t, (list, tuple)) else t)
 
     rng = np.random.default_rng(seed)
-    tokens, token_types, merges = gpt2_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(gpt2_vocab()[0])
     head_dim = head_dim or n_embd // n_head
     n_q, n_kv = n_head * head_dim, n_head_kv * head_dim      # rows of the q and of the k / v projections
 
@@ -248,16 +276,7 @@ def write_tiny_model(path: str | os.PathLike, arch: str = "llama", n_layer: int 
         w.add_final_logit_softcapping(30.0)
     if layout == "gemma3":
         w.add_sliding_window(512)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    add_vocab(w)
     for key, val in (extra_kv or {}).items():
         if isinstance(val, bool):
             w.add_bool(key, val)

@@ -74,7 +74,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import MODEL_TENSOR as MT
-from gguf_synth import DEFAULT_SCALES, GRANITE_SCALES, PEAKED, PEAKED_ARCH, _qtype, _weights, gpt2_vocab
+from gguf_synth import DEFAULT_SCALES, GRANITE_SCALES, PEAKED, PEAKED_ARCH, _qtype, _weights, add_vocab, tiny_writer
 
 FAMILIES = ("gpt-oss", "glm4moe", "deepseek2", "llama4", "ernie4_5-moe", "granitemoe", "dots1", "gemma4")
 FUSED_OK = ("gemma4", "deepseek2")   # archs whose loader takes ffn_gate_up_exps
@@ -107,19 +107,9 @@ def _tn(t: MT, il: int | None = None, suffix: str = "weight") -> str:
 
 def _write_vocab(w: gguf.GGUFWriter) -> int:
     """gguf_synth's tokenizer: the byte-level BPE vocabulary and its control tokens; returns n_vocab."""
-    tokens, token_types, merges = gpt2_vocab()
-    w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return len(tokens)
+    n_vocab = add_vocab(w)
+    w.add_vocab_size(n_vocab)
+    return n_vocab
 
 
 def write_family(path: str | os.PathLike, arch: str, *, n_layer: int | None = None, n_embd: int = 64,
@@ -214,14 +204,8 @@ def write_family(path: str | os.PathLike, arch: str, *, n_layer: int | None = No
     rng = np.random.default_rng(seed)
     erng = np.random.default_rng([seed if expert_seed is None else expert_seed, 0x5EED])
     out = info["tensors"]
-    w = gguf.GGUFWriter(os.fspath(path), arch)
-
     # ---- metadata -------------------------------------------------------------------------------
-    w.add_type("model")
-    w.add_name(f"tiny-{arch}")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(block_count)
+    w = tiny_writer(path, arch, n_ctx=n_ctx, n_embd=n_embd, block_count=block_count)
     w.add_feed_forward_length(n_ff_exp if arch == "granitemoe" else n_ff)
     w.add_head_count(N_HEAD)
     w.add_layer_norm_rms_eps(1e-5)

@@ -72,7 +72,7 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf import MODEL_TENSOR as MT
-from gguf_synth import DEFAULT_SCALES, PEAKED, _qtype, _weights, gpt2_vocab
+from gguf_synth import DEFAULT_SCALES, PEAKED, _qtype, _weights, add_vocab, gpt2_vocab, tiny_writer
 
 HYBRIDS = ("qwen3next", "qwen35moe", "lfm2moe", "nemotron_h_moe")
 FUSABLE = ("qwen3next", "qwen35moe")            # loaders that accept ffn_gate_up_exps (create_tensor_gate_up_exps)
@@ -162,15 +162,9 @@ def write_hybrid(path: str | os.PathLike, arch: str, *, n_layer: int | None = No
     trunk_gens = (np.random.default_rng(seed), np.random.default_rng([e_seed, 0x5EED]))
     mtp_gens = (np.random.default_rng([seed, 0x317]), np.random.default_rng([e_seed, 0x5EED, 0x317]))
     gens = list(trunk_gens)
-    tokens, token_types, merges = gpt2_vocab()
-    n_vocab = len(tokens)
+    n_vocab = len(gpt2_vocab()[0])
 
-    w = gguf.GGUFWriter(os.fspath(path), arch)
-    w.add_type("model")
-    w.add_name(f"tiny-{arch}")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(block_count)
+    w = tiny_writer(path, arch, n_ctx=n_ctx, n_embd=n_embd, block_count=block_count)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_file_type(1)
@@ -229,14 +223,7 @@ def write_hybrid(path: str | os.PathLike, arch: str, *, n_layer: int | None = No
         w.add_ssm_time_step_rank(m["dt_rank"])
         w.add_ssm_inner_size(2 * n_embd)
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(0)
-    w.add_add_bos_token(False)
+    add_vocab(w, chat_template=False)
 
     out: dict[str, np.ndarray] = {}
     F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
