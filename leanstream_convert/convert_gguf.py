@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from leanstream_ggml.model import manifest as mf
-from leanstream_ggml.model import moe_families
 from leanstream_ggml.model.checksum import crc32c_rows
 from leanstream_ggml.model.formats import EXPERT_VERSION, MIN_ALIGN
 
@@ -238,7 +237,7 @@ def _inspect(reader, src: Path) -> _Model:
     tensors = {t.name: t for t in reader.tensors}
     moe = moe_source.is_moe(_kv(reader, f"{arch}.expert_count", 0), tensors)
     if moe and arch not in moe_source.SUPPORTED_ARCHS:
-        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}): {moe_families.refusal(arch)}")
+        raise ConvertError(f"{src}: a mixture-of-experts model ({arch}): {moe_source.refusal(arch)}")
     if not moe and arch in moe_source.MOE_ONLY_ARCHS:
         raise ConvertError(f"{src}: a {arch} model without experts (no {arch}.expert_count, no ffn_*_exps "
                            f"tensors): already converted, or not a complete model?")

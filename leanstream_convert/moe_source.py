@@ -43,6 +43,36 @@ EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_
 EXPERT_ORDER = "identity"
 
 
+# architectures whose experts go through build_moe_ffn but compute what the op does not (yet)
+REFUSED: dict[str, str] = {
+    "nemotron_h": "ungated ReLU² experts (ffn_up_exps and ffn_down_exps, no gate), behind a latent projection",
+    "nemotron_h_moe": "ungated ReLU² experts (ffn_up_exps and ffn_down_exps, no gate), behind a latent projection",
+    "nomic-bert-moe": "ungated GELU experts (no ffn_gate_exps)",
+    "bert": "ungated GELU experts (no ffn_gate_exps)",
+    "jina-bert-v2": "ungated GELU experts (no ffn_gate_exps)",
+    "jina-bert-v3": "ungated GELU experts (no ffn_gate_exps)",
+    "nomic-bert": "ungated GELU experts (no ffn_gate_exps)",
+    "grovemoe": "a second set of chunk experts (ffn_*_chexps) with its own expert indexing",
+    "kimi-k3": "the SITU activation",
+    "mistral4": "down experts computed with F32 activations (ggml_prec_set_src)",
+    "deepseek4": "hash-routed layers and a clamped SwiGLU (swiglu_clamp_exp)",
+    "maple": "a clamped SwiGLU (swiglu_clamp_exp)",
+    "hy_v4": "a clamped SwiGLU (swiglu_clamp_exp)",
+    "glm5-next": "a clamped SwiGLU (swiglu_clamp_exp)",
+    "bailingmoe3": "a clamped SwiGLU (swiglu_clamp_exp)",
+    "step35": "a clamped SwiGLU (swiglu_clamp_exp)",
+    "dflash": "a speculative drafter's graph, not a model to chat with",
+}
+
+
+def refusal(arch: str) -> str:
+    """Why a mixture-of-experts architecture is refused, in words a user can act on."""
+    if arch in REFUSED:
+        return f"its experts compute {REFUSED[arch]}, which leanstream's MoE op does not"
+    return ("an architecture leanstream does not know; the families it converts are every llama.cpp "
+            "architecture whose experts go through build_moe_ffn as gated experts (README.md, MoE families)")
+
+
 class MoEError(Exception):
     """What makes a source's experts unconvertible (the read stage adds the file's name)."""
 
@@ -122,9 +152,9 @@ def _layer(arch: str, il: int, p: str, tensors: dict, n_embd: int, n_expert: int
 def describe(arch: str, kv: Callable[[str], Any], tensors: dict, n_layer: int, n_embd: int) -> dict:
     """The source's experts as plain data (the read stage's child: gguf-py's ReaderTensors
     ``tensors`` by name, ``kv(key)`` a metadata value or None); raises MoEError."""
-    fam = moe_families.family(arch)
+    fam = moe_families.FAMILIES.get(arch)
     if fam is None:
-        raise MoEError(f"a mixture-of-experts model ({arch}): {moe_families.refusal(arch)}")
+        raise MoEError(f"a mixture-of-experts model ({arch}): {refusal(arch)}")
     n_expert, n_used = kv(f"{arch}.expert_count"), kv(f"{arch}.expert_used_count")
     if not isinstance(n_expert, int) or n_expert <= 0:
         raise MoEError(f"a mixture-of-experts model ({arch}) without a valid {arch}.expert_count ({n_expert!r})")

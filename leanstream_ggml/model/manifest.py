@@ -302,6 +302,20 @@ class Manifest:
         return m
 
     # ---- checks --------------------------------------------------------------------------
+    def _check_activation(self, bad) -> None:
+        """The architecture is known and the activation is its own: a MoE model's experts'
+        (moe_families), or a dense model's FFN's (ARCH_ACTIVATION)."""
+        moe = self.moe is not None
+        table = {a: f.activation for a, f in moe_families.FAMILIES.items()} if moe else ARCH_ACTIVATION
+        known = moe_families.EXPERT_ACTIVATIONS if moe else ACTIVATIONS
+        if self.activation not in known:
+            bad(f"unknown activation {self.activation!r} (known: {', '.join(known)})")
+        if self.architecture not in table:
+            bad(f"unsupported architecture {self.architecture!r} (known: {', '.join(table)})")
+        if self.activation != table[self.architecture] or (moe and self.moe.activation != self.activation):
+            bad(f"activation {self.activation!r} does not match architecture {self.architecture!r}, whose FFN "
+                f"uses {table[self.architecture]!r}")
+
     def validate(self, where: str = "manifest") -> None:
         """Internal consistency (no file access). Raises ManifestError."""
         def bad(msg: str) -> None:
@@ -310,16 +324,7 @@ class Manifest:
         for name in ("n_layer", "n_embd", "n_ff"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be positive")
-        table = ({a: f.activation for a, f in moe_families.FAMILIES.items()} if self.moe is not None
-                 else ARCH_ACTIVATION)   # (what a MoE model's experts compute, or a dense model's FFN)
-        known = moe_families.EXPERT_ACTIVATIONS if self.moe is not None else ACTIVATIONS
-        if self.activation not in known:
-            bad(f"unknown activation {self.activation!r} (known: {', '.join(known)})")
-        if self.architecture not in table:
-            bad(f"unsupported architecture {self.architecture!r} (known: {', '.join(table)})")
-        if self.activation != table[self.architecture] or (self.moe is not None and self.moe.activation != self.activation):
-            bad(f"activation {self.activation!r} does not match architecture {self.architecture!r}, whose FFN "
-                f"uses {table[self.architecture]!r}")
+        self._check_activation(bad)
         k, align = self.block.k, self.block.align
         if k <= 0:
             bad("block.k must be positive")

@@ -15,8 +15,8 @@ Per-expert biases (``ffn_*_exps.bias``), per-expert scales (``ffn_*_exps.scale``
 fused in one tensor (``ffn_gate_up_exps``), leading dense, interleaved and MTP layers are read
 from the GGUF itself (leanstream_convert/moe_source.py), whatever the family.
 
-An architecture not in ``FAMILIES`` is refused: by ``REFUSED``'s reason where it is known to
-compute its experts otherwise, by its name where it is not known at all.
+An architecture not in ``FAMILIES`` is refused by the converter (leanstream_convert/moe_source.py:
+``REFUSED`` says what the ones known to compute their experts otherwise lack).
 """
 
 from __future__ import annotations
@@ -54,37 +54,3 @@ FAMILIES: dict[str, ExpertFn] = {
     "minimax-m3": ExpertFn(activation="swiglu_oai"),
     "llama4": ExpertFn(weight_before=True),
 }
-
-# architectures whose experts go through build_moe_ffn but compute what the op does not (yet)
-REFUSED: dict[str, str] = {
-    "nemotron_h": "ungated ReLU² experts (ffn_up_exps and ffn_down_exps, no gate), behind a latent projection",
-    "nemotron_h_moe": "ungated ReLU² experts (ffn_up_exps and ffn_down_exps, no gate), behind a latent projection",
-    "nomic-bert-moe": "ungated GELU experts (no ffn_gate_exps)",
-    "bert": "ungated GELU experts (no ffn_gate_exps)",
-    "jina-bert-v2": "ungated GELU experts (no ffn_gate_exps)",
-    "jina-bert-v3": "ungated GELU experts (no ffn_gate_exps)",
-    "nomic-bert": "ungated GELU experts (no ffn_gate_exps)",
-    "grovemoe": "a second set of chunk experts (ffn_*_chexps) with its own expert indexing",
-    "kimi-k3": "the SITU activation",
-    "mistral4": "down experts computed with F32 activations (ggml_prec_set_src)",
-    "deepseek4": "hash-routed layers and a clamped SwiGLU (swiglu_clamp_exp)",
-    "maple": "a clamped SwiGLU (swiglu_clamp_exp)",
-    "hy_v4": "a clamped SwiGLU (swiglu_clamp_exp)",
-    "glm5-next": "a clamped SwiGLU (swiglu_clamp_exp)",
-    "bailingmoe3": "a clamped SwiGLU (swiglu_clamp_exp)",
-    "step35": "a clamped SwiGLU (swiglu_clamp_exp)",
-    "dflash": "a speculative drafter's graph, not a model to chat with",
-}
-
-
-def family(arch: str) -> ExpertFn | None:
-    """The row of a family leanstream runs (None: refused)."""
-    return FAMILIES.get(arch)
-
-
-def refusal(arch: str) -> str:
-    """Why a mixture-of-experts architecture is refused, in words a user can act on."""
-    if arch in REFUSED:
-        return f"its experts compute {REFUSED[arch]}, which leanstream's MoE op does not"
-    return ("an architecture leanstream does not know; the families it converts are every llama.cpp "
-            "architecture whose experts go through build_moe_ffn as gated experts (README.md, MoE families)")

@@ -347,11 +347,14 @@ def test_truncated(models, tmp_path, keep):
 
 
 def test_moe_refused(tmp_path):
-    """A mixture-of-experts layout the converter does not handle yet (fused gate/up experts) is
-    refused; the supported ones are tests/unit/test_moe_convert.py's."""
+    """A mixture-of-experts family whose experts the op does not compute (nemotron_h_moe: ungated
+    ReLU² experts) is refused; the supported ones are tests/unit/test_moe_convert.py's and
+    tests/e2e/test_moe_families.py's."""
+    from moe_hybrids import write_hybrid
+
     p = tmp_path / "moe.gguf"
-    write_tiny_model(p, arch="qwen3moe", moe_experts=4, fused_gate_up_exps=True)
-    with pytest.raises(ConvertError, match="mixture-of-experts"):
+    write_hybrid(p, "nemotron_h_moe")
+    with pytest.raises(ConvertError, match="mixture-of-experts model .nemotron_h_moe.: its experts compute ungated"):
         convert(p, tmp_path / "o", progress=False, sketch="none")
 
 
