@@ -18,7 +18,6 @@ typedef const struct ggml_type_traits_cpu * (*traits_fn)(enum ggml_type);
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static traits_fn g_traits;
-static ls_swiglu_fn g_swiglu;   // the module's ggml_vec_swiglu_f32 (NULL in a build without it)
 static char g_variant[64] = "none";
 static char g_path[512];
 
@@ -39,7 +38,6 @@ static void resolve(void) {
     void (*init)(void) = (void (*)(void)) dlsym(h, "ggml_cpu_init");
     if (!traits || !init) return;
     init();  // fp16 tables for the type traits (idempotent)
-    g_swiglu = (ls_swiglu_fn) dlsym(h, "ggml_vec_swiglu_f32");
     snprintf(g_path, sizeof g_path, "%s", info.dli_fname);
     const char * base = strrchr(g_path, '/');
     base = base ? base + 1 : g_path;
@@ -61,10 +59,6 @@ bool ls_cpu_ready(void) {
 
 const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t) {
     return ls_cpu_ready() ? g_traits(t) : NULL;
-}
-
-ls_swiglu_fn ls_cpu_swiglu(void) {
-    return ls_cpu_ready() ? g_swiglu : NULL;
 }
 
 bool ls_cpu_dots_rows(int32_t t) {

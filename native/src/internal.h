@@ -623,10 +623,6 @@ void        ls_drop_cached(int fd);
 struct ggml_type_traits_cpu;
 enum ggml_type;
 bool        ls_cpu_ready(void);
-// ggml's own SwiGLU of a row, y[i] = silu(x[i]) * g[i] (ggml-cpu vec.cpp: SIMD with its own expf
-// over whole vectors, the scalar form for the row's tail), NULL where the module lacks it
-typedef void (*ls_swiglu_fn)(int n, float * y, const float * x, const float * g);
-ls_swiglu_fn ls_cpu_swiglu(void);
 const struct ggml_type_traits_cpu * ls_cpu_traits(enum ggml_type t);
 // type t (a ggml_type) has rows the CPU backend dots (vec_dot) against an activation it can
 // quantize (from_float of its vec_dot_type)
@@ -722,9 +718,6 @@ typedef struct ls_moe_plan {
     float *           xw;                // weight_before: [nth][n_embd] each thread's w_k x_t
     size_t            xw_cap;
     float *           h;                 // [max_pairs][n_ff_exp] act(gate . x) * (up . x)
-    float *           hu;                // swiglu: [max_pairs][n_ff_exp] the up values (h holds the gate's first)
-    size_t            hu_cap;
-    ls_swiglu_fn      swiglu;            // ggml's SwiGLU, where it computes h (SiLU, n_ff_exp whole vectors)
     uint8_t *         hq[2];             // [max_pairs][hq_row] h in down's vec_dot_type, by entry parity
     size_t            hq_row;
     float *           out;               // [n_tokens * n_used][n_embd] p_k of pair (t, k)

@@ -165,7 +165,7 @@ ls_status ls_moe_create(const ls_moe_params * p, const char * const * paths, ls_
 static void plan_free(ls_moe_plan * P) {
     free(P->entry_block); free(P->entry_pair0); free(P->pairs); free(P->pair_entry); free(P->pair_w);
     free((void *) P->entry_state); free(P->entry_of); free(P->xq); free(P->h);
-    free(P->hq[0]); free(P->hq[1]); free(P->out); free(P->xw); free(P->hu); free(P->rq); free(P->logits); free(P->ahead_list);
+    free(P->hq[0]); free(P->hq[1]); free(P->out); free(P->xw); free(P->rq); free(P->logits); free(P->ahead_list);
 }
 
 void ls_moe_free(ls_moe * m) {
@@ -327,10 +327,6 @@ static bool grow_compute(ls_moe_plan * P, const ls_moe_layer * L) {
     P->ff_blk = ggml_blck_size(vd);
     const size_t T = (size_t) P->n_tokens, mp = (size_t) P->max_pairs;
     P->x_rows = L->m->params.weight_before ? P->n_tokens * P->n_used : P->n_tokens;
-    // SiLU through ggml's own SwiGLU, as llama.cpp computes it: its SIMD expf rounds otherwise than
-    // expf, and every element of a row of whole 16-value vectors takes that path in every build
-    P->swiglu = L->m->params.activation == LS_ACT_SILU && in->n_ff_exp % 16 == 0 ? ls_cpu_swiglu() : NULL;
-    if (P->swiglu && !ls_grow((void **) &P->hu, &P->hu_cap, mp * (size_t) in->n_ff_exp, sizeof(float))) return false;
     if (L->m->params.weight_before && !ls_grow((void **) &P->xw, &P->xw_cap, (size_t) P->nth * (size_t) in->n_embd, sizeof(float)))
         return false;
     return ls_grow((void **) &P->xq, &P->xq_cap, (size_t) P->x_rows * (P->xq_gate_row + P->xq_up_row), 1) &&
@@ -509,20 +505,6 @@ static void quantize_x(const ls_moe_plan * P, int ith, int nth) {
     }
 }
 
-// y[i] = silu(y[i]) * u[i] by ggml's SwiGLU, the values as its whole vectors give them: a part
-// of a row that is not whole vectors is padded to 16 values
-static void swiglu_range(ls_swiglu_fn swiglu, float * y, const float * u, int64_t n) {
-    const int64_t n16 = n / 16 * 16;
-    if (n16 > 0) swiglu((int) n16, y, y, u);
-    if (n16 < n) {
-        float ty[16] = { 0 }, tu[16] = { 0 };
-        memcpy(ty, y + n16, sizeof(float) * (size_t) (n - n16));
-        memcpy(tu, u + n16, sizeof(float) * (size_t) (n - n16));
-        swiglu(16, ty, ty, tu);
-        memcpy(y + n16, ty, sizeof(float) * (size_t) (n - n16));
-    }
-}
-
 // the f32 extras of a slot: biases (bias_at), scales (scale_at); NULL where the file has none
 static const float * slot_f32(const uint8_t * blk, int64_t at) { return at < 0 ? NULL : (const float *) blk + at; }
 
@@ -551,14 +533,8 @@ static void gate_up_rows(ls_moe * m, const ls_moe_plan * P, int32_t i, int32_t j
             tu->vec_dot((int) in->n_embd, &u, 0, urow, 0, xu0 + (size_t) xr * xu_row, 0, 1);
             if (scale) { g *= scale[0]; u *= scale[1]; }
             if (bias) { g += bias[r]; u += bias[in->n_ff_exp + r]; }
-            const size_t at = (size_t) j * (size_t) in->n_ff_exp + (size_t) r;
-            if (P->swiglu) { P->h[at] = g; P->hu[at] = u; }   // (h below)
-            else P->h[at] = ls_glu(pa->activation, g, u, pa->act_alpha, pa->act_limit);
+            P->h[(size_t) j * (size_t) in->n_ff_exp + (size_t) r] = ls_glu(pa->activation, g, u, pa->act_alpha, pa->act_limit);
         }
-    }
-    for (int32_t j = j0; P->swiglu && j < j1; j++) {
-        const size_t at = (size_t) j * (size_t) in->n_ff_exp + (size_t) r0;
-        swiglu_range(P->swiglu, P->h + at, P->hu + at, r1 - r0);
     }
 }
 
